@@ -1,0 +1,1 @@
+"""kvstrata operator."""

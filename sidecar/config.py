@@ -1,0 +1,285 @@
+"""The one typed config schema of the sidecar.
+
+This schema is the contract between three parties:
+
+* the operator, which renders a ``KVCache`` spec into a ConfigMap holding
+  ``sidecar.yaml`` (``render`` side: :func:`dump_config`);
+* the sidecar's loader (:func:`load_config`), which reads that YAML file,
+  applies ``KVSTRATA_*`` environment overrides and refuses bad config with
+  a message naming the field;
+* the tests, which build configs in code.
+
+Every field has a default, so ``kvstrata sidecar`` with no flags runs a
+CPU + disk cache on the local machine.
+
+Environment overrides use ``__`` as the nesting separator, for example
+``KVSTRATA_L1__SIZE_BYTES=2Gi`` or ``KVSTRATA_SHARED__BACKEND=valkey``.
+Values are parsed as YAML scalars (``true``, ``3``, ``0.5``, ``null``).
+
+Sizes accept integers (bytes) or Kubernetes quantities (``512Mi``, ``4Gi``,
+``1G``, ``500k``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+ENV_PREFIX = "KVSTRATA_"
+ENV_NESTING = "__"
+
+_QUANTITY_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_QUANTITY_SUFFIXES: dict[str, int] = {
+    "": 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+}
+
+
+class ConfigError(ValueError):
+    """Bad sidecar configuration; the message names the offending field."""
+
+
+def parse_quantity(value: int | float | str) -> int:
+    """Parse a byte size: an integer, or a Kubernetes quantity like ``4Gi``.
+
+    Raises ``ValueError`` naming the accepted suffixes on anything else.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"expected a byte size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"byte size must be >= 0, got {value}")
+        return value
+    if isinstance(value, float):
+        if value < 0 or value != value:
+            raise ValueError(f"byte size must be >= 0, got {value}")
+        return int(value)
+    if isinstance(value, str):
+        match = _QUANTITY_RE.match(value)
+        if match and match.group(2) in _QUANTITY_SUFFIXES:
+            return int(float(match.group(1)) * _QUANTITY_SUFFIXES[match.group(2)])
+    suffixes = ", ".join(s for s in _QUANTITY_SUFFIXES if s)
+    raise ValueError(
+        f"expected a byte size (an integer or a quantity with suffix {suffixes}), got {value!r}"
+    )
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_quantity), Field(ge=0)]
+
+
+def _default_l2_path() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    if not os.access(os.path.dirname(base.rstrip("/")) or "/", os.W_OK):
+        base = tempfile.gettempdir()
+    return os.path.join(base, "kvstrata", "l2")
+
+
+class _Section(BaseModel):
+    # Unknown keys are refused: a typo in a ConfigMap must not silently fall
+    # back to a default.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class L1Config(_Section):
+    """L1: the pinned CPU arena (a shared-memory segment)."""
+
+    size_bytes: ByteSize = Field(1 << 30, description="arena size")
+    policy: Literal["lru", "lfu", "fifo", "s3fifo"] = Field("lru", description="eviction policy")
+    prefix_aware: bool = Field(
+        True, description="within one prefix chain, evict the tail before the head"
+    )
+    shm_name: str | None = Field(
+        None, description="shared-memory segment name; generated when unset"
+    )
+    pin_memory: bool = Field(True, description="register the arena as pinned when CUDA is present")
+
+
+class L2Config(_Section):
+    """L2: a capacity-bounded directory of chunk files on local disk."""
+
+    enabled: bool = True
+    path: str = Field(default_factory=_default_l2_path, description="directory for chunk files")
+    size_bytes: ByteSize = Field(4 << 30, description="bytes of chunk files kept on disk")
+    write_queue_depth: int = Field(64, ge=1, description="pending writes before drops")
+    writer_threads: int = Field(2, ge=1, le=64)
+
+
+class ValkeyConfig(_Section):
+    """A Valkey (or Redis-protocol) shared tier, single server or cluster."""
+
+    url: str = Field("redis://127.0.0.1:6379/0", description="redis:// or rediss:// (TLS) URL")
+    cluster: bool = Field(False, description="Valkey Cluster mode (hash slots, redirections)")
+    username: str | None = None
+    password_file: str | None = Field(None, description="file holding the AUTH password")
+    tls_ca_file: str | None = None
+    tls_insecure_skip_verify: bool = False
+    ttl_seconds: int | None = Field(None, ge=1, description="expire objects after this long")
+    key_prefix: str = "kvstrata:"
+    pool_size: int = Field(16, ge=1)
+    timeout_seconds: float = Field(0.5, gt=0, description="deadline of one call")
+
+
+class S3Config(_Section):
+    """An S3 (or S3-compatible: MinIO, Ceph RGW) shared tier."""
+
+    endpoint_url: str | None = Field(None, description="None means AWS' own endpoint")
+    region: str = "us-east-1"
+    bucket: str = "kvstrata"
+    prefix: str = "kvstrata/"
+    create_bucket: bool = False
+    access_key_id_file: str | None = Field(None, description="else the default boto3 chain")
+    secret_access_key_file: str | None = None
+    max_concurrency: int = Field(8, ge=1, le=256)
+    multipart_threshold_bytes: ByteSize = Field(16 << 20)
+    multipart_chunk_bytes: ByteSize = Field(8 << 20)
+    max_attempts: int = Field(3, ge=1, le=20)
+    timeout_seconds: float = Field(5.0, gt=0, description="total deadline of one operation")
+
+
+class SharedConfig(_Section):
+    """The shared (L3) tier: none, Valkey or S3."""
+
+    backend: Literal["none", "valkey", "s3"] = "none"
+    valkey: ValkeyConfig = Field(default_factory=ValkeyConfig)
+    s3: S3Config = Field(default_factory=S3Config)
+    codec: Literal["none", "zstd", "lz4"] = Field("none", description="lossless object codec")
+    admission: Literal["all", "reused"] = Field(
+        "all", description="all: write every chunk; reused: only chunks hit at least once"
+    )
+    write_queue_depth: int = Field(64, ge=1)
+    writer_threads: int = Field(4, ge=1, le=64)
+    lookup_timeout_seconds: float = Field(
+        0.05, gt=0, description="deadline for existence checks during lookup"
+    )
+    breaker_failures: int = Field(5, ge=1, description="consecutive failures that open the breaker")
+    breaker_reset_seconds: float = Field(10.0, gt=0, description="how long an open breaker skips")
+
+
+class ServerConfig(_Section):
+    """The sidecar's endpoints."""
+
+    endpoint: str = Field(
+        default_factory=lambda: f"ipc://{tempfile.gettempdir()}/kvstrata/sidecar.sock",
+        description="ZeroMQ endpoint: ipc://PATH or tcp://HOST:PORT",
+    )
+    http_host: str = "0.0.0.0"
+    http_port: int = Field(9464, ge=0, le=65535, description="/metrics /healthz /readyz /status")
+    lease_seconds: float = Field(30.0, gt=0, description="a lease not released by then expires")
+    client_timeout_seconds: float = Field(
+        60.0, gt=0, description="a client silent this long has its leases reclaimed"
+    )
+
+
+class SidecarConfig(_Section):
+    """The whole sidecar configuration."""
+
+    chunk_size: int = Field(256, ge=1, description="tokens per chunk; a multiple of the block size")
+    transfer_mode: Literal["auto", "ipc", "host"] = "auto"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    l1: L1Config = Field(default_factory=L1Config)
+    l2: L2Config = Field(default_factory=L2Config)
+    shared: SharedConfig = Field(default_factory=SharedConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @model_validator(mode="after")
+    def _check_tiers(self) -> SidecarConfig:
+        if self.l1.size_bytes < (1 << 20):
+            raise ValueError("l1.size_bytes must be at least 1Mi")
+        return self
+
+
+def _format_errors(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid sidecar config ({source}):"]
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(root)"
+        lines.append(f"  {field}: {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        path = [p.lower() for p in name[len(ENV_PREFIX) :].split(ENV_NESTING) if p]
+        if not path or path[0] not in SidecarConfig.model_fields:
+            continue  # KVSTRATA_CONFIG and friends are not schema fields
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        try:
+            node[path[-1]] = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            node[path[-1]] = raw
+    return tree
+
+
+def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def config_from_dict(data: Mapping[str, Any], source: str = "dict") -> SidecarConfig:
+    """Validate a plain mapping; raise :class:`ConfigError` naming the field."""
+    try:
+        return SidecarConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source)) from None
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> SidecarConfig:
+    """Load the sidecar config: embedded defaults < YAML file < environment.
+
+    ``path`` None means no file (``KVSTRATA_CONFIG`` names one if set).
+    """
+    env = os.environ if env is None else env
+    if path is None and env.get("KVSTRATA_CONFIG"):
+        path = env["KVSTRATA_CONFIG"]
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read sidecar config {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"sidecar config {path} is not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"sidecar config {path}: top level must be a mapping")
+        data = loaded
+    overrides = _env_overrides(env)
+    if overrides:
+        source += " + environment"
+    return config_from_dict(_merge(data, overrides), source)
+
+
+def dump_config(config: SidecarConfig) -> str:
+    """Render a config as the YAML the loader reads back (the ConfigMap body)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=True)

@@ -1,0 +1,157 @@
+"""The format of every chunk object stored below L1 (disk files, Valkey
+values, S3 objects).
+
+Layout (little endian)::
+
+    offset size  field
+    0      4     magic            b"KVS1"
+    4      2     format version   1
+    6      1     codec id         0 none, 1 zstd, 2 lz4 (see codecs.py)
+    7      1     ndim             0..8
+    8      16    dtype            ASCII, NUL padded ("bfloat16", "uint8", ...)
+    24     8     raw length       payload bytes before the codec
+    32     8     stored length    payload bytes as stored (after the codec)
+    40     8     checksum         xxh3_64 of the stored payload
+    48     8     header checksum  xxh3_64 of bytes 0..48 + shape + key
+    56     8*nd  shape            uint64 each
+    ..     1+k   key              length byte, then the chunk key
+    ..     n     payload          stored length bytes
+
+The key is repeated inside the object so that a file or value that ends up
+under the wrong name is refused. Any mismatch (magic, version, lengths,
+either checksum, key) raises :class:`CorruptObjectError`; callers count it
+and treat it as a miss: a bad object is never returned as KV.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from kvstrata.sidecar.codecs import CODEC_IDS, CODEC_NAMES, CodecError, compress, decompress
+
+MAGIC = b"KVS1"
+FORMAT_VERSION = 1
+MAX_NDIM = 8
+_FIXED = struct.Struct("<4sHBB16sQQQQ")
+FIXED_HEADER_BYTES = _FIXED.size  # 56
+
+
+class CorruptObjectError(ValueError):
+    """The object failed validation; treat as a miss and count it."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkMeta:
+    """What a chunk's bytes are: element type and shape of the KV they hold."""
+
+    dtype: str = "uint8"
+    shape: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedObject:
+    meta: ChunkMeta
+    payload: bytes | memoryview
+
+
+def encode(
+    key: bytes, payload: bytes | memoryview, meta: ChunkMeta, codec: str = "none"
+) -> list[bytes | memoryview]:
+    """Header and (possibly compressed) payload as buffers to write in order.
+
+    Returned as two pieces so uncompressed payloads are never copied.
+    """
+    if len(meta.shape) > MAX_NDIM:
+        raise ValueError(f"shape has {len(meta.shape)} dims; at most {MAX_NDIM}")
+    if len(key) > 255:
+        raise ValueError("key longer than 255 bytes")
+    dtype = meta.dtype.encode("ascii")
+    if len(dtype) > 16:
+        raise ValueError(f"dtype name {meta.dtype!r} longer than 16 bytes")
+    raw = memoryview(payload).cast("B")
+    stored = compress(codec, raw)
+    if codec != "none" and len(stored) >= len(raw):
+        codec, stored = "none", raw  # incompressible: store raw, skip decode cost
+    checksum = xxhash.xxh3_64_intdigest(stored)
+    tail = struct.pack(f"<{len(meta.shape)}Q", *meta.shape) + bytes([len(key)]) + key
+    fixed_wo_hc = _FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        CODEC_IDS[codec],
+        len(meta.shape),
+        dtype,
+        len(raw),
+        len(stored),
+        checksum,
+        0,
+    )[:48]
+    header_checksum = xxhash.xxh3_64_intdigest(fixed_wo_hc + tail)
+    header = fixed_wo_hc + struct.pack("<Q", header_checksum) + tail
+    return [header, stored]
+
+
+def encode_bytes(
+    key: bytes, payload: bytes | memoryview, meta: ChunkMeta, codec: str = "none"
+) -> bytes:
+    """:func:`encode` joined into one bytes object (for stores that need one)."""
+    return b"".join(encode(key, payload, meta, codec))
+
+
+def header_length(blob_prefix: bytes | memoryview) -> int:
+    """Total header length, given at least the first 56 bytes of an object."""
+    if len(blob_prefix) < FIXED_HEADER_BYTES:
+        raise CorruptObjectError("object shorter than its fixed header")
+    ndim = blob_prefix[7]
+    key_len_at = FIXED_HEADER_BYTES + 8 * ndim
+    if len(blob_prefix) <= key_len_at:
+        return key_len_at + 1  # caller must read more to learn the key length
+    return key_len_at + 1 + blob_prefix[key_len_at]
+
+
+def decode(blob: bytes | memoryview, expected_key: bytes | None = None) -> DecodedObject:
+    """Validate and decode one object; raise :class:`CorruptObjectError`."""
+    view = memoryview(blob).cast("B")
+    if len(view) < FIXED_HEADER_BYTES:
+        raise CorruptObjectError(f"object of {len(view)} bytes is shorter than a header")
+    magic, version, codec_id, ndim, dtype_raw, raw_len, stored_len, checksum, header_checksum = (
+        _FIXED.unpack_from(view, 0)
+    )
+    if magic != MAGIC:
+        raise CorruptObjectError(f"bad magic {bytes(magic)!r}")
+    if version != FORMAT_VERSION:
+        raise CorruptObjectError(f"unsupported format version {version}")
+    if ndim > MAX_NDIM or codec_id not in CODEC_NAMES:
+        raise CorruptObjectError("bad ndim or codec id")
+    shape_end = FIXED_HEADER_BYTES + 8 * ndim
+    if len(view) < shape_end + 1:
+        raise CorruptObjectError("object truncated inside its header")
+    key_len = view[shape_end]
+    header_end = shape_end + 1 + key_len
+    if len(view) < header_end:
+        raise CorruptObjectError("object truncated inside its key")
+    tail = bytes(view[FIXED_HEADER_BYTES:header_end])
+    if xxhash.xxh3_64_intdigest(bytes(view[:48]) + tail) != header_checksum:
+        raise CorruptObjectError("header checksum mismatch")
+    key = tail[8 * ndim + 1 :]
+    if expected_key is not None and key != expected_key:
+        raise CorruptObjectError("object holds a different key")
+    if len(view) != header_end + stored_len:
+        raise CorruptObjectError(
+            f"payload length {len(view) - header_end} != recorded {stored_len}"
+        )
+    stored = view[header_end:]
+    if xxhash.xxh3_64_intdigest(stored) != checksum:
+        raise CorruptObjectError("payload checksum mismatch")
+    codec = CODEC_NAMES[codec_id]
+    try:
+        payload = decompress(codec, stored, raw_len)
+    except CodecError as exc:
+        raise CorruptObjectError(str(exc)) from None
+    if len(payload) != raw_len:
+        raise CorruptObjectError(f"decoded length {len(payload)} != recorded {raw_len}")
+    shape = struct.unpack_from(f"<{ndim}Q", view, FIXED_HEADER_BYTES)
+    meta = ChunkMeta(dtype=dtype_raw.rstrip(b"\0").decode("ascii"), shape=tuple(shape))
+    return DecodedObject(meta=meta, payload=payload)

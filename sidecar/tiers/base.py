@@ -1,0 +1,210 @@
+"""The interface every tier below L1 implements, and the write-behind queue
+that feeds them.
+
+Contract of a :class:`Tier` (the engine relies on each point):
+
+* Thread-safe: the engine calls from request threads and writer threads.
+* ``get`` returns a validated :class:`DecodedObject` or None. A missing,
+  corrupt (checksum, truncation, wrong key) or unreachable object is None,
+  never an exception and never wrong bytes; the tier counts why in its stats.
+* ``put`` is synchronous and may be slow; the engine never calls it on a
+  request path, only from a :class:`WriteBehindQueue` worker. It returns
+  False when the object was not stored (full, error, refused).
+* ``contains_many`` answers for a batch of keys at once (one round trip for
+  remote tiers) and respects the tier's lookup deadline: an unanswered key
+  is False.
+* No method raises for I/O or remote failures; programming errors
+  (bad arguments) may raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvstrata.sidecar.keys import ChunkKey
+from kvstrata.sidecar.objformat import ChunkMeta, DecodedObject
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TierStats:
+    """Plain counters a tier keeps; the sidecar's metrics read them at scrape."""
+
+    tier: str
+    usage_bytes: int = 0
+    capacity_bytes: int = 0
+    objects: int = 0
+    stored_bytes_total: int = 0
+    retrieved_bytes_total: int = 0
+    hits_total: int = 0
+    misses_total: int = 0
+    evictions_total: int = 0
+    corrupt_total: int = 0
+    queue_depth: int = 0
+    queue_capacity: int = 0
+    dropped_total: int = 0
+    deduplicated_total: int = 0
+    degraded: bool = False
+    errors_total: dict[str, int] = field(default_factory=dict)
+
+    def count_error(self, kind: str) -> None:
+        self.errors_total[kind] = self.errors_total.get(kind, 0) + 1
+
+
+class Tier(abc.ABC):
+    """A store of chunk objects below L1 (see the module docstring)."""
+
+    name: str
+
+    @abc.abstractmethod
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """For each key, whether a ``get`` would likely find it."""
+
+    @abc.abstractmethod
+    def get(self, key: ChunkKey) -> DecodedObject | None:
+        """The validated object, or None (missing, corrupt or unreachable)."""
+
+    @abc.abstractmethod
+    def put(self, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta) -> bool:
+        """Store one object synchronously; True when stored."""
+
+    @abc.abstractmethod
+    def remove(self, key: ChunkKey) -> None:
+        """Forget one object; absent keys are fine."""
+
+    @abc.abstractmethod
+    def clear(self) -> None:
+        """Forget every object of this tier (this namespace prefix only, for shared tiers)."""
+
+    @abc.abstractmethod
+    def stats(self) -> TierStats:
+        """A snapshot of the tier's counters."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections, threads and files."""
+
+
+@dataclass(slots=True)
+class WriteJob:
+    key: ChunkKey
+    payload: bytes | memoryview
+    meta: ChunkMeta
+    # Called after the write with its outcome; the engine releases the L1
+    # read lease it took for the payload here.
+    on_done: Callable[[bool], None] | None = None
+
+
+class WriteBehindQueue:
+    """A bounded queue of writes into one tier, drained by worker threads.
+
+    ``submit`` never blocks: when the queue is full the job is dropped,
+    counted in ``stats.dropped_total`` and its ``on_done(False)`` is called.
+    Keys already queued, or (when ``already_stored`` says so) already in the
+    tier, are not written twice.
+    """
+
+    def __init__(
+        self,
+        tier: Tier,
+        capacity: int,
+        threads: int = 1,
+        already_stored: Callable[[ChunkKey], bool] | None = None,
+        name: str | None = None,
+    ) -> None:
+        self.tier = tier
+        self.capacity = capacity
+        self.dropped_total = 0
+        self.deduplicated_total = 0
+        self.written_total = 0
+        self.failed_total = 0
+        self._already_stored = already_stored
+        self._queue: queue.Queue[WriteJob | None] = queue.Queue(maxsize=capacity)
+        self._pending: set[ChunkKey] = set()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._in_flight = 0
+        self._closed = False
+        self._threads = [
+            threading.Thread(
+                target=self._run, name=f"kvstrata-{name or tier.name}-writer-{i}", daemon=True
+            )
+            for i in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def depth(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, job: WriteJob) -> bool:
+        """Queue a write; False (and ``on_done(False)``) if dropped or deduplicated."""
+        with self._lock:
+            if self._closed:
+                accepted = False
+            elif job.key in self._pending or (
+                self._already_stored is not None and self._already_stored(job.key)
+            ):
+                self.deduplicated_total += 1
+                accepted = False
+            else:
+                try:
+                    self._queue.put_nowait(job)
+                except queue.Full:
+                    self.dropped_total += 1
+                    accepted = False
+                else:
+                    self._pending.add(job.key)
+                    self._in_flight += 1
+                    accepted = True
+        if not accepted and job.on_done is not None:
+            job.on_done(False)
+        return accepted
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every accepted job is written; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._in_flight == 0, timeout=timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._lock:
+            self._closed = True
+        for _ in self._threads:
+            try:
+                self._queue.put(None, timeout=timeout)
+            except queue.Full:
+                break
+        for thread in self._threads:
+            thread.join(timeout=timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            ok = False
+            try:
+                ok = self.tier.put(job.key, job.payload, job.meta)
+            except Exception:  # a tier must not raise; keep the writer alive if one does
+                logger.exception("tier %s raised from put", self.tier.name)
+            finally:
+                with self._lock:
+                    self._pending.discard(job.key)
+                    if ok:
+                        self.written_total += 1
+                    else:
+                        self.failed_total += 1
+                if job.on_done is not None:
+                    try:
+                        job.on_done(ok)
+                    except Exception:
+                        logger.exception("write-behind callback failed")
+                with self._lock:
+                    self._in_flight -= 1
+                    self._idle.notify_all()

@@ -1,0 +1,3 @@
+from kvstrata.cli import main
+
+raise SystemExit(main())
