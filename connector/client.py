@@ -1,0 +1,417 @@
+"""The connector's client of its sidecar (ZeroMQ DEALER + the shared L1 arena).
+
+Why a class of its own: the vLLM connector must treat the cache as
+optional. Every method here has a deadline (``call_timeout_s``) and answers
+None/False on any sidecar problem (down, slow, restarting, error reply,
+garbage), counting why in :attr:`SidecarClient.errors`; it never raises and
+never hangs. The connector only decides what to load and store.
+
+Connection life cycle (all inside calls, nothing in the background):
+
+* lazily on the first call: HELLO, then ``mmap`` of ``/dev/shm/<arena>``;
+* a reply ``no_session`` (the sidecar restarted or reaped us) makes the
+  client say HELLO again, re-map the arena and bump :attr:`epoch`; ops whose
+  arguments do not refer to leases (LOOKUP, PREPARE_*, PING, STATS) are
+  then retried once within the same deadline;
+* while the sidecar cannot be reached, HELLO attempts back off
+  exponentially (``BACKOFF_MIN_S`` .. ``BACKOFF_MAX_S``); calls made during a
+  back-off return None at once.
+
+Replies carry the request id; replies to requests that timed out are
+discarded when they arrive late. Thread-safe: one lock around the socket.
+Slots handed out under an older :attr:`epoch` are void (the arena they
+point into may be another segment now).
+
+No vLLM or kopf imports here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from kvstrata.sidecar import protocol as p
+from kvstrata.sidecar.keys import ChunkKey, Namespace
+
+logger = logging.getLogger(__name__)
+
+BACKOFF_MIN_S = 0.05
+BACKOFF_MAX_S = 1.0
+# How long a send waits for a connection to exist. A local sidecar accepts
+# within a millisecond; a sidecar that is down should cost a caller little.
+CONNECT_WAIT_S = 0.05
+
+# Ops retried once after a re-HELLO (their arguments hold no lease ids).
+_RETRYABLE = frozenset({p.LOOKUP, p.PREPARE_STORE, p.PREPARE_RETRIEVE, p.PING, p.STATS})
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaSlot:
+    lease_id: int
+    offset: int  # byte offset into SidecarClient.arena (a writable memoryview)
+    length: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupReply:
+    hit_chunks: int
+    tiers: list[str]  # per hit chunk: "l1" | "l2" | "valkey" | "s3"
+
+
+class _Arena:
+    """One read-write mapping of the sidecar's shared-memory segment."""
+
+    def __init__(self, name: str, size: int) -> None:
+        if not name or "/" in name or name in (".", ".."):
+            raise ValueError(f"bad arena name {name!r}")
+        fd = os.open(os.path.join("/dev/shm", name), os.O_RDWR)
+        try:
+            actual = os.fstat(fd).st_size
+            if actual < size:
+                raise ValueError(f"arena {name} has {actual} bytes, HELLO said {size}")
+            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.name = name
+        self.size = size
+        self.view = memoryview(self.mm)
+
+    def close(self) -> None:
+        self.view.release()
+        # The connector may still hold views of the old mapping; then the
+        # mapping lives on until those are dropped (harmless: slots of an old
+        # epoch are void).
+        with contextlib.suppress(BufferError):
+            self.mm.close()
+
+
+class SidecarClient:
+    """See the module docstring; the method contracts are in client_api terms:
+    every method returns None/False on any sidecar problem."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        namespace: Namespace,
+        *,
+        role: str,
+        call_timeout_s: float = 0.5,
+        client_id: str | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.namespace = namespace
+        self.role = role
+        self.call_timeout_s = float(call_timeout_s)
+        self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.fingerprint: bytes = namespace.fingerprint()
+        self.chunk_size: int | None = None
+        self.server_version: str | None = None
+        self.errors: dict[str, int] = {}
+        self._lock = threading.RLock()
+        self._ctx: zmq.Context[Any] | None = None
+        self._sock: zmq.Socket[Any] | None = None
+        self._session_id = ""
+        self._arena: _Arena | None = None
+        self._epoch = 0
+        self._next_id = 0
+        self._connected = False
+        self._backoff_s = BACKOFF_MIN_S
+        self._retry_at = 0.0
+        self._closed = False
+
+    # -- properties -----------------------------------------------------------
+
+    @property
+    def arena(self) -> memoryview | None:
+        """The shared L1 segment, mapped read-write; None while not connected."""
+        arena = self._arena
+        return arena.view if arena is not None and self._connected else None
+
+    @property
+    def epoch(self) -> int:
+        """Bumps on every (re)connect and re-map; slots of an older epoch are void."""
+        return self._epoch
+
+    def available(self) -> bool:
+        """Connected now, as of the last call (no I/O)."""
+        return self._connected and not self._closed
+
+    # -- ops ----------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[ChunkKey], *, prefetch: bool, owner: str) -> LookupReply | None:
+        """Longest stored prefix of ``keys``; with ``prefetch`` the sidecar starts
+        bringing it into L1, pinned for ``owner`` until :meth:`end_request`."""
+        body = p.LookupRequest(keys=list(keys[: p.MAX_KEYS]), prefetch=prefetch, owner=owner)
+        reply = self._call(p.LOOKUP, body)
+        if not isinstance(reply, p.LookupReply):
+            return None
+        tiers = list(reply.tiers or [])
+        if reply.hit_chunks > len(body.keys or []) or len(tiers) != reply.hit_chunks:
+            return self._bad_reply(p.LOOKUP, "hit count disagrees with tiers")
+        return LookupReply(hit_chunks=reply.hit_chunks, tiers=tiers)
+
+    def prepare_store(
+        self,
+        keys: Sequence[ChunkKey],
+        nbytes: int,
+        dtype: str,
+        shape: tuple[int, ...],
+        owner: str,
+    ) -> list[ArenaSlot | None] | None:
+        """Write slots, one per key; a None entry means skip that chunk
+        (already stored or no space). Commit with :meth:`commit_store`."""
+        body = p.PrepareStoreRequest(
+            keys=list(keys[: p.MAX_KEYS]),
+            nbytes=nbytes,
+            dtype=dtype,
+            shape=tuple(shape),
+            owner=owner,
+        )
+        return self._slots(p.PREPARE_STORE, body, len(keys))
+
+    def commit_store(self, lease_ids: Sequence[int], ok: Sequence[bool]) -> bool:
+        """Publish (``ok``) or abandon each written slot; True when every slot
+        marked ok was committed."""
+        if len(lease_ids) != len(ok):
+            self._count("bad_argument")
+            return False
+        body = p.CommitStoreRequest(lease_ids=[int(i) for i in lease_ids], ok=[bool(o) for o in ok])
+        reply = self._call(p.COMMIT_STORE, body)
+        if not isinstance(reply, p.CommitStoreReply):
+            return False
+        committed = reply.committed or []
+        if len(committed) != len(lease_ids):
+            self._bad_reply(p.COMMIT_STORE, "wrong number of results")
+            return False
+        if any(want and not done for want, done in zip(ok, committed, strict=True)):
+            self._count("commit_refused")
+            return False
+        return True
+
+    def prepare_retrieve(
+        self, keys: Sequence[ChunkKey], owner: str
+    ) -> list[ArenaSlot | None] | None:
+        """Read slots, one per key (None = miss; every entry after the first
+        miss is None). Give them back with :meth:`release`."""
+        body = p.PrepareRetrieveRequest(keys=list(keys[: p.MAX_KEYS]), owner=owner)
+        return self._slots(p.PREPARE_RETRIEVE, body, len(keys))
+
+    def release(self, lease_ids: Sequence[int]) -> bool:
+        reply = self._call(p.RELEASE, p.ReleaseRequest(lease_ids=[int(i) for i in lease_ids]))
+        return isinstance(reply, p.CountReply)
+
+    def end_request(self, owner: str) -> bool:
+        """Drop every lease (prefetch pins included) held for ``owner``."""
+        reply = self._call(p.END_REQUEST, p.EndRequestRequest(owner=owner))
+        return isinstance(reply, p.CountReply)
+
+    def ping(self) -> bool:
+        reply = self._call(p.PING, p.PingRequest())
+        return isinstance(reply, p.PingReply)
+
+    def stats(self) -> dict | None:
+        reply = self._call(p.STATS, p.StatsRequest())
+        return reply.stats if isinstance(reply, p.StatsReply) else None
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._connected = False
+            self._drop_socket()
+            if self._arena is not None:
+                self._arena.close()
+                self._arena = None
+            if self._ctx is not None:
+                self._ctx.term()
+                self._ctx = None
+
+    # -- plumbing -------------------------------------------------------------------
+
+    def _count(self, kind: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    def _bad_reply(self, op: str, why: str) -> None:
+        logger.warning("sidecar reply to %s refused: %s", op, why)
+        self._count("bad_reply")
+        return None
+
+    def _slots(self, op: str, body: p.Message, n: int) -> list[ArenaSlot | None] | None:
+        reply = self._call(op, body)
+        if not isinstance(reply, p.SlotsReply):
+            return None
+        slots = reply.slots or []
+        arena = self._arena
+        if len(slots) != min(n, p.MAX_KEYS) or arena is None:
+            return self._bad_reply(op, "wrong number of slots")
+        out: list[ArenaSlot | None] = []
+        for s in slots:
+            if s is None:
+                out.append(None)
+            elif s.offset + s.length > arena.size:
+                return self._bad_reply(op, f"slot {s.lease_id} lies outside the arena")
+            else:
+                out.append(ArenaSlot(s.lease_id, s.offset, s.length, s.dtype, tuple(s.shape)))
+        out.extend([None] * (n - len(out)))
+        return out
+
+    def _call(self, op: str, body: p.Message) -> p.Message | None:
+        """One request with the deadline; the reply body or None (counted)."""
+        try:
+            with self._lock:
+                if self._closed:
+                    self._count("closed")
+                    return None
+                deadline = time.monotonic() + self.call_timeout_s
+                if not self._session_id and not self._hello(deadline):
+                    return None
+                reply = self._roundtrip(op, body, deadline)
+                if isinstance(reply, p.ErrorReply) and reply.code == p.E_NO_SESSION:
+                    self._lost_session()
+                    if self._hello(deadline) and op in _RETRYABLE:
+                        reply = self._roundtrip(op, body, deadline)
+                    else:
+                        return None
+                if isinstance(reply, p.ErrorReply):
+                    logger.debug("sidecar refused %s: %s", op, reply.message)
+                    self._count(reply.code)
+                    return None
+                return reply
+        except Exception:  # the cache is optional: a bug here must cost a miss only
+            logger.exception("sidecar call %s failed", op)
+            self._count("internal")
+            return None
+
+    def _hello(self, deadline: float) -> bool:
+        now = time.monotonic()
+        if now < self._retry_at:
+            self._count("unavailable")
+            return False
+        hello = p.HelloRequest(
+            client_id=self.client_id,
+            role=self.role,
+            fingerprint=self.fingerprint,
+            namespace=_namespace_map(self.namespace),
+            transfer_mode="host",
+            pid=os.getpid(),
+        )
+        reply = self._roundtrip(p.HELLO, hello, deadline)
+        if not isinstance(reply, p.HelloReply):
+            if isinstance(reply, p.ErrorReply):
+                self._count(reply.code)
+            self._back_off()
+            return False
+        try:
+            arena = _Arena(reply.arena_name, reply.arena_size)
+        except (OSError, ValueError) as exc:
+            logger.warning("cannot map the sidecar arena %s: %s", reply.arena_name, exc)
+            self._count("arena_map")
+            self._back_off()
+            return False
+        if self._arena is not None:
+            self._arena.close()
+        self._arena = arena
+        self._session_id = reply.session_id
+        self.chunk_size = reply.chunk_size
+        self.server_version = reply.server_version
+        self._epoch += 1
+        self._connected = True
+        self._backoff_s = BACKOFF_MIN_S
+        self._retry_at = 0.0
+        logger.info("connected to sidecar %s (epoch %d)", self.endpoint, self._epoch)
+        return True
+
+    def _back_off(self) -> None:
+        self._connected = False
+        self._retry_at = time.monotonic() + self._backoff_s
+        self._backoff_s = min(BACKOFF_MAX_S, self._backoff_s * 2)
+
+    def _lost_session(self) -> None:
+        self._session_id = ""
+        self._connected = False
+
+    def _socket(self) -> zmq.Socket[Any]:
+        if self._sock is None:
+            if self._ctx is None:
+                self._ctx = zmq.Context()
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            # Queue only to live connections: a send while the sidecar is down
+            # fails at once instead of piling up requests for a dead peer.
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.RECONNECT_IVL, 50)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            sock.setsockopt(zmq.MAXMSGSIZE, 64 * p.MAX_MESSAGE_BYTES)
+            sock.connect(self.endpoint)
+            self._sock = sock
+        return self._sock
+
+    def _drop_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    def _roundtrip(self, op: str, body: p.Message, deadline: float) -> p.Message | None:
+        """Send one request and wait for its reply until ``deadline``.
+
+        Returns the reply body (an :class:`ErrorReply` for error replies) or
+        None after counting a timeout, an unreachable sidecar or a bad reply.
+        """
+        sock = self._socket()
+        self._next_id += 1
+        request_id = self._next_id
+        frame = p.encode_request(op, request_id, self._session_id, body)
+        if not self._send(sock, frame, deadline):
+            self._count("unavailable")
+            self._lost_session()
+            return None
+        while True:
+            remaining_ms = (deadline - time.monotonic()) * 1000
+            if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
+                self._count("timeout")
+                self._connected = False
+                return None
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+            try:
+                reply = p.decode_reply(frames, op)
+            except p.ProtocolError as exc:
+                if exc.request_id not in (0, request_id) or not frames:
+                    continue  # a late reply to an abandoned request
+                if p.peek_request_id(frames[0]) != request_id:
+                    continue
+                logger.warning("bad reply to %s: %s", op, exc)
+                self._count("bad_reply")
+                return None
+            if reply.request_id != request_id:
+                self._count("late_reply")
+                continue
+            if reply.ok:
+                self._connected = True
+            return reply.body
+
+    def _send(self, sock: zmq.Socket[Any], frame: bytes, deadline: float) -> bool:
+        wait_until = min(deadline, time.monotonic() + CONNECT_WAIT_S)
+        while True:
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                remaining_ms = (wait_until - time.monotonic()) * 1000
+                if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLOUT):
+                    return False
+
+
+def _namespace_map(namespace: Namespace) -> dict[str, Any]:
+    return {f: getattr(namespace, f) for f in namespace.__dataclass_fields__}

@@ -1,0 +1,224 @@
+"""What the sidecar does for each protocol op.
+
+Why separate from :mod:`.server`: the server owns sockets, threads and
+timing; this module owns the meaning of each op against the engine and the
+session table, and is what a reader checks against the protocol table in
+:mod:`.protocol`.
+
+Contract of :meth:`Handlers.handle`: it is called with a validated request
+and the caller's session (None only for HELLO and PING); it returns the
+reply body, or raises :class:`~kvstrata.sidecar.protocol.ProtocolError`
+for a refusal the client should hear about. It is safe to call from several
+threads at once (the engine and the session table are thread-safe).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from kvstrata.sidecar import protocol as p
+from kvstrata.sidecar.objformat import ChunkMeta
+from kvstrata.sidecar.sessions import Session, SessionTable
+
+if TYPE_CHECKING:
+    from kvstrata.sidecar.config import SidecarConfig
+    from kvstrata.sidecar.engine import Slot, StorageManager
+    from kvstrata.sidecar.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+# Ops answered on the worker pool: they may wait on L2/L3 I/O (promotion
+# into L1, remote existence checks), which must never stall the server loop.
+POOLED_OPS = frozenset({p.LOOKUP, p.PREPARE_RETRIEVE})
+
+
+def _slot_info(slot: Slot) -> p.SlotInfo:
+    return p.SlotInfo(
+        lease_id=slot.lease_id,
+        offset=slot.offset,
+        length=slot.length,
+        dtype=slot.meta.dtype,
+        shape=tuple(slot.meta.shape),
+    )
+
+
+class Handlers:
+    """Op implementations (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: StorageManager,
+        sessions: SessionTable,
+        metrics: ServerMetrics,
+        config: SidecarConfig,
+        server_version: str,
+        transfer_modes: frozenset[str],
+    ) -> None:
+        self.engine = engine
+        self.sessions = sessions
+        self.metrics = metrics
+        self.config = config
+        self.server_version = server_version
+        self.transfer_modes = transfer_modes
+        self._table = {
+            p.HELLO: self._hello,
+            p.LOOKUP: self._lookup,
+            p.PREPARE_STORE: self._prepare_store,
+            p.COMMIT_STORE: self._commit_store,
+            p.PREPARE_RETRIEVE: self._prepare_retrieve,
+            p.RELEASE: self._release,
+            p.END_REQUEST: self._end_request,
+            p.PING: self._ping,
+            p.STATS: self._stats,
+        }
+
+    def handle(self, request: p.Request, session: Session | None, identity: bytes) -> p.Message:
+        if request.op == p.HELLO:
+            return self._hello(request.body, identity)
+        if request.op == p.PING:
+            return self._ping(request.body, session)
+        if session is None:  # the server checks this first; keep the contract local too
+            raise p.ProtocolError(p.E_NO_SESSION, "say HELLO first", request.request_id)
+        return self._table[request.op](request.body, session)
+
+    def reclaim(self, session: Session) -> int:
+        """Release every lease of a session that is gone (timed out or replaced)."""
+        released = 0
+        for owner_key in list(session.owners):
+            released += self.engine.release_owner(owner_key)
+            self.sessions.drop_owner(owner_key)
+        self.sessions.drop_session_leases(session)
+        logger.info(
+            "client %s (pid %s) gone: %d leases reclaimed", session.client_id, session.pid, released
+        )
+        return released
+
+    # -- ops ----------------------------------------------------------------
+
+    def _hello(self, body: p.HelloRequest, identity: bytes) -> p.HelloReply:
+        if body.transfer_mode not in self.transfer_modes:
+            raise p.ProtocolError(
+                p.E_UNSUPPORTED,
+                f"field 'transfer_mode': {body.transfer_mode!r} is not served here "
+                f"(served: {sorted(self.transfer_modes)})",
+            )
+        session, replaced = self.sessions.open(
+            body.client_id, body.role, body.pid, body.transfer_mode, identity
+        )
+        for old in replaced:
+            self.reclaim(old)
+        logger.info(
+            "HELLO from %s (role %s, pid %s): session %s",
+            body.client_id,
+            body.role,
+            body.pid,
+            session.session_id,
+        )
+        arena = self.engine.arena
+        return p.HelloReply(
+            session_id=session.session_id,
+            arena_name=arena.name,
+            arena_size=arena.size,
+            chunk_size=self.config.chunk_size,
+            server_version=self.server_version,
+            transfer_mode=body.transfer_mode,
+            lease_seconds=self.config.server.lease_seconds,
+        )
+
+    def _lookup(self, body: p.LookupRequest, session: Session) -> p.LookupReply:
+        keys = body.keys or []
+        result = self.engine.lookup(keys)
+        hit = max(0, min(result.hit_chunks, len(keys)))
+        tiers = list(result.tiers[:hit])
+        if body.prefetch and hit:
+            owner_key = session.owner_key(body.owner)
+            self.sessions.note_owner(session, owner_key)
+            self.engine.prefetch(keys[:hit], owner_key)
+        self.metrics.count_lookup(len(keys), tiers, self.config.chunk_size)
+        return p.LookupReply(hit_chunks=hit, tiers=tiers)
+
+    def _prepare_store(self, body: p.PrepareStoreRequest, session: Session) -> p.SlotsReply:
+        if not body.dtype.isascii() or not body.dtype:
+            raise p.ProtocolError(p.E_BAD_REQUEST, "field 'dtype': expected an ASCII type name")
+        if body.nbytes > self.engine.arena.size:
+            raise p.ProtocolError(
+                p.E_BAD_REQUEST,
+                f"field 'nbytes': {body.nbytes} exceeds the arena ({self.engine.arena.size})",
+            )
+        meta = ChunkMeta(dtype=body.dtype, shape=tuple(body.shape))
+        owner_key = session.owner_key(body.owner)
+        slots: list[p.SlotInfo | None] = []
+        for key in body.keys or []:
+            slot = self.engine.reserve(key, body.nbytes, meta, owner_key)
+            if slot is None:
+                slots.append(None)
+                continue
+            self.sessions.add_lease(session, owner_key, "write", slot)
+            slots.append(_slot_info(slot))
+        return p.SlotsReply(slots=slots)
+
+    def _commit_store(self, body: p.CommitStoreRequest, session: Session) -> p.CommitStoreReply:
+        committed: list[bool] = []
+        for lease_id, ok in zip(body.lease_ids or [], body.ok or [], strict=True):
+            lease = self.sessions.take_lease(session, lease_id, "write")
+            if lease is None:  # unknown, expired or another client's lease
+                committed.append(False)
+            elif ok:
+                committed.append(bool(self.engine.commit(lease.slot)))
+            else:
+                self.engine.abort(lease.slot)
+                committed.append(False)
+        return p.CommitStoreReply(committed=committed)
+
+    def _prepare_retrieve(self, body: p.PrepareRetrieveRequest, session: Session) -> p.SlotsReply:
+        keys = body.keys or []
+        owner_key = session.owner_key(body.owner)
+        slots: list[p.SlotInfo | None] = []
+        for key in keys:
+            slot = self.engine.acquire(key, owner_key)
+            if slot is None:
+                break  # a prefix is only usable up to its first gap: skip the I/O after it
+            self.sessions.add_lease(session, owner_key, "read", slot)
+            slots.append(_slot_info(slot))
+        slots.extend([None] * (len(keys) - len(slots)))
+        return p.SlotsReply(slots=slots)
+
+    def _release(self, body: p.ReleaseRequest, session: Session) -> p.CountReply:
+        released = 0
+        for lease_id in body.lease_ids or []:
+            lease = self.sessions.take_lease(session, lease_id, "read")
+            if lease is not None:
+                self.engine.release_lease(lease_id)
+                released += 1
+                continue
+            lease = self.sessions.take_lease(session, lease_id, "write")
+            if lease is not None:  # releasing a write lease abandons the reservation
+                self.engine.abort(lease.slot)
+                released += 1
+        return p.CountReply(released=released)
+
+    def _end_request(self, body: p.EndRequestRequest, session: Session) -> p.CountReply:
+        owner_key = session.owner_key(body.owner)
+        released = self.engine.release_owner(owner_key)
+        self.sessions.drop_owner(owner_key)
+        return p.CountReply(released=int(released))
+
+    def _ping(self, body: p.PingRequest, session: Session | None) -> p.PingReply:
+        return p.PingReply(server_version=self.server_version, session_valid=session is not None)
+
+    def _stats(self, body: p.StatsRequest, session: Session) -> p.StatsReply:
+        return p.StatsReply(stats=self.stats_dict())
+
+    def stats_dict(self) -> dict[str, Any]:
+        """Engine stats as plain data (STATS reply and /status)."""
+        stats = self.engine.stats()
+        return {
+            "tiers": {name: asdict(t) for name, t in stats.tiers.items()},
+            "counters": dict(stats.counters),
+            "clients": len(self.sessions),
+            "leases_active": int(stats.counters.get("leases_active", 0)),
+            "pid": os.getpid(),
+        }

@@ -1,0 +1,141 @@
+"""``kvstrata sidecar``: load the config, start engine, ZMQ server and HTTP, serve.
+
+Why here and not in the server: this module owns the process (config
+precedence, exit codes, signals, teardown order); the server module stays a
+library that tests and benchmarks can embed.
+
+Config precedence: embedded defaults < ``--config FILE`` (or
+``$KVSTRATA_CONFIG``) < ``KVSTRATA_*`` environment < command-line flags.
+Exit codes: 0 after SIGTERM/SIGINT, 2 for bad config (the message on stderr
+names the field), 1 when the endpoint or port cannot be taken.
+
+Top-level imports stay light (``kvstrata --help`` must answer at once); the
+engine, ZeroMQ and prometheus are imported in :func:`run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvstrata.sidecar.config import SidecarConfig
+
+logger = logging.getLogger("kvstrata.sidecar")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="sidecar YAML config (else defaults)")
+    parser.add_argument("--endpoint", help="ZeroMQ endpoint, ipc://PATH or tcp://HOST:PORT")
+    parser.add_argument("--http-port", type=int, help="port of /metrics /healthz /readyz /status")
+    parser.add_argument("--l1-size", help="L1 arena size in bytes or a quantity like 2Gi")
+    parser.add_argument("--l2-path", help="directory of the L2 disk tier")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if args.endpoint is not None:
+        out.setdefault("server", {})["endpoint"] = args.endpoint
+    if args.http_port is not None:
+        out.setdefault("server", {})["http_port"] = args.http_port
+    if args.l1_size is not None:
+        out.setdefault("l1", {})["size_bytes"] = args.l1_size
+    if args.l2_path is not None:
+        out.setdefault("l2", {})["path"] = args.l2_path
+    return out
+
+
+def load(args: argparse.Namespace) -> SidecarConfig:
+    """The effective config; raises ``ConfigError`` naming the bad field."""
+    from kvstrata.sidecar.config import _merge, config_from_dict, load_config
+
+    config = load_config(args.config)
+    overrides = _overrides(args)
+    if not overrides:
+        return config
+    merged = _merge(config.model_dump(mode="json"), overrides)
+    return config_from_dict(merged, source="config + command line")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvstrata.sidecar.config import ConfigError
+
+    try:
+        config = load(args)
+    except ConfigError as exc:
+        print(f"kvstrata sidecar: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return _serve(config)
+
+
+def _serve(config: SidecarConfig) -> int:
+    import signal
+    import threading
+
+    import zmq
+
+    from kvstrata import __version__
+    from kvstrata.sidecar.engine import StorageManager
+    from kvstrata.sidecar.http import HttpEndpoints
+    from kvstrata.sidecar.server import SidecarServer
+
+    shared = None
+    if config.shared.backend != "none":
+        from kvstrata.sidecar.tiers.factory import build_shared_tier
+
+        try:
+            shared = build_shared_tier(config)
+        except ValueError as exc:
+            print(f"kvstrata sidecar: shared.{config.shared.backend}: {exc}", file=sys.stderr)
+            return 2
+    if config.transfer_mode == "ipc":
+        logger.warning("transfer_mode ipc: this sidecar serves host mode; ipc clients fall back")
+    engine = StorageManager(config, shared_tier=shared)
+    server: SidecarServer | None = None
+    http: HttpEndpoints | None = None
+    stop = threading.Event()
+    try:
+        server = SidecarServer(config, engine, server_version=__version__)
+        try:
+            server.bind()
+            http = HttpEndpoints(
+                config.server.http_host,
+                config.server.http_port,
+                server.metrics.registry,
+                ready=lambda: server is not None and server.ready,
+                status=server.status,
+            )
+        except (zmq.ZMQError, OSError) as exc:
+            print(f"kvstrata sidecar: cannot listen: {exc}", file=sys.stderr)
+            return 1
+        http.start()
+
+        def on_signal(signum: int, _frame: object) -> None:
+            logger.info("signal %d: shutting down", signum)
+            stop.set()
+            if server is not None:
+                server.wake()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        logger.info(
+            "kvstrata sidecar %s ready: zmq %s, http :%d, arena %s (%d bytes)",
+            __version__,
+            server.endpoint,
+            http.port,
+            engine.arena.name,
+            engine.arena.size,
+        )
+        server.serve(stop)
+        return 0
+    finally:
+        if http is not None:
+            http.close()
+        if server is not None:
+            server.close()
+        engine.close()  # stops writers and unlinks the shared-memory segment

@@ -1,0 +1,626 @@
+"""The wire protocol between the vLLM connector and its sidecar.
+
+Why a module of its own: the server (``kvstrata.sidecar.server``) and the
+client (``kvstrata.connector.client``) both import it, so the frame shapes
+and their validation live in exactly one place.
+
+Transport: ZeroMQ, client DEALER -> server ROUTER. Every message is ONE
+ZeroMQ frame holding one msgpack array. A request is::
+
+    [version: int, request_id: int, op: str, session_id: str, body: map]
+
+and its reply::
+
+    [version: int, request_id: int, ok: bool, body: map]
+
+``request_id`` is echoed so a client can discard late replies to requests
+it has given up on. ``session_id`` is what HELLO returned ("" for HELLO and
+PING); a request naming a session the server does not know (it restarted,
+or reaped the client) is answered with the error code ``no_session`` and
+the client says HELLO again. An error reply's body is
+``{"code": str, "message": str}``; ``message`` names what was wrong.
+
+Ops (body fields; see the dataclasses below for the exact types):
+
+============== ========================================= ==========================================
+op             request                                   reply
+============== ========================================= ==========================================
+HELLO          client_id, role, fingerprint, namespace,  session_id, arena_name, arena_size,
+               transfer_mode, pid                        chunk_size, server_version, transfer_mode,
+                                                         lease_seconds
+LOOKUP         keys, prefetch, owner                     hit_chunks, tiers
+PREPARE_STORE  keys, nbytes, dtype, shape, owner         slots (one per key, nil = skip the key)
+COMMIT_STORE   lease_ids, ok                             committed (one bool per lease id)
+PREPARE_RETRIEVE keys, owner                             slots (one per key, nil = miss)
+RELEASE        lease_ids                                 released
+END_REQUEST    owner                                     released
+PING           (nothing)                                 server_version, session_valid
+STATS          (nothing)                                 stats
+============== ========================================= ==========================================
+
+A slot on the wire is ``[lease_id, offset, length, dtype, shape]``: a byte
+range of the shared L1 arena the client copies KV into (store) or out of
+(retrieve) while it holds the lease.
+
+Limits (a request beyond them is refused with ``bad_request`` naming the
+field): one frame of at most :data:`MAX_MESSAGE_BYTES`, at most
+:data:`MAX_KEYS` keys or lease ids, keys of :data:`KEY_MIN_BYTES` ..
+:data:`KEY_MAX_BYTES` bytes, strings of at most :data:`MAX_STR` characters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+
+from kvstrata.sidecar.keys import FINGERPRINT_BYTES, ChunkKey
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (PROTOCOL_VERSION,)
+
+MAX_MESSAGE_BYTES = 4 << 20
+MAX_KEYS = 8192
+MAX_STR = 1024
+MAX_NDIM = 8
+KEY_MIN_BYTES = FINGERPRINT_BYTES + 8
+KEY_MAX_BYTES = FINGERPRINT_BYTES + 64
+
+HELLO = "HELLO"
+LOOKUP = "LOOKUP"
+PREPARE_STORE = "PREPARE_STORE"
+COMMIT_STORE = "COMMIT_STORE"
+PREPARE_RETRIEVE = "PREPARE_RETRIEVE"
+RELEASE = "RELEASE"
+END_REQUEST = "END_REQUEST"
+PING = "PING"
+STATS = "STATS"
+
+# Error codes carried in an error reply's body.
+E_BAD_FRAME = "bad_frame"  # not one msgpack array of the envelope shape
+E_BAD_VERSION = "unsupported_version"
+E_UNKNOWN_OP = "unknown_op"
+E_BAD_REQUEST = "bad_request"  # a body field is missing, of the wrong type or too large
+E_NO_SESSION = "no_session"
+E_UNSUPPORTED = "unsupported"
+E_BUSY = "busy"  # the worker pool's backlog is full; retry later (the client treats it as a miss)
+E_INTERNAL = "internal"
+
+ReqId = int
+SessionId = str
+
+_T = TypeVar("_T", bound="Message")
+
+
+class ProtocolError(ValueError):
+    """A frame or body that does not follow the protocol.
+
+    ``code`` is one of the ``E_*`` codes; ``request_id`` is the id read from
+    the envelope when it got that far (0 otherwise).
+    """
+
+    def __init__(self, code: str, message: str, request_id: ReqId = 0) -> None:
+        super().__init__(message)
+        self.code = code
+        self.request_id = request_id
+
+
+# --------------------------------------------------------------------------
+# Field readers: each names the field it refuses.
+
+
+def _bad(name: str, what: str, got: Any) -> ProtocolError:
+    shown = type(got).__name__ if not isinstance(got, (int, bool, type(None))) else repr(got)
+    return ProtocolError(E_BAD_REQUEST, f"field {name!r}: expected {what}, got {shown}")
+
+
+def _get(body: Mapping[str, Any], name: str) -> Any:
+    if name not in body:
+        raise ProtocolError(E_BAD_REQUEST, f"field {name!r} is missing")
+    return body[name]
+
+
+def read_int(value: Any, name: str, lo: int = 0, hi: int = (1 << 63) - 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(name, "an integer", value)
+    if not lo <= value <= hi:
+        raise ProtocolError(E_BAD_REQUEST, f"field {name!r}: {value} is outside [{lo}, {hi}]")
+    return value
+
+
+def read_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise _bad(name, "a boolean", value)
+    return value
+
+
+def read_str(value: Any, name: str, max_len: int = MAX_STR) -> str:
+    if not isinstance(value, str):
+        raise _bad(name, "a string", value)
+    if len(value) > max_len:
+        raise ProtocolError(E_BAD_REQUEST, f"field {name!r}: longer than {max_len} characters")
+    return value
+
+
+def read_list(value: Any, name: str, max_len: int = MAX_KEYS) -> list[Any]:
+    if not isinstance(value, (list, tuple)):
+        raise _bad(name, "a list", value)
+    if len(value) > max_len:
+        raise ProtocolError(E_BAD_REQUEST, f"field {name!r}: {len(value)} items, at most {max_len}")
+    return list(value)
+
+
+def read_keys(value: Any, name: str = "keys") -> list[ChunkKey]:
+    keys = read_list(value, name)
+    for i, key in enumerate(keys):
+        if not isinstance(key, bytes):
+            raise _bad(f"{name}[{i}]", "bytes", key)
+        if not KEY_MIN_BYTES <= len(key) <= KEY_MAX_BYTES:
+            raise ProtocolError(
+                E_BAD_REQUEST,
+                f"field '{name}[{i}]': key of {len(key)} bytes, "
+                f"expected {KEY_MIN_BYTES}..{KEY_MAX_BYTES}",
+            )
+    return [ChunkKey(k) for k in keys]
+
+
+def read_shape(value: Any, name: str = "shape") -> tuple[int, ...]:
+    dims = read_list(value, name, MAX_NDIM)
+    return tuple(read_int(d, f"{name}[{i}]") for i, d in enumerate(dims))
+
+
+# --------------------------------------------------------------------------
+# Messages. Each is a slotted dataclass; ``to_wire`` gives the body map and
+# ``from_wire`` validates one (raising ProtocolError naming the field).
+
+
+@dataclass(slots=True)
+class Message:
+    """Base of every body. Subclasses override ``from_wire`` when a field
+    needs more than a type check."""
+
+    op: ClassVar[str] = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_wire(cls: type[_T], body: Mapping[str, Any]) -> _T:
+        return cls()
+
+
+@dataclass(slots=True)
+class SlotInfo:
+    """A leased arena range: ``[lease_id, offset, length, dtype, shape]`` on the wire."""
+
+    lease_id: int
+    offset: int
+    length: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    def to_wire(self) -> list[Any]:
+        return [self.lease_id, self.offset, self.length, self.dtype, list(self.shape)]
+
+    @classmethod
+    def from_wire(cls, value: Any, name: str) -> SlotInfo | None:
+        if value is None:
+            return None
+        items = read_list(value, name, 5)
+        if len(items) != 5:
+            raise _bad(name, "[lease_id, offset, length, dtype, shape]", value)
+        return cls(
+            lease_id=read_int(items[0], f"{name}.lease_id"),
+            offset=read_int(items[1], f"{name}.offset"),
+            length=read_int(items[2], f"{name}.length"),
+            dtype=read_str(items[3], f"{name}.dtype", 32),
+            shape=read_shape(items[4], f"{name}.shape"),
+        )
+
+
+def _slots_to_wire(slots: Sequence[SlotInfo | None]) -> list[Any]:
+    return [None if s is None else s.to_wire() for s in slots]
+
+
+def _slots_from_wire(value: Any) -> list[SlotInfo | None]:
+    items = read_list(value, "slots")
+    return [SlotInfo.from_wire(v, f"slots[{i}]") for i, v in enumerate(items)]
+
+
+@dataclass(slots=True)
+class HelloRequest(Message):
+    op: ClassVar[str] = HELLO
+    client_id: str = ""
+    role: str = "worker"
+    fingerprint: bytes = b""
+    namespace: dict[str, Any] | None = None
+    transfer_mode: str = "host"
+    pid: int = 0
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> HelloRequest:
+        fingerprint = _get(body, "fingerprint")
+        if not isinstance(fingerprint, bytes) or len(fingerprint) != FINGERPRINT_BYTES:
+            raise _bad("fingerprint", f"{FINGERPRINT_BYTES} bytes", fingerprint)
+        namespace = body.get("namespace")
+        if namespace is not None and not isinstance(namespace, dict):
+            raise _bad("namespace", "a map", namespace)
+        return cls(
+            client_id=read_str(_get(body, "client_id"), "client_id", 128),
+            role=read_str(_get(body, "role"), "role", 32),
+            fingerprint=fingerprint,
+            namespace=namespace,
+            transfer_mode=read_str(_get(body, "transfer_mode"), "transfer_mode", 16),
+            pid=read_int(body.get("pid", 0), "pid"),
+        )
+
+
+@dataclass(slots=True)
+class HelloReply(Message):
+    op: ClassVar[str] = HELLO
+    session_id: str = ""
+    arena_name: str = ""
+    arena_size: int = 0
+    chunk_size: int = 0
+    server_version: str = ""
+    transfer_mode: str = "host"
+    lease_seconds: float = 0.0
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> HelloReply:
+        lease = _get(body, "lease_seconds")
+        if not isinstance(lease, (int, float)) or isinstance(lease, bool):
+            raise _bad("lease_seconds", "a number", lease)
+        return cls(
+            session_id=read_str(_get(body, "session_id"), "session_id"),
+            arena_name=read_str(_get(body, "arena_name"), "arena_name", 255),
+            arena_size=read_int(_get(body, "arena_size"), "arena_size"),
+            chunk_size=read_int(_get(body, "chunk_size"), "chunk_size", 1),
+            server_version=read_str(_get(body, "server_version"), "server_version"),
+            transfer_mode=read_str(_get(body, "transfer_mode"), "transfer_mode", 16),
+            lease_seconds=float(lease),
+        )
+
+
+@dataclass(slots=True)
+class LookupRequest(Message):
+    op: ClassVar[str] = LOOKUP
+    keys: list[ChunkKey] | None = None
+    prefetch: bool = False
+    owner: str = ""
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> LookupRequest:
+        return cls(
+            keys=read_keys(_get(body, "keys")),
+            prefetch=read_bool(_get(body, "prefetch"), "prefetch"),
+            owner=read_str(_get(body, "owner"), "owner"),
+        )
+
+
+@dataclass(slots=True)
+class LookupReply(Message):
+    op: ClassVar[str] = LOOKUP
+    hit_chunks: int = 0
+    tiers: list[str] | None = None
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> LookupReply:
+        tiers = read_list(_get(body, "tiers"), "tiers")
+        return cls(
+            hit_chunks=read_int(_get(body, "hit_chunks"), "hit_chunks"),
+            tiers=[read_str(t, f"tiers[{i}]", 32) for i, t in enumerate(tiers)],
+        )
+
+
+@dataclass(slots=True)
+class PrepareStoreRequest(Message):
+    op: ClassVar[str] = PREPARE_STORE
+    keys: list[ChunkKey] | None = None
+    nbytes: int = 0
+    dtype: str = "uint8"
+    shape: tuple[int, ...] = ()
+    owner: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        body = Message.to_wire(self)
+        body["shape"] = list(self.shape)
+        return body
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> PrepareStoreRequest:
+        return cls(
+            keys=read_keys(_get(body, "keys")),
+            nbytes=read_int(_get(body, "nbytes"), "nbytes", 1, 1 << 40),
+            dtype=read_str(_get(body, "dtype"), "dtype", 16),
+            shape=read_shape(_get(body, "shape")),
+            owner=read_str(_get(body, "owner"), "owner"),
+        )
+
+
+@dataclass(slots=True)
+class SlotsReply(Message):
+    """Reply of PREPARE_STORE and PREPARE_RETRIEVE: one slot or nil per key."""
+
+    slots: list[SlotInfo | None] | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"slots": _slots_to_wire(self.slots or [])}
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> SlotsReply:
+        return cls(slots=_slots_from_wire(_get(body, "slots")))
+
+
+@dataclass(slots=True)
+class CommitStoreRequest(Message):
+    op: ClassVar[str] = COMMIT_STORE
+    lease_ids: list[int] | None = None
+    ok: list[bool] | None = None
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> CommitStoreRequest:
+        ids = read_list(_get(body, "lease_ids"), "lease_ids")
+        oks = read_list(_get(body, "ok"), "ok")
+        if len(ids) != len(oks):
+            raise ProtocolError(
+                E_BAD_REQUEST,
+                f"fields 'lease_ids' and 'ok' differ in length ({len(ids)}, {len(oks)})",
+            )
+        return cls(
+            lease_ids=[read_int(v, f"lease_ids[{i}]") for i, v in enumerate(ids)],
+            ok=[read_bool(v, f"ok[{i}]") for i, v in enumerate(oks)],
+        )
+
+
+@dataclass(slots=True)
+class CommitStoreReply(Message):
+    op: ClassVar[str] = COMMIT_STORE
+    committed: list[bool] | None = None
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> CommitStoreReply:
+        items = read_list(_get(body, "committed"), "committed")
+        return cls(committed=[read_bool(v, f"committed[{i}]") for i, v in enumerate(items)])
+
+
+@dataclass(slots=True)
+class PrepareRetrieveRequest(Message):
+    op: ClassVar[str] = PREPARE_RETRIEVE
+    keys: list[ChunkKey] | None = None
+    owner: str = ""
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> PrepareRetrieveRequest:
+        return cls(keys=read_keys(_get(body, "keys")), owner=read_str(_get(body, "owner"), "owner"))
+
+
+@dataclass(slots=True)
+class ReleaseRequest(Message):
+    op: ClassVar[str] = RELEASE
+    lease_ids: list[int] | None = None
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> ReleaseRequest:
+        ids = read_list(_get(body, "lease_ids"), "lease_ids")
+        return cls(lease_ids=[read_int(v, f"lease_ids[{i}]") for i, v in enumerate(ids)])
+
+
+@dataclass(slots=True)
+class CountReply(Message):
+    """Reply of RELEASE and END_REQUEST: how many leases were dropped."""
+
+    released: int = 0
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> CountReply:
+        return cls(released=read_int(_get(body, "released"), "released"))
+
+
+@dataclass(slots=True)
+class EndRequestRequest(Message):
+    op: ClassVar[str] = END_REQUEST
+    owner: str = ""
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> EndRequestRequest:
+        return cls(owner=read_str(_get(body, "owner"), "owner"))
+
+
+@dataclass(slots=True)
+class PingRequest(Message):
+    op: ClassVar[str] = PING
+
+
+@dataclass(slots=True)
+class PingReply(Message):
+    op: ClassVar[str] = PING
+    server_version: str = ""
+    session_valid: bool = False
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> PingReply:
+        return cls(
+            server_version=read_str(_get(body, "server_version"), "server_version"),
+            session_valid=read_bool(_get(body, "session_valid"), "session_valid"),
+        )
+
+
+@dataclass(slots=True)
+class StatsRequest(Message):
+    op: ClassVar[str] = STATS
+
+
+@dataclass(slots=True)
+class StatsReply(Message):
+    op: ClassVar[str] = STATS
+    stats: dict[str, Any] | None = None
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> StatsReply:
+        stats = _get(body, "stats")
+        if not isinstance(stats, dict):
+            raise _bad("stats", "a map", stats)
+        return cls(stats=stats)
+
+
+@dataclass(slots=True)
+class ErrorReply(Message):
+    code: str = E_INTERNAL
+    message: str = ""
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> ErrorReply:
+        return cls(
+            code=read_str(body.get("code", E_INTERNAL), "code", 64),
+            message=read_str(body.get("message", ""), "message", 4 * MAX_STR),
+        )
+
+
+# Request body class of every op the server answers.
+REQUESTS: dict[str, type[Message]] = {
+    HELLO: HelloRequest,
+    LOOKUP: LookupRequest,
+    PREPARE_STORE: PrepareStoreRequest,
+    COMMIT_STORE: CommitStoreRequest,
+    PREPARE_RETRIEVE: PrepareRetrieveRequest,
+    RELEASE: ReleaseRequest,
+    END_REQUEST: EndRequestRequest,
+    PING: PingRequest,
+    STATS: StatsRequest,
+}
+
+# Reply body class of every op (what the client validates).
+REPLIES: dict[str, type[Message]] = {
+    HELLO: HelloReply,
+    LOOKUP: LookupReply,
+    PREPARE_STORE: SlotsReply,
+    COMMIT_STORE: CommitStoreReply,
+    PREPARE_RETRIEVE: SlotsReply,
+    RELEASE: CountReply,
+    END_REQUEST: CountReply,
+    PING: PingReply,
+    STATS: StatsReply,
+}
+
+# Ops a client may send without a session.
+SESSIONLESS_OPS = frozenset({HELLO, PING})
+
+
+# --------------------------------------------------------------------------
+# Envelopes.
+
+
+@dataclass(slots=True)
+class Request:
+    version: int
+    request_id: ReqId
+    op: str
+    session_id: SessionId
+    body: Message
+
+
+@dataclass(slots=True)
+class Reply:
+    version: int
+    request_id: ReqId
+    ok: bool
+    body: Message
+
+
+def _unpack(data: bytes, strict: bool) -> Any:
+    # Limits that keep a hostile frame from allocating much: msgpack checks
+    # each declared length against them before allocating.
+    limit_map = 64 if strict else 4096
+    return msgpack.unpackb(
+        data,
+        raw=False,
+        strict_map_key=True,
+        use_list=True,
+        max_bin_len=KEY_MAX_BYTES if strict else MAX_MESSAGE_BYTES,
+        max_str_len=4 * MAX_STR if strict else MAX_MESSAGE_BYTES,
+        max_array_len=MAX_KEYS,
+        max_map_len=limit_map,
+        max_ext_len=0,
+    )
+
+
+def _envelope(frames: Sequence[bytes], width: int, strict: bool) -> list[Any]:
+    if len(frames) != 1:
+        raise ProtocolError(E_BAD_FRAME, f"expected 1 frame, got {len(frames)}")
+    data = frames[0]
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(E_BAD_FRAME, f"frame of {len(data)} bytes, at most {MAX_MESSAGE_BYTES}")
+    try:
+        env = _unpack(data, strict)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(E_BAD_FRAME, f"not a msgpack frame: {type(exc).__name__}") from None
+    if not isinstance(env, list) or len(env) != width:
+        raise ProtocolError(E_BAD_FRAME, f"expected a msgpack array of {width} items")
+    return env
+
+
+def encode_request(op: str, request_id: ReqId, session_id: SessionId, body: Message) -> bytes:
+    return msgpack.packb([PROTOCOL_VERSION, request_id, op, session_id, body.to_wire()])
+
+
+def decode_request(frames: Sequence[bytes]) -> Request:
+    """Validate a request frame; raise :class:`ProtocolError` naming the problem."""
+    version, request_id, op, session_id, body = _envelope(frames, 5, strict=True)
+    if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
+        raise ProtocolError(E_BAD_FRAME, "request_id must be a non-negative integer")
+    if isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
+        raise ProtocolError(
+            E_BAD_VERSION,
+            f"protocol version {version!r} is not supported (supported: {SUPPORTED_VERSIONS})",
+            request_id,
+        )
+    if not isinstance(op, str) or op not in REQUESTS:
+        raise ProtocolError(E_UNKNOWN_OP, f"unknown op {op!r}", request_id)
+    if not isinstance(session_id, str) or len(session_id) > 64:
+        raise ProtocolError(E_BAD_FRAME, "session_id must be a short string", request_id)
+    if not isinstance(body, dict):
+        raise ProtocolError(E_BAD_REQUEST, f"{op}: body must be a map", request_id)
+    try:
+        message = REQUESTS[op].from_wire(body)
+    except ProtocolError as exc:
+        raise ProtocolError(exc.code, f"{op}: {exc}", request_id) from None
+    return Request(version, request_id, op, session_id, message)
+
+
+def encode_reply(request_id: ReqId, body: Message) -> bytes:
+    return msgpack.packb([PROTOCOL_VERSION, request_id, True, body.to_wire()])
+
+
+def encode_error(request_id: ReqId, code: str, message: str) -> bytes:
+    body = {"code": code, "message": message[: 4 * MAX_STR]}
+    return msgpack.packb([PROTOCOL_VERSION, request_id, False, body])
+
+
+def decode_reply(frames: Sequence[bytes], op: str) -> Reply:
+    """Validate a reply to ``op``; an error reply decodes to :class:`ErrorReply`."""
+    version, request_id, ok, body = _envelope(frames, 4, strict=False)
+    if isinstance(request_id, bool) or not isinstance(request_id, int):
+        raise ProtocolError(E_BAD_FRAME, "reply request_id must be an integer")
+    if version not in SUPPORTED_VERSIONS:
+        raise ProtocolError(E_BAD_VERSION, f"reply version {version!r}", request_id)
+    if not isinstance(body, dict) or not isinstance(ok, bool):
+        raise ProtocolError(E_BAD_FRAME, "reply must carry a bool and a map", request_id)
+    try:
+        message = (REPLIES[op] if ok else ErrorReply).from_wire(body)
+    except ProtocolError as exc:
+        raise ProtocolError(exc.code, str(exc), request_id) from None
+    return Reply(version, request_id, ok, message)
+
+
+def peek_request_id(frame: bytes) -> ReqId:
+    """The request id of a reply frame, or -1 when unreadable (cheap discard check)."""
+    try:
+        env = _unpack(frame, strict=False)
+    except Exception:
+        return -1
+    if isinstance(env, list) and len(env) >= 2 and isinstance(env[1], int):
+        return int(env[1])
+    return -1

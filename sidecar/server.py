@@ -1,0 +1,313 @@
+"""The sidecar's ZeroMQ server: one ROUTER socket, one loop, a small worker pool.
+
+Why this shape: every vLLM process (scheduler and workers) talks to the
+sidecar through one socket. The loop only parses, dispatches and replies;
+anything that may wait on L2/L3 I/O (PREPARE_RETRIEVE promotions, lookups
+that ask a remote tier) runs on a bounded worker pool whose results come
+back through a wake-up pipe, so one slow request or one slow client never
+stalls the others. Replies are sent without blocking: a client that stops
+reading loses its replies, not everyone's throughput.
+
+Housekeeping on the loop, every ``HOUSEKEEPING_SECONDS``: leases older than
+``server.lease_seconds`` expire (``engine.expire_leases``) and clients
+silent for ``server.client_timeout_seconds`` have their leases reclaimed.
+
+No persistent state: sessions live in memory (see :mod:`.sessions`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from kvstrata.sidecar import protocol as p
+from kvstrata.sidecar.handlers import POOLED_OPS, Handlers
+from kvstrata.sidecar.metrics import EngineCollector, ServerMetrics
+from kvstrata.sidecar.sessions import Session, SessionTable
+
+if TYPE_CHECKING:
+    from kvstrata.sidecar.config import SidecarConfig
+    from kvstrata.sidecar.engine import StorageManager
+
+logger = logging.getLogger(__name__)
+
+HOUSEKEEPING_SECONDS = 0.5
+MAX_BATCH = 256  # messages read per loop turn before replies of the pool are sent
+MAX_POOL_BACKLOG = 1024  # pooled requests waiting; beyond it requests get E_BUSY
+
+
+def ipc_path(endpoint: str) -> str | None:
+    """The socket file of an ``ipc://`` endpoint (None for tcp or abstract sockets)."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = endpoint[len("ipc://") :]
+    return None if path.startswith("@") else path
+
+
+class SidecarServer:
+    """Serves the protocol of :mod:`.protocol` for one engine.
+
+    Life cycle: ``bind()`` (raises ``zmq.ZMQError`` if the endpoint is taken
+    or invalid), ``serve(stop)`` until ``stop`` is set, ``close()``.
+    """
+
+    def __init__(
+        self,
+        config: SidecarConfig,
+        engine: StorageManager,
+        *,
+        server_version: str,
+        transfer_modes: frozenset[str] = frozenset({"host"}),
+        workers: int = 4,
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.metrics = ServerMetrics()
+        self.sessions = SessionTable(
+            config.server.client_timeout_seconds, config.server.lease_seconds
+        )
+        self.handlers = Handlers(
+            engine, self.sessions, self.metrics, config, server_version, transfer_modes
+        )
+        self.metrics.attach(
+            EngineCollector(engine.stats, lambda: len(self.sessions), self._count_error)
+        )
+        self.endpoint = config.server.endpoint
+        self.started = time.time()
+        self._ctx: zmq.Context[Any] | None = None
+        self._sock: zmq.Socket[Any] | None = None
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstrata-req")
+        self._backlog = 0
+        self._backlog_lock = threading.Lock()
+        self._done: queue.SimpleQueue[tuple[bytes, bytes]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._serving = threading.Event()
+        self._bound_path: str | None = None
+
+    # -- life cycle ---------------------------------------------------------
+
+    def bind(self) -> str:
+        """Bind the ROUTER socket; returns the endpoint actually bound."""
+        path = ipc_path(self.endpoint)
+        if path is not None:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+        try:
+            sock.bind(self.endpoint)
+        except zmq.ZMQError:
+            sock.close(0)
+            raise
+        self._sock = sock
+        self._bound_path = path
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        logger.info("serving on %s", self.endpoint)
+        return self.endpoint
+
+    @property
+    def ready(self) -> bool:
+        return self._serving.is_set()
+
+    def wake(self) -> None:
+        """Interrupt the loop's poll (from any thread or a signal handler)."""
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"x")
+
+    def serve(self, stop: threading.Event) -> None:
+        if self._sock is None:
+            raise RuntimeError("bind() first")
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_housekeeping = time.monotonic() + HOUSEKEEPING_SECONDS
+        self._serving.set()
+        try:
+            while not stop.is_set():
+                timeout_ms = max(0.0, next_housekeeping - time.monotonic()) * 1000
+                events = dict(poller.poll(timeout_ms))
+                if self._sock in events:
+                    self._read_batch()
+                if self._wake_r in events:
+                    with contextlib.suppress(BlockingIOError, OSError):
+                        os.read(self._wake_r, 4096)
+                self._send_done()
+                if time.monotonic() >= next_housekeeping:
+                    self._housekeeping()
+                    next_housekeeping = time.monotonic() + HOUSEKEEPING_SECONDS
+        finally:
+            self._serving.clear()
+
+    def close(self) -> None:
+        self._serving.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self._bound_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._bound_path)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    # -- the loop -----------------------------------------------------------
+
+    def _read_batch(self) -> None:
+        assert self._sock is not None  # serve() checked
+        for _ in range(MAX_BATCH):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:
+                logger.warning("recv failed: %s", exc)
+                self._count_error("recv")
+                return
+            self._on_message(frames)
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        started = time.perf_counter()
+        identity, payload = frames[0], frames[1:]
+        try:
+            request = p.decode_request(payload)
+        except p.ProtocolError as exc:
+            self._count_error(exc.code)
+            logger.debug("refused a frame: %s", exc)
+            self._send(identity, p.encode_error(exc.request_id, exc.code, str(exc)))
+            return
+        session = None
+        if request.session_id:
+            session = self.sessions.touch(request.session_id, identity)
+        if session is None and request.op not in p.SESSIONLESS_OPS:
+            self._count_error(p.E_NO_SESSION)
+            message = f"{request.op}: unknown session {request.session_id!r}; say HELLO"
+            self._send(identity, p.encode_error(request.request_id, p.E_NO_SESSION, message))
+            return
+        if request.op not in POOLED_OPS:
+            self._send(identity, self._answer(request, session, identity, started))
+            return
+        with self._backlog_lock:
+            busy = self._backlog >= MAX_POOL_BACKLOG
+            if not busy:
+                self._backlog += 1
+        if busy:
+            self._count_error(p.E_BUSY)
+            message = f"{request.op}: {MAX_POOL_BACKLOG} requests already waiting"
+            self._send(identity, p.encode_error(request.request_id, p.E_BUSY, message))
+            return
+        self._pool.submit(self._pooled, request, session, identity, started)
+
+    def _pooled(
+        self, request: p.Request, session: Session | None, identity: bytes, started: float
+    ) -> None:
+        try:
+            reply = self._answer(request, session, identity, started)
+        finally:
+            with self._backlog_lock:
+                self._backlog -= 1
+        self._done.put((identity, reply))
+        self.wake()
+
+    def _answer(
+        self, request: p.Request, session: Session | None, identity: bytes, started: float
+    ) -> bytes:
+        """Run one request to its reply frame; never raises."""
+        try:
+            body = self.handlers.handle(request, session, identity)
+            reply = p.encode_reply(request.request_id, body)
+        except p.ProtocolError as exc:
+            self._count_error(exc.code)
+            reply = p.encode_error(request.request_id, exc.code, f"{request.op}: {exc}")
+        except Exception as exc:  # a bug must cost one request, never the server
+            logger.exception("%s failed", request.op)
+            self._count_error(p.E_INTERNAL)
+            reply = p.encode_error(
+                request.request_id, p.E_INTERNAL, f"{request.op}: {type(exc).__name__}"
+            )
+        self.metrics.duration.labels(op=request.op).observe(time.perf_counter() - started)
+        return reply
+
+    def _send_done(self) -> None:
+        while True:
+            try:
+                identity, reply = self._done.get_nowait()
+            except queue.Empty:
+                return
+            self._send(identity, reply)
+
+    def _send(self, identity: bytes, payload: bytes) -> None:
+        if self._sock is None:
+            return
+        try:
+            # Not blocking: a client that stopped reading loses its replies
+            # (ROUTER drops at the high-water mark), nobody else waits.
+            self._sock.send_multipart([identity, payload], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.debug("reply dropped: %s", exc)
+            self._count_error("send")
+
+    def _housekeeping(self) -> None:
+        try:
+            expired = self.engine.expire_leases()
+            if expired:
+                logger.info("%d leases expired", expired)
+            self.sessions.expire()
+            for session in self.sessions.idle():
+                self.handlers.reclaim(session)
+        except Exception:
+            logger.exception("housekeeping failed")
+            self._count_error(p.E_INTERNAL)
+
+    def _count_error(self, kind: str) -> None:
+        self.metrics.errors.labels(kind=kind).inc()
+
+    # -- introspection ------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The ``/status`` document (see :mod:`.http`)."""
+        stats = self.handlers.stats_dict()
+        leases = self.sessions.lease_counts()
+        now = time.monotonic()
+        arena = self.engine.arena
+        return {
+            "version": self.handlers.server_version,
+            "protocol_version": p.PROTOCOL_VERSION,
+            "ready": self.ready,
+            "endpoint": self.endpoint,
+            "uptime_seconds": round(time.time() - self.started, 3),
+            "chunk_size": self.config.chunk_size,
+            "transfer_modes": sorted(self.handlers.transfer_modes),
+            "arena": {"name": arena.name, "size_bytes": arena.size},
+            "tiers": stats["tiers"],
+            "counters": stats["counters"],
+            "leases_active": stats["leases_active"],
+            "clients": [
+                {
+                    "client_id": s.client_id,
+                    "role": s.role,
+                    "pid": s.pid,
+                    "session_id": s.session_id,
+                    "idle_seconds": round(now - s.last_seen, 3),
+                    "requests": s.requests,
+                    "leases": leases.get(s.session_id, 0),
+                }
+                for s in self.sessions.sessions()
+            ],
+        }
