@@ -1,0 +1,302 @@
+"""Real servers on loopback for the remote-tier tests and benchmark.
+
+Both ``tests/integration/remote/conftest.py`` and ``kvstrata bench remote``
+start the same processes through this module, so the benchmark measures the
+setup the tests check:
+
+* :class:`RedisServer`: one ``valkey-server`` (or Debian's ``redis-server``,
+  which speaks the same protocol) on a free loopback port, data in a
+  directory the caller owns; it can be killed and restarted on the same port.
+* :class:`RedisClusterServers`: three such servers with ``cluster-enabled
+  yes``, joined with ``redis-cli --cluster create`` (no replicas).
+* :class:`MotoS3Server`: moto's standalone S3 endpoint (``moto_server``) in a
+  child process, so the client's GIL is not shared with the server's.
+
+Readiness is polled with a deadline (:func:`wait_for`); nothing sleeps a
+fixed time. Every process started here is stopped by ``stop()``, which the
+context-manager exit calls too.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+LOOPBACK = "127.0.0.1"
+
+
+class ServerError(RuntimeError):
+    """A server did not start or did not become ready in time."""
+
+
+def free_port() -> int:
+    """A TCP port on loopback nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 40000)
+        if _port_is_free(port) and _port_is_free(port + 10000):
+            return port
+    raise ServerError("no free port pair (port, port + 10000) on loopback")
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str, step: float = 0.02) -> None:
+    """Poll ``condition`` until it is true; raise :class:`ServerError` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if condition():
+                return
+        except ServerError:  # the thing waited for is gone for good
+            raise
+        except Exception:  # a probe that fails is just "not yet"
+            pass
+        if time.monotonic() >= deadline:
+            raise ServerError(f"timed out after {timeout:.1f}s waiting for {what}")
+        time.sleep(step)
+
+
+def redis_server_binary() -> str:
+    """``valkey-server`` when the machine has it, else ``redis-server``."""
+    for name in ("valkey-server", "redis-server"):
+        path = shutil.which(name)
+        if path:
+            return path
+    raise ServerError("neither valkey-server nor redis-server is on PATH (make system-deps)")
+
+
+def redis_cli_binary() -> str:
+    for name in ("valkey-cli", "redis-cli"):
+        path = shutil.which(name)
+        if path:
+            return path
+    raise ServerError("neither valkey-cli nor redis-cli is on PATH (make system-deps)")
+
+
+def _ping(port: int, password: str | None = None) -> bool:
+    """One RESP PING over a raw socket (no client library involved)."""
+    with socket.create_connection((LOOPBACK, port), timeout=0.5) as sock:
+        if password is not None:
+            sock.sendall(f"AUTH {password}\r\n".encode())
+            if not sock.recv(64).startswith(b"+OK"):
+                return False
+        sock.sendall(b"PING\r\n")
+        return sock.recv(64).startswith(b"+PONG")
+
+
+class RedisServer:
+    """One Redis-protocol server process on ``127.0.0.1:port``."""
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        port: int | None = None,
+        cluster: bool = False,
+        password: str | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.port = port or (free_cluster_port() if cluster else free_port())
+        self.cluster = cluster
+        self.password = password
+        self.extra_args = extra_args
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{LOOPBACK}:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        """Start (or restart, on the same port) and wait until it answers PING."""
+        if self.process is not None and self.process.poll() is None:
+            return self
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            redis_server_binary(),
+            "--bind", LOOPBACK,
+            "--port", str(self.port),
+            "--dir", str(self.data_dir),
+            "--save", "",
+            "--appendonly", "no",
+            "--protected-mode", "no",
+            "--maxmemory-policy", "noeviction",
+            "--logfile", str(self.data_dir / "server.log"),
+        ]  # fmt: skip
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            args += ["--cluster-node-timeout", "2000"]
+        if self.password is not None:
+            args += ["--requirepass", self.password]
+        args += list(self.extra_args)
+        self.process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL
+        )
+        try:
+            wait_for(lambda: self._alive_and_ponging(), timeout, f"redis on port {self.port}")
+        except ServerError:
+            self.stop()
+            raise
+        return self
+
+    def _alive_and_ponging(self) -> bool:
+        if self.process is None or self.process.poll() is not None:
+            raise ServerError(f"redis on port {self.port} exited; see {self.data_dir}/server.log")
+        return _ping(self.port, self.password)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Kill the process (SIGKILL: a crash, not a clean shutdown) and reap it."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=timeout)
+        self.process = None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+class RedisClusterServers:
+    """Three cluster-enabled servers joined into one cluster (no replicas)."""
+
+    def __init__(self, data_dir: str | os.PathLike[str], nodes: int = 3) -> None:
+        base = Path(data_dir)
+        self.servers = [RedisServer(base / f"node{i}", cluster=True) for i in range(nodes)]
+
+    @property
+    def url(self) -> str:
+        """A seed node; the cluster client discovers the others."""
+        return self.servers[0].url
+
+    def start(self, timeout: float = 20.0) -> RedisClusterServers:
+        try:
+            for server in self.servers:
+                server.start()
+            addrs = [f"{LOOPBACK}:{s.port}" for s in self.servers]
+            create = ["--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"]
+            subprocess.run(
+                [redis_cli_binary(), *create],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                timeout=timeout,
+            )
+            wait_for(self._all_ok, timeout, "cluster_state:ok on every node")
+        except (subprocess.SubprocessError, ServerError) as exc:
+            self.stop()
+            raise ServerError(f"cluster did not form: {exc}") from exc
+        return self
+
+    def _all_ok(self) -> bool:
+        for server in self.servers:
+            out = subprocess.run(
+                [redis_cli_binary(), "-p", str(server.port), "cluster", "info"],
+                capture_output=True,
+                timeout=2,
+                check=False,
+            ).stdout
+            if b"cluster_state:ok" not in out:
+                return False
+        return True
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> RedisClusterServers:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+class MotoS3Server:
+    """moto's standalone S3 HTTP endpoint in a child process.
+
+    Its state lives in that process's memory: a restart starts empty.
+    """
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> MotoS3Server:
+        if self.process is not None and self.process.poll() is None:
+            return self
+        code = (
+            "import sys; from moto.server import main; "
+            f"sys.exit(main(['-H', '{LOOPBACK}', '-p', '{self.port}']))"
+        )
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+        )
+        try:
+            wait_for(self._answers, timeout, f"moto_server on port {self.port}", step=0.05)
+        except ServerError:
+            self.stop()
+            raise
+        return self
+
+    def _answers(self) -> bool:
+        if self.process is None or self.process.poll() is not None:
+            raise ServerError(f"moto_server on port {self.port} exited")
+        try:
+            with urllib.request.urlopen(self.endpoint_url + "/", timeout=1) as resp:
+                return resp.status < 500
+        except urllib.error.HTTPError as exc:  # any HTTP answer means it is up
+            return exc.code < 500
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=timeout)
+        self.process = None
+
+    def __enter__(self) -> MotoS3Server:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

@@ -1,0 +1,31 @@
+"""Build the shared (L3) tier the config asks for.
+
+The sidecar calls :func:`build_shared_tier` once at start and hands the
+result to ``StorageManager(config, shared_tier=...)``. Only the chosen
+backend's client library is imported, so a Valkey sidecar never loads boto3.
+"""
+
+from __future__ import annotations
+
+from kvstrata.sidecar.config import SharedConfig
+from kvstrata.sidecar.tiers.base import Tier
+
+
+def build_shared_tier(config: SharedConfig) -> Tier | None:
+    """The configured tier, or None for ``backend: none``.
+
+    Raises ``ValueError`` naming the field for config the tier cannot use
+    (an unreadable secret file, a malformed URL). An unreachable server is
+    not an error here: the tier starts degraded and recovers by itself.
+    """
+    if config.backend == "none":
+        return None
+    if config.backend == "valkey":
+        from kvstrata.sidecar.tiers.valkey import ValkeyTier
+
+        return ValkeyTier(config)
+    if config.backend == "s3":
+        from kvstrata.sidecar.tiers.s3 import S3Tier
+
+        return S3Tier(config)
+    raise ValueError(f"shared.backend: unknown backend {config.backend!r}")

@@ -1,0 +1,441 @@
+"""The S3 shared tier (AWS S3, MinIO, Ceph RGW, moto: any endpoint URL).
+
+Persisted state, per chunk, one object::
+
+    s3://{shared.s3.bucket}/{shared.s3.prefix}{key_hex(chunk key)}
+    body = objformat object (header + payload, codec from shared.codec)
+
+Objects are never overwritten: a HEAD first skips chunks another writer
+already stored (``deduplicated_total``). Bodies above
+``multipart_threshold_bytes`` go up (and come down) as concurrent parts of
+``multipart_chunk_bytes`` through boto3's transfer manager.
+
+Deadlines: each HTTP attempt has connect/read timeouts of
+``timeout_seconds``, botocore retries at most ``max_attempts`` times, and
+every operation runs on a worker pool of ``max_concurrency`` threads whose
+result the caller waits for at most ``timeout_seconds`` (the wall-clock
+deadline: a stalled endpoint costs one deadline, then a miss). Lookups
+send their HEADs concurrently and answer False for any key not answered
+within ``lookup_timeout_seconds``. Consecutive failures open the same
+:class:`CircuitBreaker` as the Valkey tier.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import io
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import boto3
+import botocore.config
+import botocore.exceptions
+from boto3.s3.transfer import TransferConfig
+
+from kvstrata.sidecar.config import S3Config, SharedConfig
+from kvstrata.sidecar.keys import ChunkKey, key_hex
+from kvstrata.sidecar.objformat import ChunkMeta, CorruptObjectError, DecodedObject, decode, encode
+from kvstrata.sidecar.tiers.base import Tier, TierStats
+from kvstrata.sidecar.tiers.breaker import CircuitBreaker
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_DELETE_BATCH = 1000  # the most keys one DeleteObjects call takes
+_MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
+
+
+class _Missing(Exception):
+    """The object (or bucket) is not there: a plain miss, not a failure."""
+
+
+class _DeadlineExceeded(Exception):
+    """The operation did not finish within the tier's wall-clock deadline."""
+
+
+def _read_secret(path: str, field: str) -> str:
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError as exc:
+        raise ValueError(f"{field}: cannot read {path}: {exc.strerror}") from None
+
+
+def botocore_config(config: S3Config) -> botocore.config.Config:
+    """The client settings the tier (and the benchmark's raw baseline) uses."""
+    return botocore.config.Config(
+        region_name=config.region,
+        connect_timeout=config.timeout_seconds,
+        read_timeout=config.timeout_seconds,
+        retries={"max_attempts": config.max_attempts, "mode": "standard"},
+        max_pool_connections=config.max_concurrency * 2,
+        # Objects carry their own xxh3 checksums, verified on every read.
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+
+
+def make_client(config: S3Config) -> Any:
+    """A boto3 S3 client: credentials from the mounted files, else boto3's chain."""
+    credentials: dict[str, str] = {}
+    if config.access_key_id_file or config.secret_access_key_file:
+        if not (config.access_key_id_file and config.secret_access_key_file):
+            raise ValueError(
+                "shared.s3.access_key_id_file and shared.s3.secret_access_key_file "
+                "must be set together"
+            )
+        credentials = {
+            "aws_access_key_id": _read_secret(
+                config.access_key_id_file, "shared.s3.access_key_id_file"
+            ),
+            "aws_secret_access_key": _read_secret(
+                config.secret_access_key_file, "shared.s3.secret_access_key_file"
+            ),
+        }
+    session = boto3.session.Session(**credentials)
+    return session.client("s3", endpoint_url=config.endpoint_url, config=botocore_config(config))
+
+
+def _error_kind(exc: BaseException) -> str:
+    if isinstance(exc, _DeadlineExceeded):
+        return "deadline"
+    if isinstance(
+        exc, botocore.exceptions.ConnectTimeoutError | botocore.exceptions.ReadTimeoutError
+    ):
+        return "timeout"
+    if isinstance(
+        exc, botocore.exceptions.EndpointConnectionError | botocore.exceptions.ConnectionClosedError
+    ):
+        return "connection"
+    if isinstance(exc, botocore.exceptions.NoCredentialsError):
+        return "auth"
+    if isinstance(exc, botocore.exceptions.ClientError):
+        code = _error_code(exc)
+        return "auth" if code in ("AccessDenied", "403", "InvalidAccessKeyId") else "server"
+    if isinstance(exc, botocore.exceptions.BotoCoreError):
+        return "connection"
+    return "client"
+
+
+def _total_length(content_range: str | None, default: int) -> int:
+    """The object size from a ``Content-Range: bytes a-b/TOTAL`` answer."""
+    if not content_range or "/" not in content_range:
+        return default
+    total = content_range.rsplit("/", 1)[1]
+    return int(total) if total.isdigit() else default
+
+
+def _error_code(exc: BaseException) -> str:
+    if isinstance(exc, botocore.exceptions.ClientError):
+        return str(exc.response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def _is_missing(exc: BaseException) -> bool:
+    return _error_code(exc) in _MISSING_CODES
+
+
+class _PartsReader(io.RawIOBase):
+    """A read-only file over header + payload buffers (no join before upload)."""
+
+    def __init__(self, parts: Sequence[bytes | memoryview]) -> None:
+        self._parts = [memoryview(p).cast("B") for p in parts]
+        self._index = 0
+        self._offset = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        written = 0
+        while written < len(out) and self._index < len(self._parts):
+            part = self._parts[self._index]
+            n = min(len(out) - written, len(part) - self._offset)
+            out[written : written + n] = part[self._offset : self._offset + n]
+            written += n
+            self._offset += n
+            if self._offset == len(part):
+                self._index, self._offset = self._index + 1, 0
+        return written
+
+
+class S3Tier(Tier):
+    """Chunk objects in an S3 bucket under a prefix (module docstring)."""
+
+    name = "s3"
+
+    def __init__(self, config: SharedConfig) -> None:
+        self._config = config.s3
+        self._codec = config.codec
+        self._lookup_timeout = min(config.lookup_timeout_seconds, self._config.timeout_seconds)
+        self._client = make_client(self._config)
+        self._transfer = TransferConfig(
+            multipart_threshold=max(self._config.multipart_threshold_bytes, 5 << 20),
+            multipart_chunksize=max(self._config.multipart_chunk_bytes, 5 << 20),
+            max_concurrency=self._config.max_concurrency,
+        )
+        self._pool = cf.ThreadPoolExecutor(
+            max_workers=self._config.max_concurrency, thread_name_prefix="kvstrata-s3"
+        )
+        # Ranges of one large GET run on their own pool: a GET waiting for its
+        # ranges on the main pool could deadlock it.
+        self._ranges = cf.ThreadPoolExecutor(
+            max_workers=self._config.max_concurrency, thread_name_prefix="kvstrata-s3-range"
+        )
+        self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_seconds)
+        self._stats = TierStats(tier=self.name)
+        self._lock = threading.Lock()
+        self._bucket_ready = not self._config.create_bucket
+        if self._config.create_bucket:
+            self._ensure_bucket_guarded()
+
+    # -- plumbing ---------------------------------------------------------
+
+    def _object_key(self, key: ChunkKey) -> str:
+        return self._config.prefix + key_hex(key)
+
+    def _call(self, op: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the pool within the wall-clock deadline.
+
+        Raises :class:`_Missing` for a 404; any other failure is counted,
+        fed to the breaker and re-raised for the caller to turn into a miss.
+        """
+        future = self._pool.submit(fn)
+        try:
+            result = future.result(timeout=self._config.timeout_seconds)
+        except cf.TimeoutError:
+            future.cancel()  # frees the slot if it never started; else its socket times out
+            exc: BaseException = _DeadlineExceeded(f"{op} exceeded {self._config.timeout_seconds}s")
+            self._failed(op, exc)
+            raise exc from None
+        except Exception as exc:
+            if _is_missing(exc):
+                self._breaker.record_success()
+                raise _Missing(op) from None
+            self._failed(op, exc)
+            raise
+        self._breaker.record_success()
+        return result
+
+    def _allow(self) -> bool:
+        if not self._breaker.allow():
+            with self._lock:
+                self._stats.count_error("breaker_open")
+            return False
+        if not self._bucket_ready:
+            return self._ensure_bucket_guarded()
+        return True
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        kind = _error_kind(exc)
+        logger.debug("s3 %s failed (%s): %s", op, kind, exc)
+        with self._lock:
+            self._stats.count_error(kind)
+        if _error_code(exc) == "NoSuchBucket" and self._config.create_bucket:
+            self._bucket_ready = False  # deleted (or a fresh endpoint): make it again
+        self._breaker.record_failure()
+
+    def _ensure_bucket_guarded(self) -> bool:
+        """Create the bucket if missing; False (counted) when the endpoint fails."""
+        try:
+            self._call("create_bucket", self._ensure_bucket)
+        except Exception:
+            return False
+        self._bucket_ready = True
+        return True
+
+    def _ensure_bucket(self) -> None:
+        bucket = self._config.bucket
+        try:
+            self._client.head_bucket(Bucket=bucket)
+            return
+        except botocore.exceptions.ClientError as exc:
+            if not _is_missing(exc):
+                raise
+        args: dict[str, Any] = {"Bucket": bucket}
+        if self._config.region != "us-east-1":
+            args["CreateBucketConfiguration"] = {"LocationConstraint": self._config.region}
+        try:
+            self._client.create_bucket(**args)
+        except botocore.exceptions.ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code")
+            if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise
+        logger.info("created S3 bucket %s", bucket)
+
+    # -- Tier -------------------------------------------------------------
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        if not keys:
+            return []
+        if not self._allow():
+            return [False] * len(keys)
+        bucket = self._config.bucket
+        futures = [
+            self._pool.submit(self._client.head_object, Bucket=bucket, Key=self._object_key(k))
+            for k in keys
+        ]
+        done, pending = cf.wait(futures, timeout=self._lookup_timeout)
+        for future in pending:
+            future.cancel()
+        answers: list[bool] = []
+        failure: BaseException | None = None
+        for future in futures:
+            if future not in done:
+                answers.append(False)
+                continue
+            exc = future.exception()
+            if exc is not None and not _is_missing(exc):
+                failure = exc
+            answers.append(exc is None)
+        if failure is not None or (pending and not any(answers)):
+            self._failed("contains_many", failure or _DeadlineExceeded("lookup deadline"))
+        else:
+            self._breaker.record_success()
+        return answers
+
+    def get(self, key: ChunkKey) -> DecodedObject | None:
+        if not self._allow():
+            self._count(miss=True)
+            return None
+        object_key = self._object_key(key)
+        try:
+            blob = self._call("get", lambda: self._download(object_key))
+        except Exception:  # missing, or failed and counted by _call
+            self._count(miss=True)
+            return None
+        try:
+            obj = decode(blob, expected_key=bytes(key))
+        except CorruptObjectError as exc:
+            logger.warning("s3 object %s is corrupt (%s); deleting it", object_key, exc)
+            with self._lock:
+                self._stats.corrupt_total += 1
+            self._count(miss=True)
+            self._delete(object_key)
+            return None
+        with self._lock:
+            self._stats.retrieved_bytes_total += len(blob)
+        self._count(miss=False)
+        return obj
+
+    def put(self, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta) -> bool:
+        parts = encode(bytes(key), payload, meta, self._codec)  # bad meta raises ValueError
+        if not self._allow():
+            return False
+        object_key = self._object_key(key)
+        try:
+            self._call(
+                "head", lambda: self._client.head_object(Bucket=self._config.bucket, Key=object_key)
+            )
+        except _Missing:
+            pass
+        except Exception:
+            return False
+        else:
+            with self._lock:
+                self._stats.deduplicated_total += 1
+            return True
+        try:
+            self._call("put", lambda: self._upload(object_key, parts))
+        except Exception:
+            return False
+        with self._lock:
+            self._stats.stored_bytes_total += sum(len(p) for p in parts)
+        return True
+
+    def remove(self, key: ChunkKey) -> None:
+        if self._allow():
+            self._delete(self._object_key(key))
+
+    def clear(self) -> None:
+        """Delete every object under ``prefix`` (list + batched DeleteObjects)."""
+        if not self._allow():
+            return
+        try:
+            self._call("clear", self._clear_prefix)
+        except Exception:  # counted by _call
+            return
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            snap = TierStats(
+                **{**vars(self._stats), "errors_total": dict(self._stats.errors_total)}
+            )
+        snap.degraded = self._breaker.state != "closed"
+        return snap
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._ranges.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
+
+    # -- transfers (run on the pool) ---------------------------------------
+
+    def _upload(self, object_key: str, parts: list[bytes | memoryview]) -> None:
+        size = sum(len(p) for p in parts)
+        bucket = self._config.bucket
+        if size < self._transfer.multipart_threshold:
+            self._client.put_object(Bucket=bucket, Key=object_key, Body=b"".join(parts))
+            return
+        self._client.upload_fileobj(
+            io.BufferedReader(_PartsReader(parts), buffer_size=1 << 20),
+            bucket,
+            object_key,
+            Config=self._transfer,
+        )
+
+    def _download(self, object_key: str) -> bytes | memoryview:
+        """One GET; a body above the multipart threshold comes as concurrent ranges."""
+        bucket = self._config.bucket
+        part = self._transfer.multipart_chunksize
+        first = self._client.get_object(Bucket=bucket, Key=object_key, Range=f"bytes=0-{part - 1}")
+        head = first["Body"].read()
+        total = _total_length(first.get("ContentRange"), len(head))
+        if total <= len(head):
+            return head
+        out = bytearray(total)
+        out[: len(head)] = head
+
+        def fetch(start: int) -> None:
+            end = min(start + part, total) - 1
+            resp = self._client.get_object(
+                Bucket=bucket, Key=object_key, Range=f"bytes={start}-{end}"
+            )
+            data = resp["Body"].read()
+            if len(data) != end - start + 1:
+                raise CorruptObjectError(f"range {start}-{end} returned {len(data)} bytes")
+            out[start : end + 1] = data
+
+        for future in [self._ranges.submit(fetch, s) for s in range(len(head), total, part)]:
+            future.result()
+        return memoryview(out)
+
+    def _clear_prefix(self) -> None:
+        bucket = self._config.bucket
+        paginator = self._client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=bucket, Prefix=self._config.prefix):
+            objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            for i in range(0, len(objects), _DELETE_BATCH):
+                batch = objects[i : i + _DELETE_BATCH]
+                self._client.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
+
+    # -- helpers ----------------------------------------------------------
+
+    def _count(self, miss: bool) -> None:
+        with self._lock:
+            if miss:
+                self._stats.misses_total += 1
+            else:
+                self._stats.hits_total += 1
+
+    def _delete(self, object_key: str) -> None:
+        try:
+            self._call(
+                "delete",
+                lambda: self._client.delete_object(Bucket=self._config.bucket, Key=object_key),
+            )
+        except Exception:  # missing is fine; failures are counted by _call
+            return
