@@ -1,0 +1,319 @@
+"""Real servers for the shared-tier tests, started by fixtures.
+
+* ``valkey_server``: one ``valkey-server``/``redis-server`` on a free
+  loopback port (session-wide; fault tests start their own).
+* ``valkey_cluster``: three cluster-enabled servers joined with
+  ``redis-cli --cluster create`` (session-wide).
+* ``moto_s3``: moto's standalone S3 server in a child process (session-wide).
+
+Launch code lives in :mod:`kvstrata.bench.servers`, shared with
+``kvstrata bench remote``. Each test gets its own key prefix, so tests on
+the shared servers never see each other's objects.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import redis
+import redis.cluster
+
+from kvstrata.bench.servers import (
+    LOOPBACK,
+    MotoS3Server,
+    RedisClusterServers,
+    RedisServer,
+    ServerError,
+    redis_server_binary,
+)
+from kvstrata.sidecar.config import SharedConfig
+from kvstrata.sidecar.keys import ChunkKey, key_hex
+from kvstrata.sidecar.tiers.base import Tier
+from kvstrata.sidecar.tiers.factory import build_shared_tier
+
+BACKENDS = ["valkey", "valkey-cluster", "s3"]
+
+
+def _require_redis_binary() -> None:
+    try:
+        redis_server_binary()
+    except ServerError as exc:
+        pytest.fail(f"{exc}; run `make system-deps`")
+
+
+@pytest.fixture(scope="session")
+def valkey_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    _require_redis_binary()
+    with RedisServer(tmp_path_factory.mktemp("valkey")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterServers]:
+    _require_redis_binary()
+    with RedisClusterServers(tmp_path_factory.mktemp("valkey-cluster")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def s3_credentials(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Mounted-secret style credential files (moto accepts any keys)."""
+    base = tmp_path_factory.mktemp("s3-secrets")
+    (base / "access_key_id").write_text("kvstrata-test\n")
+    (base / "secret_access_key").write_text("kvstrata-secret\n")
+    return {
+        "access_key_id_file": str(base / "access_key_id"),
+        "secret_access_key_file": str(base / "secret_access_key"),
+    }
+
+
+@pytest.fixture(scope="session")
+def moto_s3() -> Iterator[MotoS3Server]:
+    with MotoS3Server() as server:
+        yield server
+
+
+def unique_prefix() -> str:
+    return f"t{uuid.uuid4().hex[:12]}:"
+
+
+def valkey_shared_config(url: str, cluster: bool = False, **overrides: Any) -> SharedConfig:
+    valkey = {"url": url, "cluster": cluster, "key_prefix": unique_prefix()}
+    valkey.update(overrides.pop("valkey", {}))
+    return SharedConfig(backend="valkey", valkey=valkey, **overrides)
+
+
+def s3_shared_config(
+    endpoint_url: str, credentials: dict[str, str], **overrides: Any
+) -> SharedConfig:
+    s3 = {
+        "endpoint_url": endpoint_url,
+        "bucket": "kvstrata-test",
+        "prefix": unique_prefix().replace(":", "/"),
+        "create_bucket": True,
+        **credentials,
+    }
+    s3.update(overrides.pop("s3", {}))
+    return SharedConfig(backend="s3", s3=s3, **overrides)
+
+
+@dataclass
+class RawStore:
+    """The backend's own client, for tampering with stored objects."""
+
+    name_of: Callable[[ChunkKey], str]
+    read: Callable[[str], bytes | None]
+    write: Callable[[str, bytes], None]
+
+
+@dataclass
+class Backend:
+    """One shared-tier backend under test: build tiers on it, reach it raw."""
+
+    kind: str
+    make_config: Callable[..., SharedConfig]
+    raw_for: Callable[[SharedConfig], RawStore]
+    tiers: list[Tier]
+
+    def make_tier(self, **overrides: Any) -> tuple[Tier, RawStore]:
+        config = self.make_config(**overrides)
+        tier = build_shared_tier(config)
+        assert tier is not None
+        self.tiers.append(tier)
+        return tier, self.raw_for(config)
+
+
+def _redis_raw(client: Any, config: SharedConfig) -> RawStore:
+    prefix = config.valkey.key_prefix
+    return RawStore(
+        name_of=lambda key: prefix + key_hex(key),
+        read=client.get,
+        write=lambda name, data: client.set(name, data),
+    )
+
+
+def _s3_raw(client: Any, config: SharedConfig) -> RawStore:
+    s3 = config.s3
+
+    def read(name: str) -> bytes | None:
+        try:
+            return client.get_object(Bucket=s3.bucket, Key=name)["Body"].read()
+        except client.exceptions.NoSuchKey:
+            return None
+
+    return RawStore(
+        name_of=lambda key: s3.prefix + key_hex(key),
+        read=read,
+        write=lambda name, data: client.put_object(Bucket=s3.bucket, Key=name, Body=data),
+    )
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest, s3_credentials: dict[str, str]) -> Iterator[Backend]:
+    """Every shared backend in turn, on the session's real servers."""
+    kind = request.param
+    if kind == "s3":
+        moto: MotoS3Server = request.getfixturevalue("moto_s3")
+        raw_client = boto3.client(
+            "s3",
+            endpoint_url=moto.endpoint_url,
+            region_name="us-east-1",
+            aws_access_key_id="kvstrata-test",
+            aws_secret_access_key="kvstrata-secret",
+        )
+        b = Backend(
+            kind,
+            lambda **o: s3_shared_config(moto.endpoint_url, s3_credentials, **o),
+            lambda cfg: _s3_raw(raw_client, cfg),
+            [],
+        )
+    elif kind == "valkey":
+        server: RedisServer = request.getfixturevalue("valkey_server")
+        raw_client = redis.Redis(host=LOOPBACK, port=server.port)
+        b = Backend(
+            kind,
+            lambda **o: valkey_shared_config(server.url, **o),
+            lambda cfg: _redis_raw(raw_client, cfg),
+            [],
+        )
+    else:
+        cluster: RedisClusterServers = request.getfixturevalue("valkey_cluster")
+        raw_client = redis.cluster.RedisCluster(host=LOOPBACK, port=cluster.servers[0].port)
+        b = Backend(
+            kind,
+            lambda **o: valkey_shared_config(cluster.url, cluster=True, **o),
+            lambda cfg: _redis_raw(raw_client, cfg),
+            [],
+        )
+    yield b
+    for tier in b.tiers:
+        tier.clear()
+        tier.close()
+    raw_client.close()
+
+
+class StallingProxy:
+    """A loopback TCP proxy that can stop forwarding (a hung S3 endpoint).
+
+    This is the one fault we cannot cause with the real server: moto never
+    hangs. While stalled, connections are accepted and held open but no byte
+    moves in either direction, which is what a hung load balancer does.
+    """
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self._listener = socket.create_server((LOOPBACK, 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._closed = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def stall(self) -> None:
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        self._flowing.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._flowing.set()
+        self._listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                sock.close()
+        for thread in self._threads:
+            thread.join(timeout=2)
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection((LOOPBACK, self.upstream_port), timeout=2)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._sockets += [client, upstream]
+            thread = threading.Thread(target=self._pump, args=(client, upstream), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _pump(self, a: socket.socket, b: socket.socket) -> None:
+        peers = {a: b, b: a}
+        try:
+            while not self._closed.is_set():
+                if not self._flowing.is_set():
+                    self._flowing.wait(0.05)
+                    continue
+                readable, _, _ = select.select(list(peers), [], [], 0.05)
+                for sock in readable:
+                    data = sock.recv(1 << 16)
+                    if not data:
+                        return
+                    peers[sock].sendall(data)
+        except OSError:
+            return
+        finally:
+            a.close()
+            b.close()
+
+
+@pytest.fixture
+def stalling_proxy_to() -> Iterator[Callable[[int], StallingProxy]]:
+    proxies: list[StallingProxy] = []
+
+    def make(upstream_port: int) -> StallingProxy:
+        proxy = StallingProxy(upstream_port)
+        proxies.append(proxy)
+        return proxy
+
+    yield make
+    for proxy in proxies:
+        proxy.close()
+
+
+@pytest.fixture
+def own_valkey_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A server this test may kill and restart."""
+    _require_redis_binary()
+    with RedisServer(tmp_path / "valkey") as server:
+        yield server
+
+
+@pytest.fixture
+def own_moto_s3() -> Iterator[MotoS3Server]:
+    """An S3 endpoint this test may stop and start again."""
+    with MotoS3Server() as server:
+        yield server
+
+
+@pytest.fixture
+def valkey_config() -> Callable[..., SharedConfig]:
+    """``valkey_config(url, cluster=False, **shared_overrides)`` with a fresh key prefix."""
+    return valkey_shared_config
+
+
+@pytest.fixture
+def s3_config(s3_credentials: dict[str, str]) -> Callable[..., SharedConfig]:
+    """``s3_config(endpoint_url, **shared_overrides)`` with a fresh prefix and credentials."""
+    return lambda endpoint_url, **o: s3_shared_config(endpoint_url, s3_credentials, **o)
