@@ -13,6 +13,7 @@ the shared servers never see each other's objects.
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import threading
@@ -234,6 +235,8 @@ class StallingProxy:
     def close(self) -> None:
         self._closed.set()
         self._flowing.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
         self._listener.close()
         with self._lock:
             for sock in self._sockets:

@@ -1,0 +1,126 @@
+"""The S3 tier under faults: a stalled endpoint and a stopped one.
+
+A stall is the one fault moto cannot produce, so a :class:`StallingProxy`
+(conftest.py) sits between boto3 and the real moto server and stops
+forwarding bytes. A stop is real: the moto process is killed and a new one
+started on the same port (empty, so the tier must make its bucket again).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from kvstrata.bench.servers import MotoS3Server, wait_for
+from kvstrata.sidecar.keys import Namespace, make_key
+from kvstrata.sidecar.objformat import ChunkMeta
+from kvstrata.sidecar.tiers.factory import build_shared_tier
+from kvstrata.sidecar.tiers.s3 import S3Tier
+
+NS = Namespace(model="s3-faults").fingerprint()
+META = ChunkMeta(dtype="uint8", shape=(4096,))
+DEADLINE = 0.4
+
+
+def key(i: int):
+    return make_key(NS, i.to_bytes(32, "big"))
+
+
+@pytest.fixture
+def fast_failing(s3_config):
+    def make(endpoint_url: str) -> S3Tier:
+        config = s3_config(
+            endpoint_url,
+            breaker_failures=2,
+            breaker_reset_seconds=0.2,
+            lookup_timeout_seconds=0.1,
+            s3={"timeout_seconds": DEADLINE, "max_attempts": 1},
+        )
+        tier = build_shared_tier(config)
+        assert isinstance(tier, S3Tier)
+        return tier
+
+    return make
+
+
+def timed(fn):
+    started = time.monotonic()
+    result = fn()
+    return result, time.monotonic() - started
+
+
+def test_stalled_endpoint_answers_misses_within_the_deadline_and_recovers(
+    moto_s3: MotoS3Server, stalling_proxy_to, fast_failing
+) -> None:
+    proxy = stalling_proxy_to(moto_s3.port)
+    tier = fast_failing(proxy.endpoint_url)
+    data = os.urandom(4096)
+    assert tier.put(key(0), data, META)
+    proxy.stall()
+
+    got, took = timed(lambda: tier.get(key(0)))
+    assert got is None and took < DEADLINE + 0.3
+    found, took = timed(lambda: tier.contains_many([key(0), key(1)]))
+    assert found == [False, False] and took < 0.1 + 0.3
+    stored, took = timed(lambda: tier.put(key(2), data, META))
+    assert stored is False and took < DEADLINE + 0.3
+    stats = tier.stats()
+    assert stats.degraded
+    assert stats.errors_total.get("deadline", 0) + stats.errors_total.get("timeout", 0) >= 2
+
+    proxy.resume()
+    wait_for(lambda: tier.get(key(0)) is not None, 10, "hits after the endpoint resumes")
+    assert not tier.stats().degraded
+    tier.close()
+
+
+def test_stopped_endpoint_costs_misses_and_the_bucket_is_made_again_on_return(
+    own_moto_s3: MotoS3Server, fast_failing
+) -> None:
+    tier = fast_failing(own_moto_s3.endpoint_url)
+    data = os.urandom(4096)
+    assert tier.put(key(0), data, META)
+    own_moto_s3.stop()
+
+    for i in range(4):
+        got, took = timed(lambda i=i: tier.get(key(i)))
+        assert got is None and took < DEADLINE + 0.3
+        assert tier.put(key(i + 10), data, META) is False
+    stats = tier.stats()
+    assert stats.degraded
+    assert stats.errors_total.get("connection", 0) >= 2
+
+    own_moto_s3.start()  # same port, empty: no bucket, no objects
+    wait_for(
+        lambda: tier.put(key(0), data, META) and tier.get(key(0)) is not None,
+        10,
+        "stores and hits after the endpoint returns",
+    )
+    assert not tier.stats().degraded
+    tier.close()
+
+
+def test_large_object_goes_up_in_parts_and_comes_back_intact(moto_s3, s3_config) -> None:
+    config = s3_config(
+        moto_s3.endpoint_url,
+        s3={"multipart_threshold_bytes": "5Mi", "multipart_chunk_bytes": "5Mi"},
+    )
+    tier = build_shared_tier(config)
+    data = os.urandom(12 << 20)
+    assert tier.put(key(1), data, ChunkMeta(dtype="uint8", shape=(len(data),)))
+    got = tier.get(key(1))
+    assert got is not None and bytes(got.payload) == data
+    tier.clear()
+    tier.close()
+
+
+def test_half_set_credential_files_are_refused_naming_the_fields(s3_credentials) -> None:
+    from kvstrata.sidecar.config import SharedConfig
+
+    config = SharedConfig(
+        backend="s3", s3={"access_key_id_file": s3_credentials["access_key_id_file"]}
+    )
+    with pytest.raises(ValueError, match=r"shared\.s3\.secret_access_key_file"):
+        build_shared_tier(config)
