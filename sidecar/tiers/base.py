@@ -86,6 +86,16 @@ class Tier(abc.ABC):
     def stats(self) -> TierStats:
         """A snapshot of the tier's counters."""
 
+    def get_many(self, keys: Sequence[ChunkKey]) -> list[DecodedObject | None]:
+        """``get`` for a batch; remote tiers override it with one round trip."""
+        return [self.get(key) for key in keys]
+
+    def put_many(
+        self, items: Sequence[tuple[ChunkKey, bytes | memoryview, ChunkMeta]]
+    ) -> list[bool]:
+        """``put`` for a batch of (key, payload, meta); remote tiers pipeline it."""
+        return [self.put(key, payload, meta) for key, payload, meta in items]
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections, threads and files."""
 
