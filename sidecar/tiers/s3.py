@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects call takes
 _MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
+# A conditional PUT refused because the object exists (or is being written).
+_EXISTS_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict"})
 
 
 class _Missing(Exception):
@@ -197,27 +199,45 @@ class S3Tier(Tier):
     def _object_key(self, key: ChunkKey) -> str:
         return self._config.prefix + key_hex(key)
 
-    def _call(self, op: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the pool within the wall-clock deadline.
+    def _run_many(self, op: str, fns: Sequence[Callable[[], T]]) -> list[T | BaseException]:
+        """Run each ``fn`` on the pool; wait for all at most ``timeout_seconds``.
 
-        Raises :class:`_Missing` for a 404; any other failure is counted,
-        fed to the breaker and re-raised for the caller to turn into a miss.
+        Each slot holds the result, a :class:`_Missing` (a 404: a plain miss)
+        or the exception. Failures are counted by kind; the batch feeds the
+        breaker once (a failure if any call failed).
         """
-        future = self._pool.submit(fn)
-        try:
-            result = future.result(timeout=self._config.timeout_seconds)
-        except cf.TimeoutError:
-            future.cancel()  # frees the slot if it never started; else its socket times out
-            exc: BaseException = _DeadlineExceeded(f"{op} exceeded {self._config.timeout_seconds}s")
-            self._failed(op, exc)
-            raise exc from None
-        except Exception as exc:
-            if _is_missing(exc):
-                self._breaker.record_success()
-                raise _Missing(op) from None
-            self._failed(op, exc)
-            raise
-        self._breaker.record_success()
+        futures = [self._pool.submit(fn) for fn in fns]
+        done, _ = cf.wait(futures, timeout=self._config.timeout_seconds)
+        out: list[T | BaseException] = []
+        failed: list[BaseException] = []
+        for future in futures:
+            if future not in done:
+                future.cancel()  # frees the slot if it never started; else its socket times out
+                exc: BaseException = _DeadlineExceeded(
+                    f"{op} exceeded {self._config.timeout_seconds}s"
+                )
+                failed.append(exc)
+            else:
+                exc = future.exception()
+                if exc is None:
+                    out.append(future.result())
+                    continue
+                if _is_missing(exc):
+                    exc = _Missing(op)
+                else:
+                    failed.append(exc)
+            out.append(exc)
+        if failed:
+            self._failed(op, failed)
+        else:
+            self._breaker.record_success()
+        return out
+
+    def _call(self, op: str, fn: Callable[[], T]) -> T:
+        """One call through :meth:`_run_many`; raises what it failed with."""
+        result = self._run_many(op, [fn])[0]
+        if isinstance(result, BaseException):
+            raise result
         return result
 
     def _allow(self) -> bool:
@@ -229,12 +249,13 @@ class S3Tier(Tier):
             return self._ensure_bucket_guarded()
         return True
 
-    def _failed(self, op: str, exc: BaseException) -> None:
-        kind = _error_kind(exc)
-        logger.debug("s3 %s failed (%s): %s", op, kind, exc)
+    def _failed(self, op: str, excs: Sequence[BaseException]) -> None:
+        """Count each failure by kind; the breaker sees one failed call."""
+        logger.debug("s3 %s failed %d time(s), first: %s", op, len(excs), excs[0])
         with self._lock:
-            self._stats.count_error(kind)
-        if _error_code(exc) == "NoSuchBucket" and self._config.create_bucket:
+            for exc in excs:
+                self._stats.count_error(_error_kind(exc))
+        if self._config.create_bucket and any(_error_code(e) == "NoSuchBucket" for e in excs):
             self._bucket_ready = False  # deleted (or a fresh endpoint): make it again
         self._breaker.record_failure()
 
@@ -292,59 +313,48 @@ class S3Tier(Tier):
                 failure = exc
             answers.append(exc is None)
         if failure is not None or (pending and not any(answers)):
-            self._failed("contains_many", failure or _DeadlineExceeded("lookup deadline"))
+            self._failed("contains_many", [failure or _DeadlineExceeded("lookup deadline")])
         else:
             self._breaker.record_success()
         return answers
 
     def get(self, key: ChunkKey) -> DecodedObject | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[ChunkKey]) -> list[DecodedObject | None]:
+        """Concurrent GETs on the pool, all within one ``timeout_seconds`` deadline."""
+        if not keys:
+            return []
         if not self._allow():
-            self._count(miss=True)
-            return None
-        object_key = self._object_key(key)
-        try:
-            blob = self._call("get", lambda: self._download(object_key))
-        except Exception:  # missing, or failed and counted by _call
-            self._count(miss=True)
-            return None
-        try:
-            obj = decode(blob, expected_key=bytes(key))
-        except CorruptObjectError as exc:
-            logger.warning("s3 object %s is corrupt (%s); deleting it", object_key, exc)
-            with self._lock:
-                self._stats.corrupt_total += 1
-            self._count(miss=True)
-            self._delete(object_key)
-            return None
-        with self._lock:
-            self._stats.retrieved_bytes_total += len(blob)
-        self._count(miss=False)
-        return obj
+            self._count(misses=len(keys))
+            return [None] * len(keys)
+        names = [self._object_key(k) for k in keys]
+        blobs = self._run_many("get", [lambda n=n: self._download(n) for n in names])
+        return [self._validated(k, n, b) for k, n, b in zip(keys, names, blobs, strict=True)]
 
     def put(self, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta) -> bool:
-        parts = encode(bytes(key), payload, meta, self._codec)  # bad meta raises ValueError
+        return self.put_many([(key, payload, meta)])[0]
+
+    def put_many(
+        self, items: Sequence[tuple[ChunkKey, bytes | memoryview, ChunkMeta]]
+    ) -> list[bool]:
+        """Concurrent uploads, each skipped when the object already exists."""
+        if not items:
+            return []
+        # Bad meta raises ValueError before anything is sent.
+        encoded = [encode(bytes(k), payload, meta, self._codec) for k, payload, meta in items]
         if not self._allow():
-            return False
-        object_key = self._object_key(key)
-        try:
-            self._call(
-                "head", lambda: self._client.head_object(Bucket=self._config.bucket, Key=object_key)
-            )
-        except _Missing:
-            pass
-        except Exception:
-            return False
-        else:
-            with self._lock:
-                self._stats.deduplicated_total += 1
-            return True
-        try:
-            self._call("put", lambda: self._upload(object_key, parts))
-        except Exception:
-            return False
+            return [False] * len(items)
+        names = [self._object_key(k) for k, _, _ in items]
+        fns = [lambda n=n, p=p: self._store(n, p) for n, p in zip(names, encoded, strict=True)]
+        outcomes = self._run_many("put", fns)
         with self._lock:
-            self._stats.stored_bytes_total += sum(len(p) for p in parts)
-        return True
+            for parts, outcome in zip(encoded, outcomes, strict=True):
+                if outcome is True:
+                    self._stats.stored_bytes_total += sum(len(p) for p in parts)
+                elif outcome is False:
+                    self._stats.deduplicated_total += 1
+        return [isinstance(o, bool) for o in outcomes]
 
     def remove(self, key: ChunkKey) -> None:
         if self._allow():
@@ -374,18 +384,41 @@ class S3Tier(Tier):
 
     # -- transfers (run on the pool) ---------------------------------------
 
-    def _upload(self, object_key: str, parts: list[bytes | memoryview]) -> None:
+    def _store(self, object_key: str, parts: list[bytes | memoryview]) -> bool:
+        """Upload unless the object exists; True if stored, False if it was there.
+
+        Small objects use a conditional PUT (``If-None-Match: *``): one
+        request, atomic against a concurrent writer, and with botocore's
+        ``Expect: 100-continue`` (bodies over 1 MB) the body is not sent when
+        refused. Multipart
+        uploads cannot be conditional through boto3's transfer manager, so
+        large objects are checked with a HEAD first.
+        """
         size = sum(len(p) for p in parts)
         bucket = self._config.bucket
         if size < self._transfer.multipart_threshold:
-            self._client.put_object(Bucket=bucket, Key=object_key, Body=b"".join(parts))
-            return
+            try:
+                self._client.put_object(
+                    Bucket=bucket, Key=object_key, Body=b"".join(parts), IfNoneMatch="*"
+                )
+            except botocore.exceptions.ClientError as exc:
+                if _error_code(exc) in _EXISTS_CODES:
+                    return False
+                raise
+            return True
+        try:
+            self._client.head_object(Bucket=bucket, Key=object_key)
+            return False
+        except botocore.exceptions.ClientError as exc:
+            if not _is_missing(exc):
+                raise
         self._client.upload_fileobj(
             io.BufferedReader(_PartsReader(parts), buffer_size=1 << 20),
             bucket,
             object_key,
             Config=self._transfer,
         )
+        return True
 
     def _download(self, object_key: str) -> bytes | memoryview:
         """One GET; a body above the multipart threshold comes as concurrent ranges."""
@@ -424,12 +457,31 @@ class S3Tier(Tier):
 
     # -- helpers ----------------------------------------------------------
 
-    def _count(self, miss: bool) -> None:
+    def _count(self, hits: int = 0, misses: int = 0) -> None:
         with self._lock:
-            if miss:
-                self._stats.misses_total += 1
-            else:
-                self._stats.hits_total += 1
+            self._stats.hits_total += hits
+            self._stats.misses_total += misses
+
+    def _validated(
+        self, key: ChunkKey, object_key: str, blob: bytes | memoryview | BaseException
+    ) -> DecodedObject | None:
+        """Decode one fetched body; a failure or a corrupt object is a miss."""
+        if isinstance(blob, BaseException):  # missing, or failed and counted
+            self._count(misses=1)
+            return None
+        try:
+            obj = decode(blob, expected_key=bytes(key))
+        except CorruptObjectError as exc:
+            logger.warning("s3 object %s is corrupt (%s); deleting it", object_key, exc)
+            with self._lock:
+                self._stats.corrupt_total += 1
+            self._count(misses=1)
+            self._delete(object_key)
+            return None
+        with self._lock:
+            self._stats.retrieved_bytes_total += len(blob)
+        self._count(hits=1)
+        return obj
 
     def _delete(self, object_key: str) -> None:
         try:

@@ -256,52 +256,67 @@ class ValkeyTier(Tier):
         return [bool(a) for a in answers]
 
     def get(self, key: ChunkKey) -> DecodedObject | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[ChunkKey]) -> list[DecodedObject | None]:
+        """Pipelined GETs (one round trip; per node in cluster mode)."""
+        if not keys:
+            return []
         if not self._allow():
-            self._count_miss()
-            return None
-        name = self._name(key)
+            self._count_misses(len(keys))
+            return [None] * len(keys)
+        names = [self._name(k) for k in keys]
         try:
-            blob = self._client("io").get(name)
+            if len(names) == 1:
+                blobs = [self._client("io").get(names[0])]
+            else:
+                pipe = self._client("io").pipeline(transaction=False)
+                for name in names:
+                    pipe.get(name)
+                blobs = pipe.execute(raise_on_error=True)
         except Exception as exc:
             self._failed("get", exc)
-            self._count_miss()
-            return None
+            self._count_misses(len(keys))
+            return [None] * len(keys)
         self._breaker.record_success()
-        if blob is None:
-            self._count_miss()
-            return None
-        try:
-            obj = decode(blob, expected_key=bytes(key))
-        except CorruptObjectError as exc:
-            logger.warning("valkey object %s is corrupt (%s); deleting it", name, exc)
-            with self._lock:
-                self._stats.corrupt_total += 1
-                self._stats.misses_total += 1
-            self._delete(name)
-            return None
-        with self._lock:
-            self._stats.hits_total += 1
-            self._stats.retrieved_bytes_total += len(blob)
-        return obj
+        return [self._validated(k, n, b) for k, n, b in zip(keys, names, blobs, strict=True)]
 
     def put(self, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta) -> bool:
-        parts = encode(bytes(key), payload, meta, self._codec)  # bad meta raises ValueError
+        return self.put_many([(key, payload, meta)])[0]
+
+    def put_many(
+        self, items: Sequence[tuple[ChunkKey, bytes | memoryview, ChunkMeta]]
+    ) -> list[bool]:
+        """Pipelined ``SET NX`` of each object, header and payload sent unjoined."""
+        if not items:
+            return []
+        # Bad meta raises ValueError before anything is sent.
+        encoded = [encode(bytes(k), payload, meta, self._codec) for k, payload, meta in items]
         if not self._allow():
-            return False
+            return [False] * len(items)
+        ttl = self._config.ttl_seconds
         try:
-            stored = self._client("io").set(
-                self._name(key), Scatter(parts), nx=True, ex=self._config.ttl_seconds
-            )
+            client = self._client("io")
+            if len(items) == 1:
+                answers = [
+                    client.set(self._name(items[0][0]), Scatter(encoded[0]), nx=True, ex=ttl)
+                ]
+            else:
+                pipe = client.pipeline(transaction=False)
+                for (key, _, _), parts in zip(items, encoded, strict=True):
+                    pipe.set(self._name(key), Scatter(parts), nx=True, ex=ttl)
+                answers = pipe.execute(raise_on_error=True)
         except Exception as exc:
             self._failed("put", exc)
-            return False
+            return [False] * len(items)
         self._breaker.record_success()
         with self._lock:
-            if stored:
-                self._stats.stored_bytes_total += sum(len(p) for p in parts)
-            else:  # SET NX refused: another writer stored this chunk first
-                self._stats.deduplicated_total += 1
-        return True
+            for parts, stored in zip(encoded, answers, strict=True):
+                if stored:
+                    self._stats.stored_bytes_total += sum(len(p) for p in parts)
+                else:  # SET NX refused: another writer stored this chunk first
+                    self._stats.deduplicated_total += 1
+        return [True] * len(items)
 
     def remove(self, key: ChunkKey) -> None:
         if self._allow():
@@ -344,9 +359,28 @@ class ValkeyTier(Tier):
 
     # -- helpers ----------------------------------------------------------
 
-    def _count_miss(self) -> None:
+    def _count_misses(self, n: int) -> None:
         with self._lock:
-            self._stats.misses_total += 1
+            self._stats.misses_total += n
+
+    def _validated(self, key: ChunkKey, name: str, blob: bytes | None) -> DecodedObject | None:
+        """Decode one fetched value; a corrupt one is counted, deleted and a miss."""
+        if blob is None:
+            self._count_misses(1)
+            return None
+        try:
+            obj = decode(blob, expected_key=bytes(key))
+        except CorruptObjectError as exc:
+            logger.warning("valkey object %s is corrupt (%s); deleting it", name, exc)
+            with self._lock:
+                self._stats.corrupt_total += 1
+                self._stats.misses_total += 1
+            self._delete(name)
+            return None
+        with self._lock:
+            self._stats.hits_total += 1
+            self._stats.retrieved_bytes_total += len(blob)
+        return obj
 
     def _delete(self, name: str) -> None:
         try:

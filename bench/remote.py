@@ -1,0 +1,392 @@
+"""``kvstrata bench remote``: the shared tiers against their raw clients.
+
+Starts its own loopback ``valkey-server``/``redis-server`` and moto S3
+server (:mod:`kvstrata.bench.servers`), then for each chunk size measures
+put and get throughput of
+
+* ``tier``: :class:`ValkeyTier` / :class:`S3Tier` (object header, xxh3
+  checksums, dedup check, breaker, deadlines), and
+* ``raw``: the same client library doing the same operations with the same
+  connection settings (redis-py SET/GET of the payload bytes, boto3
+  put_object/get_object),
+
+one chunk at a time (``serial``) and ``batch`` chunks at once (tier:
+``put_many`` / ``get_many``; raw: one pipeline for Valkey, that many
+concurrent calls for S3). Every figure is the median over
+``reps`` interleaved runs; ``ratio`` is tier / raw. It also measures a
+64-key existence lookup and the optional codecs on bf16 KV-like data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvstrata.bench.kvdata import bf16_kv_like
+from kvstrata.bench.servers import MotoS3Server, RedisServer, redis_server_binary
+from kvstrata.sidecar.codecs import compress, decompress
+from kvstrata.sidecar.config import SharedConfig
+from kvstrata.sidecar.keys import ChunkKey, Namespace, make_key
+from kvstrata.sidecar.objformat import ChunkMeta
+from kvstrata.sidecar.tiers import s3 as s3_tier
+from kvstrata.sidecar.tiers import valkey as valkey_tier
+from kvstrata.sidecar.tiers.base import Tier
+
+MiB = 1 << 20
+BATCH = 8
+NS = Namespace(model="bench-remote").fingerprint()
+
+
+def _params(quick: bool) -> dict[str, Any]:
+    return {
+        "sizes_mib": [1, 4] if quick else [1, 4, 16, 32],
+        "reps": 2 if quick else 3,
+        "bytes_per_run": (16 if quick else 128) * MiB,
+        "batch": BATCH,
+    }
+
+
+def _keys(n: int) -> list[ChunkKey]:
+    return [make_key(NS, os.urandom(32)) for _ in range(n)]
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def _in_batches(items: list[Any], fn: Callable[[list[Any]], None]) -> None:
+    for i in range(0, len(items), BATCH):
+        fn(items[i : i + BATCH])
+
+
+# -- one backend ----------------------------------------------------------
+
+
+class _Ops:
+    """The eight timed operations of one backend at one chunk size."""
+
+    def __init__(
+        self, tier: Tier, raw_put: Callable, raw_get: Callable, raw_clear: Callable
+    ) -> None:
+        self.tier = tier
+        self.raw_put_one, self.raw_get_one, self.raw_clear = raw_put, raw_get, raw_clear
+        self.raw_put_batch: Callable[[list[tuple[str, bytes]]], None] | None = None
+        self.raw_get_batch: Callable[[list[str]], None] | None = None
+        self.pool = cf.ThreadPoolExecutor(BATCH)
+
+    def tier_put(self, keys: list[ChunkKey], data: bytes, meta: ChunkMeta, batched: bool) -> None:
+        ok: list[bool] = []
+        if batched:
+            _in_batches(keys, lambda b: ok.extend(self.tier.put_many([(k, data, meta) for k in b])))
+        else:
+            ok = [self.tier.put(k, data, meta) for k in keys]
+        if not all(ok):
+            raise RuntimeError("tier put failed during the benchmark")
+
+    def tier_get(self, keys: list[ChunkKey], size: int, batched: bool) -> None:
+        got: list[Any] = []
+        if batched:
+            _in_batches(keys, lambda b: got.extend(self.tier.get_many(b)))
+        else:
+            got = [self.tier.get(k) for k in keys]
+        if any(g is None or len(g.payload) != size for g in got):
+            raise RuntimeError("tier get missed during the benchmark")
+
+    def raw_put(self, names: list[str], data: bytes, batched: bool) -> None:
+        if not batched:
+            for name in names:
+                self.raw_put_one(name, data)
+        elif self.raw_put_batch is not None:
+            _in_batches([(n, data) for n in names], self.raw_put_batch)
+        else:
+            list(self.pool.map(lambda n: self.raw_put_one(n, data), names))
+
+    def raw_get(self, names: list[str], size: int, batched: bool) -> None:
+        if not batched:
+            got = [self.raw_get_one(n) for n in names]
+        elif self.raw_get_batch is not None:
+            got = []
+            _in_batches(names, lambda b: got.extend(self.raw_get_batch(b)))
+        else:
+            got = list(self.pool.map(self.raw_get_one, names))
+        if any(g is None or len(g) != size for g in got):
+            raise RuntimeError("raw get missed during the benchmark")
+
+
+def _one_rep(
+    ops: _Ops, count: int, data: bytes, meta: ChunkMeta, batched: bool
+) -> dict[str, float]:
+    """Seconds of raw put, tier put, raw get, tier get (interleaved) on fresh keys."""
+    keys = _keys(count)
+    names = [f"raw:{k.hex()}" for k in keys]
+    size = len(data)
+    out = {
+        "rp": _timed(lambda: ops.raw_put(names, data, batched)),
+        "tp": _timed(lambda: ops.tier_put(keys, data, meta, batched)),
+        "rg": _timed(lambda: ops.raw_get(names, size, batched)),
+        "tg": _timed(lambda: ops.tier_get(keys, size, batched)),
+    }
+    ops.tier.clear()
+    ops.raw_clear()
+    return out
+
+
+def _measure_size(ops: _Ops, size: int, params: dict[str, Any], seed: int) -> list[dict]:
+    data = bf16_kv_like(size, seed=seed)
+    meta = ChunkMeta(dtype="bfloat16", shape=(size // 2,))
+    count = max(BATCH, params["bytes_per_run"] // size)
+    total = count * size
+    rows = []
+    for batched in (False, True):
+        samples: dict[str, list[float]] = {k: [] for k in ("tp", "tg", "rp", "rg")}
+        for _ in range(params["reps"]):
+            for name, seconds in _one_rep(ops, count, data, meta, batched).items():
+                samples[name].append(_gbps(total, seconds))
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        rows.append(
+            {
+                "size_mib": size // MiB,
+                "mode": f"batch{BATCH}" if batched else "serial",
+                "chunks": count,
+                "tier_put_gbps": round(med["tp"], 3),
+                "raw_put_gbps": round(med["rp"], 3),
+                "put_ratio": round(med["tp"] / med["rp"], 3),
+                "tier_get_gbps": round(med["tg"], 3),
+                "raw_get_gbps": round(med["rg"], 3),
+                "get_ratio": round(med["tg"] / med["rg"], 3),
+            }
+        )
+    return rows
+
+
+def _lookup_ms(tier: Tier, raw_lookup: Callable[[list[str]], Any], reps: int = 30) -> dict:
+    keys = _keys(64)
+    for key in keys[::2]:
+        tier.put(key, b"\0" * 64, ChunkMeta())
+    names = [f"raw:{k.hex()}" for k in keys]
+    tier_ms = [1000 * _timed(lambda: tier.contains_many(keys)) for _ in range(reps)]
+    raw_ms = [1000 * _timed(lambda: raw_lookup(names)) for _ in range(reps)]
+    tier.clear()
+    return {
+        "keys": len(keys),
+        "tier_p50_ms": round(statistics.median(tier_ms), 3),
+        "raw_p50_ms": round(statistics.median(raw_ms), 3),
+    }
+
+
+def bench_valkey(server: RedisServer, params: dict[str, Any]) -> dict[str, Any]:
+    config = SharedConfig(
+        backend="valkey",
+        valkey={"url": server.url, "timeout_seconds": 10.0},
+        lookup_timeout_seconds=1.0,
+    )
+    tier = valkey_tier.ValkeyTier(config)
+    # Raw baseline: the same library and connection settings, plain SET/GET.
+    raw = valkey_tier.make_client(config.valkey, timeout=10.0, pool_size=16)
+
+    def raw_put_batch(items: list[tuple[str, bytes]]) -> None:
+        pipe = raw.pipeline(transaction=False)
+        for name, data in items:
+            pipe.set(name, data)
+        pipe.execute()
+
+    def raw_get_batch(names: list[str]) -> list[bytes]:
+        pipe = raw.pipeline(transaction=False)
+        for name in names:
+            pipe.get(name)
+        return pipe.execute()
+
+    def raw_exists(names: list[str]) -> list[int]:
+        pipe = raw.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(name)
+        return pipe.execute()
+
+    ops = _Ops(tier, raw.set, raw.get, raw.flushdb)
+    ops.raw_put_batch, ops.raw_get_batch = raw_put_batch, raw_get_batch
+    rows: list[dict] = []
+    for i, mib in enumerate(params["sizes_mib"]):
+        rows += _measure_size(ops, mib * MiB, params, seed=i)
+    out = {"rows": rows, "lookup": _lookup_ms(tier, raw_exists)}
+    out["zstd_4mib"] = _codec_through_tier(server, params)
+    ops.pool.shutdown()
+    tier.close()
+    raw.close()
+    return out
+
+
+def _codec_through_tier(server: RedisServer, params: dict[str, Any]) -> dict[str, Any]:
+    """Serial put/get of 4 MiB bf16 chunks through the Valkey tier with zstd on."""
+    config = SharedConfig(
+        backend="valkey", valkey={"url": server.url, "timeout_seconds": 10.0}, codec="zstd"
+    )
+    tier = valkey_tier.ValkeyTier(config)
+    size, data = 4 * MiB, bf16_kv_like(4 * MiB, seed=99)
+    meta = ChunkMeta(dtype="bfloat16", shape=(size // 2,))
+    keys = _keys(max(4, params["bytes_per_run"] // size // 2))
+    total = len(keys) * size
+    put_s = _timed(lambda: [tier.put(k, data, meta) for k in keys])
+    get_s = _timed(lambda: [tier.get(k) for k in keys])
+    stored = tier.stats().stored_bytes_total
+    tier.clear()
+    tier.close()
+    return {
+        "put_gbps": round(_gbps(total, put_s), 3),
+        "get_gbps": round(_gbps(total, get_s), 3),
+        "stored_ratio": round(total / stored, 3),
+    }
+
+
+def bench_s3(server: MotoS3Server, secrets: Path, params: dict[str, Any]) -> dict[str, Any]:
+    (secrets / "id").write_text("bench")
+    (secrets / "secret").write_text("bench-secret")
+    config = SharedConfig(
+        backend="s3",
+        s3={
+            "endpoint_url": server.endpoint_url,
+            "bucket": "kvstrata-bench",
+            "create_bucket": True,
+            "access_key_id_file": str(secrets / "id"),
+            "secret_access_key_file": str(secrets / "secret"),
+            "timeout_seconds": 60.0,
+        },
+        lookup_timeout_seconds=5.0,
+    )
+    tier = s3_tier.S3Tier(config)
+    raw = s3_tier.make_client(config.s3)  # same boto3 settings, plain calls
+    bucket = config.s3.bucket
+
+    def raw_get(name: str) -> bytes:
+        return raw.get_object(Bucket=bucket, Key=name)["Body"].read()
+
+    def raw_clear() -> None:
+        for page in raw.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="raw:"):
+            objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if objects:
+                raw.delete_objects(Bucket=bucket, Delete={"Objects": objects, "Quiet": True})
+
+    def raw_heads(names: list[str]) -> list[bool]:
+        def head(name: str) -> bool:
+            try:
+                raw.head_object(Bucket=bucket, Key=name)
+                return True
+            except raw.exceptions.ClientError:
+                return False
+
+        return list(ops.pool.map(head, names))
+
+    ops = _Ops(
+        tier,
+        lambda name, data: raw.put_object(Bucket=bucket, Key=name, Body=data),
+        raw_get,
+        raw_clear,
+    )
+    rows: list[dict] = []
+    for i, mib in enumerate(params["sizes_mib"]):
+        rows += _measure_size(ops, mib * MiB, params, seed=i)
+    out = {"rows": rows, "lookup": _lookup_ms(tier, raw_heads, reps=10)}
+    ops.pool.shutdown()
+    tier.close()
+    return out
+
+
+def bench_codecs(size: int = 4 * MiB, reps: int = 3) -> list[dict[str, Any]]:
+    """Ratio and single-thread speed of each codec on bf16 KV-like data."""
+    data = bf16_kv_like(size, seed=1)
+    rows = []
+    for codec in ("zstd", "lz4"):
+        packed = compress(codec, data)
+        c_s = min(_timed(lambda c=codec: compress(c, data)) for _ in range(reps))
+        d_s = min(_timed(lambda c=codec, p=packed: decompress(c, p, size)) for _ in range(reps))
+        rows.append(
+            {
+                "codec": codec,
+                "input_mib": size // MiB,
+                "ratio": round(size / len(packed), 3),
+                "compress_mbps": round(size / c_s / 1e6, 1),
+                "decompress_mbps": round(size / d_s / 1e6, 1),
+            }
+        )
+    return rows
+
+
+def _summary(result: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"target_ratio": 0.9}
+    for backend in ("valkey", "s3"):
+        rows = result[backend]["rows"]
+        out[f"{backend}_min_put_ratio"] = min(r["put_ratio"] for r in rows)
+        out[f"{backend}_min_get_ratio"] = min(r["get_ratio"] for r in rows)
+        out[f"{backend}_median_ratio"] = round(
+            statistics.median([r["put_ratio"] for r in rows] + [r["get_ratio"] for r in rows]), 3
+        )
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    params = _params(bool(getattr(args, "quick", False)))
+    with tempfile.TemporaryDirectory(prefix="kvstrata-bench-remote-") as tmp:
+        base = Path(tmp)
+        with RedisServer(base / "valkey") as valkey_server, MotoS3Server() as moto:
+            result: dict[str, Any] = {
+                "params": params,
+                "servers": {
+                    "valkey": os.path.basename(redis_server_binary()),
+                    "s3": "moto_server (loopback, child process)",
+                },
+                "valkey": bench_valkey(valkey_server, params),
+                "s3": bench_s3(moto, base, params),
+            }
+    result["codecs"] = bench_codecs()
+    result["summary"] = _summary(result)
+    return result
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = []
+    for backend in ("valkey", "s3"):
+        lines.append(f"{backend}: GB/s (tier vs raw client, median of {result['params']['reps']})")
+        lines.append(
+            f"  {'size':>6} {'mode':>7} {'put tier':>9} {'raw':>7} {'ratio':>6}"
+            f" {'get tier':>9} {'raw':>7} {'ratio':>6}"
+        )
+        for r in result[backend]["rows"]:
+            lines.append(
+                f"  {r['size_mib']:>4}Mi {r['mode']:>7} {r['tier_put_gbps']:>9.3f}"
+                f" {r['raw_put_gbps']:>7.3f} {r['put_ratio']:>6.2f} {r['tier_get_gbps']:>9.3f}"
+                f" {r['raw_get_gbps']:>7.3f} {r['get_ratio']:>6.2f}"
+            )
+        lk = result[backend]["lookup"]
+        lines.append(
+            f"  lookup of {lk['keys']} keys: tier {lk['tier_p50_ms']} ms, raw {lk['raw_p50_ms']} ms"
+        )
+    z = result["valkey"]["zstd_4mib"]
+    lines.append(
+        f"valkey tier with zstd, 4Mi bf16: put {z['put_gbps']} GB/s, get {z['get_gbps']} GB/s,"
+        f" stored ratio {z['stored_ratio']}"
+    )
+    lines.append("codecs on bf16 KV-like data (one thread):")
+    for c in result["codecs"]:
+        lines.append(
+            f"  {c['codec']:>5}: ratio {c['ratio']:.3f}, compress {c['compress_mbps']} MB/s,"
+            f" decompress {c['decompress_mbps']} MB/s"
+        )
+    s = result["summary"]
+    lines.append(
+        f"min ratio tier/raw: valkey put {s['valkey_min_put_ratio']} get"
+        f" {s['valkey_min_get_ratio']}; s3 put {s['s3_min_put_ratio']} get {s['s3_min_get_ratio']}"
+        f" (target {s['target_ratio']})"
+    )
+    return "\n".join(lines)
