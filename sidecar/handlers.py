@@ -31,8 +31,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Ops answered on the worker pool: they may wait on L2/L3 I/O (promotion
-# into L1, remote existence checks), which must never stall the server loop.
-POOLED_OPS = frozenset({p.LOOKUP, p.PREPARE_RETRIEVE})
+# into L1), which must never stall the server loop. LOOKUP joins them when
+# a shared tier is configured (its existence checks are network calls); a
+# local lookup is cheaper than the hop to a worker thread.
+POOLED_OPS = frozenset({p.PREPARE_RETRIEVE})
+POOLED_OPS_REMOTE = frozenset({p.PREPARE_RETRIEVE, p.LOOKUP})
 
 
 def _slot_info(slot: Slot) -> p.SlotInfo:
@@ -64,14 +67,12 @@ class Handlers:
         self.server_version = server_version
         self.transfer_modes = transfer_modes
         self._table = {
-            p.HELLO: self._hello,
             p.LOOKUP: self._lookup,
             p.PREPARE_STORE: self._prepare_store,
             p.COMMIT_STORE: self._commit_store,
             p.PREPARE_RETRIEVE: self._prepare_retrieve,
             p.RELEASE: self._release,
             p.END_REQUEST: self._end_request,
-            p.PING: self._ping,
             p.STATS: self._stats,
         }
 

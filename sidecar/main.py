@@ -89,9 +89,9 @@ def _serve(config: SidecarConfig) -> int:
         from kvstrata.sidecar.tiers.factory import build_shared_tier
 
         try:
-            shared = build_shared_tier(config)
+            shared = build_shared_tier(config.shared)
         except ValueError as exc:
-            print(f"kvstrata sidecar: shared.{config.shared.backend}: {exc}", file=sys.stderr)
+            print(f"kvstrata sidecar: {exc}", file=sys.stderr)
             return 2
     if config.transfer_mode == "ipc":
         logger.warning("transfer_mode ipc: this sidecar serves host mode; ipc clients fall back")
@@ -100,7 +100,9 @@ def _serve(config: SidecarConfig) -> int:
     http: HttpEndpoints | None = None
     stop = threading.Event()
     try:
-        server = SidecarServer(config, engine, server_version=__version__)
+        server = SidecarServer(
+            config, engine, server_version=__version__, remote_lookups=shared is not None
+        )
         try:
             server.bind()
             http = HttpEndpoints(

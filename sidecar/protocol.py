@@ -556,7 +556,10 @@ def _envelope(frames: Sequence[bytes], width: int, strict: bool) -> list[Any]:
     try:
         env = _unpack(data, strict)
     except Exception as exc:  # msgpack raises several unrelated types
-        raise ProtocolError(E_BAD_FRAME, f"not a msgpack frame: {type(exc).__name__}") from None
+        detail = str(exc)[:200] or "malformed"
+        raise ProtocolError(
+            E_BAD_FRAME, f"not a msgpack frame ({type(exc).__name__}: {detail})"
+        ) from None
     if not isinstance(env, list) or len(env) != width:
         raise ProtocolError(E_BAD_FRAME, f"expected a msgpack array of {width} items")
     return env

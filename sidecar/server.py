@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from kvstrata.sidecar import protocol as p
-from kvstrata.sidecar.handlers import POOLED_OPS, Handlers
+from kvstrata.sidecar.handlers import POOLED_OPS, POOLED_OPS_REMOTE, Handlers
 from kvstrata.sidecar.metrics import EngineCollector, ServerMetrics
 from kvstrata.sidecar.sessions import Session, SessionTable
 
@@ -67,6 +67,7 @@ class SidecarServer:
         server_version: str,
         transfer_modes: frozenset[str] = frozenset({"host"}),
         workers: int = 4,
+        remote_lookups: bool = False,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -80,6 +81,7 @@ class SidecarServer:
         self.metrics.attach(
             EngineCollector(engine.stats, lambda: len(self.sessions), self._count_error)
         )
+        self.pooled_ops = POOLED_OPS_REMOTE if remote_lookups else POOLED_OPS
         self.endpoint = config.server.endpoint
         self.started = time.time()
         self._ctx: zmq.Context[Any] | None = None
@@ -170,10 +172,12 @@ class SidecarServer:
     # -- the loop -----------------------------------------------------------
 
     def _read_batch(self) -> None:
-        assert self._sock is not None  # serve() checked
+        sock = self._sock
         for _ in range(MAX_BATCH):
+            if sock is None:
+                return
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:
@@ -200,7 +204,7 @@ class SidecarServer:
             message = f"{request.op}: unknown session {request.session_id!r}; say HELLO"
             self._send(identity, p.encode_error(request.request_id, p.E_NO_SESSION, message))
             return
-        if request.op not in POOLED_OPS:
+        if request.op not in self.pooled_ops:
             self._send(identity, self._answer(request, session, identity, started))
             return
         with self._backlog_lock:

@@ -1,0 +1,205 @@
+"""Sidecar faults as the connector sees them: killed, restarted, vanished or
+slow clients. Everything here runs real processes over real ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from kvstrata.sidecar import protocol as p
+
+NBYTES = 4096
+TIMEOUT_S = 0.3
+# Scheduling slack on a loaded 2-core machine; a call that blocked on a
+# dead socket would take seconds, not this.
+SLACK_S = 0.25
+
+
+def _all_calls(client: Any, keys: list[bytes]) -> dict[str, Any]:
+    return {
+        "lookup": lambda: client.lookup(keys, prefetch=True, owner="r"),
+        "prepare_store": lambda: client.prepare_store(keys, NBYTES, "uint8", (NBYTES,), "r"),
+        "commit_store": lambda: client.commit_store([1], [True]),
+        "prepare_retrieve": lambda: client.prepare_retrieve(keys, "r"),
+        "release": lambda: client.release([1]),
+        "end_request": lambda: client.end_request("r"),
+        "ping": client.ping,
+        "stats": client.stats,
+    }
+
+
+def test_every_call_fails_within_its_deadline_while_the_sidecar_is_killed(
+    sidecar_factory: Any, kit: Any
+):
+    sidecar = sidecar_factory().start()
+    client = sidecar.client(call_timeout_s=TIMEOUT_S)
+    keys = kit.make_keys(4, seed=10)
+    kit.store(client, keys, NBYTES, owner="w")
+    epoch = client.epoch
+
+    sidecar.kill()
+    for _ in range(3):
+        for name, call in _all_calls(client, keys).items():
+            started = time.monotonic()
+            result = call()
+            elapsed = time.monotonic() - started
+            assert result in (None, False), name
+            assert elapsed < TIMEOUT_S + SLACK_S, f"{name} took {elapsed:.3f}s"
+    assert not client.available()
+    assert client.arena is None
+    assert sum(client.errors.values()) >= 24
+
+    sidecar.start()
+    kit.wait_until(client.ping, 10, "client reconnects after the restart")
+    assert client.epoch > epoch
+    assert client.available()
+    assert client.lookup(keys, prefetch=False, owner="r") is not None
+    client.close()
+
+
+def test_calls_in_flight_when_the_sidecar_dies_return_in_time_and_recover(
+    sidecar_factory: Any, kit: Any
+):
+    sidecar = sidecar_factory().start()
+    client = sidecar.client(call_timeout_s=TIMEOUT_S)
+    keys = kit.make_keys(2, seed=11)
+    outcomes: list[tuple[float, bool]] = []
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            started = time.monotonic()
+            try:
+                slots = client.prepare_store(
+                    kit.make_keys(1, seed=1000 + i), NBYTES, "uint8", (NBYTES,), "w"
+                )
+                ok = slots is not None and client.lookup(keys, prefetch=False, owner="w")
+            except BaseException as exc:  # the test asserts there are none
+                failures.append(exc)
+                return
+            outcomes.append((time.monotonic() - started, bool(ok)))
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    try:
+        kit.wait_until(lambda: sum(ok for _, ok in outcomes) >= 5, 10, "traffic flowing")
+        sidecar.kill()
+        killed_at = len(outcomes)
+        kit.wait_until(lambda: len(outcomes) >= killed_at + 10, 10, "calls after the kill")
+        assert not any(ok for _, ok in outcomes[killed_at + 1 :])
+        sidecar.start()
+        restarted_at = len(outcomes)
+        kit.wait_until(
+            lambda: any(ok for _, ok in outcomes[restarted_at:]), 10, "traffic after restart"
+        )
+    finally:
+        stop.set()
+        thread.join(10)
+    assert failures == []
+    # Two round trips per outcome, each within its own deadline.
+    assert max(t for t, _ in outcomes) < 2 * (TIMEOUT_S + SLACK_S)
+    client.close()
+
+
+_HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from kvstrata.connector.client import SidecarClient
+    from kvstrata.sidecar.keys import Namespace
+    endpoint, client_id, *hex_keys = sys.argv[1:]
+    ns = Namespace(model="kvstrata-test-model", block_size=16, chunk_size=16)
+    client = SidecarClient(endpoint, ns, role="worker", client_id=client_id, call_timeout_s=2)
+    slots = client.prepare_retrieve([bytes.fromhex(k) for k in hex_keys], "held")
+    print(sum(s is not None for s in slots or []), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_leases_of_a_client_that_vanishes_are_reclaimed(sidecar_factory: Any, kit: Any):
+    sidecar = sidecar_factory(overrides={"server": {"client_timeout_seconds": 1.0}}).start()
+    other = sidecar.client()
+    keys = kit.make_keys(3, seed=12)
+    kit.store(other, keys, NBYTES, owner="w")
+    kit.wait_until(lambda: sidecar.status()["leases_active"] == 0, 5, "stores settled")
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, sidecar.endpoint, "holder-1", *(k.hex() for k in keys)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "3"
+        held = {c["client_id"]: c["leases"] for c in sidecar.status()["clients"]}
+        assert held["holder-1"] == 3
+        assert sidecar.status()["leases_active"] >= 3
+    finally:
+        holder.kill()
+        holder.wait()
+
+    def reclaimed() -> bool:
+        status = sidecar.status()
+        ids = {c["client_id"] for c in status["clients"]}
+        return "holder-1" not in ids and status["leases_active"] == 0
+
+    kit.wait_until(reclaimed, 10, "the vanished client's leases reclaimed")
+    # The other client is unaffected (its own session may have been reaped
+    # as idle meanwhile; it says HELLO again by itself).
+    assert kit.retrieve(other, keys, owner="r") == [kit.payload(k, NBYTES) for k in keys]
+    other.close()
+
+
+def test_a_client_that_holds_leases_and_stops_reading_does_not_stall_another(
+    sidecar_factory: Any, kit: Any
+):
+    sidecar = sidecar_factory(overrides={"server": {"lease_seconds": 1.5}}).start()
+    busy = sidecar.client()
+    keys = kit.make_keys(4, seed=13)
+    kit.store(busy, keys, NBYTES, owner="w")
+
+    # A raw client that says HELLO, then floods lease-taking requests and
+    # never reads a reply nor releases anything.
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.DEALER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(sidecar.endpoint)
+    hello = p.HelloRequest(
+        client_id="rogue", role="worker", fingerprint=kit.NAMESPACE.fingerprint(), pid=0
+    )
+    rogue.send(p.encode_request(p.HELLO, 1, "", hello))
+    assert rogue.poll(5000)
+    session = p.decode_reply(rogue.recv_multipart(), p.HELLO).body.session_id
+    flood = p.encode_request(p.PREPARE_RETRIEVE, 2, session, p.PrepareRetrieveRequest(keys, "x"))
+    for _ in range(500):
+        rogue.send(flood, zmq.NOBLOCK)
+
+    try:
+        latencies = []
+        for i in range(40):
+            started = time.monotonic()
+            fresh = kit.make_keys(1, seed=2000 + i)
+            assert kit.store(busy, fresh, NBYTES, owner="w") == 1
+            assert kit.retrieve(busy, fresh, owner="r") == [kit.payload(fresh[0], NBYTES)]
+            latencies.append(time.monotonic() - started)
+        assert busy.errors == {}
+        assert sorted(latencies)[-2] < 0.5, latencies
+
+        assert sidecar.status()["leases_active"] > 0  # the rogue still holds its leases
+        # ... until they expire after lease_seconds.
+        kit.wait_until(
+            lambda: sidecar.status()["leases_active"] == 0, 10, "the rogue's leases expire"
+        )
+    finally:
+        rogue.close(0)
+        ctx.term()
+    busy.close()
