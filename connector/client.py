@@ -87,13 +87,14 @@ class _Arena:
             os.close(fd)
         self.name = name
         self.size = size
-        self.view = memoryview(self.mm)
+        self.view: memoryview | None = memoryview(self.mm)
 
     def close(self) -> None:
-        self.view.release()
-        # The connector may still hold views of the old mapping; then the
-        # mapping lives on until those are dropped (harmless: slots of an old
-        # epoch are void).
+        # Views are dropped, never released: the connector may still hold one
+        # (another thread mid-copy). Then the mapping stays valid until those
+        # are gone (harmless: slots of an old epoch are void) and close()
+        # refuses with BufferError.
+        self.view = None
         with contextlib.suppress(BufferError):
             self.mm.close()
 

@@ -74,9 +74,9 @@ class SessionTable:
     def open(
         self, client_id: str, role: str, pid: int, transfer_mode: str, identity: bytes
     ) -> tuple[Session, list[Session]]:
-        """A new session; also returns sessions of the same client id it replaces
-        (the caller reclaims their leases: a client says HELLO again only when
-        it has given its old session up)."""
+        """A new session; also returns the sessions it replaces: those of the
+        same client id, role and pid (the caller reclaims their leases: a
+        client says HELLO again only when it has given its old session up)."""
         now = time.monotonic()
         session = Session(
             session_id=uuid.uuid4().hex,
@@ -90,7 +90,9 @@ class SessionTable:
         )
         with self._lock:
             replaced = [
-                s for s in self._sessions.values() if client_id and s.client_id == client_id
+                s
+                for s in self._sessions.values()
+                if client_id and (s.client_id, s.role, s.pid) == (client_id, role, pid)
             ]
             for old in replaced:
                 del self._sessions[old.session_id]
