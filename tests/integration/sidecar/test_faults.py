@@ -203,3 +203,28 @@ def test_a_client_that_holds_leases_and_stops_reading_does_not_stall_another(
         rogue.close(0)
         ctx.term()
     busy.close()
+
+
+def test_a_late_reply_to_an_abandoned_request_is_discarded(sidecar: Any, kit: Any):
+    import os
+    import signal
+
+    client = sidecar.client(call_timeout_s=TIMEOUT_S)
+    stored, absent = kit.make_keys(3, seed=14), kit.make_keys(3, seed=15)
+    kit.store(client, stored, NBYTES, owner="w")
+
+    os.kill(sidecar.proc.pid, signal.SIGSTOP)  # a sidecar that hangs, then wakes up
+    try:
+        started = time.monotonic()
+        assert client.lookup(stored, prefetch=False, owner="r") is None
+        assert time.monotonic() - started < TIMEOUT_S + SLACK_S
+    finally:
+        os.kill(sidecar.proc.pid, signal.SIGCONT)
+
+    # The reply to the abandoned lookup (3 hits) arrives first; the answer
+    # to this lookup must be its own (no hits).
+    reply = client.lookup(absent, prefetch=False, owner="r")
+    assert reply is not None
+    assert reply.hit_chunks == 0
+    assert client.errors.get("late_reply") == 1
+    client.close()
