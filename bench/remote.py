@@ -8,7 +8,9 @@ put and get throughput of
   checksums, dedup check, breaker, deadlines), and
 * ``raw``: the same client library doing the same operations with the same
   connection settings (redis-py SET/GET of the payload bytes, boto3
-  put_object/get_object),
+  put_object/get_object; the S3 tier is set to single PUTs for these rows,
+  and ``multipart_rows`` show its default multipart path for chunks of
+  16 MiB and more against the same raw single PUT),
 
 one chunk at a time (``serial``) and ``batch`` chunks at once (tier:
 ``put_many`` / ``get_many``; raw: one pipeline for Valkey, that many
@@ -250,10 +252,8 @@ def _codec_through_tier(server: RedisServer, params: dict[str, Any]) -> dict[str
     }
 
 
-def bench_s3(server: MotoS3Server, secrets: Path, params: dict[str, Any]) -> dict[str, Any]:
-    (secrets / "id").write_text("bench")
-    (secrets / "secret").write_text("bench-secret")
-    config = SharedConfig(
+def _s3_config(server: MotoS3Server, secrets: Path, **s3: Any) -> SharedConfig:
+    return SharedConfig(
         backend="s3",
         s3={
             "endpoint_url": server.endpoint_url,
@@ -262,8 +262,18 @@ def bench_s3(server: MotoS3Server, secrets: Path, params: dict[str, Any]) -> dic
             "access_key_id_file": str(secrets / "id"),
             "secret_access_key_file": str(secrets / "secret"),
             "timeout_seconds": 60.0,
+            **s3,
         },
         lookup_timeout_seconds=5.0,
+    )
+
+
+def bench_s3(server: MotoS3Server, secrets: Path, params: dict[str, Any]) -> dict[str, Any]:
+    """S3 rows: single PUTs like the raw client; then the multipart path at >= 16 MiB."""
+    (secrets / "id").write_text("bench")
+    (secrets / "secret").write_text("bench-secret")
+    config = _s3_config(
+        server, secrets, multipart_threshold_bytes=max(params["sizes_mib"]) * 2 * MiB
     )
     tier = s3_tier.S3Tier(config)
     raw = s3_tier.make_client(config.s3)  # same boto3 settings, plain calls
@@ -288,18 +298,28 @@ def bench_s3(server: MotoS3Server, secrets: Path, params: dict[str, Any]) -> dic
 
         return list(ops.pool.map(head, names))
 
-    ops = _Ops(
-        tier,
-        lambda name, data: raw.put_object(Bucket=bucket, Key=name, Body=data),
-        raw_get,
-        raw_clear,
-    )
+    def raw_put(name: str, data: bytes) -> None:
+        raw.put_object(Bucket=bucket, Key=name, Body=data)
+
+    ops = _Ops(tier, raw_put, raw_get, raw_clear)
     rows: list[dict] = []
     for i, mib in enumerate(params["sizes_mib"]):
         rows += _measure_size(ops, mib * MiB, params, seed=i)
-    out = {"rows": rows, "lookup": _lookup_ms(tier, raw_heads, reps=10)}
+    out: dict[str, Any] = {"rows": rows, "lookup": _lookup_ms(tier, raw_heads, reps=10)}
     ops.pool.shutdown()
     tier.close()
+
+    # The default config uploads objects above 16 MiB in 8 MiB parts.
+    multipart = s3_tier.S3Tier(_s3_config(server, secrets))
+    mp_ops = _Ops(multipart, raw_put, raw_get, raw_clear)
+    out["multipart_rows"] = [
+        row
+        for i, mib in enumerate(params["sizes_mib"])
+        if mib * MiB >= config.s3.multipart_chunk_bytes * 2
+        for row in _measure_size(mp_ops, mib * MiB, params, seed=i)
+    ]
+    mp_ops.pool.shutdown()
+    multipart.close()
     return out
 
 
@@ -367,6 +387,11 @@ def format_table(result: dict[str, Any]) -> str:
                 f"  {r['size_mib']:>4}Mi {r['mode']:>7} {r['tier_put_gbps']:>9.3f}"
                 f" {r['raw_put_gbps']:>7.3f} {r['put_ratio']:>6.2f} {r['tier_get_gbps']:>9.3f}"
                 f" {r['raw_get_gbps']:>7.3f} {r['get_ratio']:>6.2f}"
+            )
+        for r in result[backend].get("multipart_rows", []):
+            lines.append(
+                f"  {r['size_mib']:>4}Mi {r['mode']:>7} {r['tier_put_gbps']:>9.3f}"
+                f" {r['raw_put_gbps']:>7.3f} {r['put_ratio']:>6.2f}   (multipart upload, 8Mi parts)"
             )
         lk = result[backend]["lookup"]
         lines.append(

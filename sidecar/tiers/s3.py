@@ -7,8 +7,9 @@ Persisted state, per chunk, one object::
 
 Objects are never overwritten: a HEAD first skips chunks another writer
 already stored (``deduplicated_total``). Bodies above
-``multipart_threshold_bytes`` go up (and come down) as concurrent parts of
-``multipart_chunk_bytes`` through boto3's transfer manager.
+``multipart_threshold_bytes`` go up as concurrent parts of
+``multipart_chunk_bytes`` through boto3's transfer manager; reads are one
+GET per object, many objects at once (:meth:`S3Tier.get_many`).
 
 Deadlines: each HTTP attempt has connect/read timeouts of
 ``timeout_seconds``, botocore retries at most ``max_attempts`` times, and
@@ -121,14 +122,6 @@ def _error_kind(exc: BaseException) -> str:
     return "client"
 
 
-def _total_length(content_range: str | None, default: int) -> int:
-    """The object size from a ``Content-Range: bytes a-b/TOTAL`` answer."""
-    if not content_range or "/" not in content_range:
-        return default
-    total = content_range.rsplit("/", 1)[1]
-    return int(total) if total.isdigit() else default
-
-
 def _error_code(exc: BaseException) -> str:
     if isinstance(exc, botocore.exceptions.ClientError):
         return str(exc.response.get("Error", {}).get("Code", ""))
@@ -139,28 +132,58 @@ def _is_missing(exc: BaseException) -> bool:
     return _error_code(exc) in _MISSING_CODES
 
 
-class _PartsReader(io.RawIOBase):
-    """A read-only file over header + payload buffers (no join before upload)."""
+class _PartsBody(io.RawIOBase):
+    """A seekable read-only file over header + payload buffers.
+
+    ``read`` hands out slices of the buffers themselves, so a PUT body is
+    never joined into one copy (that copy cost ~8% of throughput at 16 MiB);
+    botocore seeks it back to 0 to retry. ``readinto`` serves the buffered
+    reader the multipart uploader wraps it in.
+    """
 
     def __init__(self, parts: Sequence[bytes | memoryview]) -> None:
         self._parts = [memoryview(p).cast("B") for p in parts]
-        self._index = 0
-        self._offset = 0
+        self._starts: list[int] = []
+        total = 0
+        for part in self._parts:
+            self._starts.append(total)
+            total += len(part)
+        self._size = total
+        self._pos = 0
 
     def readable(self) -> bool:
         return True
 
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = min(max(base + offset, 0), self._size)
+        return self._pos
+
+    def read(self, size: int | None = -1) -> memoryview | bytes:  # type: ignore[override]
+        """Up to ``size`` bytes from one buffer (fewer at a buffer boundary)."""
+        for part, start in zip(self._parts, self._starts, strict=True):
+            if start <= self._pos < start + len(part):
+                lo = self._pos - start
+                hi = len(part) if size is None or size < 0 else min(len(part), lo + size)
+                self._pos += hi - lo
+                return part[lo:hi]
+        return b""
+
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
         written = 0
-        while written < len(out) and self._index < len(self._parts):
-            part = self._parts[self._index]
-            n = min(len(out) - written, len(part) - self._offset)
-            out[written : written + n] = part[self._offset : self._offset + n]
-            written += n
-            self._offset += n
-            if self._offset == len(part):
-                self._index, self._offset = self._index + 1, 0
+        while written < len(out):
+            chunk = self.read(len(out) - written)
+            if not chunk:
+                break
+            out[written : written + len(chunk)] = chunk
+            written += len(chunk)
         return written
 
 
@@ -181,11 +204,6 @@ class S3Tier(Tier):
         )
         self._pool = cf.ThreadPoolExecutor(
             max_workers=self._config.max_concurrency, thread_name_prefix="kvstrata-s3"
-        )
-        # Ranges of one large GET run on their own pool: a GET waiting for its
-        # ranges on the main pool could deadlock it.
-        self._ranges = cf.ThreadPoolExecutor(
-            max_workers=self._config.max_concurrency, thread_name_prefix="kvstrata-s3-range"
         )
         self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_seconds)
         self._stats = TierStats(tier=self.name)
@@ -379,7 +397,6 @@ class S3Tier(Tier):
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._ranges.shutdown(wait=False, cancel_futures=True)
         self._client.close()
 
     # -- transfers (run on the pool) ---------------------------------------
@@ -399,7 +416,7 @@ class S3Tier(Tier):
         if size < self._transfer.multipart_threshold:
             try:
                 self._client.put_object(
-                    Bucket=bucket, Key=object_key, Body=b"".join(parts), IfNoneMatch="*"
+                    Bucket=bucket, Key=object_key, Body=_PartsBody(parts), IfNoneMatch="*"
                 )
             except botocore.exceptions.ClientError as exc:
                 if _error_code(exc) in _EXISTS_CODES:
@@ -413,38 +430,19 @@ class S3Tier(Tier):
             if not _is_missing(exc):
                 raise
         self._client.upload_fileobj(
-            io.BufferedReader(_PartsReader(parts), buffer_size=1 << 20),
+            io.BufferedReader(_PartsBody(parts), buffer_size=1 << 20),
             bucket,
             object_key,
             Config=self._transfer,
         )
         return True
 
-    def _download(self, object_key: str) -> bytes | memoryview:
-        """One GET; a body above the multipart threshold comes as concurrent ranges."""
-        bucket = self._config.bucket
-        part = self._transfer.multipart_chunksize
-        first = self._client.get_object(Bucket=bucket, Key=object_key, Range=f"bytes=0-{part - 1}")
-        head = first["Body"].read()
-        total = _total_length(first.get("ContentRange"), len(head))
-        if total <= len(head):
-            return head
-        out = bytearray(total)
-        out[: len(head)] = head
-
-        def fetch(start: int) -> None:
-            end = min(start + part, total) - 1
-            resp = self._client.get_object(
-                Bucket=bucket, Key=object_key, Range=f"bytes={start}-{end}"
-            )
-            data = resp["Body"].read()
-            if len(data) != end - start + 1:
-                raise CorruptObjectError(f"range {start}-{end} returned {len(data)} bytes")
-            out[start : end + 1] = data
-
-        for future in [self._ranges.submit(fetch, s) for s in range(len(head), total, part)]:
-            future.result()
-        return memoryview(out)
+    def _download(self, object_key: str) -> bytes:
+        """One plain GET. Parallelism comes from fetching many chunks at once
+        (:meth:`get_many`), which keeps every connection busy without the
+        per-request overhead of ranged GETs on objects of a few MiB."""
+        response = self._client.get_object(Bucket=self._config.bucket, Key=object_key)
+        return response["Body"].read()
 
     def _clear_prefix(self) -> None:
         bucket = self._config.bucket

@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 import time
 
+import boto3
 import pytest
 
 from kvstrata.bench.servers import MotoS3Server, wait_for
-from kvstrata.sidecar.keys import Namespace, make_key
+from kvstrata.sidecar.keys import Namespace, key_hex, make_key
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.tiers.factory import build_shared_tier
 from kvstrata.sidecar.tiers.s3 import S3Tier
@@ -112,6 +113,15 @@ def test_large_object_goes_up_in_parts_and_comes_back_intact(moto_s3, s3_config)
     assert tier.put(key(1), data, ChunkMeta(dtype="uint8", shape=(len(data),)))
     got = tier.get(key(1))
     assert got is not None and bytes(got.payload) == data
+    raw = boto3.client(
+        "s3",
+        endpoint_url=moto_s3.endpoint_url,
+        region_name="us-east-1",
+        aws_access_key_id="kvstrata-test",
+        aws_secret_access_key="kvstrata-secret",
+    )
+    etag = raw.head_object(Bucket=config.s3.bucket, Key=config.s3.prefix + key_hex(key(1)))["ETag"]
+    assert etag.strip('"').endswith("-3")  # a multipart ETag: 5 + 5 + 2 MiB parts
     tier.clear()
     tier.close()
 
