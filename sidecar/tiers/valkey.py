@@ -130,6 +130,8 @@ def connection_kwargs(config: ValkeyConfig, timeout: float) -> dict[str, Any]:
     if "path" in kwargs:
         raise ValueError("shared.valkey.url: unix sockets are not supported; use redis://")
     tls = kwargs.pop("connection_class", None) is redis.connection.SSLConnection
+    if config.cluster and kwargs.get("db", 0) != 0:
+        raise ValueError("shared.valkey.url: a Valkey cluster has only database 0")
     if config.username:
         kwargs["username"] = config.username
     if config.password_file:
@@ -158,8 +160,7 @@ def make_client(config: ValkeyConfig, timeout: float, pool_size: int) -> Any:
     kwargs = connection_kwargs(config, timeout)
     if config.cluster:
         kwargs.pop("retry")
-        if kwargs.pop("db", 0):
-            raise ValueError("shared.valkey.url: a cluster has only database 0")
+        kwargs.pop("db", None)
         # A plain redis:// seed URL keeps our connection class (a rediss:// one
         # would make redis-py substitute its own); TLS comes from the class.
         seed = f"redis://{kwargs.pop('host')}:{kwargs.pop('port')}/0"
@@ -199,7 +200,9 @@ class ValkeyTier(Tier):
         self._lookup_timeout = min(config.lookup_timeout_seconds, self._config.timeout_seconds)
         self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_seconds)
         self._stats = TierStats(tier=self.name)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # stats
+        # Building a cluster client blocks on the network: not under the stats lock.
+        self._client_lock = threading.Lock()
         self._clients: dict[str, Any] = {}
         connection_kwargs(self._config, 1.0)  # refuse a bad URL or secret file now, not later
 
@@ -209,7 +212,7 @@ class ValkeyTier(Tier):
         """The client for "io" or "lookup" (shorter deadline), built on first use."""
         client = self._clients.get(purpose)
         if client is None:
-            with self._lock:
+            with self._client_lock:
                 client = self._clients.get(purpose)
                 if client is None:
                     if purpose == "lookup":
@@ -349,7 +352,7 @@ class ValkeyTier(Tier):
         return snap
 
     def close(self) -> None:
-        with self._lock:
+        with self._client_lock:
             clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             try:

@@ -154,3 +154,9 @@ def test_ttl_is_set_on_stored_objects(valkey_server: RedisServer, fast_failing) 
     tier.clear()
     tier.close()
     raw.close()
+
+
+def test_cluster_url_naming_a_database_is_refused_naming_the_field(valkey_config) -> None:
+    config = valkey_config("redis://127.0.0.1:7000/3", cluster=True)
+    with pytest.raises(ValueError, match=r"shared\.valkey\.url"):
+        build_shared_tier(config)
