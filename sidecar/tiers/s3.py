@@ -73,11 +73,17 @@ def botocore_config(config: S3Config) -> botocore.config.Config:
         connect_timeout=config.timeout_seconds,
         read_timeout=config.timeout_seconds,
         retries={"max_attempts": config.max_attempts, "mode": "standard"},
-        max_pool_connections=config.max_concurrency * 2,
+        # Transfers, their multipart parts and the lookup HEADs share one pool.
+        max_pool_connections=config.max_concurrency * 2 + lookup_threads(config),
         # Objects carry their own xxh3 checksums, verified on every read.
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
     )
+
+
+def lookup_threads(config: S3Config) -> int:
+    """HEADs are tiny: a lookup sends many more at once than there are transfers."""
+    return min(4 * config.max_concurrency, 64)
 
 
 def make_client(config: S3Config) -> Any:
@@ -205,6 +211,11 @@ class S3Tier(Tier):
         self._pool = cf.ThreadPoolExecutor(
             max_workers=self._config.max_concurrency, thread_name_prefix="kvstrata-s3"
         )
+        # Lookups have their own threads so a burst of large transfers never
+        # makes a prefix lookup wait behind them.
+        self._lookups = cf.ThreadPoolExecutor(
+            max_workers=lookup_threads(self._config), thread_name_prefix="kvstrata-s3-head"
+        )
         self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_seconds)
         self._stats = TierStats(tier=self.name)
         self._lock = threading.Lock()
@@ -314,7 +325,7 @@ class S3Tier(Tier):
             return [False] * len(keys)
         bucket = self._config.bucket
         futures = [
-            self._pool.submit(self._client.head_object, Bucket=bucket, Key=self._object_key(k))
+            self._lookups.submit(self._client.head_object, Bucket=bucket, Key=self._object_key(k))
             for k in keys
         ]
         done, pending = cf.wait(futures, timeout=self._lookup_timeout)
@@ -330,7 +341,8 @@ class S3Tier(Tier):
             if exc is not None and not _is_missing(exc):
                 failure = exc
             answers.append(exc is None)
-        if failure is not None or (pending and not any(answers)):
+        # A slow but answering endpoint is not a failure; silence is.
+        if failure is not None or (pending and not done):
             self._failed("contains_many", [failure or _DeadlineExceeded("lookup deadline")])
         else:
             self._breaker.record_success()
@@ -397,6 +409,7 @@ class S3Tier(Tier):
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._lookups.shutdown(wait=False, cancel_futures=True)
         self._client.close()
 
     # -- transfers (run on the pool) ---------------------------------------
