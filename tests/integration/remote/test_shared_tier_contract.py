@@ -139,3 +139,18 @@ def test_bad_meta_is_refused_with_value_error(backend) -> None:
     tier, _ = backend.make_tier()
     with pytest.raises(ValueError, match="dtype"):
         tier.put(random_key(), b"x", ChunkMeta(dtype="a-very-long-dtype-name", shape=(1,)))
+
+
+def test_put_many_and_get_many_round_trip_a_batch_in_order(backend) -> None:
+    tier, raw = backend.make_tier()
+    keys = [random_key() for _ in range(9)]
+    items = [(k, payload(i), META) for i, k in enumerate(keys)]
+    assert tier.put_many(items[:4]) == [True] * 4
+    assert tier.put_many(items) == [True] * 9  # the first four are deduplicated
+    assert tier.stats().deduplicated_total == 4
+    raw.write(raw.name_of(keys[5]), b"garbage")
+    got = tier.get_many([*keys, random_key()])
+    assert [g is not None for g in got] == [True] * 5 + [False] + [True] * 3 + [False]
+    assert all(bytes(g.payload) == payload(i) for i, g in enumerate(got) if g is not None)
+    assert tier.stats().corrupt_total == 1
+    assert tier.put_many([]) == [] and tier.get_many([]) == []
