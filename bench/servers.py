@@ -211,13 +211,14 @@ class RedisClusterServers:
                 stderr=subprocess.PIPE,
                 timeout=timeout,
             )
-            wait_for(self._all_ok, timeout, "cluster_state:ok on every node")
+            wait_for(self.is_ok, timeout, "cluster_state:ok on every node")
         except (subprocess.SubprocessError, ServerError) as exc:
             self.stop()
             raise ServerError(f"cluster did not form: {exc}") from exc
         return self
 
-    def _all_ok(self) -> bool:
+    def is_ok(self) -> bool:
+        """Every node reports ``cluster_state:ok``."""
         for server in self.servers:
             out = subprocess.run(
                 [redis_cli_binary(), "-p", str(server.port), "cluster", "info"],

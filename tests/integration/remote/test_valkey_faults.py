@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from kvstrata.bench.servers import RedisServer, free_port, wait_for
+from kvstrata.bench.servers import RedisClusterServers, RedisServer, free_port, wait_for
 from kvstrata.sidecar.keys import Namespace, make_key
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.tiers.factory import build_shared_tier
@@ -160,3 +160,28 @@ def test_cluster_url_naming_a_database_is_refused_naming_the_field(valkey_config
     config = valkey_config("redis://127.0.0.1:7000/3", cluster=True)
     with pytest.raises(ValueError, match=r"shared\.valkey\.url"):
         build_shared_tier(config)
+
+
+def test_cluster_node_killed_and_restarted_costs_misses_then_hits_again(
+    tmp_path, fast_failing
+) -> None:
+    with RedisClusterServers(tmp_path / "cluster") as cluster:
+        tier = fast_failing(cluster.url, valkey={"cluster": True})
+        keys = [key(i) for i in range(100, 130)]  # spread over all three nodes' slots
+        assert tier.put_many([(k, b"v" * 64, META) for k in keys]) == [True] * len(keys)
+        victim = cluster.servers[1]
+        victim.stop()
+        for k in keys:  # some keys live on the dead node: misses, never exceptions
+            tier.get(k)
+        assert sum(tier.stats().errors_total.values()) >= 1
+        victim.start()  # same port and data dir: it rejoins with its nodes.conf
+        wait_for(cluster.is_ok, 15, "the cluster to be whole again")
+        wait_for(
+            lambda: (
+                all(tier.put_many([(k, b"v" * 64, META) for k in keys]))
+                and all(g is not None for g in tier.get_many(keys))
+            ),
+            15,
+            "hits on every node after the restart",
+        )
+        tier.close()
