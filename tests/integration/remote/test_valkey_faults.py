@@ -7,7 +7,9 @@ the same port, or started with ``requirepass``.
 from __future__ import annotations
 
 import os
+import signal
 import threading
+import time
 
 import pytest
 
@@ -185,3 +187,24 @@ def test_cluster_node_killed_and_restarted_costs_misses_then_hits_again(
             "hits on every node after the restart",
         )
         tier.close()
+
+
+def test_hung_server_answers_within_the_deadlines_and_recovers(
+    own_valkey_server: RedisServer, fast_failing
+) -> None:
+    tier = fast_failing(own_valkey_server.url, lookup_timeout_seconds=0.05)
+    assert tier.put(key(1), b"w" * 64, META)
+    assert tier.contains_many([key(1)]) == [True]
+    own_valkey_server.process.send_signal(signal.SIGSTOP)  # a hung server: no replies
+    try:
+        started = time.monotonic()
+        assert tier.contains_many([key(1), key(2)]) == [False, False]
+        assert time.monotonic() - started < 0.05 + 0.25
+        started = time.monotonic()
+        assert tier.get(key(1)) is None
+        assert time.monotonic() - started < 0.2 + 0.25
+        assert tier.stats().errors_total.get("timeout", 0) >= 2
+    finally:
+        own_valkey_server.process.send_signal(signal.SIGCONT)
+    wait_for(lambda: tier.get(key(1)) is not None, 10, "hits once the server answers again")
+    tier.close()
