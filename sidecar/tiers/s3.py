@@ -5,8 +5,9 @@ Persisted state, per chunk, one object::
     s3://{shared.s3.bucket}/{shared.s3.prefix}{key_hex(chunk key)}
     body = objformat object (header + payload, codec from shared.codec)
 
-Objects are never overwritten: a HEAD first skips chunks another writer
-already stored (``deduplicated_total``). Bodies above
+Objects are never overwritten: a conditional PUT (``If-None-Match: *``),
+or a HEAD before a multipart upload, skips chunks another writer already
+stored (``deduplicated_total``). Bodies above
 ``multipart_threshold_bytes`` go up as concurrent parts of
 ``multipart_chunk_bytes`` through boto3's transfer manager; reads are one
 GET per object, many objects at once (:meth:`S3Tier.get_many`).
