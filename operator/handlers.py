@@ -1,0 +1,194 @@
+"""kopf handlers: thin glue from kopf's causes to the plain functions.
+
+Why this module exists: kopf wants module-level handler functions; the
+decisions live in :mod:`~kvstrata.operator.reconcile` and
+:mod:`~kvstrata.operator.mutate`. Handlers are attached to a registry by
+:func:`register` (called from ``kvstrata operator``), never at import, so
+importing this module has no side effect.
+
+Shared state lives in kopf's ``memo`` (set up by :func:`configure`):
+``memo.cluster`` (a :class:`~kvstrata.operator.reconcile.Cluster`) and
+``memo.options`` (the parsed command line).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import jsonpatch
+import kopf
+
+from kvstrata.operator import spec as S
+from kvstrata.operator.mutate import mutate_pod
+from kvstrata.operator.reconcile import Outcome, reconcile
+from kvstrata.operator.webhook_tls import WebhookTLSOptions, ensure_serving_tls
+
+logger = logging.getLogger(__name__)
+
+WEBHOOK_ID = "inject"  # the webhook URL path: https://SERVICE:PORT/inject
+RECHECK_INTERVAL_S = 60.0  # timer: status refresh, drift repair
+CERT_CHECK_INTERVAL_S = 6 * 3600.0
+
+
+class NamespacedWebhookServer(kopf.WebhookServer):
+    """kopf's HTTPS server, filling the pod's namespace from the admission request.
+
+    A pod submitted as ``kubectl -n NS create -f pod.yaml`` may reach the
+    webhook without ``metadata.namespace``; the review's ``request.namespace``
+    always has it.
+    """
+
+    async def __call__(self, fn):
+        async def with_namespace(request: dict, **kwargs: Any) -> Any:
+            review = request.get("request") or {}
+            obj = review.get("object")
+            if isinstance(obj, dict) and review.get("namespace"):
+                obj.setdefault("metadata", {}).setdefault("namespace", review["namespace"])
+            return await fn(request, **kwargs)
+
+        async for client_config in super().__call__(with_namespace):
+            yield client_config
+
+
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Startup: storage of kopf's own state, webhook server, the cluster client."""
+    options = memo.options
+    # Keep kopf's bookkeeping in annotations: our status schema is structural
+    # and would prune ``status.kopf``.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvstrata.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="kvstrata.io", key="last-handled-configuration"
+    )
+    settings.posting.level = logging.INFO
+    settings.admission.managed = None  # the chart owns the MutatingWebhookConfiguration
+    if options.webhook_port:
+        cert_dir = Path(options.cert_dir)
+        settings.admission.server = NamespacedWebhookServer(
+            addr="0.0.0.0",
+            port=options.webhook_port,
+            certfile=str(cert_dir / "tls.crt"),
+            pkeyfile=str(cert_dir / "tls.key"),
+        )
+    if getattr(memo, "cluster", None) is None:
+        from kvstrata.operator.kube import KubeCluster
+
+        memo.cluster = KubeCluster()
+
+
+async def manage_certificate(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """Startup: issue or load the serving certificate, then re-check it periodically."""
+    options = memo.options
+    if not options.webhook_port or options.cert_manager:
+        return
+    tls = WebhookTLSOptions(
+        namespace=options.namespace,
+        secret_name=options.webhook_secret,
+        service_name=options.webhook_service,
+        webhook_config=options.webhook_config,
+        cert_dir=Path(options.cert_dir),
+    )
+    done = await asyncio.to_thread(ensure_serving_tls, memo.cluster, tls)
+    logger.info("webhook certificate: %s", done)
+
+    async def recheck() -> None:
+        while True:
+            await asyncio.sleep(CERT_CHECK_INTERVAL_S)
+            try:
+                done = await asyncio.to_thread(ensure_serving_tls, memo.cluster, tls)
+                logger.info("webhook certificate: %s", done)
+            except Exception as exc:  # keep serving the current one; try again later
+                logger.warning("webhook certificate check failed: %s", exc)
+
+    memo.cert_task = asyncio.get_running_loop().create_task(recheck())
+
+
+def _report(body: kopf.Body, patch: kopf.Patch, outcome: Outcome) -> None:
+    patch.status.update(outcome.status)
+    for event in outcome.events:
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+    if outcome.permanent:
+        raise kopf.PermanentError(outcome.permanent)
+    if outcome.retry_after is not None:
+        ready = next(c for c in outcome.status["conditions"] if c["type"] == "Ready")
+        raise kopf.TemporaryError(ready["message"], delay=outcome.retry_after)
+
+
+def reconcile_kvcache(
+    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
+    """Create/update/resume: render, apply, check, report (see reconcile's docstring)."""
+    outcome = reconcile(_raw(body), memo.cluster)
+    logger.debug("reconciled: %s", outcome.status.get("conditions"))
+    _report(body, patch, outcome)
+
+
+def recheck_kvcache(
+    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
+    """Timer: the same pass, so status follows pods and shared tiers, and drift is undone."""
+    outcome = reconcile(_raw(body), memo.cluster)
+    if outcome.permanent:  # already reported by the change handler
+        patch.status.update(outcome.status)
+        return
+    _report(body, patch, outcome)
+
+
+def inject_sidecar(
+    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
+    """Mutating webhook for Pod CREATE; never refuses a pod (skips with a reason)."""
+    pod = _raw(body)
+    meta = pod.get("metadata") or {}
+    name = (meta.get("annotations") or {}).get(S.CACHE_ANNOTATION)
+    if name is None:
+        return
+    namespace = meta.get("namespace") or "default"
+    kvcache = None
+    try:
+        if isinstance(name, str) and name:
+            kvcache = memo.cluster.get(S.API_VERSION, S.KIND, namespace, name)
+    except Exception as exc:  # an API hiccup must not block the pod
+        logger.warning("cannot read KVCache %s/%s: %s", namespace, name, exc)
+    result = mutate_pod(pod, kvcache, namespace)
+    if result.patch:
+        patch.fns.append(functools.partial(_apply_ops, result.patch))
+    if result.skipped:
+        logger.warning("sidecar not injected: %s", result.skipped)
+        kopf.warn(body, reason="InjectionSkipped", message=result.skipped)
+    elif result.injected:
+        logger.info("sidecar injected for KVCache %s/%s", namespace, name)
+
+
+def _apply_ops(ops: list[dict[str, Any]], raw: dict[str, Any]) -> None:
+    jsonpatch.apply_patch(raw, ops, in_place=True)
+
+
+def _raw(body: Any) -> dict[str, Any]:
+    return dict(body)
+
+
+def register(registry: kopf.OperatorRegistry) -> None:
+    """Attach every handler to ``registry``."""
+    kvcaches = dict(group=S.GROUP, version=S.VERSION, plural=S.PLURAL, registry=registry)
+    kopf.on.startup(registry=registry)(configure)
+    kopf.on.startup(registry=registry)(manage_certificate)
+    for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
+        on(**kvcaches, id="reconcile")(reconcile_kvcache)
+    kopf.timer(
+        **kvcaches, id="recheck", interval=RECHECK_INTERVAL_S, initial_delay=RECHECK_INTERVAL_S
+    )(recheck_kvcache)
+    kopf.on.mutate(
+        "",
+        "v1",
+        "pods",
+        id=WEBHOOK_ID,
+        operations=["CREATE"],
+        ignore_failures=True,
+        side_effects=False,
+        annotations={S.CACHE_ANNOTATION: kopf.PRESENT},
+        registry=registry,
+    )(inject_sidecar)

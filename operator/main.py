@@ -1,0 +1,78 @@
+"""``kvstrata operator``: run the kopf operator and the admission webhook.
+
+Top-level imports stay light (``kvstrata --help`` must answer at once); kopf
+and the Kubernetes client are imported in :func:`run`. Each flag has an
+environment default (``KVSTRATA_OPERATOR_*``) so the chart can set them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(f"KVSTRATA_OPERATOR_{name}", default)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--namespace",
+        default=_env("NAMESPACE", os.environ.get("POD_NAMESPACE", "kvstrata-system")),
+        help="namespace of the operator (its webhook Secret lives there)",
+    )
+    parser.add_argument(
+        "--watch-namespace",
+        action="append",
+        default=None,
+        help="watch only this namespace (repeatable); default: the whole cluster",
+    )
+    parser.add_argument(
+        "--webhook-port",
+        type=int,
+        default=int(_env("WEBHOOK_PORT", "9443")),
+        help="HTTPS port of the admission webhook; 0 disables the webhook",
+    )
+    parser.add_argument("--webhook-service", default=_env("WEBHOOK_SERVICE", "kvstrata-webhook"))
+    parser.add_argument(
+        "--webhook-config",
+        default=_env("WEBHOOK_CONFIG", "kvstrata-webhook"),
+        help="MutatingWebhookConfiguration whose caBundle the operator keeps",
+    )
+    parser.add_argument("--webhook-secret", default=_env("WEBHOOK_SECRET", "kvstrata-webhook-tls"))
+    parser.add_argument(
+        "--cert-dir",
+        default=_env("CERT_DIR", "/tmp/kvstrata-webhook"),
+        help="directory of tls.crt/tls.key served by the webhook",
+    )
+    parser.add_argument(
+        "--cert-manager",
+        action="store_true",
+        default=_env("CERT_MANAGER", "false").lower() == "true",
+        help="certificates come from cert-manager (mounted in --cert-dir); do not issue any",
+    )
+    parser.add_argument(
+        "--liveness", default=_env("LIVENESS", "http://0.0.0.0:8080/healthz"), help="kopf probe URL"
+    )
+    parser.add_argument("--verbose", action="store_true", help="debug logging")
+
+
+def run(args: argparse.Namespace) -> int:
+    import kopf
+
+    from kvstrata.operator import handlers
+
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry)
+    memo = kopf.Memo(options=args, cluster=None)
+    namespaces = args.watch_namespace or ()
+    kopf.configure(verbose=args.verbose)
+    kopf.run(
+        registry=registry,
+        memo=memo,
+        standalone=True,
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        liveness_endpoint=args.liveness or None,
+    )
+    return 0

@@ -1,0 +1,422 @@
+"""Inject the kvstrata sidecar into a Pod: a plain function returning a JSON patch.
+
+Why this module exists: the admission webhook must be right on every pod
+shape and must never block a pod, so the whole decision is one pure function,
+:func:`mutate_pod`, tested without a cluster; the kopf handler only fetches
+the KVCache and hands the patch back.
+
+What an injected pod gets (pod annotated ``kvstrata.io/cache: NAME``):
+
+* init container ``kvstrata-install`` (the sidecar image) copying the pure
+  Python ``kvstrata`` package into the emptyDir ``kvstrata-python``, mounted
+  read-only at ``/opt/kvstrata/python`` in the vLLM container and prepended to
+  its ``PYTHONPATH``: any stock vLLM image can load the connector. Images that
+  ship kvstrata opt out with ``kvstrata.io/inject-package: "false"``.
+* native sidecar ``kvstrata-sidecar`` (init container, ``restartPolicy:
+  Always``): ``kvstrata sidecar --config /etc/kvstrata/sidecar.yaml``; its
+  startup probe on ``/readyz`` makes the kubelet start vLLM only once the
+  sidecar serves. Memory request = limit = L1 + 512Mi (the L1 arena lives in
+  the shared ``/dev/shm`` and is charged to the sidecar that touches it).
+* volumes: socket dir (``/var/run/kvstrata``, endpoint
+  ``ipc:///var/run/kvstrata/sidecar.sock``), a memory emptyDir at ``/dev/shm``
+  in both containers sized L1 + 10% + 256Mi (an existing ``/dev/shm`` mount
+  of the vLLM container is reused instead), the config map, L2, and the
+  Secrets the config points at.
+* the vLLM container: ``PYTHONHASHSEED=0`` when unset and
+  ``--kv-transfer-config <json>`` appended to its arguments (or to the script
+  of a ``sh -c`` command, whose last command must then be vLLM).
+
+Which container is vLLM: the one named by ``kvstrata.io/vllm-container``;
+else the first whose command or args mention ``vllm``; else the first one.
+
+GPU visibility (``transferMode`` ipc or auto): the sidecar gets the vLLM
+container's ``NVIDIA_VISIBLE_DEVICES`` when the pod spec sets it, else
+``all`` when the vLLM container requests ``nvidia.com/gpu`` (the connector
+names its device by UUID, so the sidecar maps the right one).
+
+Never blocking: anything that cannot be done leaves the pod as it was but for
+the annotation ``kvstrata.io/injection-skipped: <reason>``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import posixpath
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvstrata.operator import spec as S
+
+SIDECAR = "kvstrata-sidecar"
+INSTALLER = "kvstrata-install"
+SIDECAR_OVERHEAD_BYTES = 512 << 20
+SHM_HEADROOM_BYTES = 256 << 20
+SHELLS = {"sh", "bash", "dash", "ash", "zsh"}
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+@dataclass(frozen=True, slots=True)
+class MutationResult:
+    """``patch``: RFC 6902 ops against the submitted pod ([] = leave it as it is).
+
+    ``injected`` says the sidecar was added; ``skipped`` carries the reason
+    when the pod asked for a cache but was left without one.
+    """
+
+    patch: list[dict[str, Any]]
+    injected: bool = False
+    skipped: str | None = None
+
+
+def transfer_config(timeout_s: float = 0.5) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` value the vLLM container is given."""
+    return {
+        "kv_connector": "KVStrataConnector",
+        "kv_connector_module_path": "kvstrata.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"endpoint": S.ENDPOINT, "call_timeout_seconds": timeout_s},
+    }
+
+
+def mebibytes(nbytes: int) -> str:
+    return f"{math.ceil(nbytes / (1 << 20))}Mi"
+
+
+def _diff(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[dict[str, Any]]:
+    import jsonpatch
+
+    return list(jsonpatch.JsonPatch.from_diff(dict(before), dict(after)).patch)
+
+
+def _skip(pod: Mapping[str, Any], reason: str) -> MutationResult:
+    after = copy.deepcopy(dict(pod))
+    after.setdefault("metadata", {}).setdefault("annotations", {})[S.SKIPPED_ANNOTATION] = reason
+    return MutationResult(patch=_diff(pod, after), skipped=reason)
+
+
+def find_vllm_container(pod: Mapping[str, Any]) -> tuple[int | None, str | None]:
+    """Index of the vLLM container, or None and the reason it cannot be found."""
+    containers = (pod.get("spec") or {}).get("containers") or []
+    if not containers:
+        return None, "the pod has no containers"
+    wanted = ((pod.get("metadata") or {}).get("annotations") or {}).get(S.VLLM_CONTAINER_ANNOTATION)
+    if wanted is not None:
+        for i, c in enumerate(containers):
+            if c.get("name") == wanted:
+                return i, None
+        return (
+            None,
+            f"container {wanted!r} named by {S.VLLM_CONTAINER_ANNOTATION} is not in the pod",
+        )
+    for i, c in enumerate(containers):
+        argv = [str(a) for a in (c.get("command") or []) + (c.get("args") or [])]
+        if any("vllm" in a.lower() for a in argv):
+            return i, None
+    return 0, None
+
+
+def _already_configured(container: Mapping[str, Any]) -> bool:
+    argv = [str(a) for a in (container.get("command") or []) + (container.get("args") or [])]
+    return any("--kv-transfer-config" in a for a in argv)
+
+
+def mutate_pod(
+    pod: Mapping[str, Any], kvcache: Mapping[str, Any] | None, namespace: str | None = None
+) -> MutationResult:
+    """Decide what to do with a pod at CREATE; never raises for pod or spec content."""
+    meta = pod.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    name = annotations.get(S.CACHE_ANNOTATION)
+    if name is None:
+        return MutationResult(patch=[])  # not ours
+    init_names = {c.get("name") for c in (pod.get("spec") or {}).get("initContainers") or []}
+    if SIDECAR in init_names or S.INJECTED_ANNOTATION in annotations:
+        return MutationResult(patch=[])  # already injected: idempotent
+    if S.SKIPPED_ANNOTATION in annotations:
+        return MutationResult(patch=[])
+    if not isinstance(name, str) or len(name) > 253 or not _DNS_SUBDOMAIN.match(name):
+        return _skip(pod, f"bad annotation {S.CACHE_ANNOTATION}={name!r}: not a KVCache name")
+    ns = namespace or meta.get("namespace") or "default"
+    if kvcache is None:
+        return _skip(pod, f"KVCache {ns}/{name} not found")
+    try:
+        config, text = S.render_sidecar_config(kvcache)
+    except S.SpecError as exc:
+        return _skip(pod, f"KVCache {ns}/{name} has an invalid spec: {exc}")
+    index, why = find_vllm_container(pod)
+    if index is None:
+        return _skip(pod, str(why))
+    vllm = pod["spec"]["containers"][index]
+    if _already_configured(vllm):
+        return _skip(pod, f"container {vllm.get('name')!r} already sets --kv-transfer-config")
+    inject_package = annotations.get(S.INJECT_PACKAGE_ANNOTATION, "true").lower() != "false"
+    after = copy.deepcopy(dict(pod))
+    _inject(after, index, kvcache, config, S.config_hash(kvcache, text), inject_package)
+    return MutationResult(patch=_diff(pod, after), injected=True)
+
+
+def _inject(
+    pod: dict[str, Any],
+    index: int,
+    kvcache: Mapping[str, Any],
+    config: Any,
+    digest: str,
+    inject_package: bool,
+) -> None:
+    spec = kvcache.get("spec") or {}
+    name = kvcache["metadata"]["name"]
+    meta = pod.setdefault("metadata", {})
+    meta.setdefault("annotations", {})[S.INJECTED_ANNOTATION] = digest
+    if len(name) <= 63 and "." not in name:  # label values are at most 63 chars, no dots needed
+        meta.setdefault("labels", {})[S.CACHE_LABEL] = name
+    pod_spec = pod.setdefault("spec", {})
+    vllm = pod_spec["containers"][index]
+    volumes = pod_spec.setdefault("volumes", [])
+    shm_volume = _shm_volume_of(vllm)
+    l1 = config.l1.size_bytes
+    if shm_volume is None:
+        shm_volume = "kvstrata-shm"
+        size = mebibytes(l1 + l1 // 10 + SHM_HEADROOM_BYTES)
+        volumes.append({"name": shm_volume, "emptyDir": {"medium": "Memory", "sizeLimit": size}})
+        vllm.setdefault("volumeMounts", []).append({"name": shm_volume, "mountPath": "/dev/shm"})
+    volumes.append({"name": "kvstrata-socket", "emptyDir": {}})
+    volumes.append({"name": "kvstrata-config", "configMap": {"name": S.configmap_name(name)}})
+    sidecar_mounts = [
+        {"name": "kvstrata-socket", "mountPath": S.SOCKET_DIR},
+        {"name": shm_volume, "mountPath": "/dev/shm"},
+        {"name": "kvstrata-config", "mountPath": S.CONFIG_DIR, "readOnly": True},
+    ]
+    if config.l2.enabled:
+        volumes.append(_l2_volume(spec.get("l2") or {}, config.l2.size_bytes))
+        sidecar_mounts.append({"name": "kvstrata-l2", "mountPath": S.L2_DIR})
+    for volume, mount in _secret_volumes(spec, name):
+        volumes.append(volume)
+        sidecar_mounts.append(mount)
+    vllm.setdefault("volumeMounts", []).append(
+        {"name": "kvstrata-socket", "mountPath": S.SOCKET_DIR}
+    )
+    init = pod_spec.setdefault("initContainers", [])
+    if inject_package:
+        volumes.append({"name": "kvstrata-python", "emptyDir": {}})
+        init.append(_installer(spec))
+        vllm["volumeMounts"].append(
+            {"name": "kvstrata-python", "mountPath": S.PYTHON_DIR, "readOnly": True}
+        )
+    init.append(
+        _sidecar(spec, config, sidecar_mounts, _gpu_env(vllm, config.transfer_mode), vllm, pod_spec)
+    )
+    _configure_vllm(vllm, inject_package)
+
+
+def _shm_volume_of(container: Mapping[str, Any]) -> str | None:
+    for mount in container.get("volumeMounts") or []:
+        if posixpath.normpath(str(mount.get("mountPath", ""))) == "/dev/shm":
+            return str(mount.get("name"))
+    return None
+
+
+def _l2_volume(l2: Mapping[str, Any], size_bytes: int) -> dict[str, Any]:
+    volume = l2.get("volume") or {}
+    kind = volume.get("type", "emptyDir")
+    size = mebibytes(size_bytes + size_bytes // 20)  # files + a little for directories
+    if kind == "existingClaim":
+        return {"name": "kvstrata-l2", "persistentVolumeClaim": {"claimName": volume["claimName"]}}
+    if kind == "ephemeral":
+        claim: dict[str, Any] = {
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": size}},
+        }
+        if volume.get("storageClassName"):
+            claim["storageClassName"] = volume["storageClassName"]
+        return {"name": "kvstrata-l2", "ephemeral": {"volumeClaimTemplate": {"spec": claim}}}
+    empty: dict[str, Any] = {"sizeLimit": size}
+    if volume.get("medium"):
+        empty["medium"] = volume["medium"]
+    return {"name": "kvstrata-l2", "emptyDir": empty}
+
+
+def _secret_volumes(spec: Mapping[str, Any], name: str) -> list[tuple[dict, dict]]:
+    """(volume, sidecar mount) for each Secret the rendered config names a file in."""
+    out: list[tuple[dict, dict]] = []
+
+    def add(vol: str, secret: str, items: list[tuple[str, str]], subdir: str) -> None:
+        volume = {
+            "name": vol,
+            "secret": {
+                "secretName": secret,
+                "items": [{"key": k, "path": p} for k, p in items],
+                "defaultMode": 0o440,
+            },
+        }
+        mount = {"name": vol, "mountPath": f"{S.SECRETS_DIR}/{subdir}", "readOnly": True}
+        out.append((volume, mount))
+
+    shared = spec.get("shared") or {}
+    kind = S.shared_tier_kind(spec)
+    valkey = shared.get("valkey") or {}
+    if kind == "valkey-managed" and ((valkey.get("managed") or {}).get("auth") or {}).get(
+        "enabled", True
+    ):
+        add(
+            "kvstrata-valkey-auth",
+            S.valkey_auth_secret_name(name),
+            [("password", "password")],
+            "valkey",
+        )
+    elif kind == "valkey-external":
+        external = valkey.get("external") or {}
+        ref = external.get("passwordSecretRef")
+        if ref:
+            add(
+                "kvstrata-valkey-auth",
+                ref["name"],
+                [(ref.get("key", "password"), "password")],
+                "valkey",
+            )
+        ca = (external.get("tls") or {}).get("caSecretRef")
+        if ca:
+            add(
+                "kvstrata-valkey-tls",
+                ca["name"],
+                [(ca.get("key", "ca.crt"), "ca.crt")],
+                "valkey-tls",
+            )
+    elif kind == "s3":
+        ref = (shared.get("s3") or {}).get("credentialsSecretRef")
+        if ref:
+            items = [
+                (ref.get("accessKeyIdKey", "access-key-id"), "access-key-id"),
+                (ref.get("secretAccessKeyKey", "secret-access-key"), "secret-access-key"),
+            ]
+            add("kvstrata-s3", ref["name"], items, "s3")
+    return out
+
+
+def _security_context(overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    ctx: dict[str, Any] = {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    ctx.update(overrides or {})
+    return ctx
+
+
+def _installer(spec: Mapping[str, Any]) -> dict[str, Any]:
+    sidecar = spec.get("sidecar") or {}
+    return {
+        "name": INSTALLER,
+        "image": sidecar.get("image", S.DEFAULT_SIDECAR_IMAGE),
+        "imagePullPolicy": sidecar.get("imagePullPolicy", "IfNotPresent"),
+        "command": ["python", "-m", "kvstrata.operator.install", S.PYTHON_DIR],
+        "resources": {
+            "requests": {"cpu": "50m", "memory": "64Mi"},
+            "limits": {"memory": "128Mi"},
+        },
+        "securityContext": _security_context(sidecar.get("securityContext")),
+        "volumeMounts": [{"name": "kvstrata-python", "mountPath": S.PYTHON_DIR}],
+    }
+
+
+def _gpu_env(vllm: Mapping[str, Any], mode: str) -> list[dict[str, Any]]:
+    if mode == "host":
+        return []
+    for env in vllm.get("env") or []:
+        if env.get("name") == "NVIDIA_VISIBLE_DEVICES" and "value" in env:
+            visible = env["value"]
+            break
+    else:
+        resources = vllm.get("resources") or {}
+        wants = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
+        if not any(k.endswith("/gpu") and str(v) != "0" for k, v in wants.items()):
+            return []
+        visible = "all"
+    return [
+        {"name": "NVIDIA_VISIBLE_DEVICES", "value": visible},
+        {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"},
+    ]
+
+
+def _sidecar_resources(spec: Mapping[str, Any], l1_bytes: int) -> dict[str, Any]:
+    memory = mebibytes(l1_bytes + SIDECAR_OVERHEAD_BYTES)
+    resources = {"requests": {"cpu": "500m", "memory": memory}, "limits": {"memory": memory}}
+    custom = (spec.get("sidecar") or {}).get("resources") or {}
+    for section in ("requests", "limits"):
+        resources[section].update(custom.get(section) or {})
+    return resources
+
+
+def _sidecar(
+    spec: Mapping[str, Any],
+    config: Any,
+    mounts: list[dict[str, Any]],
+    gpu_env: list[dict[str, Any]],
+    vllm: Mapping[str, Any],
+    pod_spec: Mapping[str, Any],
+) -> dict[str, Any]:
+    sidecar = spec.get("sidecar") or {}
+    port = config.server.http_port
+    probe = {"httpGet": {"path": "/readyz", "port": "kvstrata-metrics"}, "periodSeconds": 5}
+    overrides = dict(sidecar.get("securityContext") or {})
+    # Run as the vLLM container's user, so both can use the socket and the arena.
+    for source in ((vllm.get("securityContext") or {}), (pod_spec.get("securityContext") or {})):
+        for key in ("runAsUser", "runAsGroup"):
+            if key in source and key not in overrides:
+                overrides[key] = source[key]
+    ctx = _security_context(overrides)
+    if ctx.get("runAsUser") == 0:
+        ctx["runAsNonRoot"] = False
+    env = [
+        {"name": "PYTHONHASHSEED", "value": "0"},
+        {"name": "TMPDIR", "value": S.SOCKET_DIR},
+        *gpu_env,
+        *(sidecar.get("env") or []),
+    ]
+    return {
+        "name": SIDECAR,
+        "image": sidecar.get("image", S.DEFAULT_SIDECAR_IMAGE),
+        "imagePullPolicy": sidecar.get("imagePullPolicy", "IfNotPresent"),
+        "restartPolicy": "Always",
+        "command": ["kvstrata", "sidecar", "--config", S.CONFIG_PATH],
+        "env": env,
+        "ports": [{"name": "kvstrata-metrics", "containerPort": port, "protocol": "TCP"}],
+        "startupProbe": {**probe, "periodSeconds": 1, "failureThreshold": 120},
+        "readinessProbe": probe,
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "kvstrata-metrics"},
+            "periodSeconds": 10,
+            "failureThreshold": 3,
+        },
+        "resources": _sidecar_resources(spec, config.l1.size_bytes),
+        "securityContext": ctx,
+        "volumeMounts": mounts,
+    }
+
+
+def _configure_vllm(vllm: dict[str, Any], inject_package: bool) -> None:
+    env = vllm.setdefault("env", [])
+    names = {e.get("name") for e in env}
+    if "PYTHONHASHSEED" not in names:
+        env.append({"name": "PYTHONHASHSEED", "value": "0"})
+    if inject_package:
+        current = next((e for e in env if e.get("name") == "PYTHONPATH"), None)
+        if current is None:
+            env.append({"name": "PYTHONPATH", "value": S.PYTHON_DIR})
+        elif "value" in current:
+            current["value"] = (
+                f"{S.PYTHON_DIR}:{current['value']}" if current["value"] else S.PYTHON_DIR
+            )
+    flag = json.dumps(transfer_config(), separators=(",", ":"))
+    command, args = vllm.get("command") or [], vllm.get("args") or []
+    argv = [*command, *args]
+    if argv and posixpath.basename(str(argv[0])) in SHELLS and "-c" in argv[:-1]:
+        at = argv.index("-c") + 1
+        target, offset = (command, 0) if at < len(command) else (args, len(command))
+        target[at - offset] = f"{target[at - offset]} --kv-transfer-config '{flag}'"
+        return
+    vllm["args"] = [*args, "--kv-transfer-config", flag]

@@ -1,0 +1,336 @@
+"""Reconcile one KVCache: render, apply, check the shared tier, roll workloads, report.
+
+Why this module exists: the kopf handlers stay a few lines; everything they
+decide lives here, in plain functions over a :class:`Cluster` (the real one
+is :class:`kvstrata.operator.kube.KubeCluster`), so tests drive it without a
+cluster.
+
+The status it writes, ``KVCache.status`` (patched whole on every pass)::
+
+    status:
+      observedGeneration: 3            # metadata.generation this status describes
+      configHash: "9f1c2e0a7b3d4c5e"   # digest of sidecar.yaml + spec; on pod templates
+      configMap: "demo-sidecar"        # the ConfigMap holding sidecar.yaml
+      sharedTier: "valkey-managed"     # none | valkey-managed | valkey-external | s3
+      endpoints:
+        sidecar: "ipc:///var/run/kvstrata/sidecar.sock"
+        valkey: "redis://demo-valkey.ns.svc:6379/0"     # only with a Valkey tier
+        s3: "s3://bucket/prefix/"                       # only with an S3 tier
+      injectedPods: 4                  # pods labelled kvstrata.io/cache=NAME
+      conditions:                      # Ready, SharedTierReady, Degraded
+      - type: Ready
+        status: "True"                 # "True" | "False" | "Unknown"
+        reason: Reconciled             # CamelCase, see REASONS below
+        message: "config 9f1c2e0a applied; shared tier valkey-managed ready"
+        observedGeneration: 3
+        lastTransitionTime: "2026-01-01T00:00:00Z"   # changes only when status flips
+
+Outcomes: a spec the sidecar's loader refuses gives ``Ready=False`` with
+reason ``InvalidSpec`` and the loader's message, and ``permanent`` set (the
+handler raises ``kopf.PermanentError``); a shared tier not yet ready gives
+``retry_after`` (the handler raises ``kopf.TemporaryError``).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvstrata.operator import resources as R
+from kvstrata.operator import sharedtier
+from kvstrata.operator import spec as S
+
+logger = logging.getLogger(__name__)
+
+CONVERGE_DELAY_S = 10.0  # retry while the managed Valkey starts
+UNREACHABLE_DELAY_S = 30.0  # retry while an external tier does not answer
+SERVICEMONITOR_API = ("monitoring.coreos.com/v1", "ServiceMonitor")
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+
+
+class Cluster(Protocol):
+    """The few API calls reconcile makes; objects are plain dicts."""
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None: ...
+
+    def apply(self, obj: Mapping[str, Any]) -> dict: ...
+
+    def list(
+        self, api_version: str, kind: str, namespace: str, label_selector: str | None = None
+    ) -> list[dict]: ...
+
+    def patch(
+        self, api_version: str, kind: str, namespace: str, name: str, body: Mapping[str, Any]
+    ) -> dict: ...
+
+    def has_kind(self, api_version: str, kind: str) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    type: str  # "Normal" | "Warning"
+    reason: str
+    message: str
+
+
+@dataclass(slots=True)
+class Outcome:
+    status: dict[str, Any]
+    events: list[Event] = field(default_factory=list)
+    retry_after: float | None = None  # converging: try again after this many seconds
+    permanent: str | None = None  # the spec is wrong: retrying will not help
+
+
+@dataclass(frozen=True, slots=True)
+class Probes:
+    """How reconcile reaches shared tiers (replaceable in tests by other real servers)."""
+
+    ping_valkey: Callable[[str, str | None], sharedtier.Probe] = sharedtier.ping_valkey
+    ensure_s3: Callable[[sharedtier.S3Target, str], sharedtier.Probe] = sharedtier.ensure_s3
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def set_condition(
+    conditions: list[dict[str, Any]],
+    ctype: str,
+    ok: bool,
+    reason: str,
+    message: str,
+    generation: int,
+    now: str,
+) -> None:
+    """Upsert one condition; keep lastTransitionTime unless the status flips."""
+    status = "True" if ok else "False"
+    for cond in conditions:
+        if cond.get("type") == ctype:
+            if cond.get("status") != status:
+                cond["lastTransitionTime"] = now
+            cond.update(status=status, reason=reason, message=message)
+            cond["observedGeneration"] = generation
+            return
+    conditions.append(
+        {
+            "type": ctype,
+            "status": status,
+            "reason": reason,
+            "message": message,
+            "observedGeneration": generation,
+            "lastTransitionTime": now,
+        }
+    )
+
+
+# Default keys inside the Secrets a KVCache refers to.
+PASSWORD_KEY = "password"
+CA_KEY = "ca.crt"
+ACCESS_KEY_ID_KEY = "access-key-id"
+SECRET_ACCESS_KEY_KEY = "secret-access-key"
+
+
+def secret_value(cluster: Cluster, namespace: str, name: str | None, key: str) -> str | None:
+    """Decode one key of a Secret; None when the Secret or the key is absent."""
+    if not name:
+        return None
+    secret = cluster.get("v1", "Secret", namespace, name)
+    raw = ((secret or {}).get("data") or {}).get(key)
+    return base64.b64decode(raw).decode() if raw else None
+
+
+def desired_objects(kvcache: Mapping[str, Any], cluster: Cluster) -> tuple[list[dict], str, str]:
+    """Every object this KVCache owns, the config hash, and the sidecar.yaml text.
+
+    Raises :class:`~kvstrata.operator.spec.SpecError` for a spec the sidecar refuses.
+    """
+    _, text = S.render_sidecar_config(kvcache)
+    digest = S.config_hash(kvcache, text)
+    objects = [R.render_configmap(kvcache, text, digest)]
+    spec = kvcache.get("spec") or {}
+    if S.shared_tier_kind(spec) == "valkey-managed":
+        managed = spec["shared"].get("valkey", {}).get("managed") or {}
+        if (managed.get("auth") or {}).get("enabled", True):
+            objects.append(R.render_valkey_secret(kvcache, _stable_password(kvcache, cluster)))
+        objects += R.render_valkey_services(kvcache)
+        objects.append(R.render_valkey_statefulset(kvcache))
+    if ((spec.get("metrics") or {}).get("serviceMonitor") or {}).get("enabled"):
+        objects += R.render_metrics_objects(kvcache)
+    return objects, digest, text
+
+
+def _stable_password(kvcache: Mapping[str, Any], cluster: Cluster) -> str:
+    """The password already stored in the auth Secret, else a new one (kept from then on)."""
+    meta = kvcache["metadata"]
+    name = S.valkey_auth_secret_name(meta["name"])
+    existing = cluster.get("v1", "Secret", meta.get("namespace", "default"), name)
+    raw = ((existing or {}).get("data") or {}).get("password")
+    return base64.b64decode(raw).decode() if raw else R.new_password()
+
+
+def apply_objects(cluster: Cluster, objects: list[dict], events: list[Event]) -> None:
+    """Apply each object; record an Event for the ones that were created or changed."""
+    for obj in objects:
+        meta = obj["metadata"]
+        before = cluster.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        after = cluster.apply(obj)
+        old_rv = ((before or {}).get("metadata") or {}).get("resourceVersion")
+        new_rv = (after.get("metadata") or {}).get("resourceVersion")
+        if before is None:
+            events.append(Event("Normal", "Created", f"created {obj['kind']} {meta['name']}"))
+        elif old_rv != new_rv:
+            events.append(Event("Normal", "Updated", f"updated {obj['kind']} {meta['name']}"))
+
+
+def roll_workloads(
+    cluster: Cluster, namespace: str, name: str, digest: str, events: list[Event]
+) -> int:
+    """Stamp the config hash on every workload whose pod template asks for this cache.
+
+    A changed annotation on the pod template is what makes the Deployment or
+    StatefulSet controller replace its pods, which the webhook then injects
+    with the new config. Returns how many workloads were rolled.
+    """
+    rolled = 0
+    for kind in WORKLOAD_KINDS:
+        for workload in cluster.list("apps/v1", kind, namespace):
+            template_meta = ((workload.get("spec") or {}).get("template") or {}).get(
+                "metadata"
+            ) or {}
+            annotations = template_meta.get("annotations") or {}
+            if annotations.get(S.CACHE_ANNOTATION) != name:
+                continue
+            if annotations.get(S.CONFIG_HASH_ANNOTATION) == digest:
+                continue
+            first = S.CONFIG_HASH_ANNOTATION not in annotations
+            body = {
+                "spec": {
+                    "template": {"metadata": {"annotations": {S.CONFIG_HASH_ANNOTATION: digest}}}
+                }
+            }
+            wname = workload["metadata"]["name"]
+            cluster.patch("apps/v1", kind, namespace, wname, body)
+            if not first:
+                rolled += 1
+                events.append(Event("Normal", "RolledWorkload", f"{kind} {wname}: config {digest}"))
+    return rolled
+
+
+def check_shared_tier(
+    kvcache: Mapping[str, Any], cluster: Cluster, probes: Probes
+) -> tuple[sharedtier.Probe, dict[str, str]]:
+    """Is the shared tier usable? Also the endpoints to report in status."""
+    meta = kvcache["metadata"]
+    name, namespace = meta["name"], meta.get("namespace", "default")
+    spec = kvcache.get("spec") or {}
+    kind = S.shared_tier_kind(spec)
+    shared = spec.get("shared") or {}
+    endpoints: dict[str, str] = {"sidecar": S.ENDPOINT}
+    if kind == "none":
+        return sharedtier.Probe(True, "NoSharedTier", "no shared tier configured"), endpoints
+    if kind == "s3":
+        s3 = shared.get("s3") or {}
+        endpoints["s3"] = f"s3://{s3['bucket']}/{s3.get('prefix', 'kvstrata/')}"
+        creds = s3.get("credentialsSecretRef") or {}
+        target = sharedtier.S3Target(
+            bucket=s3["bucket"],
+            prefix=s3.get("prefix", "kvstrata/"),
+            region=s3.get("region", "us-east-1"),
+            endpoint=s3.get("endpoint") or None,
+            access_key_id=secret_value(
+                cluster,
+                namespace,
+                creds.get("name"),
+                creds.get("accessKeyIdKey", ACCESS_KEY_ID_KEY),
+            ),
+            secret_access_key=secret_value(
+                cluster,
+                namespace,
+                creds.get("name"),
+                creds.get("secretAccessKeyKey", SECRET_ACCESS_KEY_KEY),
+            ),
+            create_bucket=bool(s3.get("createBucket", False)),
+        )
+        return probes.ensure_s3(target, f"{namespace}/{name}"), endpoints
+    url = S.valkey_url(spec, name, namespace)
+    endpoints["valkey"] = url
+    if kind == "valkey-managed":
+        return _managed_valkey_ready(cluster, namespace, name), endpoints
+    external = shared["valkey"]["external"]
+    ref = external.get("passwordSecretRef") or {}
+    password = secret_value(cluster, namespace, ref.get("name"), ref.get("key", PASSWORD_KEY))
+    return probes.ping_valkey(url, password), endpoints
+
+
+def _managed_valkey_ready(cluster: Cluster, namespace: str, name: str) -> sharedtier.Probe:
+    sts = cluster.get("apps/v1", "StatefulSet", namespace, S.valkey_name(name)) or {}
+    want = int((sts.get("spec") or {}).get("replicas", 1))
+    ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
+    if ready >= want:
+        return sharedtier.Probe(True, "ValkeyReady", f"{ready}/{want} Valkey pods ready")
+    return sharedtier.Probe(False, "ValkeyStarting", f"{ready}/{want} Valkey pods ready")
+
+
+def reconcile(
+    kvcache: Mapping[str, Any],
+    cluster: Cluster,
+    probes: Probes | None = None,
+    now: str | None = None,
+) -> Outcome:
+    """One reconcile pass; safe to repeat (apply is idempotent, status is recomputed)."""
+    probes = probes or Probes()
+    now = now or now_iso()
+    meta = kvcache["metadata"]
+    name, namespace = meta["name"], meta.get("namespace", "default")
+    generation = int(meta.get("generation", 1))
+    old = kvcache.get("status") or {}
+    conditions = [dict(c) for c in old.get("conditions") or []]
+    status: dict[str, Any] = {"observedGeneration": generation, "conditions": conditions}
+    events: list[Event] = []
+    try:
+        objects, digest, _ = desired_objects(kvcache, cluster)
+    except S.SpecError as exc:
+        set_condition(conditions, "Ready", False, "InvalidSpec", str(exc), generation, now)
+        set_condition(conditions, "Degraded", True, "InvalidSpec", str(exc), generation, now)
+        events.append(Event("Warning", "InvalidSpec", str(exc)))
+        return Outcome(status=status, events=events, permanent=str(exc))
+    spec = kvcache.get("spec") or {}
+    monitor = ((spec.get("metrics") or {}).get("serviceMonitor") or {}).get("enabled")
+    if monitor and not cluster.has_kind(*SERVICEMONITOR_API):
+        objects = [o for o in objects if o["kind"] != "ServiceMonitor"]
+        events.append(
+            Event("Warning", "ServiceMonitorSkipped", "the ServiceMonitor CRD is not installed")
+        )
+    apply_objects(cluster, objects, events)
+    probe, endpoints = check_shared_tier(kvcache, cluster, probes)
+    roll_workloads(cluster, namespace, name, digest, events)
+    pods = cluster.list("v1", "Pod", namespace, f"{S.CACHE_LABEL}={name}")
+    status.update(
+        configHash=digest,
+        configMap=S.configmap_name(name),
+        sharedTier=S.shared_tier_kind(spec),
+        endpoints=endpoints,
+        injectedPods=len(pods),
+    )
+    tier = status["sharedTier"]
+    before = dict(next((c for c in conditions if c.get("type") == "SharedTierReady"), {}))
+    set_condition(
+        conditions, "SharedTierReady", probe.ok, probe.reason, probe.message, generation, now
+    )
+    if probe.ok:
+        msg = f"config {digest} applied; shared tier {tier} ready"
+        set_condition(conditions, "Ready", True, "Reconciled", msg, generation, now)
+        set_condition(conditions, "Degraded", False, "AllTiersReady", msg, generation, now)
+        return Outcome(status=status, events=events)
+    msg = f"config {digest} applied; shared tier {tier}: {probe.message}"
+    set_condition(conditions, "Ready", False, probe.reason, msg, generation, now)
+    set_condition(conditions, "Degraded", True, probe.reason, msg, generation, now)
+    delay = CONVERGE_DELAY_S if probe.reason == "ValkeyStarting" else UNREACHABLE_DELAY_S
+    if before.get("reason") != probe.reason:  # say it once, not on every retry
+        severity = "Normal" if probe.reason == "ValkeyStarting" else "Warning"
+        events.append(Event(severity, probe.reason, probe.message))
+    return Outcome(status=status, events=events, retry_after=delay)
