@@ -55,6 +55,24 @@ CONNECT_WAIT_S = 0.05
 # Ops retried once after a re-HELLO (their arguments hold no lease ids).
 _RETRYABLE = frozenset({p.LOOKUP, p.PREPARE_STORE, p.PREPARE_RETRIEVE, p.PING, p.STATS})
 
+_context_lock = threading.Lock()
+_context: zmq.Context[Any] | None = None
+
+
+def _zmq_context() -> zmq.Context[Any]:
+    """One ZeroMQ context per process for every client, created on first use.
+
+    Never terminated: a per-client context would be terminated by its
+    ``__del__`` when a client is dropped without :meth:`SidecarClient.close`,
+    and ``term()`` blocks the collecting thread (possibly vLLM's) while a
+    socket of that client is still open.
+    """
+    global _context
+    with _context_lock:
+        if _context is None:
+            _context = zmq.Context()
+        return _context
+
 
 @dataclass(frozen=True, slots=True)
 class ArenaSlot:
@@ -122,7 +140,6 @@ class SidecarClient:
         self.server_version: str | None = None
         self.errors: dict[str, int] = {}
         self._lock = threading.RLock()
-        self._ctx: zmq.Context[Any] | None = None
         self._sock: zmq.Socket[Any] | None = None
         self._session_id = ""
         self._arena: _Arena | None = None
@@ -228,6 +245,7 @@ class SidecarClient:
         return reply.stats if isinstance(reply, p.StatsReply) else None
 
     def close(self) -> None:
+        """Close the socket and unmap the arena; later calls return None/False."""
         with self._lock:
             self._closed = True
             self._connected = False
@@ -235,9 +253,6 @@ class SidecarClient:
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None
-            if self._ctx is not None:
-                self._ctx.term()
-                self._ctx = None
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -345,9 +360,7 @@ class SidecarClient:
 
     def _socket(self) -> zmq.Socket[Any]:
         if self._sock is None:
-            if self._ctx is None:
-                self._ctx = zmq.Context()
-            sock = self._ctx.socket(zmq.DEALER)
+            sock = _zmq_context().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             # Queue only to live connections: a send while the sidecar is down
             # fails at once instead of piling up requests for a dead peer.

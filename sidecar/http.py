@@ -73,8 +73,12 @@ class HttpEndpoints:
         self._httpd = ThreadingHTTPServer((host, port), Handler)
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
+        # A short poll interval keeps shutdown (SIGTERM) quick.
         self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="kvstrata-http", daemon=True
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name="kvstrata-http",
+            daemon=True,
         )
 
     def start(self) -> None:
