@@ -8,7 +8,8 @@ importing this module has no side effect.
 
 Shared state lives in kopf's ``memo`` (set up by :func:`configure`):
 ``memo.cluster`` (a :class:`~kvstrata.operator.reconcile.Cluster`) and
-``memo.options`` (the parsed command line).
+``memo.options`` (the parsed command line), and optionally
+``memo.post_event`` (replaces ``kopf.event``).
 """
 
 from __future__ import annotations
@@ -106,10 +107,16 @@ async def manage_certificate(memo: kopf.Memo, logger: logging.Logger, **_: Any) 
     memo.cert_task = asyncio.get_running_loop().create_task(recheck())
 
 
-def _report(body: kopf.Body, patch: kopf.Patch, outcome: Outcome) -> None:
+def _post_event(memo: Any, body: Any, type: str, reason: str, message: str) -> None:
+    """kopf.event, or ``memo.post_event`` when set (tests record events that way)."""
+    post = getattr(memo, "post_event", None) or kopf.event
+    post(body, type=type, reason=reason, message=message)
+
+
+def _report(body: kopf.Body, patch: kopf.Patch, memo: Any, outcome: Outcome) -> None:
     patch.status.update(outcome.status)
     for event in outcome.events:
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+        _post_event(memo, body, event.type, event.reason, event.message)
     if outcome.permanent:
         raise kopf.PermanentError(outcome.permanent)
     if outcome.retry_after is not None:
@@ -123,7 +130,7 @@ def reconcile_kvcache(
     """Create/update/resume: render, apply, check, report (see reconcile's docstring)."""
     outcome = reconcile(_raw(body), memo.cluster)
     logger.debug("reconciled: %s", outcome.status.get("conditions"))
-    _report(body, patch, outcome)
+    _report(body, patch, memo, outcome)
 
 
 def recheck_kvcache(
@@ -134,7 +141,7 @@ def recheck_kvcache(
     if outcome.permanent:  # already reported by the change handler
         patch.status.update(outcome.status)
         return
-    _report(body, patch, outcome)
+    _report(body, patch, memo, outcome)
 
 
 def inject_sidecar(
@@ -147,18 +154,18 @@ def inject_sidecar(
     if name is None:
         return
     namespace = meta.get("namespace") or "default"
-    kvcache = None
+    kvcache, missing = None, None
     try:
         if isinstance(name, str) and name:
             kvcache = memo.cluster.get(S.API_VERSION, S.KIND, namespace, name)
     except Exception as exc:  # an API hiccup must not block the pod
-        logger.warning("cannot read KVCache %s/%s: %s", namespace, name, exc)
-    result = mutate_pod(pod, kvcache, namespace)
+        missing = f"cannot read KVCache {namespace}/{name}: {exc}"
+    result = mutate_pod(pod, kvcache, namespace, missing_reason=missing)
     if result.patch:
         patch.fns.append(functools.partial(_apply_ops, result.patch))
     if result.skipped:
         logger.warning("sidecar not injected: %s", result.skipped)
-        kopf.warn(body, reason="InjectionSkipped", message=result.skipped)
+        _post_event(memo, body, "Warning", "InjectionSkipped", result.skipped)
     elif result.injected:
         logger.info("sidecar injected for KVCache %s/%s", namespace, name)
 

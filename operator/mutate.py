@@ -125,9 +125,16 @@ def _already_configured(container: Mapping[str, Any]) -> bool:
 
 
 def mutate_pod(
-    pod: Mapping[str, Any], kvcache: Mapping[str, Any] | None, namespace: str | None = None
+    pod: Mapping[str, Any],
+    kvcache: Mapping[str, Any] | None,
+    namespace: str | None = None,
+    missing_reason: str | None = None,
 ) -> MutationResult:
-    """Decide what to do with a pod at CREATE; never raises for pod or spec content."""
+    """Decide what to do with a pod at CREATE; never raises for pod or spec content.
+
+    ``kvcache`` None means the named KVCache is absent; ``missing_reason``
+    says why when it could not be read at all.
+    """
     meta = pod.get("metadata") or {}
     annotations = meta.get("annotations") or {}
     name = annotations.get(S.CACHE_ANNOTATION)
@@ -142,7 +149,7 @@ def mutate_pod(
         return _skip(pod, f"bad annotation {S.CACHE_ANNOTATION}={name!r}: not a KVCache name")
     ns = namespace or meta.get("namespace") or "default"
     if kvcache is None:
-        return _skip(pod, f"KVCache {ns}/{name} not found")
+        return _skip(pod, missing_reason or f"KVCache {ns}/{name} not found")
     try:
         config, text = S.render_sidecar_config(kvcache)
     except S.SpecError as exc:

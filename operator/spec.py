@@ -85,7 +85,7 @@ def valkey_url(spec: Mapping[str, Any], name: str, namespace: str) -> str:
     """The URL the sidecars use: the managed client Service, or the external URL."""
     valkey = (spec.get("shared") or {}).get("valkey") or {}
     external = valkey.get("external")
-    if external:
+    if external is not None:
         url = external.get("url")
         if not url:
             raise SpecError("spec.shared.valkey.external.url: required for an external Valkey")
@@ -97,7 +97,7 @@ def _valkey_section(spec: Mapping[str, Any], name: str, namespace: str) -> dict[
     valkey = (spec.get("shared") or {}).get("valkey") or {}
     external = valkey.get("external")
     out: dict[str, Any] = {"url": valkey_url(spec, name, namespace)}
-    if external:
+    if external is not None:
         out["cluster"] = bool(external.get("cluster", False))
         if external.get("username"):
             out["username"] = external["username"]

@@ -1,0 +1,234 @@
+"""Reconcile passes: conditions, convergence, shared tiers on real servers, rolling, handlers."""
+
+from __future__ import annotations
+
+import base64
+import types
+
+import boto3
+import kopf
+import pytest
+
+from kvstrata.bench.servers import MotoS3Server, RedisServer, ServerError, redis_server_binary
+from kvstrata.operator import handlers
+from kvstrata.operator import reconcile as rec
+from kvstrata.operator import spec as S
+
+MANAGED = {"backend": "valkey", "valkey": {"managed": {"replicas": 2}}}
+NOW = "2026-01-01T00:00:00Z"
+LATER = "2026-01-01T00:05:00Z"
+
+
+def cond(status, ctype):
+    return next(c for c in status["conditions"] if c["type"] == ctype)
+
+
+def secret(name, **data):
+    encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "namespace": "ml"},
+        "data": encoded,
+    }
+
+
+@pytest.fixture(scope="module")
+def moto_s3():
+    with MotoS3Server() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def redis_with_password(tmp_path_factory):
+    try:
+        redis_server_binary()
+    except ServerError as exc:
+        pytest.fail(f"{exc}; run `make system-deps`")
+    with RedisServer(tmp_path_factory.mktemp("valkey"), password="s3cret") as server:
+        yield server
+
+
+def test_a_cache_without_shared_tier_is_ready_with_its_configmap(make_kvcache, cluster):
+    out = rec.reconcile(make_kvcache(l1={"size": "2Gi"}), cluster, now=NOW)
+    assert out.retry_after is None and out.permanent is None
+    assert cond(out.status, "Ready")["status"] == "True"
+    assert cond(out.status, "Degraded")["status"] == "False"
+    assert cond(out.status, "SharedTierReady")["reason"] == "NoSharedTier"
+    assert out.status["observedGeneration"] == 1
+    assert out.status["sharedTier"] == "none"
+    cm = cluster.get("v1", "ConfigMap", "ml", "demo-sidecar")
+    assert f"size_bytes: {2 << 30}" in cm["data"]["sidecar.yaml"]
+    assert [e.reason for e in out.events] == ["Created"]
+
+
+def test_reconciling_again_changes_nothing_and_keeps_transition_times(make_kvcache, cluster):
+    kvcache = make_kvcache(shared=MANAGED)
+    first = rec.reconcile(kvcache, cluster, now=NOW)
+    versions = {k: o["metadata"]["resourceVersion"] for k, o in cluster.objects.items()}
+    kvcache["status"] = first.status
+    second = rec.reconcile(kvcache, cluster, now=LATER)
+    assert {k: o["metadata"]["resourceVersion"] for k, o in cluster.objects.items()} == versions
+    assert second.events == []
+    assert second.status == first.status
+    assert cond(second.status, "Ready")["lastTransitionTime"] == NOW
+
+
+def test_a_managed_valkey_converges_then_the_cache_becomes_ready(make_kvcache, cluster):
+    kvcache = make_kvcache(shared=MANAGED)
+    out = rec.reconcile(kvcache, cluster, now=NOW)
+    assert out.retry_after == rec.CONVERGE_DELAY_S
+    assert cond(out.status, "Ready")["status"] == "False"
+    assert cond(out.status, "SharedTierReady")["reason"] == "ValkeyStarting"
+    kinds = sorted(k for (_, k, _, _) in cluster.objects)
+    assert kinds == ["ConfigMap", "Secret", "Service", "Service", "StatefulSet"]
+    assert out.status["endpoints"]["valkey"] == "redis://demo-valkey.ml.svc:6379/0"
+    cluster.objects[("apps/v1", "StatefulSet", "ml", "demo-valkey")]["status"] = {
+        "readyReplicas": 2
+    }
+    kvcache["status"] = out.status
+    ready = rec.reconcile(kvcache, cluster, now=LATER)
+    assert ready.retry_after is None
+    assert cond(ready.status, "Ready")["status"] == "True"
+    assert cond(ready.status, "Ready")["lastTransitionTime"] == LATER
+    assert cond(ready.status, "Degraded")["status"] == "False"
+
+
+def test_a_spec_the_loader_refuses_is_a_permanent_error_naming_the_field(make_kvcache, cluster):
+    out = rec.reconcile(make_kvcache(l1={"size": "100Ki"}), cluster, now=NOW)
+    assert out.permanent and "l1.size_bytes" in out.permanent
+    ready = cond(out.status, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    assert "l1.size_bytes" in ready["message"]
+    assert cluster.objects == {}
+
+
+def test_an_external_valkey_is_pinged_with_the_password_from_its_secret(
+    make_kvcache, cluster, redis_with_password
+):
+    external = {"url": redis_with_password.url, "passwordSecretRef": {"name": "pw"}}
+    kvcache = make_kvcache(shared={"backend": "valkey", "valkey": {"external": external}})
+    cluster.put(secret("pw", password="wrong"))
+    out = rec.reconcile(kvcache, cluster, now=NOW)
+    assert cond(out.status, "SharedTierReady")["reason"] == "ValkeyUnreachable"
+    assert out.retry_after == rec.UNREACHABLE_DELAY_S
+    assert cond(out.status, "Degraded")["status"] == "True"
+    assert [e.type for e in out.events if e.reason == "ValkeyUnreachable"] == ["Warning"]
+    cluster.put(secret("pw", password="s3cret"))
+    kvcache["status"] = out.status
+    ok = rec.reconcile(kvcache, cluster, now=LATER)
+    assert cond(ok.status, "Ready")["status"] == "True"
+    assert cond(ok.status, "SharedTierReady")["reason"] == "ValkeyReachable"
+
+
+def test_s3_bucket_is_created_when_asked_and_the_prefix_marked(make_kvcache, cluster, moto_s3):
+    cluster.put(secret("creds", **{"access-key-id": "AK", "secret-access-key": "SK"}))
+    s3 = {
+        "endpoint": moto_s3.endpoint_url,
+        "bucket": "created-by-operator",
+        "prefix": "llama/",
+        "credentialsSecretRef": {"name": "creds"},
+    }
+    missing = rec.reconcile(make_kvcache(shared={"backend": "s3", "s3": s3}), cluster, now=NOW)
+    assert cond(missing.status, "SharedTierReady")["reason"] == "BucketMissing"
+    out = rec.reconcile(
+        make_kvcache(shared={"backend": "s3", "s3": {**s3, "createBucket": True}}), cluster, now=NOW
+    )
+    assert cond(out.status, "SharedTierReady")["reason"] == "BucketCreated"
+    assert cond(out.status, "Ready")["status"] == "True"
+    client = boto3.client(
+        "s3",
+        endpoint_url=moto_s3.endpoint_url,
+        region_name="us-east-1",
+        aws_access_key_id="AK",
+        aws_secret_access_key="SK",
+    )
+    marker = client.get_object(Bucket="created-by-operator", Key="llama/.kvstrata")
+    assert marker["Body"].read() == b'{"kvcache": "ml/demo"}'
+    again = rec.reconcile(
+        make_kvcache(shared={"backend": "s3", "s3": {**s3, "createBucket": True}}), cluster, now=NOW
+    )
+    assert cond(again.status, "SharedTierReady")["reason"] == "BucketReady"
+
+
+def workload(kind, name, annotations):
+    return {
+        "apiVersion": "apps/v1",
+        "kind": kind,
+        "metadata": {"name": name, "namespace": "ml"},
+        "spec": {"template": {"metadata": {"annotations": annotations}, "spec": {}}},
+    }
+
+
+def test_a_spec_change_rolls_only_the_workloads_that_use_the_cache(make_kvcache, cluster):
+    cluster.put(workload("Deployment", "llama", {S.CACHE_ANNOTATION: "demo"}))
+    cluster.put(workload("StatefulSet", "qwen", {S.CACHE_ANNOTATION: "demo"}))
+    cluster.put(workload("Deployment", "unrelated", {S.CACHE_ANNOTATION: "other"}))
+    first = rec.reconcile(make_kvcache(), cluster, now=NOW)
+    assert "RolledWorkload" not in [e.reason for e in first.events]  # first stamp only
+    stamped = {n for _, n, _ in cluster.patches}
+    assert stamped == {"llama", "qwen"}
+    cluster.patches.clear()
+    same = rec.reconcile(make_kvcache(), cluster, now=NOW)
+    assert cluster.patches == [] and same.events == []
+    changed = rec.reconcile(make_kvcache(l1={"size": "4Gi"}), cluster, now=NOW)
+    assert sorted(
+        e.message.split(":")[0] for e in changed.events if e.reason == "RolledWorkload"
+    ) == [
+        "Deployment llama",
+        "StatefulSet qwen",
+    ]
+    llama = cluster.get("apps/v1", "Deployment", "ml", "llama")
+    stamp = llama["spec"]["template"]["metadata"]["annotations"][S.CONFIG_HASH_ANNOTATION]
+    assert stamp == changed.status["configHash"]
+    other = cluster.get("apps/v1", "Deployment", "ml", "unrelated")
+    assert S.CONFIG_HASH_ANNOTATION not in other["spec"]["template"]["metadata"]["annotations"]
+
+
+def test_injected_pods_are_counted_in_status(make_kvcache, make_pod, cluster):
+    for i in range(3):
+        pod = make_pod()
+        pod["metadata"].update(name=f"p{i}", labels={S.CACHE_LABEL: "demo" if i else "x"})
+        cluster.put(pod)
+    assert rec.reconcile(make_kvcache(), cluster, now=NOW).status["injectedPods"] == 2
+
+
+def test_the_servicemonitor_is_created_only_when_its_crd_exists(make_kvcache, cluster):
+    kvcache = make_kvcache(metrics={"serviceMonitor": {"enabled": True}})
+    out = rec.reconcile(kvcache, cluster, now=NOW)
+    assert "ServiceMonitorSkipped" in [e.reason for e in out.events]
+    assert not any(k == "ServiceMonitor" for (_, k, _, _) in cluster.objects)
+    assert cluster.get("v1", "Service", "ml", "demo-metrics") is not None
+    cluster.kinds.add(rec.SERVICEMONITOR_API)
+    rec.reconcile(kvcache, cluster, now=NOW)
+    assert cluster.get(*rec.SERVICEMONITOR_API, "ml", "demo") is not None
+
+
+def _handler_kwargs(kvcache, cluster, events):
+    body = kopf.Body(kvcache)
+    memo = types.SimpleNamespace(cluster=cluster, post_event=lambda *a, **k: events.append(k))
+    return {"body": body, "patch": kopf.Patch(body=body), "memo": memo, "logger": handlers.logger}
+
+
+def test_the_handler_patches_status_and_posts_events(make_kvcache, cluster):
+    events = []
+    kwargs = _handler_kwargs(make_kvcache(), cluster, events)
+    handlers.reconcile_kvcache(**kwargs)
+    assert kwargs["patch"]["status"]["conditions"][0]["type"] in {"Ready", "SharedTierReady"}
+    assert cond(kwargs["patch"]["status"], "Ready")["status"] == "True"
+    assert events[0]["reason"] == "Created"
+
+
+def test_the_handler_retries_while_valkey_starts_and_gives_up_on_a_bad_spec(make_kvcache, cluster):
+    events = []
+    kwargs = _handler_kwargs(make_kvcache(shared=MANAGED), cluster, events)
+    with pytest.raises(kopf.TemporaryError) as temporary:
+        handlers.reconcile_kvcache(**kwargs)
+    assert temporary.value.delay == rec.CONVERGE_DELAY_S
+    assert cond(kwargs["patch"]["status"], "Ready")["reason"] == "ValkeyStarting"
+    kwargs = _handler_kwargs(make_kvcache(l1={"policy": "mru"}), cluster, events)
+    with pytest.raises(kopf.PermanentError, match="l1.policy"):
+        handlers.reconcile_kvcache(**kwargs)
+    assert cond(kwargs["patch"]["status"], "Ready")["reason"] == "InvalidSpec"
+    kwargs = _handler_kwargs(make_kvcache(l1={"policy": "mru"}), cluster, events)
+    handlers.recheck_kvcache(**kwargs)  # the timer does not raise again for a bad spec
