@@ -227,7 +227,7 @@ def test_the_handler_retries_while_valkey_starts_and_gives_up_on_a_bad_spec(make
     assert temporary.value.delay == rec.CONVERGE_DELAY_S
     assert cond(kwargs["patch"]["status"], "Ready")["reason"] == "ValkeyStarting"
     kwargs = _handler_kwargs(make_kvcache(l1={"policy": "mru"}), cluster, events)
-    with pytest.raises(kopf.PermanentError, match="l1.policy"):
+    with pytest.raises(kopf.PermanentError, match=r"l1\.policy"):
         handlers.reconcile_kvcache(**kwargs)
     assert cond(kwargs["patch"]["status"], "Ready")["reason"] == "InvalidSpec"
     kwargs = _handler_kwargs(make_kvcache(l1={"policy": "mru"}), cluster, events)
