@@ -1,0 +1,55 @@
+"""Messages the connector's scheduler role hands its worker role each step.
+
+Why a module of its own: both roles import these, and vLLM ships them from
+the scheduler to every worker inside ``SchedulerOutput`` (pickled when the
+workers live in other processes), so they are plain slotted dataclasses
+with no references to vLLM objects.
+
+Chunk hashes, not keys, travel here: a chunk key is the namespace
+fingerprint + the chunk hash, and the fingerprint differs per worker (it
+holds the tensor-parallel rank), so each worker prefixes its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+ReqId = str
+
+
+@dataclass(slots=True)
+class ChunkTransfer:
+    """One chunk to move between the arena and vLLM's paged KV blocks.
+
+    ``block_ids`` are the chunk's blocks in order (``chunk_size // block_size``
+    of them). ``first_block`` is the first of them that takes part: a load
+    skips the leading blocks vLLM's own prefix cache already holds (those
+    are shared with other requests and must not be written).
+    """
+
+    chunk_hash: bytes
+    block_ids: list[int]
+    first_block: int = 0
+
+
+@dataclass(slots=True)
+class RequestTransfer:
+    """All chunks of one request to load (or save) in one step."""
+
+    req_id: ReqId
+    chunks: list[ChunkTransfer]
+
+
+@dataclass(slots=True)
+class KVStrataMetadata(KVConnectorMetadata):
+    """What the workers do in one step: loads before the forward pass,
+    saves after it (in ``wait_for_save``)."""
+
+    loads: list[RequestTransfer] = field(default_factory=list)
+    saves: list[RequestTransfer] = field(default_factory=list)
+    finished: list[ReqId] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.saves or self.finished)

@@ -1,0 +1,276 @@
+"""The connector's scheduler role: what to load and what to save, per step.
+
+Why separate from the worker: vLLM runs this half inside its scheduler
+(one per engine), the worker half next to the KV tensors (one per rank).
+This half never touches KV bytes; it asks the sidecar what is stored,
+tells vLLM how many prompt tokens it can skip, and writes the per-step
+plan (:class:`~kvstrata.connector.metadata.KVStrataMetadata`).
+
+Rules it keeps:
+
+* only whole chunks count, keyed by vLLM's own ``request.block_hashes``
+  (chunk ``i`` = hash of its last block), so our hits line up with vLLM's
+  prefix cache and a different prefix never matches;
+* never claims the prompt's last token: vLLM must compute at least one
+  token to sample from;
+* starts after ``num_computed_tokens`` (what vLLM's prefix cache already
+  has) and never writes those blocks (they may be shared);
+* saves a chunk once all its tokens are computed (chunked prefill may
+  take several steps), once per request; preemption forgets the blocks.
+
+Any sidecar problem makes a lookup a miss; a bug here logs and counts a
+miss, it never raises into vLLM's scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvstrata.connector.client import SidecarClient
+from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, ReqId, RequestTransfer
+from kvstrata.sidecar.keys import make_key
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from kvstrata.connector.connector import ConnectorSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _RequestState:
+    request: Request
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # as of the last scheduled step
+    local_tokens: int = 0  # vLLM's own prefix-cache hit at the last lookup
+    hit_tokens: int = 0  # end of our hit (tokens) at the last lookup
+    tiers: list[str] = field(default_factory=list)
+    load: RequestTransfer | None = None  # to send with the next step
+    stored_chunks: int = 0  # chunks known stored or already sent for saving
+    pinned: bool = False  # a lookup hit: the sidecar pins a prefetch for us
+
+
+@dataclass
+class SchedulerCounters:
+    """What the scheduler role did (read by tests, the demo and the benchmark)."""
+
+    lookups: int = 0
+    lookup_failures: int = 0
+    hit_tokens: int = 0
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    chunks_to_load: int = 0
+    chunks_to_save: int = 0
+    errors: int = 0
+
+
+class KVStrataScheduler:
+    def __init__(self, settings: ConnectorSettings) -> None:
+        self.settings = settings
+        self.enabled = settings.layout is not None
+        self.client = SidecarClient(
+            settings.endpoint,
+            settings.namespace,
+            role="scheduler",
+            call_timeout_s=settings.call_timeout_s,
+        )
+        self.counters = SchedulerCounters()
+        self._reqs: dict[ReqId, _RequestState] = {}
+        self._warned_chunk_size = False
+
+    # -- lookups --------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Prompt tokens beyond ``num_computed_tokens`` we can load (0 = none)."""
+        try:
+            return self._match(request, num_computed_tokens)
+        except Exception:
+            logger.exception(
+                "kvstrata: lookup for %s failed; treating it as a miss", request.request_id
+            )
+            self.counters.errors += 1
+            return 0
+
+    def _match(self, request: Request, num_computed_tokens: int) -> int:
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            state = self._reqs[request.request_id] = _RequestState(request)
+        state.request = request
+        state.block_ids = []  # new or preempted: blocks come with the next schedule
+        state.load = None
+        state.local_tokens = num_computed_tokens
+        state.hit_tokens = 0
+        if not self.enabled:
+            return 0
+        chunk = self.settings.chunk_size
+        # Never the last prompt token: vLLM must compute one to sample from.
+        loadable = min(
+            (request.num_prompt_tokens - 1) // chunk,
+            len(request.block_hashes) // self.settings.blocks_per_chunk,
+        )
+        if loadable * chunk <= num_computed_tokens:
+            return 0
+        keys = self._keys(request.block_hashes, 0, loadable)
+        self.counters.lookups += 1
+        reply = self.client.lookup(keys, prefetch=True, owner=request.request_id)
+        self._check_chunk_size()
+        if reply is None:
+            self.counters.lookup_failures += 1
+            return 0
+        state.pinned = state.pinned or reply.hit_chunks > 0
+        hit_end = min(reply.hit_chunks, loadable) * chunk
+        if hit_end <= num_computed_tokens:
+            return 0
+        state.hit_tokens = hit_end
+        state.tiers = list(reply.tiers)
+        logger.debug(
+            "kvstrata: %s hits %d tokens (%d local) in %s",
+            request.request_id,
+            hit_end,
+            num_computed_tokens,
+            reply.tiers,
+        )
+        return hit_end - num_computed_tokens
+
+    def _keys(self, block_hashes: Sequence[bytes], first: int, end: int) -> list[bytes]:
+        bpc = self.settings.blocks_per_chunk
+        fp = self.client.fingerprint
+        return [make_key(fp, block_hashes[(i + 1) * bpc - 1]) for i in range(first, end)]
+
+    def _check_chunk_size(self) -> None:
+        theirs = self.client.chunk_size
+        if theirs and theirs != self.settings.chunk_size and not self._warned_chunk_size:
+            self._warned_chunk_size = True
+            logger.warning(
+                "kvstrata: connector chunk_size %d differs from the sidecar's %d; "
+                "set kv_connector_extra_config.chunk_size to match its metrics",
+                self.settings.chunk_size,
+                theirs,
+            )
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """Plan the load of ``num_external_tokens`` after vLLM's own hit."""
+        state = self._reqs.get(request.request_id)
+        if state is None or num_external_tokens <= 0:
+            return
+        try:
+            state.load = self._plan_load(state, block_ids, num_external_tokens)
+        except Exception:
+            logger.exception("kvstrata: cannot plan the load of %s", request.request_id)
+            self.counters.errors += 1
+
+    def _plan_load(
+        self, state: _RequestState, block_ids: list[int], num_external_tokens: int
+    ) -> RequestTransfer:
+        s = self.settings
+        bpc = s.blocks_per_chunk
+        start = state.local_tokens
+        end = start + num_external_tokens
+        first_local_block = start // s.block_size
+        chunks: list[ChunkTransfer] = []
+        hashes = state.request.block_hashes
+        for c in range(start // s.chunk_size, end // s.chunk_size):
+            blocks = block_ids[c * bpc : (c + 1) * bpc]
+            chunks.append(
+                ChunkTransfer(
+                    chunk_hash=bytes(hashes[(c + 1) * bpc - 1]),
+                    block_ids=list(blocks),
+                    first_block=max(0, first_local_block - c * bpc),
+                )
+            )
+        state.stored_chunks = max(state.stored_chunks, end // s.chunk_size)
+        self.counters.hit_tokens += num_external_tokens
+        for c, tier in enumerate(state.tiers[start // s.chunk_size : end // s.chunk_size]):
+            n = min(s.chunk_size, end - max(start, c * s.chunk_size))
+            self.counters.hit_tokens_by_tier[tier] = (
+                self.counters.hit_tokens_by_tier.get(tier, 0) + n
+            )
+        self.counters.chunks_to_load += len(chunks)
+        return RequestTransfer(state.request.request_id, chunks)
+
+    # -- the per-step plan ------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStrataMetadata:
+        meta = KVStrataMetadata()
+        try:
+            self._track_blocks(scheduler_output)
+            for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
+                state = self._reqs.get(req_id)
+                if state is None:
+                    continue
+                if state.load is not None:
+                    meta.loads.append(state.load)
+                    state.load = None
+                save = self._plan_save(state, state.num_computed + n_scheduled)
+                if save is not None:
+                    meta.saves.append(save)
+        except Exception:
+            logger.exception("kvstrata: cannot build this step's plan; skipping it")
+            self.counters.errors += 1
+            return KVStrataMetadata()
+        return meta
+
+    def _track_blocks(self, so: SchedulerOutput) -> None:
+        for req_id in so.preempted_req_ids or ():
+            state = self._reqs.get(req_id)
+            if state is not None:
+                state.block_ids = []
+                state.load = None
+        for new in so.scheduled_new_reqs:
+            state = self._reqs.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0]) if new.block_ids else []
+                state.num_computed = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._reqs.get(req_id)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                state.block_ids.extend(new_blocks[0])
+            state.num_computed = cached.num_computed_tokens[i]
+
+    def _plan_save(self, state: _RequestState, computed_after: int) -> RequestTransfer | None:
+        s = self.settings
+        if not self.enabled:
+            return None
+        request = state.request
+        done = min(computed_after, request.num_prompt_tokens)
+        n_chunks = min(
+            done // s.chunk_size,
+            len(request.block_hashes) // s.blocks_per_chunk,
+            len(state.block_ids) // s.blocks_per_chunk,
+        )
+        if n_chunks <= state.stored_chunks:
+            return None
+        bpc = s.blocks_per_chunk
+        chunks = [
+            ChunkTransfer(
+                chunk_hash=bytes(request.block_hashes[(c + 1) * bpc - 1]),
+                block_ids=state.block_ids[c * bpc : (c + 1) * bpc],
+            )
+            for c in range(state.stored_chunks, n_chunks)
+        ]
+        state.stored_chunks = n_chunks
+        self.counters.chunks_to_save += len(chunks)
+        return RequestTransfer(request.request_id, chunks)
+
+    # -- end of a request ---------------------------------------------------------
+
+    def request_finished(self, req_id: ReqId) -> None:
+        """Forget the request and drop its prefetch pins in the sidecar."""
+        state = self._reqs.pop(req_id, None)
+        if state is not None and state.pinned and self.client.available():
+            self.client.end_request(req_id)
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,235 @@
+"""The connector's worker role: copy chunks between the arena and vLLM's KV.
+
+Why separate from the scheduler: this half runs next to the KV tensors
+(one instance per rank) and does the byte moves the scheduler planned:
+
+* loads, before the forward pass (``start_load_kv``): lease the chunks
+  (``prepare_retrieve``), scatter each into its paged blocks, release;
+* saves, after it (``wait_for_save``): lease fresh arena space
+  (``prepare_store``), gather the blocks into it, commit.
+
+Both copy through one ``torch.frombuffer`` view over the mapped shared
+arena, re-made whenever the client's :attr:`~SidecarClient.epoch` changes
+(a sidecar restart re-maps the arena; slots of an older epoch are void).
+
+A load that cannot complete (sidecar down, slot missing, wrong shape,
+epoch changed, ``load_timeout_seconds`` passed) reports the blocks it did
+not fill through :meth:`take_load_errors`; vLLM then recomputes them. A
+save that cannot complete is dropped (a later miss). Nothing here raises
+into vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvstrata.connector.client import ArenaSlot, SidecarClient
+from kvstrata.connector.layout import ChunkLayout, UnsupportedLayoutError, detect_layout
+from kvstrata.connector.metadata import KVStrataMetadata, RequestTransfer
+from kvstrata.sidecar.keys import make_key
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from kvstrata.connector.connector import ConnectorSettings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerCounters:
+    """What the worker role did (read by tests, the demo and the benchmark)."""
+
+    loaded_chunks: int = 0
+    failed_chunks: int = 0
+    saved_chunks: int = 0
+    save_skipped_chunks: int = 0  # already stored, or no arena space
+    save_dropped_chunks: int = 0  # sidecar unavailable or copy failed
+    load_seconds: float = 0.0
+    save_seconds: float = 0.0
+
+
+def _ranks() -> tuple[int, int]:
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        return get_tp_group().rank_in_group, get_pp_group().rank_in_group
+    except Exception:  # not initialised (single process): rank 0
+        return 0, 0
+
+
+class KVStrataWorker:
+    def __init__(self, settings: ConnectorSettings, vllm_config: VllmConfig) -> None:
+        self.settings = settings
+        tp_rank, pp_rank = _ranks()
+        namespace = replace(settings.namespace, tp_rank=tp_rank, pp_rank=pp_rank)
+        self.client = SidecarClient(
+            settings.endpoint,
+            namespace,
+            role="worker",
+            call_timeout_s=settings.call_timeout_s,
+        )
+        self.layout: ChunkLayout | None = None
+        self.counters = WorkerCounters()
+        self._load_errors: set[int] = set()
+        self._arena_view: torch.Tensor | None = None
+        self._arena_epoch = -1
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        s = self.settings
+        try:
+            self.layout = detect_layout(
+                kv_caches,
+                layout=s.layout,
+                block_size=s.block_size,
+                num_kv_heads=s.num_kv_heads,
+                head_dim=s.head_dim,
+                blocks_per_chunk=s.blocks_per_chunk,
+            )
+        except UnsupportedLayoutError as exc:
+            self.layout = None
+            logger.warning("kvstrata: connector disabled (every lookup misses): %s", exc)
+            return
+        logger.info(
+            "kvstrata: %d layers, chunk of %d tokens = %d bytes %s",
+            len(self.layout.layers),
+            s.chunk_size,
+            self.layout.chunk_nbytes,
+            self.layout.chunk_shape,
+        )
+
+    # -- arena --------------------------------------------------------------------
+
+    def _arena(self) -> torch.Tensor | None:
+        """The arena as one uint8 tensor, for the client's current epoch."""
+        epoch = self.client.epoch
+        if self._arena_view is None or epoch != self._arena_epoch:
+            self._arena_view = None
+            view = self.client.arena
+            if view is None:
+                return None
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._arena_view = torch.frombuffer(view, dtype=torch.uint8)
+            self._arena_epoch = epoch
+        return self._arena_view
+
+    def _slot_fits(self, slot: ArenaSlot) -> bool:
+        layout = self.layout
+        return (
+            layout is not None
+            and slot.length == layout.chunk_nbytes
+            and slot.dtype == layout.dtype_str
+            and tuple(slot.shape) == layout.chunk_shape
+            and slot.offset % layout.dtype.itemsize == 0
+        )
+
+    # -- loads --------------------------------------------------------------------
+
+    def start_load(self, meta: KVStrataMetadata | None) -> None:
+        if meta is None or not meta.loads:
+            return
+        started = time.perf_counter()
+        for req in meta.loads:
+            try:
+                loaded = self._load_request(req) if self.layout is not None else 0
+            except Exception:
+                logger.exception("kvstrata: load of %s failed; vLLM recomputes it", req.req_id)
+                loaded = 0
+            for chunk in req.chunks[loaded:]:
+                self._load_errors.update(chunk.block_ids[chunk.first_block :])
+            self.counters.loaded_chunks += loaded
+            self.counters.failed_chunks += len(req.chunks) - loaded
+        self.counters.load_seconds += time.perf_counter() - started
+
+    def _load_request(self, req: RequestTransfer) -> int:
+        """Scatter the request's chunks in order; the number fully loaded."""
+        layout = self.layout
+        assert layout is not None  # checked by the caller
+        deadline = time.monotonic() + self.settings.load_timeout_s
+        fp = self.client.fingerprint
+        keys = [make_key(fp, c.chunk_hash) for c in req.chunks]
+        slots = self.client.prepare_retrieve(keys, owner=req.req_id)
+        if slots is None:
+            return 0
+        epoch = self.client.epoch
+        loaded = 0
+        try:
+            arena = self._arena()
+            for chunk, slot in zip(req.chunks, slots, strict=False):
+                if slot is None or arena is None or self.client.epoch != epoch:
+                    break
+                if time.monotonic() > deadline or not self._slot_fits(slot):
+                    logger.debug("kvstrata: slot %s refused (deadline or shape)", slot)
+                    break
+                src = arena[slot.offset : slot.offset + slot.length]
+                layout.scatter(src, chunk.block_ids, chunk.first_block)
+                loaded += 1
+        finally:
+            leases = [s.lease_id for s in slots if s is not None]
+            if leases:
+                self.client.release(leases)
+        return loaded
+
+    def take_load_errors(self) -> set[int]:
+        """Blocks a load of this step failed to fill (vLLM recomputes them)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- saves --------------------------------------------------------------------
+
+    def save(self, meta: KVStrataMetadata | None) -> None:
+        if meta is None or not meta.saves or self.layout is None:
+            return
+        started = time.perf_counter()
+        for req in meta.saves:
+            try:
+                self._save_request(req)
+            except Exception:
+                logger.exception("kvstrata: save of %s failed; dropped", req.req_id)
+                self.counters.save_dropped_chunks += len(req.chunks)
+        self.counters.save_seconds += time.perf_counter() - started
+
+    def _save_request(self, req: RequestTransfer) -> None:
+        layout = self.layout
+        assert layout is not None  # checked by the caller
+        fp = self.client.fingerprint
+        keys = [make_key(fp, c.chunk_hash) for c in req.chunks]
+        slots = self.client.prepare_store(
+            keys, layout.chunk_nbytes, layout.dtype_str, layout.chunk_shape, owner=req.req_id
+        )
+        if slots is None:
+            self.counters.save_dropped_chunks += len(req.chunks)
+            return
+        arena = self._arena()
+        lease_ids: list[int] = []
+        ok: list[bool] = []
+        for chunk, slot in zip(req.chunks, slots, strict=False):
+            if slot is None:
+                self.counters.save_skipped_chunks += 1
+                continue
+            good = arena is not None and self._slot_fits(slot)
+            if good and arena is not None:
+                try:
+                    layout.gather(chunk.block_ids, arena[slot.offset : slot.offset + slot.length])
+                except (RuntimeError, IndexError):
+                    logger.exception("kvstrata: copy into slot %d failed", slot.lease_id)
+                    good = False
+            lease_ids.append(slot.lease_id)
+            ok.append(good)
+        if not lease_ids:
+            return
+        if self.client.commit_store(lease_ids, ok):
+            self.counters.saved_chunks += sum(ok)
+        else:
+            self.counters.save_dropped_chunks += len(lease_ids)
+
+    def close(self) -> None:
+        self._arena_view = None
+        self.client.close()
