@@ -162,6 +162,7 @@ def _ca_expiring(bundle: TLSBundle, now: dt.datetime) -> bool:
 def needs_rotation(bundle: TLSBundle | None, dns_names: Sequence[str]) -> str | None:
     """Why the stored bundle must be replaced, or None when it is good."""
     from cryptography import x509
+    from cryptography.exceptions import InvalidSignature
 
     if bundle is None:
         return "no certificate stored"
@@ -175,7 +176,9 @@ def needs_rotation(bundle: TLSBundle | None, dns_names: Sequence[str]) -> str | 
         return "CA expires within 30 days"
     if cert.not_valid_after_utc - now < ROTATE_BEFORE:
         return "serving certificate expires within 30 days"
-    if cert.issuer != ca.subject:
+    try:
+        cert.verify_directly_issued_by(ca)  # checks the signature, not just the names
+    except (ValueError, TypeError, InvalidSignature):
         return "serving certificate was not issued by the stored CA"
     sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     if sorted(sans.get_values_for_type(x509.DNSName)) != sorted(dns_names):

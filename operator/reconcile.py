@@ -158,8 +158,10 @@ def desired_objects(kvcache: Mapping[str, Any], cluster: Cluster) -> tuple[list[
             objects.append(R.render_valkey_secret(kvcache, _stable_password(kvcache, cluster)))
         objects += R.render_valkey_services(kvcache)
         objects.append(R.render_valkey_statefulset(kvcache))
+    service, monitor = R.render_metrics_objects(kvcache)
+    objects.append(service)  # scraped by this ServiceMonitor or the chart's cluster-wide one
     if ((spec.get("metrics") or {}).get("serviceMonitor") or {}).get("enabled"):
-        objects += R.render_metrics_objects(kvcache)
+        objects.append(monitor)
     return objects, digest, text
 
 

@@ -12,9 +12,10 @@ Objects, for a KVCache ``NAME``:
   headless Service ``NAME-valkey-headless``, client Service ``NAME-valkey``
   (the primary, pod 0), StatefulSet ``NAME-valkey`` (pod 0 primary, the others
   replicate it);
-* Service ``NAME-metrics`` and ServiceMonitor ``NAME`` when
-  ``spec.metrics.serviceMonitor.enabled`` (the caller drops the
-  ServiceMonitor when its CRD is absent).
+* headless Service ``NAME-metrics`` over the injected pods' metrics port
+  (always), and ServiceMonitor ``NAME`` when
+  ``spec.metrics.serviceMonitor.enabled`` (the caller drops it when its CRD
+  is absent).
 """
 
 from __future__ import annotations

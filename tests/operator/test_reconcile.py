@@ -59,7 +59,10 @@ def test_a_cache_without_shared_tier_is_ready_with_its_configmap(make_kvcache, c
     assert out.status["sharedTier"] == "none"
     cm = cluster.get("v1", "ConfigMap", "ml", "demo-sidecar")
     assert f"size_bytes: {2 << 30}" in cm["data"]["sidecar.yaml"]
-    assert [e.reason for e in out.events] == ["Created"]
+    assert [e.message for e in out.events] == [
+        "created ConfigMap demo-sidecar",
+        "created Service demo-metrics",
+    ]
 
 
 def test_reconciling_again_changes_nothing_and_keeps_transition_times(make_kvcache, cluster):
@@ -81,7 +84,7 @@ def test_a_managed_valkey_converges_then_the_cache_becomes_ready(make_kvcache, c
     assert cond(out.status, "Ready")["status"] == "False"
     assert cond(out.status, "SharedTierReady")["reason"] == "ValkeyStarting"
     kinds = sorted(k for (_, k, _, _) in cluster.objects)
-    assert kinds == ["ConfigMap", "Secret", "Service", "Service", "StatefulSet"]
+    assert kinds == ["ConfigMap", "Secret", "Service", "Service", "Service", "StatefulSet"]
     assert out.status["endpoints"]["valkey"] == "redis://demo-valkey.ml.svc:6379/0"
     cluster.objects[("apps/v1", "StatefulSet", "ml", "demo-valkey")]["status"] = {
         "readyReplicas": 2
