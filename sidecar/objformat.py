@@ -155,3 +155,54 @@ def decode(blob: bytes | memoryview, expected_key: bytes | None = None) -> Decod
     shape = struct.unpack_from(f"<{ndim}Q", view, FIXED_HEADER_BYTES)
     meta = ChunkMeta(dtype=dtype_raw.rstrip(b"\0").decode("ascii"), shape=tuple(shape))
     return DecodedObject(meta=meta, payload=payload)
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectHeader:
+    """A validated header; the payload is checked separately (:func:`payload_matches`)."""
+
+    meta: ChunkMeta
+    codec: str
+    raw_length: int
+    stored_length: int
+    checksum: int
+    key: bytes
+    header_length: int
+
+
+def decode_header(prefix: bytes | memoryview, expected_key: bytes | None = None) -> ObjectHeader:
+    """Validate the header at the start of ``prefix`` (which may hold more bytes).
+
+    For readers that place the payload themselves (the disk tier reads it
+    straight into the L1 arena). Raises :class:`CorruptObjectError`.
+    """
+    view = memoryview(prefix).cast("B")
+    if len(view) < FIXED_HEADER_BYTES:
+        raise CorruptObjectError(f"object of {len(view)} bytes is shorter than a header")
+    magic, version, codec_id, ndim, dtype_raw, raw_len, stored_len, checksum, header_checksum = (
+        _FIXED.unpack_from(view, 0)
+    )
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise CorruptObjectError("bad magic or format version")
+    if ndim > MAX_NDIM or codec_id not in CODEC_NAMES:
+        raise CorruptObjectError("bad ndim or codec id")
+    shape_end = FIXED_HEADER_BYTES + 8 * ndim
+    if len(view) < shape_end + 1 or len(view) < shape_end + 1 + view[shape_end]:
+        raise CorruptObjectError("object truncated inside its header")
+    header_end = shape_end + 1 + view[shape_end]
+    tail = bytes(view[FIXED_HEADER_BYTES:header_end])
+    if xxhash.xxh3_64_intdigest(bytes(view[:48]) + tail) != header_checksum:
+        raise CorruptObjectError("header checksum mismatch")
+    key = tail[8 * ndim + 1 :]
+    if expected_key is not None and key != expected_key:
+        raise CorruptObjectError("object holds a different key")
+    shape = struct.unpack_from(f"<{ndim}Q", view, FIXED_HEADER_BYTES)
+    meta = ChunkMeta(dtype=dtype_raw.rstrip(b"\0").decode("ascii"), shape=tuple(shape))
+    return ObjectHeader(meta, CODEC_NAMES[codec_id], raw_len, stored_len, checksum, key, header_end)
+
+
+def payload_matches(header: ObjectHeader, stored: bytes | memoryview) -> bool:
+    """Whether ``stored`` is the payload ``header`` describes (length and checksum)."""
+    return len(stored) == header.stored_length and (
+        xxhash.xxh3_64_intdigest(stored) == header.checksum
+    )

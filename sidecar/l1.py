@@ -1,0 +1,120 @@
+"""The L1 index: which chunk lives where in the arena, and who pins it.
+
+Why separate from the engine: this is the bookkeeping only (allocator,
+eviction policy, pin counts), with no threads, no I/O and no locking; the
+engine calls every method under its one index lock and never holds that
+lock while copying bytes.
+
+State (process memory only; the arena itself has no header)::
+
+    entries: ChunkKey -> Entry(offset, length, meta, state, pins, ...)
+
+An entry is WRITING from ``reserve`` until ``publish`` (only its writer
+sees it), then READY. ``pins`` counts leases and internal holds
+(write-behind, prefetch); a pinned entry is never evicted and its extent
+never freed. An entry removed while pinned is marked ``dead``: it leaves
+the index at once and its extent is freed when the last pin goes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstrata.sidecar.allocator import ExtentAllocator
+from kvstrata.sidecar.keys import ChunkKey
+from kvstrata.sidecar.objformat import ChunkMeta
+from kvstrata.sidecar.policies import EvictionPolicy, make_policy
+
+WRITING = 0
+READY = 1
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    key: ChunkKey
+    offset: int
+    length: int
+    meta: ChunkMeta
+    parent: ChunkKey | None = None
+    state: int = WRITING
+    pins: int = 0
+    dead: bool = False
+    promoting: bool = False  # filled from a lower tier by the engine itself
+    shared_pending: bool = False  # "reused" admission: upload on the first hit
+
+
+class L1Store:
+    """Allocator + policy + index of one arena (not thread-safe)."""
+
+    def __init__(
+        self, size: int, policy: str = "lru", prefix_aware: bool = False, alignment: int = 256
+    ) -> None:
+        self.allocator = ExtentAllocator(size, alignment)
+        self.policy: EvictionPolicy = make_policy(policy, self.allocator.size, prefix_aware)
+        self.entries: dict[ChunkKey, Entry] = {}
+        self.evictions_total = 0
+        self.evicted_bytes_total = 0
+        self.ready_bytes = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.size
+
+    def reserve(
+        self, key: ChunkKey, nbytes: int, meta: ChunkMeta, parent: ChunkKey | None = None
+    ) -> Entry | None:
+        """A WRITING entry with one pin, evicting unpinned READY entries as
+        needed; None when the key exists or nothing more can be evicted."""
+        if key in self.entries or nbytes > self.allocator.size:
+            return None
+        offset = self.allocator.alloc(nbytes)
+        if offset is None:
+            offset = self._evict_until_fits(nbytes)
+            if offset is None:
+                return None
+        entry = Entry(key, offset, nbytes, meta, parent, pins=1)
+        self.entries[key] = entry
+        return entry
+
+    def _evict_until_fits(self, nbytes: int) -> int | None:
+        entries = self.entries
+        for victim in self.policy.victims():
+            entry = entries.get(victim)
+            if entry is None or entry.pins or entry.state != READY:
+                continue
+            self._drop(entry)
+            self.evictions_total += 1
+            self.evicted_bytes_total += entry.length
+            offset = self.allocator.alloc(nbytes)
+            if offset is not None:
+                return offset
+        return None
+
+    def publish(self, entry: Entry) -> None:
+        """WRITING -> READY: visible to lookups, known to the policy."""
+        entry.state = READY
+        self.ready_bytes += entry.length
+        self.policy.on_insert(entry.key, entry.length, entry.parent)
+
+    def unpin(self, entry: Entry) -> None:
+        entry.pins -= 1
+        if entry.pins <= 0 and entry.dead:
+            self.allocator.free(entry.offset)
+            entry.offset = -1
+
+    def remove(self, key: ChunkKey) -> Entry | None:
+        """Drop ``key`` from the index; its extent is freed now or at its last unpin."""
+        entry = self.entries.get(key)
+        if entry is not None:
+            self._drop(entry)
+        return entry
+
+    def _drop(self, entry: Entry) -> None:
+        del self.entries[entry.key]
+        if entry.state == READY:
+            self.ready_bytes -= entry.length
+            self.policy.on_remove(entry.key)
+        entry.dead = True
+        if entry.pins <= 0:
+            self.allocator.free(entry.offset)
+            entry.offset = -1

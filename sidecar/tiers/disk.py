@@ -1,0 +1,390 @@
+"""L2: a capacity-bounded directory of chunk files on local disk.
+
+Why: L1 is small and dies with the pod; a local NVMe holds many times more
+and survives a sidecar restart, at a fraction of a remote tier's latency.
+
+Persisted state, under ``l2.path``::
+
+    <root>/<ss>/<key hex>.kvs      one chunk object in the objformat layout
+                                   (header + raw payload, codec "none")
+    <root>/<ss>/<key hex>.kvs.tmp-<rand>   a write in progress (removed on start)
+
+``<ss>`` is the last two hex digits of the key (the block hash's last byte,
+uniform), so no directory grows past 1/256 of the files. A file appears
+under its final name only by ``rename`` after a complete write, so a crash
+leaves either the old state or a stray temp file, never a half object
+under a real name.
+
+On start the directory is re-indexed by reading each file's header only
+(a few hundred bytes), so a restarted sidecar hits at once. A file whose
+header, length or payload checksum is wrong is deleted and counted in
+``corrupt_total``; it is a miss, never data. Eviction is LRU by bytes;
+``usage_bytes`` never exceeds ``size_bytes`` (space is reserved before a
+write starts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from kvstrata.sidecar.keys import ChunkKey, key_hex
+from kvstrata.sidecar.objformat import (
+    ChunkMeta,
+    CorruptObjectError,
+    DecodedObject,
+    decode,
+    decode_header,
+    encode,
+    payload_matches,
+)
+from kvstrata.sidecar.tiers.base import Tier, TierStats
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".kvs"
+TMP_MARK = ".tmp-"
+_HEADER_PROBE = 512  # > the largest header (56 + 8*8 + 1 + 255)
+
+
+@dataclass(frozen=True, slots=True)
+class DiskEntry:
+    file_bytes: int
+    header_bytes: int
+    payload_bytes: int
+    meta: ChunkMeta
+    codec: str = "none"
+
+
+class DiskTier(Tier):
+    """Chunk files under one directory (see the module docstring)."""
+
+    name = "l2"
+
+    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, fsync: bool = False):
+        self.root = os.fspath(path)
+        self.capacity_bytes = capacity_bytes
+        self.fsync = fsync
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, DiskEntry] = OrderedDict()  # LRU first
+        self._usage = 0
+        self._reserved = 0
+        self._stats = TierStats(tier=self.name, capacity_bytes=capacity_bytes)
+        os.makedirs(self.root, exist_ok=True)
+        self._reindex()
+
+    # -- paths ------------------------------------------------------------------
+
+    def path_of(self, key: bytes) -> str:
+        hexkey = key_hex(key)
+        return os.path.join(self.root, hexkey[-2:], hexkey + SUFFIX)
+
+    # -- start-up ---------------------------------------------------------------
+
+    def _reindex(self) -> None:
+        found: list[tuple[float, bytes, DiskEntry]] = []
+        for shard in sorted(os.listdir(self.root)):
+            shard_dir = os.path.join(self.root, shard)
+            if len(shard) != 2 or not os.path.isdir(shard_dir):
+                continue
+            for fname in os.listdir(shard_dir):
+                fpath = os.path.join(shard_dir, fname)
+                if TMP_MARK in fname:
+                    with contextlib.suppress(OSError):
+                        os.unlink(fpath)
+                    continue
+                if not fname.endswith(SUFFIX):
+                    continue
+                item = self._probe(fpath, fname[: -len(SUFFIX)])
+                if item is not None:
+                    found.append(item)
+        found.sort(key=lambda t: t[0])  # oldest access first = LRU order
+        for _, key, entry in found:
+            self._index[key] = entry
+            self._usage += entry.file_bytes
+        self._evict_locked(0)
+        logger.info(
+            "L2 %s: %d objects, %d bytes re-indexed", self.root, len(self._index), self._usage
+        )
+
+    def _probe(self, fpath: str, hexkey: str) -> tuple[float, bytes, DiskEntry] | None:
+        try:
+            key = bytes.fromhex(hexkey)
+        except ValueError:
+            return None
+        try:
+            with open(fpath, "rb") as fh:
+                st = os.fstat(fh.fileno())
+                head = fh.read(_HEADER_PROBE)
+            header = decode_header(head, expected_key=key)
+            if header.header_length + header.stored_length != st.st_size:
+                raise CorruptObjectError("file length does not match its header")
+        except CorruptObjectError as exc:
+            logger.warning("L2 file %s is corrupt (%s); deleted", fpath, exc)
+            self._stats.corrupt_total += 1
+            with contextlib.suppress(OSError):
+                os.unlink(fpath)
+            return None
+        except OSError:
+            return None
+        entry = DiskEntry(
+            st.st_size, header.header_length, header.stored_length, header.meta, header.codec
+        )
+        return max(st.st_atime, st.st_mtime), key, entry
+
+    # -- Tier -------------------------------------------------------------------
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        index = self._index
+        return [k in index for k in keys]
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._index
+
+    def peek(self, key: bytes) -> DiskEntry | None:
+        """Size and meta of a stored object, without touching the disk."""
+        return self._index.get(key)
+
+    def put(self, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta) -> bool:
+        header, stored = encode(key, payload, meta)
+        total = len(header) + len(stored)
+        with self._lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+                self._stats.deduplicated_total += 1
+                return True
+            if total > self.capacity_bytes:
+                self._stats.dropped_total += 1
+                return False
+            doomed = self._evict_locked(total)
+            self._reserved += total
+        self._unlink_all(doomed)
+        try:
+            ok = self._write_file(key, header, stored)
+        finally:
+            with self._lock:
+                self._reserved -= total
+        if not ok:
+            return False
+        entry = DiskEntry(total, len(header), len(stored), meta)
+        with self._lock:
+            old = self._index.pop(key, None)
+            if old is not None:
+                self._usage -= old.file_bytes
+            self._index[key] = entry
+            self._usage += total
+            self._stats.stored_bytes_total += len(stored)
+        return True
+
+    def _write_file(self, key: bytes, header: bytes, stored: bytes | memoryview) -> bool:
+        final = self.path_of(key)
+        tmp = f"{final}{TMP_MARK}{secrets.token_hex(4)}"
+        try:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                _write_all(fd, [memoryview(header), memoryview(stored).cast("B")])
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+            return True
+        except OSError as exc:
+            logger.warning("L2 write of %s failed: %s", final, exc)
+            with self._lock:
+                self._stats.count_error(type(exc).__name__)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            return False
+
+    def read_into(self, key: bytes, out: memoryview) -> ChunkMeta | None:
+        """Read the payload of ``key`` straight into ``out``; its meta, or None.
+
+        One ``preadv`` places header and payload; the payload checksum is
+        verified before returning. On None, ``out`` may hold garbage.
+        """
+        entry = self._touch(key)
+        if entry is None:
+            return None
+        if entry.codec != "none":  # not written by us; decode the slow way
+            obj = self.get(key)
+            if obj is None:
+                return None
+            out[: len(obj.payload)] = obj.payload
+            return obj.meta
+        if len(out) < entry.payload_bytes:
+            raise ValueError(f"buffer of {len(out)} bytes for a {entry.payload_bytes}-byte object")
+        target = out[: entry.payload_bytes]
+        head = bytearray(entry.header_bytes)
+        path = self.path_of(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._forget(key, missing=True)
+            return None
+        except OSError as exc:
+            self._count_error(exc)
+            return None
+        try:
+            with contextlib.suppress(OSError, AttributeError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            got = _read_all(fd, [head, target], entry.file_bytes)
+            extra = os.pread(fd, 1, entry.file_bytes)
+        except OSError as exc:
+            self._count_error(exc)
+            return None
+        finally:
+            os.close(fd)
+        try:
+            if got != entry.file_bytes or extra:
+                raise CorruptObjectError("file length changed")
+            header = decode_header(head, expected_key=key)
+            if header.codec != "none" or not payload_matches(header, target):
+                raise CorruptObjectError("payload checksum mismatch")
+        except CorruptObjectError as exc:
+            self._discard_corrupt(key, path, str(exc))
+            return None
+        with self._lock:
+            self._stats.hits_total += 1
+            self._stats.retrieved_bytes_total += entry.payload_bytes
+        return header.meta
+
+    def get(self, key: ChunkKey) -> DecodedObject | None:
+        entry = self._index.get(key)
+        if entry is None:
+            with self._lock:
+                self._stats.misses_total += 1
+            return None
+        if entry.codec == "none":
+            buf = bytearray(entry.payload_bytes)
+            meta = self.read_into(key, memoryview(buf))
+            return None if meta is None else DecodedObject(meta, buf)
+        path = self.path_of(key)
+        try:
+            with open(path, "rb") as fh:
+                blob = fh.read()
+            obj = decode(blob, expected_key=key)
+        except CorruptObjectError as exc:
+            self._discard_corrupt(key, path, str(exc))
+            return None
+        except OSError:
+            self._forget(key, missing=True)
+            return None
+        with self._lock:
+            self._stats.hits_total += 1
+            self._stats.retrieved_bytes_total += len(obj.payload)
+        return obj
+
+    def remove(self, key: ChunkKey) -> None:
+        if self._forget(key):
+            self._unlink_all([self.path_of(key)])
+
+    def clear(self) -> None:
+        with self._lock:
+            keys = list(self._index)
+            self._index.clear()
+            self._usage = 0
+        self._unlink_all([self.path_of(k) for k in keys])
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return replace(
+                self._stats,
+                usage_bytes=self._usage,
+                objects=len(self._index),
+                errors_total=dict(self._stats.errors_total),
+            )
+
+    @property
+    def usage_bytes(self) -> int:
+        return self._usage + self._reserved
+
+    # -- internals --------------------------------------------------------------
+
+    def _touch(self, key: bytes) -> DiskEntry | None:
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                self._stats.misses_total += 1
+                return None
+            self._index.move_to_end(key)
+            return entry
+
+    def _evict_locked(self, incoming: int) -> list[str]:
+        doomed: list[str] = []
+        while self._index and self._usage + self._reserved + incoming > self.capacity_bytes:
+            key, entry = self._index.popitem(last=False)
+            self._usage -= entry.file_bytes
+            self._stats.evictions_total += 1
+            doomed.append(self.path_of(key))
+        return doomed
+
+    def _forget(self, key: bytes, missing: bool = False) -> bool:
+        with self._lock:
+            entry = self._index.pop(key, None)
+            if entry is None:
+                return False
+            self._usage -= entry.file_bytes
+            if missing:
+                self._stats.misses_total += 1
+                self._stats.count_error("file_vanished")
+            return True
+
+    def _discard_corrupt(self, key: bytes, path: str, why: str) -> None:
+        logger.warning("L2 object %s is corrupt (%s); deleted", path, why)
+        with self._lock:
+            self._stats.corrupt_total += 1
+            self._stats.misses_total += 1
+        if self._forget(key):
+            self._unlink_all([path])
+
+    def _count_error(self, exc: OSError) -> None:
+        with self._lock:
+            self._stats.count_error(type(exc).__name__)
+            self._stats.misses_total += 1
+
+    @staticmethod
+    def _unlink_all(paths: list[str]) -> None:
+        for path in paths:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def _write_all(fd: int, buffers: list[memoryview]) -> None:
+    """``writev`` until every byte is out (short writes happen on big buffers)."""
+    pending = [b for b in buffers if len(b)]
+    while pending:
+        n = os.writev(fd, pending)
+        while n and pending:
+            if n >= len(pending[0]):
+                n -= len(pending[0])
+                pending.pop(0)
+            else:
+                pending[0] = pending[0][n:]
+                n = 0
+
+
+def _read_all(fd: int, buffers: list[bytearray | memoryview], total: int) -> int:
+    """``preadv`` into ``buffers`` until full or end of file; bytes read."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    done = 0
+    while views and done < total:
+        n = os.preadv(fd, views, done)
+        if n == 0:
+            break
+        done += n
+        while n and views:
+            if n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+    return done
