@@ -25,6 +25,11 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
 
 ROTATE_BEFORE = dt.timedelta(days=30)
 CA_LIFETIME = dt.timedelta(days=3650)
@@ -67,7 +72,7 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
-def _pem_key(key) -> bytes:
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
     return key.private_bytes(
@@ -77,7 +82,7 @@ def _pem_key(key) -> bytes:
     )
 
 
-def _new_ca(now: dt.datetime):
+def _new_ca(now: dt.datetime) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -113,8 +118,31 @@ def _new_ca(now: dt.datetime):
     return cert, key
 
 
+def _general_name(name: str) -> x509.GeneralName:
+    """A SAN entry: an IP address when ``name`` is one, else a DNS name."""
+    import ipaddress
+
+    from cryptography import x509
+
+    try:
+        return x509.IPAddress(ipaddress.ip_address(name))
+    except ValueError:
+        return x509.DNSName(name)
+
+
+def _san_names(cert: x509.Certificate) -> list[str]:
+    from cryptography import x509
+
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    ips = [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)]
+    return sans.get_values_for_type(x509.DNSName) + ips
+
+
 def issue(dns_names: Sequence[str], ca: TLSBundle | None = None) -> TLSBundle:
-    """A serving certificate for ``dns_names``, signed by ``ca``'s CA (or a new CA)."""
+    """A serving certificate for ``dns_names`` (IP addresses allowed), signed by ``ca``'s CA.
+
+    A new CA is made when ``ca`` is None or its CA is close to expiry.
+    """
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -135,7 +163,7 @@ def issue(dns_names: Sequence[str], ca: TLSBundle | None = None) -> TLSBundle:
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(now + SERVING_LIFETIME)
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in dns_names]), False)
+        .add_extension(x509.SubjectAlternativeName([_general_name(n) for n in dns_names]), False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .sign(ca_key, hashes.SHA256())
@@ -180,7 +208,6 @@ def needs_rotation(bundle: TLSBundle | None, dns_names: Sequence[str]) -> str | 
         cert.verify_directly_issued_by(ca)  # checks the signature, not just the names
     except (ValueError, TypeError, InvalidSignature):
         return "serving certificate was not issued by the stored CA"
-    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    if sorted(sans.get_values_for_type(x509.DNSName)) != sorted(dns_names):
+    if sorted(_san_names(cert)) != sorted(dns_names):
         return "serving certificate names other hosts"
     return None

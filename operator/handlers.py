@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ class NamespacedWebhookServer(kopf.WebhookServer):
     always has it.
     """
 
-    async def __call__(self, fn):
+    async def __call__(self, fn: Any) -> AsyncIterator[Any]:
         async def with_namespace(request: dict, **kwargs: Any) -> Any:
             review = request.get("request") or {}
             obj = review.get("object")
@@ -178,8 +179,8 @@ def _raw(body: Any) -> dict[str, Any]:
     return dict(body)
 
 
-def register(registry: kopf.OperatorRegistry) -> None:
-    """Attach every handler to ``registry``."""
+def register(registry: kopf.OperatorRegistry, webhook: bool = True) -> None:
+    """Attach every handler to ``registry`` (the admission one only with ``webhook``)."""
     kvcaches = dict(group=S.GROUP, version=S.VERSION, plural=S.PLURAL, registry=registry)
     kopf.on.startup(registry=registry)(configure)
     kopf.on.startup(registry=registry)(manage_certificate)
@@ -188,6 +189,8 @@ def register(registry: kopf.OperatorRegistry) -> None:
     kopf.timer(
         **kvcaches, id="recheck", interval=RECHECK_INTERVAL_S, initial_delay=RECHECK_INTERVAL_S
     )(recheck_kvcache)
+    if not webhook:
+        return
     kopf.on.mutate(
         "",
         "v1",

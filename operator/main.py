@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from kvstrata.operator import handlers
 
     registry = kopf.OperatorRegistry()
-    handlers.register(registry)
+    handlers.register(registry, webhook=args.webhook_port > 0)
     memo = kopf.Memo(options=args, cluster=None)
     namespaces = args.watch_namespace or ()
     kopf.configure(verbose=args.verbose)

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstrata.operator import spec as S
+from kvstrata.sidecar.config import SidecarConfig
 
 SIDECAR = "kvstrata-sidecar"
 INSTALLER = "kvstrata-install"
@@ -170,7 +171,7 @@ def _inject(
     pod: dict[str, Any],
     index: int,
     kvcache: Mapping[str, Any],
-    config: Any,
+    config: SidecarConfig,
     digest: str,
     inject_package: bool,
 ) -> None:
@@ -360,7 +361,7 @@ def _sidecar_resources(spec: Mapping[str, Any], l1_bytes: int) -> dict[str, Any]
 
 def _sidecar(
     spec: Mapping[str, Any],
-    config: Any,
+    config: SidecarConfig,
     mounts: list[dict[str, Any]],
     gpu_env: list[dict[str, Any]],
     vllm: Mapping[str, Any],

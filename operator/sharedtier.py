@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class _BucketMissing(Exception):
     pass
 
 
-def _ensure_bucket(client, target: S3Target, client_error: type[Exception]) -> bool:
+def _ensure_bucket(client: Any, target: S3Target, client_error: type[Exception]) -> bool:
     try:
         client.head_bucket(Bucket=target.bucket)
         return False

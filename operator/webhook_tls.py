@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstrata.operator import certs
+from kvstrata.operator.reconcile import Cluster
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def _decode(secret: dict | None) -> certs.TLSBundle | None:
         return None
 
 
-def ensure_serving_tls(cluster, opts: WebhookTLSOptions) -> str:
+def ensure_serving_tls(cluster: Cluster, opts: WebhookTLSOptions) -> str:
     """Make the Secret, the files and the caBundle agree on a valid certificate.
 
     Returns what was done (for the log): ``"kept"`` or the rotation reason.
@@ -81,7 +82,7 @@ def write_files(bundle: certs.TLSBundle, cert_dir: Path) -> None:
         tmp.replace(path)
 
 
-def patch_ca_bundle(cluster, config_name: str, ca_pem: bytes) -> bool:
+def patch_ca_bundle(cluster: Cluster, config_name: str, ca_pem: bytes) -> bool:
     """Put the CA into every webhook of the configuration; False when it is absent."""
     config = cluster.get(ADMISSION_API, "MutatingWebhookConfiguration", "", config_name)
     if config is None:

@@ -56,6 +56,14 @@ def test_an_issued_certificate_verifies_against_its_ca_for_the_service_names():
     assert certs.needs_rotation(bundle, NAMES) is None
 
 
+def test_ip_addresses_become_ip_subject_alternative_names():
+    bundle = certs.issue(["127.0.0.1", "kvstrata.local"])
+    cert = x509.load_pem_x509_certificate(bundle.tls_crt)
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    assert certs.needs_rotation(bundle, ["kvstrata.local", "127.0.0.1"]) is None
+
+
 def test_rotation_is_asked_for_a_missing_foreign_or_renamed_certificate():
     bundle = certs.issue(NAMES)
     assert certs.needs_rotation(None, NAMES) == "no certificate stored"
