@@ -27,7 +27,8 @@ What an injected pod gets (pod annotated ``kvstrata.io/cache: NAME``):
   of a ``sh -c`` command, whose last command must then be vLLM).
 
 Which container is vLLM: the one named by ``kvstrata.io/vllm-container``;
-else the first whose command or args mention ``vllm``; else the first one.
+else the first whose command or args mention ``vllm``; else the first whose
+image name contains ``vllm``; else the first one.
 
 GPU visibility (``transferMode`` ipc or auto): the sidecar gets the vLLM
 container's ``NVIDIA_VISIBLE_DEVICES`` when the pod spec sets it, else
@@ -116,6 +117,9 @@ def find_vllm_container(pod: Mapping[str, Any]) -> tuple[int | None, str | None]
     for i, c in enumerate(containers):
         argv = [str(a) for a in (c.get("command") or []) + (c.get("args") or [])]
         if any("vllm" in a.lower() for a in argv):
+            return i, None
+    for i, c in enumerate(containers):  # e.g. vllm/vllm-openai, whose entrypoint runs vLLM
+        if "vllm" in str(c.get("image", "")).lower():
             return i, None
     return 0, None
 

@@ -195,7 +195,9 @@ def roll_workloads(
 
     A changed annotation on the pod template is what makes the Deployment or
     StatefulSet controller replace its pods, which the webhook then injects
-    with the new config. Returns how many workloads were rolled.
+    with the new config. The first stamp rolls too, on purpose: pods created
+    before their KVCache existed were admitted without a sidecar. Returns how
+    many workloads were rolled.
     """
     rolled = 0
     for kind in WORKLOAD_KINDS:
@@ -208,7 +210,6 @@ def roll_workloads(
                 continue
             if annotations.get(S.CONFIG_HASH_ANNOTATION) == digest:
                 continue
-            first = S.CONFIG_HASH_ANNOTATION not in annotations
             body = {
                 "spec": {
                     "template": {"metadata": {"annotations": {S.CONFIG_HASH_ANNOTATION: digest}}}
@@ -216,9 +217,8 @@ def roll_workloads(
             }
             wname = workload["metadata"]["name"]
             cluster.patch("apps/v1", kind, namespace, wname, body)
-            if not first:
-                rolled += 1
-                events.append(Event("Normal", "RolledWorkload", f"{kind} {wname}: config {digest}"))
+            rolled += 1
+            events.append(Event("Normal", "RolledWorkload", f"{kind} {wname}: config {digest}"))
     return rolled
 
 

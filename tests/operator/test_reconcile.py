@@ -168,9 +168,9 @@ def test_a_spec_change_rolls_only_the_workloads_that_use_the_cache(make_kvcache,
     cluster.put(workload("StatefulSet", "qwen", {S.CACHE_ANNOTATION: "demo"}))
     cluster.put(workload("Deployment", "unrelated", {S.CACHE_ANNOTATION: "other"}))
     first = rec.reconcile(make_kvcache(), cluster, now=NOW)
-    assert "RolledWorkload" not in [e.reason for e in first.events]  # first stamp only
-    stamped = {n for _, n, _ in cluster.patches}
-    assert stamped == {"llama", "qwen"}
+    rolled = sorted(e.message.split(":")[0] for e in first.events if e.reason == "RolledWorkload")
+    assert rolled == ["Deployment llama", "StatefulSet qwen"]  # pods made before the cache
+    assert {n for _, n, _ in cluster.patches} == {"llama", "qwen"}
     cluster.patches.clear()
     same = rec.reconcile(make_kvcache(), cluster, now=NOW)
     assert cluster.patches == [] and same.events == []
