@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 
 def _env(name: str, default: str) -> str:
@@ -59,12 +60,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import kopf
+    from kubernetes.config import ConfigException
 
     from kvstrata.operator import handlers
+    from kvstrata.operator.kube import KubeCluster
 
+    try:
+        cluster = KubeCluster()
+    except ConfigException as exc:
+        print(
+            f"kvstrata operator: no Kubernetes configuration (in-cluster or KUBECONFIG): {exc}",
+            file=sys.stderr,
+        )
+        return 2
     registry = kopf.OperatorRegistry()
     handlers.register(registry, webhook=args.webhook_port > 0)
-    memo = kopf.Memo(options=args, cluster=None)
+    memo = kopf.Memo(options=args, cluster=cluster)
     namespaces = args.watch_namespace or ()
     kopf.configure(verbose=args.verbose)
     kopf.run(
