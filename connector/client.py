@@ -48,8 +48,10 @@ logger = logging.getLogger(__name__)
 
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 1.0
-# How long a send waits for a connection to exist. A local sidecar accepts
-# within a millisecond; a sidecar that is down should cost a caller little.
+# How long a send waits for a connection to exist once the socket has been
+# connected before (ZeroMQ reconnects in the background, so a sidecar that
+# is up again is usually connected by the time of the next call; one that is
+# down should cost a caller little). A fresh socket waits up to the deadline.
 CONNECT_WAIT_S = 0.05
 
 # Ops retried once after a re-HELLO (their arguments hold no lease ids).
@@ -149,6 +151,7 @@ class SidecarClient:
         self._backoff_s = BACKOFF_MIN_S
         self._retry_at = 0.0
         self._closed = False
+        self._ever_sent = False  # whether this socket was ever connected
 
     # -- properties -----------------------------------------------------------
 
@@ -416,10 +419,14 @@ class SidecarClient:
             return reply.body
 
     def _send(self, sock: zmq.Socket[Any], frame: bytes, deadline: float) -> bool:
-        wait_until = min(deadline, time.monotonic() + CONNECT_WAIT_S)
+        if self._ever_sent:
+            wait_until = min(deadline, time.monotonic() + CONNECT_WAIT_S)
+        else:
+            wait_until = deadline
         while True:
             try:
                 sock.send(frame, zmq.NOBLOCK)
+                self._ever_sent = True
                 return True
             except zmq.Again:
                 remaining_ms = (wait_until - time.monotonic()) * 1000
