@@ -261,7 +261,9 @@ def _secret_volumes(spec: Mapping[str, Any], name: str) -> list[tuple[dict, dict
             "secret": {
                 "secretName": secret,
                 "items": [{"key": k, "path": p} for k, p in items],
-                "defaultMode": 0o440,
+                # Readable by the sidecar's non-root user without an fsGroup;
+                # the volume is mounted in the sidecar only.
+                "defaultMode": 0o444,
             },
         }
         mount = {"name": vol, "mountPath": f"{S.SECRETS_DIR}/{subdir}", "readOnly": True}
@@ -373,7 +375,10 @@ def _sidecar(
 ) -> dict[str, Any]:
     sidecar = spec.get("sidecar") or {}
     port = config.server.http_port
-    probe = {"httpGet": {"path": "/readyz", "port": "kvstrata-metrics"}, "periodSeconds": 5}
+
+    def ready(period: int) -> dict[str, Any]:
+        return {"httpGet": {"path": "/readyz", "port": "kvstrata-metrics"}, "periodSeconds": period}
+
     overrides = dict(sidecar.get("securityContext") or {})
     # Run as the vLLM container's user, so both can use the socket and the arena.
     for source in ((vllm.get("securityContext") or {}), (pod_spec.get("securityContext") or {})):
@@ -397,8 +402,8 @@ def _sidecar(
         "command": ["kvstrata", "sidecar", "--config", S.CONFIG_PATH],
         "env": env,
         "ports": [{"name": "kvstrata-metrics", "containerPort": port, "protocol": "TCP"}],
-        "startupProbe": {**probe, "periodSeconds": 1, "failureThreshold": 120},
-        "readinessProbe": probe,
+        "startupProbe": {**ready(1), "failureThreshold": 120},
+        "readinessProbe": ready(5),
         "livenessProbe": {
             "httpGet": {"path": "/healthz", "port": "kvstrata-metrics"},
             "periodSeconds": 10,
