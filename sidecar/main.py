@@ -95,7 +95,13 @@ def _serve(config: SidecarConfig) -> int:
             return 2
     if config.transfer_mode == "ipc":
         logger.warning("transfer_mode ipc: this sidecar serves host mode; ipc clients fall back")
-    engine = StorageManager(config, shared_tier=shared)
+    try:
+        engine = StorageManager(config, shared_tier=shared)
+    except (OSError, ValueError) as exc:  # no room in /dev/shm, unwritable L2 path, ...
+        print(f"kvstrata sidecar: cannot start the engine: {exc}", file=sys.stderr)
+        if shared is not None:
+            shared.close()
+        return 1
     server: SidecarServer | None = None
     http: HttpEndpoints | None = None
     stop = threading.Event()
@@ -141,3 +147,5 @@ def _serve(config: SidecarConfig) -> int:
         if server is not None:
             server.close()
         engine.close()  # stops writers and unlinks the shared-memory segment
+        if shared is not None:
+            shared.close()

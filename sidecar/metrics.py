@@ -183,6 +183,15 @@ _ENGINE_COUNTERS = {
     "prefetch_chunks_total": ("kvstrata_prefetch_chunks", "chunks scheduled for prefetch"),
     "leases_expired_total": ("kvstrata_leases_expired", "leases dropped after lease_seconds"),
     "store_rejected_total": ("kvstrata_store_rejected", "chunks refused at PREPARE_STORE"),
+    "store_deduplicated_total": (
+        "kvstrata_store_deduplicated",
+        "chunks not stored again because L1 already held them",
+    ),
+    "promotion_failed_total": ("kvstrata_promotion_failures", "promotions into L1 that failed"),
+    "writeback_skipped_total": (
+        "kvstrata_writeback_skipped",
+        "chunks not written below L1 (evicted before their write-behind)",
+    ),
 }
 
 
@@ -190,6 +199,12 @@ def _counter_metrics(counters: dict[str, int]) -> Iterator[Metric]:
     leases = GaugeMetricFamily("kvstrata_leases_active", "arena leases held by clients")
     leases.add_metric([], counters.get("leases_active", 0))
     yield leases
+    if "writeback_pinned_bytes" in counters:
+        pinned = GaugeMetricFamily(
+            "kvstrata_writeback_pinned_bytes", "L1 bytes pinned until their write-behind ends"
+        )
+        pinned.add_metric([], counters["writeback_pinned_bytes"])
+        yield pinned
     for key, (name, doc) in _ENGINE_COUNTERS.items():
         if key in counters:
             family = CounterMetricFamily(name, doc)
