@@ -330,8 +330,9 @@ def reconcile(
         return Outcome(status=status, events=events)
     msg = f"config {digest} applied; shared tier {tier}: {probe.message}"
     set_condition(conditions, "Ready", False, probe.reason, msg, generation, now)
-    set_condition(conditions, "Degraded", True, probe.reason, msg, generation, now)
-    delay = CONVERGE_DELAY_S if probe.reason == "ValkeyStarting" else UNREACHABLE_DELAY_S
+    starting = probe.reason == "ValkeyStarting"  # converging, not degraded
+    set_condition(conditions, "Degraded", not starting, probe.reason, msg, generation, now)
+    delay = CONVERGE_DELAY_S if starting else UNREACHABLE_DELAY_S
     if before.get("reason") != probe.reason:  # say it once, not on every retry
         severity = "Normal" if probe.reason == "ValkeyStarting" else "Warning"
         events.append(Event(severity, probe.reason, probe.message))

@@ -83,6 +83,7 @@ def test_a_managed_valkey_converges_then_the_cache_becomes_ready(make_kvcache, c
     assert out.retry_after == rec.CONVERGE_DELAY_S
     assert cond(out.status, "Ready")["status"] == "False"
     assert cond(out.status, "SharedTierReady")["reason"] == "ValkeyStarting"
+    assert cond(out.status, "Degraded")["status"] == "False"  # starting is not degraded
     kinds = sorted(k for (_, k, _, _) in cluster.objects)
     assert kinds == ["ConfigMap", "Secret", "Service", "Service", "Service", "StatefulSet"]
     assert out.status["endpoints"]["valkey"] == "redis://demo-valkey.ml.svc:6379/0"
