@@ -20,10 +20,18 @@ The status it writes, ``KVCache.status`` (patched whole on every pass)::
       conditions:                      # Ready, SharedTierReady, Degraded
       - type: Ready
         status: "True"                 # "True" | "False" | "Unknown"
-        reason: Reconciled             # CamelCase, see REASONS below
+        reason: Reconciled             # CamelCase, see the reasons below
         message: "config 9f1c2e0a applied; shared tier valkey-managed ready"
         observedGeneration: 3
         lastTransitionTime: "2026-01-01T00:00:00Z"   # changes only when status flips
+
+Reasons: ``Reconciled`` and ``AllTiersReady`` (all good); ``InvalidSpec``
+(the sidecar's loader refused the rendered config; the message is the
+loader's, naming the field); ``NoSharedTier``, ``ValkeyStarting``,
+``ValkeyReady``, ``ValkeyReachable``, ``ValkeyUnreachable``, ``BucketReady``,
+``BucketCreated``, ``BucketMissing``, ``S3Unreachable`` (shared tier). ``Ready``
+is True when the config is applied and the shared tier usable; ``Degraded``
+is True for a bad spec or an unreachable tier, not while Valkey starts.
 
 Outcomes: a spec the sidecar's loader refuses gives ``Ready=False`` with
 reason ``InvalidSpec`` and the loader's message, and ``permanent`` set (the
