@@ -233,7 +233,7 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def victims(self) -> Iterator[Key]:
         skipped: set[Key] = set()
-        while len(skipped) < len(self._freq):
+        while True:  # ends when every resident key was offered (or removed)
             key = self._next_candidate(skipped)
             if key is None:
                 return
