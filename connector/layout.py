@@ -16,7 +16,7 @@ A chunk of ``B = chunk_size // block_size`` blocks is stored as::
 
 i.e. for each layer (in model order) the chunk's blocks back to back, each
 block exactly as vLLM holds it. Copies are whole blocks, so gathering and
-scattering are ``index_select`` / ``index_copy_`` per layer.
+scattering are one contiguous copy per layer and run of consecutive blocks.
 """
 
 from __future__ import annotations
@@ -89,16 +89,31 @@ class ChunkLayout:
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         """Copy the chunk's blocks of every layer into ``out`` (uint8 bytes)."""
         dst = self.view(out)
-        idx = torch.tensor(block_ids, dtype=torch.long)
-        for i, kv in enumerate(self.layers):
-            torch.index_select(kv, 0, idx, out=dst[i])
+        for pos, start, n in _runs(block_ids):
+            for i, kv in enumerate(self.layers):
+                dst[i, pos : pos + n].copy_(kv[start : start + n])
 
     def scatter(self, src: torch.Tensor, block_ids: Sequence[int], first_block: int = 0) -> None:
         """Copy chunk bytes ``src`` into the blocks ``block_ids[first_block:]``."""
         chunk = self.view(src)
-        idx = torch.tensor(block_ids[first_block:], dtype=torch.long)
-        for i, kv in enumerate(self.layers):
-            kv.index_copy_(0, idx, chunk[i, first_block:])
+        for pos, start, n in _runs(block_ids, first_block):
+            for i, kv in enumerate(self.layers):
+                kv[start : start + n].copy_(chunk[i, pos : pos + n])
+
+
+def _runs(block_ids: Sequence[int], first: int = 0) -> list[tuple[int, int, int]]:
+    """``(position in chunk, first block id, count)`` of each run of consecutive
+    block ids, so each copy is one contiguous memcpy (vLLM hands out blocks
+    mostly in order; indexed copies take slow paths on CPU)."""
+    runs: list[tuple[int, int, int]] = []
+    for pos in range(first, len(block_ids)):
+        b = int(block_ids[pos])
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            p, start, n = runs[-1]
+            runs[-1] = (p, start, n + 1)
+        else:
+            runs.append((pos, b, 1))
+    return runs
 
 
 def detect_layout(
