@@ -203,9 +203,10 @@ def roll_workloads(
 
     A changed annotation on the pod template is what makes the Deployment or
     StatefulSet controller replace its pods, which the webhook then injects
-    with the new config. The first stamp rolls too, on purpose: pods created
-    before their KVCache existed were admitted without a sidecar. Returns how
-    many workloads were rolled.
+    with the new config. A workload whose pods all run the current config
+    already (created after the KVCache, so injected with it) is left alone;
+    one whose pods predate the KVCache (admitted without a sidecar) is rolled.
+    Returns how many workloads were rolled.
     """
     rolled = 0
     for kind in WORKLOAD_KINDS:
@@ -218,6 +219,8 @@ def roll_workloads(
                 continue
             if annotations.get(S.CONFIG_HASH_ANNOTATION) == digest:
                 continue
+            if _pods_current(cluster, namespace, workload, digest):
+                continue
             body = {
                 "spec": {
                     "template": {"metadata": {"annotations": {S.CONFIG_HASH_ANNOTATION: digest}}}
@@ -228,6 +231,21 @@ def roll_workloads(
             rolled += 1
             events.append(Event("Normal", "RolledWorkload", f"{kind} {wname}: config {digest}"))
     return rolled
+
+
+def _pods_current(
+    cluster: Cluster, namespace: str, workload: Mapping[str, Any], digest: str
+) -> bool:
+    """Do the workload's pods exist and all carry the sidecar of config ``digest``?"""
+    selector = ((workload.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+    if not selector:
+        return False
+    query = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+    pods = cluster.list("v1", "Pod", namespace, query)
+    return bool(pods) and all(
+        ((p.get("metadata") or {}).get("annotations") or {}).get(S.INJECTED_ANNOTATION) == digest
+        for p in pods
+    )
 
 
 def check_shared_tier(

@@ -160,7 +160,10 @@ def workload(kind, name, annotations):
         "apiVersion": "apps/v1",
         "kind": kind,
         "metadata": {"name": name, "namespace": "ml"},
-        "spec": {"template": {"metadata": {"annotations": annotations}, "spec": {}}},
+        "spec": {
+            "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"annotations": annotations}, "spec": {}},
+        },
     }
 
 
@@ -187,6 +190,25 @@ def test_a_spec_change_rolls_only_the_workloads_that_use_the_cache(make_kvcache,
     assert stamp == changed.status["configHash"]
     other = cluster.get("apps/v1", "Deployment", "ml", "unrelated")
     assert S.CONFIG_HASH_ANNOTATION not in other["spec"]["template"]["metadata"]["annotations"]
+
+
+def test_a_workload_whose_pods_already_run_the_current_config_is_not_rolled(
+    make_kvcache, make_pod, cluster
+):
+    cluster.put(workload("Deployment", "fresh", {S.CACHE_ANNOTATION: "demo"}))
+    digest = rec.desired_objects(make_kvcache(), cluster)[1]
+    for i, injected in enumerate([digest, digest]):
+        pod = make_pod()
+        pod["metadata"].update(name=f"fresh-{i}", labels={"app": "fresh"})
+        pod["metadata"]["annotations"][S.INJECTED_ANNOTATION] = injected
+        cluster.put(pod)
+    out = rec.reconcile(make_kvcache(), cluster, now=NOW)
+    assert cluster.patches == [] and "RolledWorkload" not in [e.reason for e in out.events]
+    stale = make_pod()
+    stale["metadata"].update(name="fresh-old", labels={"app": "fresh"})  # made before the cache
+    cluster.put(stale)
+    out = rec.reconcile(make_kvcache(), cluster, now=NOW)
+    assert [n for _, n, _ in cluster.patches] == ["fresh"]
 
 
 def test_injected_pods_are_counted_in_status(make_kvcache, make_pod, cluster):
