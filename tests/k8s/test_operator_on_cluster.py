@@ -42,6 +42,13 @@ def condition(obj: dict | None, ctype: str) -> dict:
     return next((c for c in conditions if c["type"] == ctype), {})
 
 
+def test_the_crd_applies_and_the_api_serves_kvcaches(kube, crd_applied, namespace):
+    assert kube.has_kind(S.API_VERSION, S.KIND)
+    bad = kvcache("bad", namespace, l1={"policy": "mru"})
+    with pytest.raises(Exception, match="422|Unsupported value"):
+        kube.apply(bad)  # the CRD's enum refuses it before any reconcile
+
+
 def test_a_kvcache_becomes_ready_with_its_configmap(kube, namespace, operator, wait_for):
     name = f"local-{uuid.uuid4().hex[:4]}"
     kube.apply(kvcache(name, namespace))
