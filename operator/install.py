@@ -3,12 +3,17 @@
 Why: the vLLM container must import ``kvstrata.connector``; the webhook runs
 this in the sidecar image (``python -m kvstrata.operator.install DIR``) to
 fill a shared emptyDir that the vLLM container puts first on its
-``PYTHONPATH``. Only ``.py`` files are copied (no bytecode, no operator), so
-the copy works with whatever Python the vLLM image has. Third-party
-dependencies (pyzmq, msgpack, pydantic, numpy) come from the vLLM image,
-which already has them.
+``PYTHONPATH``. Only kvstrata's ``.py`` files are copied (no bytecode, no
+operator), so the copy works with whatever Python the vLLM image has.
 
-Layout written: ``DIR/kvstrata/{__init__.py, sidecar/, sidecar/tiers/, connector/}``.
+Third-party modules the connector imports: pyzmq, cbor2, pydantic, numpy and
+pyyaml are vLLM dependencies, so its image has them; msgpack is not, so it is
+copied whole. Its compiled extension only loads on a Python with the same ABI
+tag (the file name says which); on any other Python, msgpack falls back to
+its own pure-Python implementation from the same copy.
+
+Layout written: ``DIR/kvstrata/{__init__.py, sidecar/, sidecar/tiers/,
+connector/}`` and ``DIR/msgpack/``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import sys
 from pathlib import Path
 
 PACKAGES = ("kvstrata", "kvstrata.sidecar", "kvstrata.sidecar.tiers", "kvstrata.connector")
+VENDORED = ("msgpack",)  # copied whole: not a vLLM dependency
 
 
 def install(target: Path) -> list[Path]:
@@ -33,6 +39,13 @@ def install(target: Path) -> list[Path]:
             out = dest / path.name
             shutil.copyfile(path.resolve(), out)  # resolve: editable installs link files
             written.append(out)
+    for name in VENDORED:
+        source = Path(next(iter(importlib.import_module(name).__path__)))
+        dest = target / name
+        shutil.copytree(
+            source, dest, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True
+        )
+        written += sorted(p for p in dest.rglob("*") if p.is_file())
     return written
 
 

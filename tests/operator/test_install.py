@@ -34,6 +34,22 @@ def test_the_copied_package_is_what_a_fresh_python_imports(tmp_path):
     assert all(path.startswith(str(target)) for path in shown.stdout.split())
 
 
+def test_the_copied_msgpack_works_compiled_or_pure_python(tmp_path):
+    install.install(tmp_path)
+    code = (
+        "import msgpack; assert msgpack.unpackb(msgpack.packb([1, b'x'])) == [1, b'x'];"
+        "print(msgpack.__file__, msgpack.Packer.__module__)"
+    )
+    for pure, implementation in (("", "msgpack._cmsgpack"), ("1", "msgpack.fallback")):
+        env = {**os.environ, "PYTHONPATH": str(tmp_path), "MSGPACK_PUREPYTHON": pure}
+        shown = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert shown.returncode == 0, shown.stderr
+        path, module = shown.stdout.split()
+        assert path.startswith(str(tmp_path)) and module == implementation
+
+
 def test_install_without_a_directory_explains_its_usage(capsys):
     assert install.main([]) == 2
     assert "usage" in capsys.readouterr().err
