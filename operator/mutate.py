@@ -8,7 +8,8 @@ the KVCache and hands the patch back.
 What an injected pod gets (pod annotated ``kvstrata.io/cache: NAME``):
 
 * init container ``kvstrata-install`` (the sidecar image) copying the pure
-  Python ``kvstrata`` package into the emptyDir ``kvstrata-python``, mounted
+  Python ``kvstrata`` package (and msgpack, which vLLM lacks; see
+  :mod:`kvstrata.operator.install`) into the emptyDir ``kvstrata-python``, mounted
   read-only at ``/opt/kvstrata/python`` in the vLLM container and prepended to
   its ``PYTHONPATH``: any stock vLLM image can load the connector. Images that
   ship kvstrata opt out with ``kvstrata.io/inject-package: "false"``.
