@@ -39,6 +39,7 @@ from kvstrata.bench.servers import (
 from kvstrata.sidecar.config import SharedConfig
 from kvstrata.sidecar.keys import ChunkKey, key_hex
 from kvstrata.sidecar.tiers.base import Tier
+from kvstrata.sidecar.tiers.disk import DiskTier
 from kvstrata.sidecar.tiers.factory import build_shared_tier
 
 BACKENDS = ["valkey", "valkey-cluster", "s3"]
@@ -118,19 +119,33 @@ class RawStore:
 
 @dataclass
 class Backend:
-    """One shared-tier backend under test: build tiers on it, reach it raw."""
+    """One backend under test: build tiers on it, reach its objects raw.
+
+    ``make_config`` is None for the local disk tier (it has no shared config).
+    """
 
     kind: str
-    make_config: Callable[..., SharedConfig]
-    raw_for: Callable[[SharedConfig], RawStore]
+    tier_name: str
+    build: Callable[..., tuple[Tier, RawStore]]
+    make_config: Callable[..., SharedConfig] | None
     tiers: list[Tier]
 
     def make_tier(self, **overrides: Any) -> tuple[Tier, RawStore]:
-        config = self.make_config(**overrides)
+        tier, raw = self.build(**overrides)
+        self.tiers.append(tier)
+        return tier, raw
+
+
+def _shared_builder(
+    make_config: Callable[..., SharedConfig], raw_for: Callable[[SharedConfig], RawStore]
+) -> Callable[..., tuple[Tier, RawStore]]:
+    def build(**overrides: Any) -> tuple[Tier, RawStore]:
+        config = make_config(**overrides)
         tier = build_shared_tier(config)
         assert tier is not None
-        self.tiers.append(tier)
-        return tier, self.raw_for(config)
+        return tier, raw_for(config)
+
+    return build
 
 
 def _redis_raw(client: Any, config: SharedConfig) -> RawStore:
@@ -158,12 +173,33 @@ def _s3_raw(client: Any, config: SharedConfig) -> RawStore:
     )
 
 
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest, s3_credentials: dict[str, str]) -> Iterator[Backend]:
-    """Every shared backend in turn, on the session's real servers."""
-    kind = request.param
+def _file_raw(tier: DiskTier) -> RawStore:
+    def read(path: str) -> bytes | None:
+        try:
+            return Path(path).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def write(path: str, data: bytes) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_bytes(data)
+
+    return RawStore(name_of=tier.path_of, read=read, write=write)
+
+
+def _disk_backend(base: Path) -> Backend:
+    def build(**_: Any) -> tuple[Tier, RawStore]:  # shared-tier settings do not apply
+        tier = DiskTier(base / uuid.uuid4().hex[:8], capacity_bytes=256 << 20)
+        return tier, _file_raw(tier)
+
+    return Backend("disk", "l2", build, None, [])
+
+
+def _shared_backend(request: pytest.FixtureRequest, kind: str) -> tuple[Backend, Any]:
+    """A backend on the session's real servers, and its raw client (to close)."""
     if kind == "s3":
         moto: MotoS3Server = request.getfixturevalue("moto_s3")
+        creds: dict[str, str] = request.getfixturevalue("s3_credentials")
         raw_client = boto3.client(
             "s3",
             endpoint_url=moto.endpoint_url,
@@ -171,35 +207,56 @@ def backend(request: pytest.FixtureRequest, s3_credentials: dict[str, str]) -> I
             aws_access_key_id="kvstrata-test",
             aws_secret_access_key="kvstrata-secret",
         )
-        b = Backend(
-            kind,
-            lambda **o: s3_shared_config(moto.endpoint_url, s3_credentials, **o),
-            lambda cfg: _s3_raw(raw_client, cfg),
-            [],
-        )
+
+        def make_config(**o: Any) -> SharedConfig:
+            return s3_shared_config(moto.endpoint_url, creds, **o)
+
+        raw_for: Callable[[SharedConfig], RawStore] = lambda cfg: _s3_raw(raw_client, cfg)  # noqa: E731
     elif kind == "valkey":
         server: RedisServer = request.getfixturevalue("valkey_server")
         raw_client = redis.Redis(host=LOOPBACK, port=server.port)
-        b = Backend(
-            kind,
-            lambda **o: valkey_shared_config(server.url, **o),
-            lambda cfg: _redis_raw(raw_client, cfg),
-            [],
-        )
+
+        def make_config(**o: Any) -> SharedConfig:
+            return valkey_shared_config(server.url, **o)
+
+        raw_for = lambda cfg: _redis_raw(raw_client, cfg)  # noqa: E731
     else:
         cluster: RedisClusterServers = request.getfixturevalue("valkey_cluster")
         raw_client = redis.cluster.RedisCluster(host=LOOPBACK, port=cluster.servers[0].port)
-        b = Backend(
-            kind,
-            lambda **o: valkey_shared_config(cluster.url, cluster=True, **o),
-            lambda cfg: _redis_raw(raw_client, cfg),
-            [],
-        )
-    yield b
-    for tier in b.tiers:
+
+        def make_config(**o: Any) -> SharedConfig:
+            return valkey_shared_config(cluster.url, cluster=True, **o)
+
+        raw_for = lambda cfg: _redis_raw(raw_client, cfg)  # noqa: E731
+    name = "s3" if kind == "s3" else "valkey"
+    return Backend(kind, name, _shared_builder(make_config, raw_for), make_config, []), raw_client
+
+
+def _close_backend(backend: Backend, raw_client: Any) -> None:
+    for tier in backend.tiers:
         tier.clear()
         tier.close()
-    raw_client.close()
+    if raw_client is not None:
+        raw_client.close()
+
+
+@pytest.fixture(params=[*BACKENDS, "disk"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    """Every tier below L1 in turn: the shared ones on real servers, and L2 on disk."""
+    if request.param == "disk":
+        b, raw_client = _disk_backend(tmp_path), None
+    else:
+        b, raw_client = _shared_backend(request, request.param)
+    yield b
+    _close_backend(b, raw_client)
+
+
+@pytest.fixture(params=BACKENDS)
+def shared_backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    """Every shared (L3) backend in turn, on the session's real servers."""
+    b, raw_client = _shared_backend(request, request.param)
+    yield b
+    _close_backend(b, raw_client)
 
 
 class StallingProxy:

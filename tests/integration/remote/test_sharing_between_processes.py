@@ -63,9 +63,9 @@ def run_child(shared: dict, mode: str, model: str = "m", cache_salt: str = "") -
 
 
 def test_a_second_process_hits_what_the_first_stored_and_only_in_its_namespace(
-    backend,
+    shared_backend,
 ) -> None:
-    config = backend.make_config(lookup_timeout_seconds=1.0)
+    config = shared_backend.make_config(lookup_timeout_seconds=1.0)
     shared = config.model_dump(mode="json")
 
     stored = run_child(shared, "store")
@@ -82,4 +82,4 @@ def test_a_second_process_hits_what_the_first_stored_and_only_in_its_namespace(
     assert other_tenant["contains"] == [False] * 3 and other_tenant["hits"] == [False] * 3
 
     # The backend fixture clears and closes this tier (and so the prefix) at teardown.
-    backend.tiers.append(build_shared_tier(config))
+    shared_backend.tiers.append(build_shared_tier(config))
