@@ -65,6 +65,7 @@ class SchedulerCounters:
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     chunks_to_load: int = 0
     chunks_to_save: int = 0
+    preemptions: int = 0
     errors: int = 0
 
 
@@ -218,6 +219,7 @@ class KVStrataScheduler:
 
     def _track_blocks(self, so: SchedulerOutput) -> None:
         for req_id in so.preempted_req_ids or ():
+            self.counters.preemptions += 1
             state = self._reqs.get(req_id)
             if state is not None:
                 state.block_ids = []

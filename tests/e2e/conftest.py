@@ -326,6 +326,7 @@ class Counters:
             "failed_chunks": w.failed_chunks,
             "saved_chunks": w.saved_chunks,
             "save_dropped_chunks": w.save_dropped_chunks,
+            "preemptions": s.preemptions,
         }
 
 
