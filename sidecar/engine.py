@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -55,9 +55,12 @@ ENGINE_OWNER = "engine"
 PREFETCH_THREADS = 4
 KNOWN_SHARED_MAX = 65536
 PROMOTION_WAIT_SECONDS = 5.0
-# Write-behind may pin at most this fraction of the arena, so a slow disk
-# costs L2 copies (counted), never L1 stores.
+# Write-behind may pin at most this fraction of the arena; further writes
+# wait in a backlog (oldest first) and are lost -- counted in
+# writeback_skipped_total -- only if evicted before their turn. A slow disk
+# thus costs L2 copies, never L1 stores.
 WRITEBACK_PIN_FRACTION = 0.5
+WRITEBACK_BACKLOG_MAX = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +112,9 @@ class StorageManager:
         self._hits = self._misses = self._stored_bytes = self._retrieved_bytes = 0
         self._wb_pinned = 0
         self._wb_pin_limit = int(self.arena.size * WRITEBACK_PIN_FRACTION)
+        self._wb_backlog: OrderedDict[tuple[ChunkKey, bool], tuple[Entry, WriteBehindQueue]] = (
+            OrderedDict()
+        )
         self._known_shared: OrderedDict[ChunkKey, None] = OrderedDict()
         self.l2: DiskTier | None = None
         self._l2_queue: WriteBehindQueue | None = None
@@ -325,22 +331,46 @@ class StorageManager:
         jobs: list[tuple[WriteBehindQueue, WriteJob]],
         shared: bool,
     ) -> None:
-        """Caller holds the lock: pin the entry for one queued write."""
-        if self._wb_pinned + entry.length > self._wb_pin_limit:
+        """Caller holds the lock: queue one write of ``entry``, or park it in
+        the backlog while write-behind already pins its share of the arena."""
+        self._wb_backlog[(entry.key, shared)] = (entry, queue)
+        while len(self._wb_backlog) > WRITEBACK_BACKLOG_MAX:
+            self._wb_backlog.popitem(last=False)
             self._count("writeback_skipped_total")
-            return
-        entry.pins += 1
-        self._wb_pinned += entry.length
-        view = self._buf[entry.offset : entry.offset + entry.length]
+        self._drain_backlog(jobs)
 
-        def done(ok: bool, entry: Entry = entry, shared: bool = shared) -> None:
+    def _drain_backlog(self, jobs: list[tuple[WriteBehindQueue, WriteJob]]) -> None:
+        """Caller holds the lock: pin and queue parked writes, oldest first,
+        while the budget allows (at least one write is always allowed)."""
+        backlog = self._wb_backlog
+        while backlog:
+            (key, shared), (entry, queue) = next(iter(backlog.items()))
+            if self._store.entries.get(key) is not entry:
+                del backlog[(key, shared)]  # evicted or removed before its turn
+                self._count("writeback_skipped_total")
+                continue
+            if self._wb_pinned and self._wb_pinned + entry.length > self._wb_pin_limit:
+                return
+            del backlog[(key, shared)]
+            entry.pins += 1
+            self._wb_pinned += entry.length
+            view = self._buf[entry.offset : entry.offset + entry.length]
+            done = self._write_done_callback(entry, shared)
+            jobs.append((queue, WriteJob(entry.key, view, entry.meta, on_done=done)))
+
+    def _write_done_callback(self, entry: Entry, shared: bool) -> Callable[[bool], None]:
+        def done(ok: bool) -> None:
+            jobs: list[tuple[WriteBehindQueue, WriteJob]] = []
             with self._lock:
                 self._wb_pinned -= entry.length
                 self._store.unpin(entry)
                 if ok and shared:
                     self._note_shared(entry.key)
+                if ok:  # not after a drop: that would cascade through the backlog
+                    self._drain_backlog(jobs)
+            self._submit(jobs)
 
-        jobs.append((queue, WriteJob(entry.key, view, entry.meta, on_done=done)))
+        return done
 
     @staticmethod
     def _submit(jobs: list[tuple[WriteBehindQueue, WriteJob]]) -> None:
@@ -600,10 +630,17 @@ class StorageManager:
         with self._cond:
             if not self._cond.wait_for(lambda: not self._pending, timeout=left()):
                 return False
-        for queue in (self._l2_queue, self._shared_queue):
-            if queue is not None and not queue.flush(timeout=left()):
-                return False
-        return True
+        while True:
+            jobs: list[tuple[WriteBehindQueue, WriteJob]] = []
+            with self._lock:
+                self._drain_backlog(jobs)
+                parked = len(self._wb_backlog)
+            self._submit(jobs)
+            for queue in (self._l2_queue, self._shared_queue):
+                if queue is not None and not queue.flush(timeout=left()):
+                    return False
+            if not parked:
+                return True
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -622,6 +659,7 @@ class StorageManager:
             counters = dict(self._counters)
             counters["leases_active"] = len(self._leases)
             counters["writeback_pinned_bytes"] = self._wb_pinned
+            counters["writeback_backlog"] = len(self._wb_backlog)
             counters["l1_free_largest_bytes"] = store.allocator.largest_free
         tiers = {"l1": l1}
         for tier, queue in ((self.l2, self._l2_queue), (self.shared, self._shared_queue)):

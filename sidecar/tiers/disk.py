@@ -34,6 +34,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import xxhash
+
 from kvstrata.sidecar.keys import ChunkKey, key_hex
 from kvstrata.sidecar.objformat import (
     ChunkMeta,
@@ -42,7 +44,6 @@ from kvstrata.sidecar.objformat import (
     decode,
     decode_header,
     encode,
-    payload_matches,
 )
 from kvstrata.sidecar.tiers.base import Tier, TierStats
 
@@ -51,6 +52,7 @@ logger = logging.getLogger(__name__)
 SUFFIX = ".kvs"
 TMP_MARK = ".tmp-"
 _HEADER_PROBE = 512  # > the largest header (56 + 8*8 + 1 + 255)
+_SEGMENT = 256 << 10  # read+hash unit: fits in L2 cache, measured best of 256K/1M/4M
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,8 +209,10 @@ class DiskTier(Tier):
     def read_into(self, key: bytes, out: memoryview) -> ChunkMeta | None:
         """Read the payload of ``key`` straight into ``out``; its meta, or None.
 
-        One ``preadv`` places header and payload; the payload checksum is
-        verified before returning. On None, ``out`` may hold garbage.
+        The payload lands in ``out`` in segments, each checksummed while it
+        is still in the CPU cache (a separate checksum pass after the read
+        would cost a second trip through memory). On None, ``out`` may hold
+        garbage.
         """
         entry = self._touch(key)
         if entry is None:
@@ -235,7 +239,8 @@ class DiskTier(Tier):
         try:
             with contextlib.suppress(OSError, AttributeError):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            got = _read_all(fd, [head, target], entry.file_bytes)
+            got_head = _read_all(fd, [head], entry.header_bytes)
+            got, digest = _read_hashed(fd, target, entry.header_bytes)
             extra = os.pread(fd, 1, entry.file_bytes)
         except OSError as exc:
             self._count_error(exc)
@@ -243,10 +248,12 @@ class DiskTier(Tier):
         finally:
             os.close(fd)
         try:
-            if got != entry.file_bytes or extra:
+            if got_head + got != entry.file_bytes or extra:
                 raise CorruptObjectError("file length changed")
             header = decode_header(head, expected_key=key)
-            if header.codec != "none" or not payload_matches(header, target):
+            if header.codec != "none" or header.stored_length != got:
+                raise CorruptObjectError("payload length mismatch")
+            if digest != header.checksum:
                 raise CorruptObjectError("payload checksum mismatch")
         except CorruptObjectError as exc:
             self._discard_corrupt(key, path, str(exc))
@@ -369,6 +376,21 @@ def _write_all(fd: int, buffers: list[memoryview]) -> None:
             else:
                 pending[0] = pending[0][n:]
                 n = 0
+
+
+def _read_hashed(fd: int, out: memoryview, offset: int) -> tuple[int, int]:
+    """``preadv`` into ``out`` from ``offset`` in cache-sized segments,
+    hashing each; (bytes read, xxh3_64 of them)."""
+    hasher = xxhash.xxh3_64()
+    done = 0
+    while done < len(out):
+        segment = out[done : done + _SEGMENT]
+        n = os.preadv(fd, [segment], offset + done)
+        if n == 0:
+            break
+        hasher.update(segment[:n])
+        done += n
+    return done, hasher.intdigest()
 
 
 def _read_all(fd: int, buffers: list[bytearray | memoryview], total: int) -> int:
