@@ -116,3 +116,33 @@ def test_restarted_sidecar_serves_hits_from_disk_and_clients_reconnect(
     assert reply.tiers == ["l2"] * 5
     assert kit.retrieve(client, keys, owner="r") == [kit.payload(k, NBYTES) for k in keys]
     client.close()
+
+
+def test_one_client_shared_by_threads_keeps_every_reply_with_its_caller(sidecar: Any, kit: Any):
+    import threading
+
+    client = sidecar.client()
+    failures: list[str] = []
+
+    def worker(n: int) -> None:
+        for i in range(15):
+            keys = kit.make_keys(2, seed=10_000 * (n + 1) + i)
+            try:
+                assert kit.store(client, keys, NBYTES, owner=f"t{n}") == 2
+                reply = client.lookup(keys, prefetch=False, owner=f"t{n}")
+                assert reply is not None and reply.hit_chunks == 2
+                assert kit.retrieve(client, keys, owner=f"t{n}") == [
+                    kit.payload(k, NBYTES) for k in keys
+                ]
+            except AssertionError as exc:
+                failures.append(f"thread {n} round {i}: {exc}")
+                return
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert failures == []
+    assert client.errors == {}
+    client.close()
