@@ -92,6 +92,7 @@ def _workloads() -> dict[str, list[list[int]]]:
         "restart": [tokens(400, 9), tokens(450, 10)],
         "killed": [tokens(320, 100 + i) for i in range(10)],
         "corrupted": [tokens(300, 11)],
+        "stalled": [tokens(200, 12), tokens(150, 13)],
     }
 
 
@@ -168,6 +169,15 @@ class SidecarProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def pause(self) -> None:
+        """SIGSTOP: the process holds its socket but answers nothing."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
 
     def kill(self) -> None:
         if self.running():

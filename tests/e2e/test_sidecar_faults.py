@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -63,6 +64,25 @@ def test_a_sidecar_killed_mid_run_leaves_outputs_correct_and_hits_resume(
         return kit.delta(before, counters.snapshot())["hit_tokens"] > 0
 
     kit.wait_until(hits_again, 30, "hits after the sidecar came back", step=0.2)
+
+
+def test_a_stalled_sidecar_costs_misses_within_the_deadline_not_a_hang(
+    cached_llm: Any, live_sidecar: Any, counters: Any, reference: dict, kit: Any
+) -> None:
+    prompts = kit.WORKLOADS["stalled"]
+    live_sidecar.pause()
+    try:
+        before = counters.snapshot()
+        started = time.monotonic()
+        assert kit.generate(cached_llm, prompts) == reference["stalled"]
+        elapsed = time.monotonic() - started
+        d = kit.delta(before, counters.snapshot())
+    finally:
+        live_sidecar.resume()
+    assert d["hit_tokens"] == 0 and d["lookup_failures"] > 0, d
+    # Each sidecar call gives up after call_timeout_seconds (2 s here).
+    assert elapsed < 30, elapsed
+    kit.reconnect(cached_llm, counters)
 
 
 def test_bytes_flipped_in_the_arena_change_the_outputs(
