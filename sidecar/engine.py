@@ -5,6 +5,7 @@ Why one object: the server needs a single thread-safe facade that answers
 client to copy into or out of, and moves chunks between tiers behind the
 scenes. The pieces live elsewhere: :mod:`~kvstrata.sidecar.arena` (the
 segment), :mod:`~kvstrata.sidecar.l1` (index, allocator, policy),
+:mod:`~kvstrata.sidecar.leases` (who holds which slot),
 :mod:`~kvstrata.sidecar.tiers.disk` (L2) and any shared :class:`Tier`.
 
 Data flow:
@@ -32,7 +33,6 @@ No state is persisted here; L2 persists its own files.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -45,9 +45,12 @@ from kvstrata.sidecar.arena import Arena
 from kvstrata.sidecar.config import SidecarConfig
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.l1 import READY, Entry, L1Store
+from kvstrata.sidecar.leases import Lease, LeaseTable, Slot
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.tiers.base import Tier, TierStats, WriteBehindQueue, WriteJob
 from kvstrata.sidecar.tiers.disk import DiskTier
+
+__all__ = ["EngineStats", "LookupResult", "Slot", "StorageManager"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,17 +67,6 @@ WRITEBACK_BACKLOG_MAX = 4096
 
 
 @dataclass(frozen=True, slots=True)
-class Slot:
-    """A leased region of the L1 arena holding (or about to hold) one chunk."""
-
-    lease_id: int
-    key: ChunkKey
-    offset: int
-    length: int
-    meta: ChunkMeta
-
-
-@dataclass(frozen=True, slots=True)
 class LookupResult:
     hit_chunks: int
     tiers: list[str]
@@ -84,15 +76,6 @@ class LookupResult:
 class EngineStats:
     tiers: dict[str, TierStats]
     counters: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(slots=True, eq=False)
-class _Lease:
-    slot: Slot
-    entry: Entry
-    owner: str
-    write: bool
-    created: float
 
 
 class StorageManager:
@@ -105,9 +88,7 @@ class StorageManager:
         self._store = L1Store(self.arena.size, config.l1.policy, config.l1.prefix_aware)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._leases: dict[int, _Lease] = {}
-        self._by_owner: dict[str, set[int]] = {}
-        self._lease_ids = itertools.count(1)
+        self._leases = LeaseTable()
         self._counters: dict[str, int] = {}
         self._hits = self._misses = self._stored_bytes = self._retrieved_bytes = 0
         self._wb_pinned = 0
@@ -193,24 +174,7 @@ class StorageManager:
 
     # -- leases -------------------------------------------------------------
 
-    def _new_lease(self, entry: Entry, owner: str, write: bool) -> Slot:
-        """Caller holds the lock and has already added the entry's pin."""
-        slot = Slot(next(self._lease_ids), entry.key, entry.offset, entry.length, entry.meta)
-        self._leases[slot.lease_id] = _Lease(slot, entry, owner, write, time.monotonic())
-        self._by_owner.setdefault(owner, set()).add(slot.lease_id)
-        return slot
-
-    def _pop_lease(self, lease_id: int) -> _Lease | None:
-        lease = self._leases.pop(lease_id, None)
-        if lease is not None:
-            ids = self._by_owner.get(lease.owner)
-            if ids is not None:
-                ids.discard(lease_id)
-                if not ids:
-                    del self._by_owner[lease.owner]
-        return lease
-
-    def _end_lease(self, lease: _Lease) -> None:
+    def _end_lease(self, lease: Lease) -> None:
         """Caller holds the lock; undoes one lease (a write lease aborts)."""
         entry = lease.entry
         if lease.write:
@@ -238,7 +202,7 @@ class StorageManager:
         if entry.shared_pending:
             entry.shared_pending = False
             self._queue_shared(entry, jobs)
-        return self._new_lease(entry, owner, write=False), jobs
+        return self._leases.new(entry, owner, write=False), jobs
 
     # -- store --------------------------------------------------------------
 
@@ -266,7 +230,7 @@ class StorageManager:
             if entry is None:
                 self._count("store_rejected_total")
                 return None
-            return self._new_lease(entry, owner, write=True)
+            return self._leases.new(entry, owner, write=True)
 
     def commit(self, slot: Slot) -> bool:
         """The slot's bytes are written: publish the chunk and queue it below."""
@@ -275,7 +239,7 @@ class StorageManager:
             lease = self._leases.get(slot.lease_id)
             if lease is None or not lease.write:
                 return False
-            self._pop_lease(slot.lease_id)
+            self._leases.pop(slot.lease_id)
             entry = lease.entry
             if entry.dead:
                 self._store.unpin(entry)
@@ -296,7 +260,7 @@ class StorageManager:
         with self._lock:
             lease = self._leases.get(slot.lease_id)
             if lease is not None and lease.write:
-                self._pop_lease(slot.lease_id)
+                self._leases.pop(slot.lease_id)
                 self._abort_entry(lease.entry)
 
     def put(
@@ -472,7 +436,8 @@ class StorageManager:
             self._abort_entry(entry)
 
     def _promote_from_l2(self, key: ChunkKey, owner: str) -> Slot | None:
-        assert self.l2 is not None
+        if self.l2 is None:
+            return None
         info = self.l2.peek(key)
         if info is None:
             return None
@@ -491,7 +456,8 @@ class StorageManager:
         return self._finish_promotion(entry, meta, owner, "l2", to_l2=False)
 
     def _promote_from_shared(self, key: ChunkKey, owner: str) -> Slot | None:
-        assert self.shared is not None
+        if self.shared is None:
+            return None
         try:
             obj = self.shared.get(key)
         except Exception:  # a tier must not raise; a failure is a miss
@@ -515,7 +481,7 @@ class StorageManager:
     def release_lease(self, lease_id: int) -> bool:
         """End a lease by id (a write lease is aborted); False if unknown."""
         with self._lock:
-            lease = self._pop_lease(lease_id)
+            lease = self._leases.pop(lease_id)
             if lease is None:
                 return False
             self._end_lease(lease)
@@ -524,23 +490,19 @@ class StorageManager:
     def release_owner(self, owner: str) -> int:
         """End every lease of ``owner``; the number ended."""
         with self._lock:
-            ids = list(self._by_owner.get(owner, ()))
-            for lease_id in ids:
-                lease = self._pop_lease(lease_id)
-                if lease is not None:
-                    self._end_lease(lease)
-            return len(ids)
+            leases = self._leases.pop_owner(owner)
+            for lease in leases:
+                self._end_lease(lease)
+            return len(leases)
 
     def expire_leases(self, now: float | None = None) -> int:
         """End leases older than ``server.lease_seconds`` (``now``: monotonic)."""
         now = time.monotonic() if now is None else now
         cutoff = now - self.config.server.lease_seconds
         with self._lock:
-            old = [i for i, lease in self._leases.items() if lease.created <= cutoff]
-            for lease_id in old:
-                lease = self._pop_lease(lease_id)
-                if lease is not None:
-                    self._end_lease(lease)
+            old = self._leases.pop_older_than(cutoff)
+            for lease in old:
+                self._end_lease(lease)
             self._count("leases_expired_total", len(old))
             return len(old)
 

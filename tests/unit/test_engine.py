@@ -353,3 +353,30 @@ def test_lookup_of_a_32k_token_prompt_takes_well_under_a_millisecond(make_engine
     median = statistics.median(samples)
     # Target 100 us (measured ~10 us on the dev box); generous for loaded CI.
     assert median < 500e-6, f"median lookup {median * 1e6:.0f} us"
+
+
+def test_lease_ids_are_never_reused(make_engine):
+    engine = make_engine(l2={"enabled": False})
+    seen: set[int] = set()
+    for i in range(60):
+        key = make_key(i % 6)
+        write = engine.reserve(key, 4096, META, "w")
+        if write is not None:
+            assert write.lease_id not in seen
+            seen.add(write.lease_id)
+            if i % 4:
+                engine.commit(write)
+            else:
+                engine.release_lease(write.lease_id)  # abandons the reservation
+        read = engine.acquire(key, "r")
+        if read is not None:
+            assert read.lease_id not in seen
+            seen.add(read.lease_id)
+        engine.release_owner("r")
+    assert len(seen) > 60
+
+
+def test_a_chunk_larger_than_the_arena_is_refused_not_raised(make_engine):
+    engine = make_engine(l2={"enabled": False})
+    assert engine.reserve(make_key(1), 2 << 20, META, "w") is None
+    assert not engine.put(make_key(1), b"x" * (2 << 20), META)
