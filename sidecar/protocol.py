@@ -14,10 +14,10 @@ and its reply::
     [version: int, request_id: int, ok: bool, body: map]
 
 ``request_id`` is echoed so a client can discard late replies to requests
-it has given up on. ``session_id`` is what HELLO returned ("" for HELLO and
-PING); a request naming a session the server does not know (it restarted,
-or reaped the client) is answered with the error code ``no_session`` and
-the client says HELLO again. An error reply's body is
+it has given up on. ``session_id`` is what HELLO returned ("" for HELLO; PING
+may send "" too); a request naming a session the server does not know (it
+restarted, or reaped the client) is answered with the error code
+``no_session`` and the client says HELLO again. An error reply's body is
 ``{"code": str, "message": str}``; ``message`` names what was wrong.
 
 Ops (body fields; see the dataclasses below for the exact types):

@@ -199,7 +199,10 @@ class SidecarServer:
         session = None
         if request.session_id:
             session = self.sessions.touch(request.session_id, identity)
-        if session is None and request.op not in p.SESSIONLESS_OPS:
+        # HELLO ignores a stale session id; PING answers without one, but a
+        # PING naming a session we do not know tells the client to re-HELLO.
+        stale = request.op == p.PING and bool(request.session_id)
+        if session is None and (request.op not in p.SESSIONLESS_OPS or stale):
             self._count_error(p.E_NO_SESSION)
             message = f"{request.op}: unknown session {request.session_id!r}; say HELLO"
             self._send(identity, p.encode_error(request.request_id, p.E_NO_SESSION, message))

@@ -146,3 +146,23 @@ def test_one_client_shared_by_threads_keeps_every_reply_with_its_caller(sidecar:
     assert failures == []
     assert client.errors == {}
     client.close()
+
+
+def test_a_ping_after_an_unnoticed_restart_reconnects_to_the_new_arena(
+    sidecar_factory: Any, kit: Any
+):
+    sidecar = sidecar_factory().start()
+    client = sidecar.client()
+    assert client.ping()
+    old_arena, epoch = sidecar.status()["arena"]["name"], client.epoch
+    assert sidecar.stop() == 0
+    sidecar.start()  # no call in between: the client has not noticed
+
+    assert kit.wait_until(client.ping, 10, "ping answered by the new sidecar")
+    assert client.epoch == epoch + 1
+    new_arena = sidecar.status()["arena"]["name"]
+    assert new_arena != old_arena
+    keys = kit.make_keys(1, seed=40)
+    assert kit.store(client, keys, NBYTES, owner="w") == 1  # written into the new segment
+    assert kit.retrieve(client, keys, owner="r") == [kit.payload(keys[0], NBYTES)]
+    client.close()
