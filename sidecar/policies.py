@@ -276,9 +276,9 @@ class PrefixAwarePolicy(EvictionPolicy):
 
     A chunk whose child (the next chunk of some prompt) is still resident is
     deferred: a tail without its head can never hit, so evicting the head
-    first would waste the tail. A deferred chunk is offered as soon as its
-    last resident child leaves; if the inner order runs out, the deferred
-    ones follow in order (their children may be leased).
+    first would waste the tail. A deferred chunk is offered right after its
+    last resident child is evicted; if the inner order runs out, the
+    deferred ones follow in order (their children are leased).
     """
 
     def __init__(self, inner: EvictionPolicy) -> None:
@@ -313,36 +313,25 @@ class PrefixAwarePolicy(EvictionPolicy):
         return key in self._children
 
     def victims(self) -> Iterator[Key]:
-        deferred: list[Key] = []
+        deferred: dict[Key, None] = {}  # insertion-ordered: policy order
         for key in self.inner.victims():
-            yield from self._ready_deferred(deferred)
             if key not in self.inner:
                 continue
             if key in self._children:
-                deferred.append(key)
-            else:
+                deferred[key] = None
+                continue
+            # Evicting a leaf may free its parent, then the grandparent...:
+            # unwind the chain at once, tail first (O(1) per step).
+            while True:
+                parent = self._parent.get(key)
                 yield key
-        while True:
-            before = len(deferred)
-            yield from self._ready_deferred(deferred)
-            if len(deferred) == before:
-                break
-        for key in deferred:
+                if key in self.inner or parent not in deferred or parent in self._children:
+                    break
+                del deferred[parent]
+                key = parent
+        for key in deferred:  # their children are leased: heads go after all
             if key in self.inner:
                 yield key
-
-    def _ready_deferred(self, deferred: list[Key]) -> Iterator[Key]:
-        i = 0
-        while i < len(deferred):
-            key = deferred[i]
-            if key not in self.inner:
-                del deferred[i]
-            elif key not in self._children:
-                del deferred[i]
-                yield key
-                i = 0  # evicting it may free its own parent, earlier in the list
-            else:
-                i += 1
 
     def __len__(self) -> int:
         return len(self.inner)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvstrata.sidecar.policies import (
@@ -149,3 +151,14 @@ def test_every_policy_yields_each_resident_key_exactly_once(name, prefix_aware):
 def test_unknown_policy_name_is_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"l1\.policy"):
         make_policy("mru", 10)
+
+
+def test_prefix_aware_unwinds_a_long_chain_from_its_tail_in_one_scan():
+    p = PrefixAwarePolicy(LRUPolicy())
+    chain = list(range(20_000))
+    for i in chain:
+        p.on_insert(i, 1, parent=i - 1 if i else None)
+    t0 = time.perf_counter()
+    order = evict(p, len(chain))
+    assert order == chain[::-1]
+    assert time.perf_counter() - t0 < 2.0  # linear: one step per chunk
