@@ -78,8 +78,13 @@ class DiskTier(Tier):
         self._usage = 0
         self._reserved = 0
         self._stats = TierStats(tier=self.name, capacity_bytes=capacity_bytes)
-        os.makedirs(self.root, exist_ok=True)
-        self._reindex()
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            if not os.access(self.root, os.W_OK | os.X_OK):
+                raise PermissionError(13, "not writable")
+            self._reindex()
+        except OSError as exc:
+            raise ValueError(f"l2.path: cannot use {self.root!r}: {exc.strerror or exc}") from None
 
     # -- paths ------------------------------------------------------------------
 

@@ -171,3 +171,10 @@ def test_remove_and_clear_delete_files(tmp_path):
     tier.clear()
     assert tier.stats().objects == 0 and tier.stats().usage_bytes == 0
     assert not any(files for _, _, files in os.walk(tmp_path))
+
+
+def test_an_unusable_directory_is_refused_naming_the_field(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match=r"l2\.path"):
+        DiskTier(blocker / "l2", 1 << 20)
