@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
+
 NBYTES = 4096
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory, kit: Any) -> Iterator[Any]:
+    """One sidecar for the tests below that do not restart it (each uses its
+    own keys and owners, and releases what it takes)."""
+    sidecar = kit.Sidecar(tmp_path_factory.mktemp("round-trip") / "sc").start()
+    try:
+        yield sidecar
+    finally:
+        sidecar.stop()
+        sidecar.cleanup()
 
 
 def test_stored_chunks_are_found_by_lookup_and_retrieved_byte_for_byte(sidecar: Any, kit: Any):
