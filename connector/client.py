@@ -299,10 +299,11 @@ class SidecarClient:
                 reply = self._roundtrip(op, body, deadline)
                 if isinstance(reply, p.ErrorReply) and reply.code == p.E_NO_SESSION:
                     self._lost_session()
-                    if self._hello(deadline) and op in _RETRYABLE:
-                        reply = self._roundtrip(op, body, deadline)
-                    else:
+                    if not (self._hello(deadline) and op in _RETRYABLE):
+                        # Leases named by this call died with the old session.
+                        self._count(p.E_NO_SESSION)
                         return None
+                    reply = self._roundtrip(op, body, deadline)
                 if isinstance(reply, p.ErrorReply):
                     logger.debug("sidecar refused %s: %s", op, reply.message)
                     self._count(reply.code)
