@@ -33,7 +33,10 @@ for the EXISTS pipeline of :meth:`ValkeyTier.contains_many`); a dropped
 connection is retried once at once on a fresh connection (stale pooled
 sockets after a server restart), never on a timeout. Consecutive failures
 open the :class:`CircuitBreaker`; while it is open every call answers
-miss / False without touching the network.
+miss / False without touching the network. Error replies from a server
+that answers (``OOM`` when ``maxmemory`` is reached under ``noeviction``)
+are counted (``errors_total["full"]``) but do not open the breaker: reads
+still work. A cache server should run with ``maxmemory-policy allkeys-lru``.
 """
 
 from __future__ import annotations
@@ -183,9 +186,17 @@ def _error_kind(exc: BaseException) -> str:
         return "connection"
     if isinstance(exc, redis.exceptions.RedisClusterException | redis.exceptions.ClusterError):
         return "cluster"
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return "full"
     if isinstance(exc, redis.exceptions.ResponseError):
         return "server"
     return "client"
+
+
+# Errors that are answers from a healthy server (a write refused because
+# maxmemory is reached, an unexpected reply): counted, but they must not
+# open the breaker and cut off reads that still work.
+_ANSWERED = frozenset({"full", "server"})
 
 
 class ValkeyTier(Tier):
@@ -235,7 +246,10 @@ class ValkeyTier(Tier):
         logger.debug("valkey %s failed (%s): %s", op, kind, exc)
         with self._lock:
             self._stats.count_error(kind)
-        self._breaker.record_failure()
+        if kind in _ANSWERED:
+            self._breaker.record_success()
+        else:
+            self._breaker.record_failure()
 
     def _name(self, key: ChunkKey) -> str:
         return self._prefix + key_hex(key)

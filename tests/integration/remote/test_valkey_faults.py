@@ -208,3 +208,18 @@ def test_hung_server_answers_within_the_deadlines_and_recovers(
         own_valkey_server.process.send_signal(signal.SIGCONT)
     wait_for(lambda: tier.get(key(1)) is not None, 10, "hits once the server answers again")
     tier.close()
+
+
+def test_full_server_refuses_writes_but_keeps_serving_reads(tmp_path, fast_failing) -> None:
+    with RedisServer(tmp_path / "full", extra_args=("--maxmemory", "2mb")) as server:
+        tier = fast_failing(server.url)
+        first = key(500)
+        assert tier.put(first, b"k" * 1024, META)
+        refused = [tier.put(key(600 + i), os.urandom(256 << 10), META) for i in range(24)]
+        assert not all(refused)  # maxmemory reached, noeviction: writes refused
+        stats = tier.stats()
+        assert stats.errors_total.get("full", 0) >= 1
+        assert not stats.degraded  # the server answers: no reason to cut off reads
+        got = tier.get(first)
+        assert got is not None and bytes(got.payload) == b"k" * 1024
+        tier.close()
