@@ -123,7 +123,12 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvstrata-demo-"))
     sidecar = LocalSidecar(workdir, chunk_size=CHUNK_SIZE, l1_size="512Mi")
     started = _step(3, total, "starting the sidecar (L1 512 MiB in shared memory, L2 on disk)")
-    sidecar.start()
+    try:
+        sidecar.start()
+    except RuntimeError as exc:
+        print(f"failed\nkvstrata demo: {exc}", file=sys.stderr)
+        sidecar.stop()
+        return 1
     _done(started, f"\n      endpoint {sidecar.endpoint}\n      metrics  {sidecar.metrics_url}")
     try:
         return _serve(args, sidecar, model, total)
