@@ -52,7 +52,7 @@ LOOKUP_TARGET_SECONDS = 100e-6
 def _params(quick: bool) -> dict[str, Any]:
     return {
         "tokens": 512 if quick else 2048,
-        "reps": 3 if quick else 7,
+        "reps": 3 if quick else 9,
         "lookup_calls": 300 if quick else 3000,
         "lookup_chunks": 128,
     }
