@@ -68,12 +68,16 @@ WRITEBACK_BACKLOG_MAX = 4096
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
-    hit_chunks: int
-    tiers: list[str]
+    """How much of a prompt's chunk list some tier holds."""
+
+    hit_chunks: int  # longest contiguous prefix present in any tier
+    tiers: list[str]  # per hit chunk: "l1" | "l2" | the shared tier's name
 
 
 @dataclass
 class EngineStats:
+    """A snapshot for metrics: per-tier stats and engine counters (base units)."""
+
     tiers: dict[str, TierStats]
     counters: dict[str, int] = field(default_factory=dict)
 
@@ -121,7 +125,7 @@ class StorageManager:
         except BaseException:
             self.arena.close()
             raise
-        self._l2_index = self.l2._index if self.l2 is not None else {}
+        self._l2_index = self.l2.index if self.l2 is not None else {}
         self._pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="kvstrata-prefetch")
         self._pending: set[Future[object]] = set()
         self._closed = False

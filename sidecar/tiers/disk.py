@@ -31,7 +31,7 @@ import os
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import xxhash
@@ -150,6 +150,11 @@ class DiskTier(Tier):
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         index = self._index
         return [k in index for k in keys]
+
+    @property
+    def index(self) -> Mapping[bytes, DiskEntry]:
+        """The live key -> entry map, for lock-free membership tests only."""
+        return self._index
 
     def contains(self, key: bytes) -> bool:
         return key in self._index
