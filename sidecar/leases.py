@@ -33,6 +33,26 @@ class Slot:
     meta: ChunkMeta
 
 
+# A frozen dataclass's __init__ goes through object.__setattr__ per field
+# (~3 us for a Slot on the dev box, as much as copying a 256 KiB chunk).
+# Setting the slot descriptors directly builds the same immutable object in
+# a third of the time; Slot stays frozen for everyone else.
+_set_lease_id, _set_key, _set_offset, _set_length, _set_meta = (
+    Slot.__dict__[name].__set__ for name in ("lease_id", "key", "offset", "length", "meta")
+)
+
+
+def make_slot(lease_id: int, key: ChunkKey, offset: int, length: int, meta: ChunkMeta) -> Slot:
+    """``Slot(...)``, fast (see above)."""
+    slot = object.__new__(Slot)
+    _set_lease_id(slot, lease_id)
+    _set_key(slot, key)
+    _set_offset(slot, offset)
+    _set_length(slot, length)
+    _set_meta(slot, meta)
+    return slot
+
+
 @dataclass(slots=True, eq=False)
 class Lease:
     slot: Slot
@@ -55,7 +75,7 @@ class LeaseTable:
 
     def new(self, entry: Entry, owner: str, write: bool) -> Slot:
         """A lease on ``entry``; the caller has already pinned it."""
-        slot = Slot(next(self._ids), entry.key, entry.offset, entry.length, entry.meta)
+        slot = make_slot(next(self._ids), entry.key, entry.offset, entry.length, entry.meta)
         self._leases[slot.lease_id] = Lease(slot, entry, owner, write, time.monotonic())
         self._by_owner.setdefault(owner, set()).add(slot.lease_id)
         return slot

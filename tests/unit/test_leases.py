@@ -1,0 +1,34 @@
+"""Lease bookkeeping: fast slots equal real ones and stay immutable."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvstrata.sidecar.l1 import Entry
+from kvstrata.sidecar.leases import LeaseTable, Slot, make_slot
+from kvstrata.sidecar.objformat import ChunkMeta
+
+META = ChunkMeta("bfloat16", (2, 3))
+
+
+def test_make_slot_builds_the_same_frozen_slot():
+    fast = make_slot(7, b"k" * 48, 4096, 512, META)
+    assert fast == Slot(7, b"k" * 48, 4096, 512, META)
+    assert hash(fast) == hash(Slot(7, b"k" * 48, 4096, 512, META))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.offset = 0  # type: ignore[misc]
+
+
+def test_leases_are_found_by_owner_and_by_age():
+    table = LeaseTable()
+    entry = Entry(b"k" * 48, 0, 512, META)
+    a = table.new(entry, "a", write=False)
+    b = table.new(entry, "b", write=True)
+    assert len({a.lease_id, b.lease_id}) == 2
+    assert [lease.slot for lease in table.pop_owner("a")] == [a]
+    assert table.pop_owner("a") == []
+    assert table.pop_older_than(0.0) == []  # created after monotonic time 0
+    assert [lease.slot for lease in table.pop_older_than(float("inf"))] == [b]
+    assert len(table) == 0
