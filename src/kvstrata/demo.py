@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -134,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
         return _serve(args, sidecar, model, total)
     finally:
         sidecar.stop()
+        if not args.workdir:  # keep the logs, drop the chunk files
+            shutil.rmtree(workdir / "l2", ignore_errors=True)
 
 
 def _serve(args: argparse.Namespace, sidecar: Any, model: Path, total: int) -> int:
