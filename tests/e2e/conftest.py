@@ -218,7 +218,7 @@ def vllm_env() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_model() -> Path:
     from kvstrata.tinymodel import build_tiny_llama, default_cache_root
 
     return build_tiny_llama(default_cache_root(), hidden_size=256, num_layers=4, head_dim=64)
