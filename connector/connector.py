@@ -14,6 +14,8 @@ Configuration (``kv_transfer_config.kv_connector_extra_config``):
 ``load_timeout_seconds``   deadline of the whole load of one request (default 5.0)
 ``chunk_size``             tokens per chunk, a multiple of the block size (default 256;
                            should equal the sidecar's ``chunk_size``)
+``retry_interval_seconds`` while the sidecar does not answer, one call per this interval
+                           (doubling, up to 8x) probes it; the others are misses (default 1.0)
 
 The cache is never the source of truth: a sidecar that is down, slow or
 restarting costs misses and dropped saves, never an exception or a hang.
@@ -64,6 +66,7 @@ class ConnectorSettings:
     endpoint: str
     call_timeout_s: float
     load_timeout_s: float
+    retry_interval_s: float
     chunk_size: int
     block_size: int
     num_kv_heads: int
@@ -140,6 +143,7 @@ def settings_from_config(
         endpoint=endpoint,
         call_timeout_s=_float(extra, "call_timeout_seconds", 0.5),
         load_timeout_s=_float(extra, "load_timeout_seconds", 5.0),
+        retry_interval_s=_float(extra, "retry_interval_seconds", 1.0),
         chunk_size=chunk_size,
         block_size=block_size,
         num_kv_heads=num_kv_heads,

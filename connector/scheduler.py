@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstrata.connector.client import SidecarClient
+from kvstrata.connector.gate import RetryGate
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, ReqId, RequestTransfer
 from kvstrata.sidecar.keys import make_key
 
@@ -79,6 +80,7 @@ class KVStrataScheduler:
             role="scheduler",
             call_timeout_s=settings.call_timeout_s,
         )
+        self.gate = RetryGate(self.client, settings.retry_interval_s)
         self.counters = SchedulerCounters()
         self._reqs: dict[ReqId, _RequestState] = {}
         self._warned_chunk_size = False
@@ -115,8 +117,11 @@ class KVStrataScheduler:
         )
         if loadable * chunk <= num_computed_tokens:
             return 0
-        keys = self._keys(request.block_hashes, 0, loadable)
         self.counters.lookups += 1
+        if not self.gate.allow():  # the sidecar is down: a miss, at once
+            self.counters.lookup_failures += 1
+            return 0
+        keys = self._keys(request.block_hashes, 0, loadable)
         reply = self.client.lookup(keys, prefetch=True, owner=request.request_id)
         self._check_chunk_size()
         if reply is None:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstrata.connector.client import ArenaSlot, SidecarClient
+from kvstrata.connector.gate import RetryGate
 from kvstrata.connector.layout import ChunkLayout, UnsupportedLayoutError, detect_layout
 from kvstrata.connector.metadata import KVStrataMetadata, RequestTransfer
 from kvstrata.sidecar.keys import make_key
@@ -75,6 +76,7 @@ class KVStrataWorker:
             role="worker",
             call_timeout_s=settings.call_timeout_s,
         )
+        self.gate = RetryGate(self.client, settings.retry_interval_s)
         self.layout: ChunkLayout | None = None
         self.counters = WorkerCounters()
         self._load_errors: set[int] = set()
@@ -199,6 +201,9 @@ class KVStrataWorker:
     def _save_request(self, req: RequestTransfer) -> None:
         layout = self.layout
         assert layout is not None  # checked by the caller
+        if not self.gate.allow():  # the sidecar is down: drop the save at once
+            self.counters.save_dropped_chunks += len(req.chunks)
+            return
         fp = self.client.fingerprint
         keys = [make_key(fp, c.chunk_hash) for c in req.chunks]
         slots = self.client.prepare_store(
