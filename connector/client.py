@@ -420,6 +420,11 @@ class SidecarClient:
             return reply.body
 
     def _send(self, sock: zmq.Socket[Any], frame: bytes, deadline: float) -> bool:
+        if not self._ever_sent and self._ipc_socket_missing():
+            # Nothing listens yet: waiting out the deadline would stall a vLLM
+            # step for nothing.
+            self._count("unavailable")
+            return False
         if self._ever_sent:
             wait_until = min(deadline, time.monotonic() + CONNECT_WAIT_S)
         else:
@@ -433,6 +438,12 @@ class SidecarClient:
                 remaining_ms = (wait_until - time.monotonic()) * 1000
                 if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLOUT):
                     return False
+
+    def _ipc_socket_missing(self) -> bool:
+        """True when the endpoint is ``ipc://PATH`` and PATH does not exist."""
+        if not self.endpoint.startswith("ipc://"):
+            return False
+        return not os.path.exists(self.endpoint[len("ipc://") :])
 
 
 def _namespace_map(namespace: Namespace) -> dict[str, Any]:
