@@ -19,6 +19,7 @@ context-manager exit calls too.
 
 from __future__ import annotations
 
+import abc
 import os
 import random
 import shutil
@@ -31,8 +32,12 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 LOOPBACK = "127.0.0.1"
+
+_M = TypeVar("_M", bound="_Managed")
+_S = TypeVar("_S", bound="_ChildServer")
 
 
 class ServerError(RuntimeError):
@@ -81,21 +86,23 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str, step: flo
         time.sleep(step)
 
 
-def redis_server_binary() -> str:
-    """``valkey-server`` when the machine has it, else ``redis-server``."""
-    for name in ("valkey-server", "redis-server"):
+def _valkey_or_redis(tool: str) -> str:
+    """``valkey-{tool}`` when the machine has it, else Debian's ``redis-{tool}``."""
+    for name in (f"valkey-{tool}", f"redis-{tool}"):
         path = shutil.which(name)
         if path:
             return path
-    raise ServerError("neither valkey-server nor redis-server is on PATH (make system-deps)")
+    raise ServerError(f"neither valkey-{tool} nor redis-{tool} is on PATH (make system-deps)")
+
+
+def redis_server_binary() -> str:
+    """``valkey-server`` when the machine has it, else ``redis-server``."""
+    return _valkey_or_redis("server")
 
 
 def redis_cli_binary() -> str:
-    for name in ("valkey-cli", "redis-cli"):
-        path = shutil.which(name)
-        if path:
-            return path
-    raise ServerError("neither valkey-cli nor redis-cli is on PATH (make system-deps)")
+    """``valkey-cli`` when the machine has it, else ``redis-cli``."""
+    return _valkey_or_redis("cli")
 
 
 def _ping(port: int, password: str | None = None) -> bool:
@@ -109,8 +116,94 @@ def _ping(port: int, password: str | None = None) -> bool:
         return sock.recv(64).startswith(b"+PONG")
 
 
-class RedisServer:
+class _Managed(abc.ABC):
+    """Started on ``with`` entry and stopped on exit, even when the body raises."""
+
+    @abc.abstractmethod
+    def start(self: _M, timeout: float = 10.0) -> _M:
+        """Start and wait until ready; :class:`ServerError` after ``timeout``."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop every process started; safe to call when not running."""
+
+    def __enter__(self: _M) -> _M:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+class _ChildServer(_Managed):
+    """A server in one child process: start, wait until it answers, kill.
+
+    Subclasses say how to launch the process (:meth:`_command`) and how to
+    tell it is ready (:meth:`_ready`); the lifecycle (restart on the same
+    port, the readiness deadline, the kill that stands in for a crash) is
+    shared so every server behaves alike in the tests.
+    """
+
+    what = "server"  # how errors name it
+    poll_step = 0.02  # seconds between readiness probes
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @abc.abstractmethod
+    def _command(self) -> list[str]:
+        """The argv of the child process (called just before it is launched)."""
+
+    @abc.abstractmethod
+    def _ready(self) -> bool:
+        """One readiness probe; may raise while the server is not up yet."""
+
+    def _exited_message(self) -> str:
+        return f"{self.what} on port {self.port} exited"
+
+    def start(self: _S, timeout: float = 10.0) -> _S:
+        """Start (or restart, on the same port) and wait until :meth:`_ready`."""
+        if self.process is not None and self.process.poll() is None:
+            return self
+        self.process = subprocess.Popen(
+            self._command(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+        )
+        try:
+            wait_for(
+                self._alive_and_ready,
+                timeout,
+                f"{self.what} on port {self.port}",
+                step=self.poll_step,
+            )
+        except ServerError:
+            self.stop()
+            raise
+        return self
+
+    def _alive_and_ready(self) -> bool:
+        if self.process is None or self.process.poll() is not None:
+            raise ServerError(self._exited_message())
+        return self._ready()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Kill the process (SIGKILL: a crash, not a clean shutdown) and reap it."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=timeout)
+        self.process = None
+
+
+class RedisServer(_ChildServer):
     """One Redis-protocol server process on ``127.0.0.1:port``."""
+
+    what = "redis"
 
     def __init__(
         self,
@@ -120,21 +213,18 @@ class RedisServer:
         password: str | None = None,
         extra_args: tuple[str, ...] = (),
     ) -> None:
+        super().__init__(port or (free_cluster_port() if cluster else free_port()))
         self.data_dir = Path(data_dir)
-        self.port = port or (free_cluster_port() if cluster else free_port())
         self.cluster = cluster
         self.password = password
         self.extra_args = extra_args
-        self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"redis://{LOOPBACK}:{self.port}/0"
 
-    def start(self, timeout: float = 10.0) -> RedisServer:
-        """Start (or restart, on the same port) and wait until it answers PING."""
-        if self.process is not None and self.process.poll() is None:
-            return self
+    def _command(self) -> list[str]:
+        """The server's argv; its data directory is made here, on each launch."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             redis_server_binary(),
@@ -152,41 +242,17 @@ class RedisServer:
             args += ["--cluster-node-timeout", "2000"]
         if self.password is not None:
             args += ["--requirepass", self.password]
-        args += list(self.extra_args)
-        self.process = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL
-        )
-        try:
-            wait_for(lambda: self._alive_and_ponging(), timeout, f"redis on port {self.port}")
-        except ServerError:
-            self.stop()
-            raise
-        return self
+        return args + list(self.extra_args)
 
-    def _alive_and_ponging(self) -> bool:
-        if self.process is None or self.process.poll() is not None:
-            raise ServerError(f"redis on port {self.port} exited; see {self.data_dir}/server.log")
+    def _ready(self) -> bool:
+        """It answers PING (after AUTH when it has a password)."""
         return _ping(self.port, self.password)
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Kill the process (SIGKILL: a crash, not a clean shutdown) and reap it."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=timeout)
-        self.process = None
-
-    def __enter__(self) -> RedisServer:
-        return self.start()
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+    def _exited_message(self) -> str:
+        return f"{super()._exited_message()}; see {self.data_dir}/server.log"
 
 
-class RedisClusterServers:
+class RedisClusterServers(_Managed):
     """Three cluster-enabled servers joined into one cluster (no replicas)."""
 
     def __init__(self, data_dir: str | os.PathLike[str], nodes: int = 3) -> None:
@@ -234,70 +300,37 @@ class RedisClusterServers:
         for server in self.servers:
             server.stop()
 
-    def __enter__(self) -> RedisClusterServers:
-        return self.start()
 
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
-
-class MotoS3Server:
+class MotoS3Server(_ChildServer):
     """moto's standalone S3 HTTP endpoint in a child process.
 
     Its state lives in that process's memory: a restart starts empty.
     """
 
+    what = "moto_server"
+    poll_step = 0.05
+
     def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.process: subprocess.Popen[bytes] | None = None
+        super().__init__(port or free_port())
 
     @property
     def endpoint_url(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> MotoS3Server:
-        if self.process is not None and self.process.poll() is None:
-            return self
+    def start(self: _S, timeout: float = 30.0) -> _S:
+        """Start (or restart, on the same port) and wait until it answers HTTP."""
+        return super().start(timeout)
+
+    def _command(self) -> list[str]:
         code = (
             "import sys; from moto.server import main; "
             f"sys.exit(main(['-H', '{LOOPBACK}', '-p', '{self.port}']))"
         )
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", code],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            stdin=subprocess.DEVNULL,
-        )
-        try:
-            wait_for(self._answers, timeout, f"moto_server on port {self.port}", step=0.05)
-        except ServerError:
-            self.stop()
-            raise
-        return self
+        return [sys.executable, "-c", code]
 
-    def _answers(self) -> bool:
-        if self.process is None or self.process.poll() is not None:
-            raise ServerError(f"moto_server on port {self.port} exited")
+    def _ready(self) -> bool:
         try:
             with urllib.request.urlopen(self.endpoint_url + "/", timeout=1) as resp:
                 return resp.status < 500
         except urllib.error.HTTPError as exc:  # any HTTP answer means it is up
             return exc.code < 500
-
-    def stop(self, timeout: float = 5.0) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=timeout)
-        self.process = None
-
-    def __enter__(self) -> MotoS3Server:
-        return self.start()
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
