@@ -27,7 +27,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import io
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -38,9 +37,7 @@ from boto3.s3.transfer import TransferConfig
 
 from kvstrata.sidecar.config import S3Config, SharedConfig
 from kvstrata.sidecar.keys import ChunkKey, key_hex
-from kvstrata.sidecar.objformat import ChunkMeta, CorruptObjectError, DecodedObject, decode, encode
-from kvstrata.sidecar.tiers.base import Tier, TierStats
-from kvstrata.sidecar.tiers.breaker import CircuitBreaker
+from kvstrata.sidecar.tiers.remote import Fetched, RemoteTier, Stored, read_secret
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +54,6 @@ class _Missing(Exception):
 
 class _DeadlineExceeded(Exception):
     """The operation did not finish within the tier's wall-clock deadline."""
-
-
-def _read_secret(path: str, field: str) -> str:
-    try:
-        with open(path) as fh:
-            return fh.read().strip()
-    except OSError as exc:
-        raise ValueError(f"{field}: cannot read {path}: {exc.strerror}") from None
 
 
 def botocore_config(config: S3Config) -> botocore.config.Config:
@@ -97,10 +86,10 @@ def make_client(config: S3Config) -> Any:
                 "must be set together"
             )
         credentials = {
-            "aws_access_key_id": _read_secret(
+            "aws_access_key_id": read_secret(
                 config.access_key_id_file, "shared.s3.access_key_id_file"
             ),
-            "aws_secret_access_key": _read_secret(
+            "aws_secret_access_key": read_secret(
                 config.secret_access_key_file, "shared.s3.secret_access_key_file"
             ),
         }
@@ -194,15 +183,14 @@ class _PartsBody(io.RawIOBase):
         return written
 
 
-class S3Tier(Tier):
+class S3Tier(RemoteTier):
     """Chunk objects in an S3 bucket under a prefix (module docstring)."""
 
     name = "s3"
 
     def __init__(self, config: SharedConfig) -> None:
         self._config = config.s3
-        self._codec = config.codec
-        self._lookup_timeout = min(config.lookup_timeout_seconds, self._config.timeout_seconds)
+        super().__init__(config, self._config.timeout_seconds)
         self._client = make_client(self._config)
         self._transfer = TransferConfig(
             multipart_threshold=max(self._config.multipart_threshold_bytes, 5 << 20),
@@ -217,16 +205,13 @@ class S3Tier(Tier):
         self._lookups = cf.ThreadPoolExecutor(
             max_workers=lookup_threads(self._config), thread_name_prefix="kvstrata-s3-head"
         )
-        self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_seconds)
-        self._stats = TierStats(tier=self.name)
-        self._lock = threading.Lock()
         self._bucket_ready = not self._config.create_bucket
         if self._config.create_bucket:
             self._ensure_bucket_guarded()
 
     # -- plumbing ---------------------------------------------------------
 
-    def _object_key(self, key: ChunkKey) -> str:
+    def _name(self, key: ChunkKey) -> str:
         return self._config.prefix + key_hex(key)
 
     def _run_many(self, op: str, fns: Sequence[Callable[[], T]]) -> list[T | BaseException]:
@@ -271,9 +256,8 @@ class S3Tier(Tier):
         return result
 
     def _allow(self) -> bool:
-        if not self._breaker.allow():
-            with self._lock:
-                self._stats.count_error("breaker_open")
+        """The breaker allows the call and the bucket exists (made again if need be)."""
+        if not super()._allow():
             return False
         if not self._bucket_ready:
             return self._ensure_bucket_guarded()
@@ -317,16 +301,13 @@ class S3Tier(Tier):
                 raise
         logger.info("created S3 bucket %s", bucket)
 
-    # -- Tier -------------------------------------------------------------
+    # -- RemoteTier hooks ---------------------------------------------------
 
-    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        if not keys:
-            return []
-        if not self._allow():
-            return [False] * len(keys)
+    def _exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Concurrent HEADs; a key not answered within the lookup deadline is False."""
         bucket = self._config.bucket
         futures = [
-            self._lookups.submit(self._client.head_object, Bucket=bucket, Key=self._object_key(k))
+            self._lookups.submit(self._client.head_object, Bucket=bucket, Key=self._name(k))
             for k in keys
         ]
         done, pending = cf.wait(futures, timeout=self._lookup_timeout)
@@ -349,64 +330,23 @@ class S3Tier(Tier):
             self._breaker.record_success()
         return answers
 
-    def get(self, key: ChunkKey) -> DecodedObject | None:
-        return self.get_many([key])[0]
-
-    def get_many(self, keys: Sequence[ChunkKey]) -> list[DecodedObject | None]:
+    def _fetch(self, names: Sequence[str]) -> list[Fetched]:
         """Concurrent GETs on the pool, all within one ``timeout_seconds`` deadline."""
-        if not keys:
-            return []
-        if not self._allow():
-            self._count(misses=len(keys))
-            return [None] * len(keys)
-        names = [self._object_key(k) for k in keys]
-        blobs = self._run_many("get", [lambda n=n: self._download(n) for n in names])
-        return [self._validated(k, n, b) for k, n, b in zip(keys, names, blobs, strict=True)]
+        return self._run_many("get", [lambda n=n: self._download(n) for n in names])
 
-    def put(self, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta) -> bool:
-        return self.put_many([(key, payload, meta)])[0]
-
-    def put_many(
-        self, items: Sequence[tuple[ChunkKey, bytes | memoryview, ChunkMeta]]
-    ) -> list[bool]:
+    def _store_many(
+        self, names: Sequence[str], encoded: Sequence[list[bytes | memoryview]]
+    ) -> list[Stored]:
         """Concurrent uploads, each skipped when the object already exists."""
-        if not items:
-            return []
-        # Bad meta raises ValueError before anything is sent.
-        encoded = [encode(bytes(k), payload, meta, self._codec) for k, payload, meta in items]
-        if not self._allow():
-            return [False] * len(items)
-        names = [self._object_key(k) for k, _, _ in items]
         fns = [lambda n=n, p=p: self._store(n, p) for n, p in zip(names, encoded, strict=True)]
-        outcomes = self._run_many("put", fns)
-        with self._lock:
-            for parts, outcome in zip(encoded, outcomes, strict=True):
-                if outcome is True:
-                    self._stats.stored_bytes_total += sum(len(p) for p in parts)
-                elif outcome is False:
-                    self._stats.deduplicated_total += 1
-        return [isinstance(o, bool) for o in outcomes]
+        return self._run_many("put", fns)
 
-    def remove(self, key: ChunkKey) -> None:
-        if self._allow():
-            self._delete(self._object_key(key))
-
-    def clear(self) -> None:
+    def _clear(self) -> None:
         """Delete every object under ``prefix`` (list + batched DeleteObjects)."""
-        if not self._allow():
-            return
         try:
             self._call("clear", self._clear_prefix)
         except Exception:  # counted by _call
             return
-
-    def stats(self) -> TierStats:
-        with self._lock:
-            snap = TierStats(
-                **{**vars(self._stats), "errors_total": dict(self._stats.errors_total)}
-            )
-        snap.degraded = self._breaker.state != "closed"
-        return snap
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -468,32 +408,6 @@ class S3Tier(Tier):
                 self._client.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
 
     # -- helpers ----------------------------------------------------------
-
-    def _count(self, hits: int = 0, misses: int = 0) -> None:
-        with self._lock:
-            self._stats.hits_total += hits
-            self._stats.misses_total += misses
-
-    def _validated(
-        self, key: ChunkKey, object_key: str, blob: bytes | memoryview | BaseException
-    ) -> DecodedObject | None:
-        """Decode one fetched body; a failure or a corrupt object is a miss."""
-        if isinstance(blob, BaseException):  # missing, or failed and counted
-            self._count(misses=1)
-            return None
-        try:
-            obj = decode(blob, expected_key=bytes(key))
-        except CorruptObjectError as exc:
-            logger.warning("s3 object %s is corrupt (%s); deleting it", object_key, exc)
-            with self._lock:
-                self._stats.corrupt_total += 1
-            self._count(misses=1)
-            self._delete(object_key)
-            return None
-        with self._lock:
-            self._stats.retrieved_bytes_total += len(blob)
-        self._count(hits=1)
-        return obj
 
     def _delete(self, object_key: str) -> None:
         try:

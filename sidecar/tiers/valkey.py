@@ -55,9 +55,7 @@ from redis.retry import Retry
 
 from kvstrata.sidecar.config import SharedConfig, ValkeyConfig
 from kvstrata.sidecar.keys import ChunkKey, key_hex
-from kvstrata.sidecar.objformat import ChunkMeta, CorruptObjectError, DecodedObject, decode, encode
-from kvstrata.sidecar.tiers.base import Tier, TierStats
-from kvstrata.sidecar.tiers.breaker import CircuitBreaker
+from kvstrata.sidecar.tiers.remote import Fetched, RemoteTier, Stored, read_secret
 
 logger = logging.getLogger(__name__)
 
@@ -116,14 +114,6 @@ class _ScatterSSLConnection(redis.connection.SSLConnection):
         return _ScatterPacker(self._buffer_cutoff, self.encoder.encode)
 
 
-def _read_secret(path: str, field: str) -> str:
-    try:
-        with open(path) as fh:
-            return fh.read().strip()
-    except OSError as exc:
-        raise ValueError(f"{field}: cannot read {path}: {exc.strerror}") from None
-
-
 def connection_kwargs(config: ValkeyConfig, timeout: float) -> dict[str, Any]:
     """Keyword arguments of a redis-py client for ``config`` with ``timeout`` deadlines."""
     try:
@@ -138,7 +128,7 @@ def connection_kwargs(config: ValkeyConfig, timeout: float) -> dict[str, Any]:
     if config.username:
         kwargs["username"] = config.username
     if config.password_file:
-        kwargs["password"] = _read_secret(config.password_file, "shared.valkey.password_file")
+        kwargs["password"] = read_secret(config.password_file, "shared.valkey.password_file")
     kwargs.update(
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
@@ -199,19 +189,15 @@ def _error_kind(exc: BaseException) -> str:
 _ANSWERED = frozenset({"full", "server"})
 
 
-class ValkeyTier(Tier):
+class ValkeyTier(RemoteTier):
     """Chunk objects in Valkey / Redis, standalone or cluster (module docstring)."""
 
     name = "valkey"
 
     def __init__(self, config: SharedConfig) -> None:
         self._config = config.valkey
-        self._codec = config.codec
+        super().__init__(config, self._config.timeout_seconds)
         self._prefix = self._config.key_prefix
-        self._lookup_timeout = min(config.lookup_timeout_seconds, self._config.timeout_seconds)
-        self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_seconds)
-        self._stats = TierStats(tier=self.name)
-        self._lock = threading.Lock()  # stats
         # Building a cluster client blocks on the network: not under the stats lock.
         self._client_lock = threading.Lock()
         self._clients: dict[str, Any] = {}
@@ -234,18 +220,10 @@ class ValkeyTier(Tier):
                     self._clients[purpose] = client
         return client
 
-    def _allow(self) -> bool:
-        if self._breaker.allow():
-            return True
-        with self._lock:
-            self._stats.count_error("breaker_open")
-        return False
-
     def _failed(self, op: str, exc: BaseException) -> None:
         kind = _error_kind(exc)
         logger.debug("valkey %s failed (%s): %s", op, kind, exc)
-        with self._lock:
-            self._stats.count_error(kind)
+        self._count_error(kind)
         if kind in _ANSWERED:
             self._breaker.record_success()
         else:
@@ -254,13 +232,10 @@ class ValkeyTier(Tier):
     def _name(self, key: ChunkKey) -> str:
         return self._prefix + key_hex(key)
 
-    # -- Tier -------------------------------------------------------------
+    # -- RemoteTier hooks ---------------------------------------------------
 
-    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        if not keys:
-            return []
-        if not self._allow():
-            return [False] * len(keys)
+    def _exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """One pipeline of EXISTS on the lookup client (shorter deadline)."""
         try:
             pipe = self._client("lookup").pipeline(transaction=False)
             for key in keys:
@@ -272,17 +247,8 @@ class ValkeyTier(Tier):
         self._breaker.record_success()
         return [bool(a) for a in answers]
 
-    def get(self, key: ChunkKey) -> DecodedObject | None:
-        return self.get_many([key])[0]
-
-    def get_many(self, keys: Sequence[ChunkKey]) -> list[DecodedObject | None]:
+    def _fetch(self, names: Sequence[str]) -> list[Fetched]:
         """Pipelined GETs (one round trip; per node in cluster mode)."""
-        if not keys:
-            return []
-        if not self._allow():
-            self._count_misses(len(keys))
-            return [None] * len(keys)
-        names = [self._name(k) for k in keys]
         try:
             if len(names) == 1:
                 blobs = [self._client("io").get(names[0])]
@@ -293,56 +259,33 @@ class ValkeyTier(Tier):
                 blobs = pipe.execute(raise_on_error=True)
         except Exception as exc:
             self._failed("get", exc)
-            self._count_misses(len(keys))
-            return [None] * len(keys)
+            return [None] * len(names)
         self._breaker.record_success()
-        return [self._validated(k, n, b) for k, n, b in zip(keys, names, blobs, strict=True)]
+        return blobs
 
-    def put(self, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta) -> bool:
-        return self.put_many([(key, payload, meta)])[0]
-
-    def put_many(
-        self, items: Sequence[tuple[ChunkKey, bytes | memoryview, ChunkMeta]]
-    ) -> list[bool]:
+    def _store_many(
+        self, names: Sequence[str], encoded: Sequence[list[bytes | memoryview]]
+    ) -> list[Stored]:
         """Pipelined ``SET NX`` of each object, header and payload sent unjoined."""
-        if not items:
-            return []
-        # Bad meta raises ValueError before anything is sent.
-        encoded = [encode(bytes(k), payload, meta, self._codec) for k, payload, meta in items]
-        if not self._allow():
-            return [False] * len(items)
         ttl = self._config.ttl_seconds
         try:
             client = self._client("io")
-            if len(items) == 1:
-                answers = [
-                    client.set(self._name(items[0][0]), Scatter(encoded[0]), nx=True, ex=ttl)
-                ]
+            if len(names) == 1:
+                answers = [client.set(names[0], Scatter(encoded[0]), nx=True, ex=ttl)]
             else:
                 pipe = client.pipeline(transaction=False)
-                for (key, _, _), parts in zip(items, encoded, strict=True):
-                    pipe.set(self._name(key), Scatter(parts), nx=True, ex=ttl)
+                for name, parts in zip(names, encoded, strict=True):
+                    pipe.set(name, Scatter(parts), nx=True, ex=ttl)
                 answers = pipe.execute(raise_on_error=True)
         except Exception as exc:
             self._failed("put", exc)
-            return [False] * len(items)
+            return [exc] * len(names)
         self._breaker.record_success()
-        with self._lock:
-            for parts, stored in zip(encoded, answers, strict=True):
-                if stored:
-                    self._stats.stored_bytes_total += sum(len(p) for p in parts)
-                else:  # SET NX refused: another writer stored this chunk first
-                    self._stats.deduplicated_total += 1
-        return [True] * len(items)
+        # SET NX answers None when another writer stored the chunk first.
+        return [bool(a) for a in answers]
 
-    def remove(self, key: ChunkKey) -> None:
-        if self._allow():
-            self._delete(self._name(key))
-
-    def clear(self) -> None:
+    def _clear(self) -> None:
         """Delete every key under ``key_prefix`` (SCAN + UNLINK, all cluster nodes)."""
-        if not self._allow():
-            return
         try:
             client = self._client("io")
             batch: list[str] = []
@@ -357,14 +300,6 @@ class ValkeyTier(Tier):
             return
         self._breaker.record_success()
 
-    def stats(self) -> TierStats:
-        with self._lock:
-            snap = TierStats(
-                **{**vars(self._stats), "errors_total": dict(self._stats.errors_total)}
-            )
-        snap.degraded = self._breaker.state != "closed"
-        return snap
-
     def close(self) -> None:
         with self._client_lock:
             clients, self._clients = list(self._clients.values()), {}
@@ -375,29 +310,6 @@ class ValkeyTier(Tier):
                 logger.debug("closing valkey client failed", exc_info=True)
 
     # -- helpers ----------------------------------------------------------
-
-    def _count_misses(self, n: int) -> None:
-        with self._lock:
-            self._stats.misses_total += n
-
-    def _validated(self, key: ChunkKey, name: str, blob: bytes | None) -> DecodedObject | None:
-        """Decode one fetched value; a corrupt one is counted, deleted and a miss."""
-        if blob is None:
-            self._count_misses(1)
-            return None
-        try:
-            obj = decode(blob, expected_key=bytes(key))
-        except CorruptObjectError as exc:
-            logger.warning("valkey object %s is corrupt (%s); deleting it", name, exc)
-            with self._lock:
-                self._stats.corrupt_total += 1
-                self._stats.misses_total += 1
-            self._delete(name)
-            return None
-        with self._lock:
-            self._stats.hits_total += 1
-            self._stats.retrieved_bytes_total += len(blob)
-        return obj
 
     def _delete(self, name: str) -> None:
         try:

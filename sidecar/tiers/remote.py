@@ -1,0 +1,181 @@
+"""What the shared tiers on the network (Valkey, S3) have in common.
+
+Both keep the same counters, guard every call with a :class:`CircuitBreaker`
+(while it is open a call answers miss / False without touching the network
+and counts ``errors_total["breaker_open"]``), encode objects before the
+breaker is asked (bad meta raises ``ValueError`` even while it is open),
+and treat a fetched value that fails validation the same way: counted in
+``corrupt_total``, deleted, answered as a miss. :class:`RemoteTier` holds
+that contract once; a backend supplies only its I/O (the ``_exists``,
+``_fetch``, ``_store_many``, ``_delete`` and ``_clear`` hooks) and how it
+counts a failure.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+from collections.abc import Sequence
+
+from kvstrata.sidecar.config import SharedConfig
+from kvstrata.sidecar.keys import ChunkKey
+from kvstrata.sidecar.objformat import ChunkMeta, CorruptObjectError, DecodedObject, decode, encode
+from kvstrata.sidecar.tiers.base import Tier, TierStats
+from kvstrata.sidecar.tiers.breaker import CircuitBreaker
+
+logger = logging.getLogger(__name__)
+
+# A fetched value: its bytes, or None / the exception when it is missing or
+# the fetch failed (a failure is already counted by then).
+Fetched = bytes | memoryview | BaseException | None
+# A stored object's outcome: True stored, False already there (deduplicated),
+# an exception when it was not stored (already counted).
+Stored = bool | BaseException
+
+
+def read_secret(path: str, field: str) -> str:
+    """A mounted secret file's content; a ValueError naming the config field if unreadable."""
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError as exc:
+        raise ValueError(f"{field}: cannot read {path}: {exc.strerror}") from None
+
+
+class RemoteTier(Tier):
+    """A tier behind a network endpoint: breaker, counters, validation."""
+
+    def __init__(self, config: SharedConfig, timeout_seconds: float) -> None:
+        self._codec = config.codec
+        # A lookup never waits longer than any other call of the tier.
+        self._lookup_timeout = min(config.lookup_timeout_seconds, timeout_seconds)
+        self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_seconds)
+        self._stats = TierStats(tier=self.name)
+        self._lock = threading.Lock()  # guards _stats
+
+    # -- backend hooks ----------------------------------------------------
+
+    @abc.abstractmethod
+    def _name(self, key: ChunkKey) -> str:
+        """The backend's name (key, object key) of a chunk's object."""
+
+    @abc.abstractmethod
+    def _exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """For each key, whether its object is there within the lookup deadline."""
+
+    @abc.abstractmethod
+    def _fetch(self, names: Sequence[str]) -> list[Fetched]:
+        """The stored values of ``names``, each as :data:`Fetched` says."""
+
+    @abc.abstractmethod
+    def _store_many(
+        self, names: Sequence[str], encoded: Sequence[list[bytes | memoryview]]
+    ) -> list[Stored]:
+        """Write each encoded object unless it exists; one :data:`Stored` each."""
+
+    @abc.abstractmethod
+    def _delete(self, name: str) -> None:
+        """Delete one object; a failure is counted, never raised."""
+
+    @abc.abstractmethod
+    def _clear(self) -> None:
+        """Delete every object of this tier's prefix; failures counted, never raised."""
+
+    # -- Tier -------------------------------------------------------------
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        if not keys:
+            return []
+        if not self._allow():
+            return [False] * len(keys)
+        return self._exists(keys)
+
+    def get(self, key: ChunkKey) -> DecodedObject | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[ChunkKey]) -> list[DecodedObject | None]:
+        """Fetch all keys in one batch; anything not validated is a miss."""
+        if not keys:
+            return []
+        if not self._allow():
+            self._count(misses=len(keys))
+            return [None] * len(keys)
+        names = [self._name(k) for k in keys]
+        blobs = self._fetch(names)
+        return [self._validated(k, n, b) for k, n, b in zip(keys, names, blobs, strict=True)]
+
+    def put(self, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta) -> bool:
+        return self.put_many([(key, payload, meta)])[0]
+
+    def put_many(
+        self, items: Sequence[tuple[ChunkKey, bytes | memoryview, ChunkMeta]]
+    ) -> list[bool]:
+        """Store a batch; an object already there counts as stored (deduplicated)."""
+        if not items:
+            return []
+        # Bad meta raises ValueError before anything is sent.
+        encoded = [encode(bytes(k), payload, meta, self._codec) for k, payload, meta in items]
+        if not self._allow():
+            return [False] * len(items)
+        outcomes = self._store_many([self._name(k) for k, _, _ in items], encoded)
+        with self._lock:
+            for parts, outcome in zip(encoded, outcomes, strict=True):
+                if outcome is True:
+                    self._stats.stored_bytes_total += sum(len(p) for p in parts)
+                elif outcome is False:  # another writer stored this chunk first
+                    self._stats.deduplicated_total += 1
+        return [isinstance(o, bool) for o in outcomes]
+
+    def remove(self, key: ChunkKey) -> None:
+        if self._allow():
+            self._delete(self._name(key))
+
+    def clear(self) -> None:
+        if self._allow():
+            self._clear()
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            snap = TierStats(
+                **{**vars(self._stats), "errors_total": dict(self._stats.errors_total)}
+            )
+        snap.degraded = self._breaker.state != "closed"
+        return snap
+
+    # -- helpers ----------------------------------------------------------
+
+    def _allow(self) -> bool:
+        """Whether the breaker lets a call through; a refusal is counted."""
+        if self._breaker.allow():
+            return True
+        self._count_error("breaker_open")
+        return False
+
+    def _count_error(self, kind: str) -> None:
+        with self._lock:
+            self._stats.count_error(kind)
+
+    def _count(self, hits: int = 0, misses: int = 0) -> None:
+        with self._lock:
+            self._stats.hits_total += hits
+            self._stats.misses_total += misses
+
+    def _validated(self, key: ChunkKey, name: str, blob: Fetched) -> DecodedObject | None:
+        """Decode one fetched value; a corrupt one is counted, deleted and a miss."""
+        if blob is None or isinstance(blob, BaseException):
+            self._count(misses=1)
+            return None
+        try:
+            obj = decode(blob, expected_key=bytes(key))
+        except CorruptObjectError as exc:
+            logger.warning("%s object %s is corrupt (%s); deleting it", self.name, name, exc)
+            with self._lock:
+                self._stats.corrupt_total += 1
+                self._stats.misses_total += 1
+            self._delete(name)
+            return None
+        with self._lock:
+            self._stats.hits_total += 1
+            self._stats.retrieved_bytes_total += len(blob)
+        return obj
