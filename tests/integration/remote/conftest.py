@@ -84,6 +84,25 @@ def moto_s3() -> Iterator[MotoS3Server]:
         yield server
 
 
+@pytest.fixture
+def moto_s3_raw(moto_s3: MotoS3Server) -> Iterator[Any]:
+    """boto3's own client on the session's S3 endpoint, to inspect objects."""
+    client = raw_s3_client(moto_s3.endpoint_url)
+    yield client
+    client.close()
+
+
+def raw_s3_client(endpoint_url: str) -> Any:
+    """A plain boto3 client with the keys of ``s3_credentials`` (moto takes any)."""
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint_url,
+        region_name="us-east-1",
+        aws_access_key_id="kvstrata-test",
+        aws_secret_access_key="kvstrata-secret",
+    )
+
+
 def unique_prefix() -> str:
     return f"t{uuid.uuid4().hex[:12]}:"
 
@@ -200,13 +219,7 @@ def _shared_backend(request: pytest.FixtureRequest, kind: str) -> tuple[Backend,
     if kind == "s3":
         moto: MotoS3Server = request.getfixturevalue("moto_s3")
         creds: dict[str, str] = request.getfixturevalue("s3_credentials")
-        raw_client = boto3.client(
-            "s3",
-            endpoint_url=moto.endpoint_url,
-            region_name="us-east-1",
-            aws_access_key_id="kvstrata-test",
-            aws_secret_access_key="kvstrata-secret",
-        )
+        raw_client = raw_s3_client(moto.endpoint_url)
 
         def make_config(**o: Any) -> SharedConfig:
             return s3_shared_config(moto.endpoint_url, creds, **o)

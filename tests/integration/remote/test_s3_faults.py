@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import time
 
-import boto3
 import pytest
 
 from kvstrata.bench.servers import MotoS3Server, wait_for
@@ -103,7 +102,9 @@ def test_stopped_endpoint_costs_misses_and_the_bucket_is_made_again_on_return(
     tier.close()
 
 
-def test_large_object_goes_up_in_parts_and_comes_back_intact(moto_s3, s3_config) -> None:
+def test_large_object_goes_up_in_parts_and_comes_back_intact(
+    moto_s3, moto_s3_raw, s3_config
+) -> None:
     config = s3_config(
         moto_s3.endpoint_url,
         s3={"multipart_threshold_bytes": "5Mi", "multipart_chunk_bytes": "5Mi"},
@@ -113,14 +114,9 @@ def test_large_object_goes_up_in_parts_and_comes_back_intact(moto_s3, s3_config)
     assert tier.put(key(1), data, ChunkMeta(dtype="uint8", shape=(len(data),)))
     got = tier.get(key(1))
     assert got is not None and bytes(got.payload) == data
-    raw = boto3.client(
-        "s3",
-        endpoint_url=moto_s3.endpoint_url,
-        region_name="us-east-1",
-        aws_access_key_id="kvstrata-test",
-        aws_secret_access_key="kvstrata-secret",
-    )
-    etag = raw.head_object(Bucket=config.s3.bucket, Key=config.s3.prefix + key_hex(key(1)))["ETag"]
+    etag = moto_s3_raw.head_object(Bucket=config.s3.bucket, Key=config.s3.prefix + key_hex(key(1)))[
+        "ETag"
+    ]
     assert etag.strip('"').endswith("-3")  # a multipart ETag: 5 + 5 + 2 MiB parts
     tier.clear()
     tier.close()
