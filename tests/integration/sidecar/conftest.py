@@ -9,140 +9,46 @@ process and removes any shared-memory segment a killed sidecar left behind.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from kvstrata.bench.servers import free_port as free_port
 from kvstrata.connector.client import SidecarClient
 from kvstrata.sidecar.keys import ChunkKey, Namespace
+from kvstrata.sidecarproc import SIDECAR_COMMAND as SIDECAR_COMMAND
+from kvstrata.sidecarproc import SidecarProcess
+from kvstrata.sidecarproc import wait_until as wait_until
 
-SIDECAR_COMMAND = [sys.executable, "-m", "kvstrata", "sidecar"]
 START_TIMEOUT_S = 30.0
 
 
-def wait_until(condition: Callable[[], Any], timeout: float, what: str, step: float = 0.02) -> Any:
-    """Poll ``condition`` until it is truthy; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(step)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Sidecar:
+class Sidecar(SidecarProcess):
     """One sidecar process and the config it runs with."""
 
+    error = AssertionError
+    start_timeout_s = START_TIMEOUT_S
+    stop_timeout_s = 15.0
+    strict_stop = True
+    extra_env = {"PYTHONUNBUFFERED": "1"}
+
     def __init__(self, root: Path, overrides: dict[str, Any] | None = None) -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        self.root = root
-        self.endpoint = f"ipc://{root}/sidecar.sock"
-        self.http_port = free_port()
-        config: dict[str, Any] = {
-            "chunk_size": 16,
-            "log_level": "INFO",
-            "l1": {"size_bytes": "16Mi"},
-            "l2": {"enabled": True, "path": str(root / "l2"), "size_bytes": "256Mi"},
-            "server": {
-                "endpoint": self.endpoint,
-                "http_host": "127.0.0.1",
-                "http_port": self.http_port,
-            },
-        }
-        for section, values in (overrides or {}).items():
-            if isinstance(values, dict):
-                config.setdefault(section, {}).update(values)
-            else:
-                config[section] = values
-        self.config_path = root / "sidecar.yaml"
-        self.config_path.write_text(yaml.safe_dump(config))
-        self.log_path = root / "sidecar.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.arena_names: set[str] = set()
-
-    # -- process control ----------------------------------------------------
-
-    def start(self) -> Sidecar:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env = {k: v for k, v in env.items() if not k.startswith("KVSTRATA_")}
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [*SIDECAR_COMMAND, "--config", str(self.config_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
+        super().__init__(
+            root,
+            chunk_size=16,
+            l1_size="16Mi",
+            l2_size="256Mi",
+            log_level="INFO",
+            overrides=overrides,
         )
-        log.close()
-        wait_until(self._ready, START_TIMEOUT_S, f"sidecar ready (log {self.log_path})")
-        self.arena_names.add(self.status()["arena"]["name"])
-        return self
-
-    def _ready(self) -> bool:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise AssertionError(f"sidecar exited {self.proc.returncode}: {self.log()}")
-        try:
-            with urllib.request.urlopen(self.url("/readyz"), timeout=1) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
-
-    def stop(self) -> int | None:
-        """SIGTERM and wait; the exit code."""
-        if self.proc is None or self.proc.poll() is not None:
-            return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError(f"sidecar ignored SIGTERM: {self.log()}") from None
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
     def cleanup(self) -> None:
+        """SIGKILL (no graceful stop) and unlink the arena segments."""
         self.kill()
-        for name in self.arena_names:  # a killed sidecar cannot unlink its segment
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"/dev/shm/{name}")
-
-    # -- observation ----------------------------------------------------------
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.http_port}{path}"
-
-    def get(self, path: str) -> str:
-        with urllib.request.urlopen(self.url(path), timeout=5) as resp:
-            return resp.read().decode()
-
-    def status(self) -> dict[str, Any]:
-        return json.loads(self.get("/status"))
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
+        self.remove_arenas()
 
     def client(self, **kwargs: Any) -> SidecarClient:
         kwargs.setdefault("role", "worker")
