@@ -111,52 +111,6 @@ def header_length(blob_prefix: bytes | memoryview) -> int:
     return key_len_at + 1 + blob_prefix[key_len_at]
 
 
-def decode(blob: bytes | memoryview, expected_key: bytes | None = None) -> DecodedObject:
-    """Validate and decode one object; raise :class:`CorruptObjectError`."""
-    view = memoryview(blob).cast("B")
-    if len(view) < FIXED_HEADER_BYTES:
-        raise CorruptObjectError(f"object of {len(view)} bytes is shorter than a header")
-    magic, version, codec_id, ndim, dtype_raw, raw_len, stored_len, checksum, header_checksum = (
-        _FIXED.unpack_from(view, 0)
-    )
-    if magic != MAGIC:
-        raise CorruptObjectError(f"bad magic {bytes(magic)!r}")
-    if version != FORMAT_VERSION:
-        raise CorruptObjectError(f"unsupported format version {version}")
-    if ndim > MAX_NDIM or codec_id not in CODEC_NAMES:
-        raise CorruptObjectError("bad ndim or codec id")
-    shape_end = FIXED_HEADER_BYTES + 8 * ndim
-    if len(view) < shape_end + 1:
-        raise CorruptObjectError("object truncated inside its header")
-    key_len = view[shape_end]
-    header_end = shape_end + 1 + key_len
-    if len(view) < header_end:
-        raise CorruptObjectError("object truncated inside its key")
-    tail = bytes(view[FIXED_HEADER_BYTES:header_end])
-    if xxhash.xxh3_64_intdigest(bytes(view[:48]) + tail) != header_checksum:
-        raise CorruptObjectError("header checksum mismatch")
-    key = tail[8 * ndim + 1 :]
-    if expected_key is not None and key != expected_key:
-        raise CorruptObjectError("object holds a different key")
-    if len(view) != header_end + stored_len:
-        raise CorruptObjectError(
-            f"payload length {len(view) - header_end} != recorded {stored_len}"
-        )
-    stored = view[header_end:]
-    if xxhash.xxh3_64_intdigest(stored) != checksum:
-        raise CorruptObjectError("payload checksum mismatch")
-    codec = CODEC_NAMES[codec_id]
-    try:
-        payload = decompress(codec, stored, raw_len)
-    except CodecError as exc:
-        raise CorruptObjectError(str(exc)) from None
-    if len(payload) != raw_len:
-        raise CorruptObjectError(f"decoded length {len(payload)} != recorded {raw_len}")
-    shape = struct.unpack_from(f"<{ndim}Q", view, FIXED_HEADER_BYTES)
-    meta = ChunkMeta(dtype=dtype_raw.rstrip(b"\0").decode("ascii"), shape=tuple(shape))
-    return DecodedObject(meta=meta, payload=payload)
-
-
 @dataclass(frozen=True, slots=True)
 class ObjectHeader:
     """A validated header; the payload is checked separately (:func:`payload_matches`)."""
@@ -182,14 +136,18 @@ def decode_header(prefix: bytes | memoryview, expected_key: bytes | None = None)
     magic, version, codec_id, ndim, dtype_raw, raw_len, stored_len, checksum, header_checksum = (
         _FIXED.unpack_from(view, 0)
     )
-    if magic != MAGIC or version != FORMAT_VERSION:
-        raise CorruptObjectError("bad magic or format version")
+    if magic != MAGIC:
+        raise CorruptObjectError(f"bad magic {bytes(magic)!r}")
+    if version != FORMAT_VERSION:
+        raise CorruptObjectError(f"unsupported format version {version}")
     if ndim > MAX_NDIM or codec_id not in CODEC_NAMES:
         raise CorruptObjectError("bad ndim or codec id")
     shape_end = FIXED_HEADER_BYTES + 8 * ndim
-    if len(view) < shape_end + 1 or len(view) < shape_end + 1 + view[shape_end]:
+    if len(view) < shape_end + 1:
         raise CorruptObjectError("object truncated inside its header")
     header_end = shape_end + 1 + view[shape_end]
+    if len(view) < header_end:
+        raise CorruptObjectError("object truncated inside its key")
     tail = bytes(view[FIXED_HEADER_BYTES:header_end])
     if xxhash.xxh3_64_intdigest(bytes(view[:48]) + tail) != header_checksum:
         raise CorruptObjectError("header checksum mismatch")
@@ -199,6 +157,24 @@ def decode_header(prefix: bytes | memoryview, expected_key: bytes | None = None)
     shape = struct.unpack_from(f"<{ndim}Q", view, FIXED_HEADER_BYTES)
     meta = ChunkMeta(dtype=dtype_raw.rstrip(b"\0").decode("ascii"), shape=tuple(shape))
     return ObjectHeader(meta, CODEC_NAMES[codec_id], raw_len, stored_len, checksum, key, header_end)
+
+
+def decode(blob: bytes | memoryview, expected_key: bytes | None = None) -> DecodedObject:
+    """Validate and decode one whole object; raise :class:`CorruptObjectError`."""
+    view = memoryview(blob).cast("B")
+    header = decode_header(view, expected_key)
+    stored = view[header.header_length :]
+    if len(stored) != header.stored_length:
+        raise CorruptObjectError(f"payload length {len(stored)} != recorded {header.stored_length}")
+    if xxhash.xxh3_64_intdigest(stored) != header.checksum:
+        raise CorruptObjectError("payload checksum mismatch")
+    try:
+        payload = decompress(header.codec, stored, header.raw_length)
+    except CodecError as exc:
+        raise CorruptObjectError(str(exc)) from None
+    if len(payload) != header.raw_length:
+        raise CorruptObjectError(f"decoded length {len(payload)} != recorded {header.raw_length}")
+    return DecodedObject(meta=header.meta, payload=payload)
 
 
 def payload_matches(header: ObjectHeader, stored: bytes | memoryview) -> bool:
