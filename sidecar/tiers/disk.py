@@ -378,14 +378,18 @@ def _write_all(fd: int, buffers: list[memoryview]) -> None:
     """``writev`` until every byte is out (short writes happen on big buffers)."""
     pending = [b for b in buffers if len(b)]
     while pending:
-        n = os.writev(fd, pending)
-        while n and pending:
-            if n >= len(pending[0]):
-                n -= len(pending[0])
-                pending.pop(0)
-            else:
-                pending[0] = pending[0][n:]
-                n = 0
+        _consume(pending, os.writev(fd, pending))
+
+
+def _consume(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes from a list of buffers after a short vectored I/O."""
+    while n and views:
+        if n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        else:
+            views[0] = views[0][n:]
+            n = 0
 
 
 def _read_hashed(fd: int, out: memoryview, offset: int) -> tuple[int, int]:
@@ -412,11 +416,5 @@ def _read_all(fd: int, buffers: list[bytearray | memoryview], total: int) -> int
         if n == 0:
             break
         done += n
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        _consume(views, n)
     return done
