@@ -50,7 +50,7 @@ field): one frame of at most :data:`MAX_MESSAGE_BYTES`, at most
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, TypeVar
 
@@ -92,6 +92,7 @@ ReqId = int
 SessionId = str
 
 _T = TypeVar("_T", bound="Message")
+T = TypeVar("T")
 
 
 class ProtocolError(ValueError):
@@ -152,6 +153,18 @@ def read_list(value: Any, name: str, max_len: int = MAX_KEYS) -> list[Any]:
     return list(value)
 
 
+def each_item(items: list[Any], name: str, read_item: Callable[[Any, str], T]) -> list[T]:
+    """Validate every item of an already-read list, naming ``name[i]`` in errors."""
+    return [read_item(v, f"{name}[{i}]") for i, v in enumerate(items)]
+
+
+def read_items(
+    value: Any, name: str, read_item: Callable[[Any, str], T], max_len: int = MAX_KEYS
+) -> list[T]:
+    """A bounded list whose items are each validated by ``read_item``."""
+    return each_item(read_list(value, name, max_len), name, read_item)
+
+
 def read_keys(value: Any, name: str = "keys") -> list[ChunkKey]:
     keys = read_list(value, name)
     for i, key in enumerate(keys):
@@ -167,8 +180,7 @@ def read_keys(value: Any, name: str = "keys") -> list[ChunkKey]:
 
 
 def read_shape(value: Any, name: str = "shape") -> tuple[int, ...]:
-    dims = read_list(value, name, MAX_NDIM)
-    return tuple(read_int(d, f"{name}[{i}]") for i, d in enumerate(dims))
+    return tuple(read_items(value, name, read_int, MAX_NDIM))
 
 
 # --------------------------------------------------------------------------
@@ -225,8 +237,7 @@ def _slots_to_wire(slots: Sequence[SlotInfo | None]) -> list[Any]:
 
 
 def _slots_from_wire(value: Any) -> list[SlotInfo | None]:
-    items = read_list(value, "slots")
-    return [SlotInfo.from_wire(v, f"slots[{i}]") for i, v in enumerate(items)]
+    return read_items(value, "slots", SlotInfo.from_wire)
 
 
 @dataclass(slots=True)
@@ -311,7 +322,7 @@ class LookupReply(Message):
         tiers = read_list(_get(body, "tiers"), "tiers")
         return cls(
             hit_chunks=read_int(_get(body, "hit_chunks"), "hit_chunks"),
-            tiers=[read_str(t, f"tiers[{i}]", 32) for i, t in enumerate(tiers)],
+            tiers=each_item(tiers, "tiers", lambda t, n: read_str(t, n, 32)),
         )
 
 
@@ -370,8 +381,8 @@ class CommitStoreRequest(Message):
                 f"fields 'lease_ids' and 'ok' differ in length ({len(ids)}, {len(oks)})",
             )
         return cls(
-            lease_ids=[read_int(v, f"lease_ids[{i}]") for i, v in enumerate(ids)],
-            ok=[read_bool(v, f"ok[{i}]") for i, v in enumerate(oks)],
+            lease_ids=each_item(ids, "lease_ids", read_int),
+            ok=each_item(oks, "ok", read_bool),
         )
 
 
@@ -382,8 +393,7 @@ class CommitStoreReply(Message):
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> CommitStoreReply:
-        items = read_list(_get(body, "committed"), "committed")
-        return cls(committed=[read_bool(v, f"committed[{i}]") for i, v in enumerate(items)])
+        return cls(committed=read_items(_get(body, "committed"), "committed", read_bool))
 
 
 @dataclass(slots=True)
@@ -404,8 +414,7 @@ class ReleaseRequest(Message):
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> ReleaseRequest:
-        ids = read_list(_get(body, "lease_ids"), "lease_ids")
-        return cls(lease_ids=[read_int(v, f"lease_ids[{i}]") for i, v in enumerate(ids)])
+        return cls(lease_ids=read_items(_get(body, "lease_ids"), "lease_ids", read_int))
 
 
 @dataclass(slots=True)
