@@ -252,17 +252,22 @@ def _admission_body(pod):
     return kopf.Body(copy.deepcopy(pod))
 
 
+def _run_webhook_handler(pod: dict, cluster) -> tuple[dict, list[dict]]:
+    """Run our kopf admission handler on ``pod``: (the patched pod, the Events posted)."""
+    events: list[dict] = []
+    memo = types.SimpleNamespace(cluster=cluster, post_event=lambda *a, **k: events.append(k))
+    body = _admission_body(pod)
+    patch = kopf.Patch(body=body)
+    handlers.inject_sidecar(body=body, patch=patch, memo=memo, logger=handlers.logger)
+    return jsonpatch.apply_patch(copy.deepcopy(pod), patch.as_json_patch()), events
+
+
 def test_the_webhook_handler_returns_the_same_mutation_through_kopf(
     make_pod, make_kvcache, cluster
 ):
     cluster.put(make_kvcache())
-    events = []
-    memo = types.SimpleNamespace(cluster=cluster, post_event=lambda *a, **k: events.append(k))
     pod = make_pod(CACHE)
-    body = _admission_body(pod)
-    patch = kopf.Patch(body=body)
-    handlers.inject_sidecar(body=body, patch=patch, memo=memo, logger=handlers.logger)
-    via_kopf = jsonpatch.apply_patch(copy.deepcopy(pod), patch.as_json_patch())
+    via_kopf, events = _run_webhook_handler(pod, cluster)
     assert via_kopf == applied(
         pod, mutate_pod(pod, cluster.get(S.API_VERSION, S.KIND, "ml", "demo"))
     )
@@ -270,13 +275,8 @@ def test_the_webhook_handler_returns_the_same_mutation_through_kopf(
 
 
 def test_the_webhook_handler_skips_with_an_event_when_the_kvcache_is_missing(make_pod, cluster):
-    events = []
-    memo = types.SimpleNamespace(cluster=cluster, post_event=lambda *a, **k: events.append(k))
     pod = make_pod(CACHE)
-    body = _admission_body(pod)
-    patch = kopf.Patch(body=body)
-    handlers.inject_sidecar(body=body, patch=patch, memo=memo, logger=handlers.logger)
-    out = jsonpatch.apply_patch(copy.deepcopy(pod), patch.as_json_patch())
+    out, events = _run_webhook_handler(pod, cluster)
     assert out["metadata"]["annotations"][S.SKIPPED_ANNOTATION] == "KVCache ml/demo not found"
     assert events == [
         {"type": "Warning", "reason": "InjectionSkipped", "message": "KVCache ml/demo not found"}
