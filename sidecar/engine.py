@@ -141,15 +141,19 @@ class StorageManager:
         """Longest contiguous prefix of ``keys`` present in any tier."""
         entries = self._store.entries
         l2 = self._l2_index
-        tiers: list[str] = []
-        for key in keys:
+
+        def local_tier(key: ChunkKey) -> str | None:
             entry = entries.get(key)
             if entry is not None and entry.state == READY:
-                tiers.append("l1")
-            elif key in l2:
-                tiers.append("l2")
-            else:
+                return "l1"
+            return "l2" if key in l2 else None
+
+        tiers: list[str] = []
+        for key in keys:
+            tier = local_tier(key)
+            if tier is None:
                 break
+            tiers.append(tier)
         n_local = len(tiers)
         if n_local < len(keys) and self.shared is not None:
             rest = keys[n_local:]
@@ -159,16 +163,13 @@ class StorageManager:
                 logger.exception("shared tier %s raised from contains_many", self.shared.name)
                 remote = []
             name = self.shared.name
+            # Re-check the local indexes: a chunk may have landed while the
+            # remote round trip ran.
             for key, there in zip(rest, remote, strict=False):
-                entry = entries.get(key)
-                if entry is not None and entry.state == READY:
-                    tiers.append("l1")
-                elif key in l2:
-                    tiers.append("l2")
-                elif there:
-                    tiers.append(name)
-                else:
+                tier = local_tier(key) or (name if there else None)
+                if tier is None:
                     break
+                tiers.append(tier)
         with self._lock:
             self._count("lookups_total")
             self._count("lookup_chunks_total", len(keys))
