@@ -25,14 +25,13 @@ miss, it never raises into vLLM's scheduler.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstrata.connector.client import SidecarClient
 from kvstrata.connector.gate import RetryGate
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, ReqId, RequestTransfer
-from kvstrata.sidecar.keys import make_key
+from kvstrata.sidecar.keys import chunk_keys_from_block_hashes
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -121,7 +120,10 @@ class KVStrataScheduler:
         if not self.gate.allow():  # the sidecar is down: a miss, at once
             self.counters.lookup_failures += 1
             return 0
-        keys = self._keys(request.block_hashes, 0, loadable)
+        bpc = self.settings.blocks_per_chunk
+        keys = chunk_keys_from_block_hashes(
+            self.client.fingerprint, request.block_hashes[: loadable * bpc], bpc
+        )
         reply = self.client.lookup(keys, prefetch=True, owner=request.request_id)
         self._check_chunk_size()
         if reply is None:
@@ -141,11 +143,6 @@ class KVStrataScheduler:
             reply.tiers,
         )
         return hit_end - num_computed_tokens
-
-    def _keys(self, block_hashes: Sequence[bytes], first: int, end: int) -> list[bytes]:
-        bpc = self.settings.blocks_per_chunk
-        fp = self.client.fingerprint
-        return [make_key(fp, block_hashes[(i + 1) * bpc - 1]) for i in range(first, end)]
 
     def _check_chunk_size(self) -> None:
         theirs = self.client.chunk_size
