@@ -44,7 +44,10 @@ block, segments of one page) without changing the chunk's bytes.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import Any
 
 
 class UnsupportedLayoutError(ValueError):
@@ -61,7 +64,8 @@ class TensorGeometry:
     itemsize: int
 
     @classmethod
-    def of(cls, tensor) -> TensorGeometry:  # noqa: ANN001 - a torch.Tensor; torch is optional here
+    def of(cls, tensor: Any) -> TensorGeometry:
+        """The geometry of a torch tensor (torch is not imported here)."""
         return cls(
             address=int(tensor.data_ptr()),
             shape=tuple(int(d) for d in tensor.shape),
@@ -108,9 +112,8 @@ class CopyPlan:
         return unit * self.segment_bytes
 
     def source_address(self, layer: int, block_id: int, segment: int) -> int:
-        return (
-            self.layer_addresses[layer] + block_id * self.block_stride + segment * self.segment_stride
-        )
+        base = self.layer_addresses[layer]
+        return base + block_id * self.block_stride + segment * self.segment_stride
 
     def coalesced(self) -> CopyPlan:
         """The same bytes in fewer, longer runs.
@@ -129,9 +132,7 @@ class CopyPlan:
             )
         if plan.block_outer and plan.num_layers > 1 and plan.num_segments == 1:
             first = plan.layer_addresses[0]
-            if all(
-                a == first + i * plan.segment_bytes for i, a in enumerate(plan.layer_addresses)
-            ):
+            if all(a == first + i * plan.segment_bytes for i, a in enumerate(plan.layer_addresses)):
                 plan = replace(
                     plan,
                     layer_addresses=(first,),
@@ -139,7 +140,7 @@ class CopyPlan:
                 )
         return plan
 
-    def check_block_ids(self, block_ids) -> None:  # noqa: ANN001 - any iterable of ints
+    def check_block_ids(self, block_ids: Iterable[int]) -> None:
         """Raise ValueError naming the first block id outside ``[0, num_blocks)``.
 
         Negative ids are allowed: they mean "skip this block" (see the kernels).
@@ -199,7 +200,9 @@ def plan_from_geometry(layers: list[TensorGeometry], block_dim: int) -> CopyPlan
         raise UnsupportedLayoutError("no KV cache tensors were registered")
     first = layers[0]
     if not 0 <= block_dim < len(first.shape):
-        raise UnsupportedLayoutError(f"block dimension {block_dim} of a {len(first.shape)}-D tensor")
+        raise UnsupportedLayoutError(
+            f"block dimension {block_dim} of a {len(first.shape)}-D tensor"
+        )
     for i, g in enumerate(layers[1:], start=1):
         if (g.shape, g.strides, g.itemsize) != (first.shape, first.strides, first.itemsize):
             raise UnsupportedLayoutError(
@@ -210,14 +213,14 @@ def plan_from_geometry(layers: list[TensorGeometry], block_dim: int) -> CopyPlan
     block_stride = first.strides[block_dim] * first.itemsize
     addresses = tuple(g.address for g in layers)
     # Layers interleaved inside blocks (cross-layer pages): block-outer order.
-    spacing = {b - a for a, b in zip(addresses, addresses[1:], strict=False)}
+    spacing = {b - a for a, b in itertools.pairwise(addresses)}
     block_outer = len(addresses) > 1 and all(0 < s < block_stride for s in spacing)
     if block_outer:
         # Every layer's runs of one block must be distinct and inside the block.
         starts = sorted(
             a - addresses[0] + s * seg_stride for a in addresses for s in range(num_segments)
         )
-        if any(b - a < seg_bytes for a, b in zip(starts, starts[1:], strict=False)) or (
+        if any(b - a < seg_bytes for a, b in itertools.pairwise(starts)) or (
             starts[-1] + seg_bytes > block_stride
         ):
             raise UnsupportedLayoutError("layer pages interleaved in a block overlap each other")
@@ -230,4 +233,3 @@ def plan_from_geometry(layers: list[TensorGeometry], block_dim: int) -> CopyPlan
         segment_bytes=seg_bytes,
         block_outer=block_outer,
     )
-

@@ -111,4 +111,5 @@ class TorchCopier:
         chunk = self.chunk_view(src, len(block_ids))
         view = self.views[layer]
         for pos, start, n in runs(block_ids, first_block):
-            view[start : start + n].copy_(self._layer_slice(chunk, layer, pos, n), non_blocking=True)
+            src_run = self._layer_slice(chunk, layer, pos, n)
+            view[start : start + n].copy_(src_run, non_blocking=True)
