@@ -7,14 +7,16 @@ the KVCache and hands the patch back.
 
 What an injected pod gets (pod annotated ``kvstrata.io/cache: NAME``):
 
-* init container ``kvstrata-install`` (the sidecar image) copying the pure
+* init container ``kvstrata-install`` (the installer image: by default the
+  host-mode sidecar image) copying the pure
   Python ``kvstrata`` package (and msgpack, which vLLM lacks; see
   :mod:`kvstrata.operator.install`) into the emptyDir ``kvstrata-python``, mounted
   read-only at ``/opt/kvstrata/python`` in the vLLM container and prepended to
   its ``PYTHONPATH``: any stock vLLM image can load the connector. Images that
   ship kvstrata opt out with ``kvstrata.io/inject-package: "false"``.
 * native sidecar ``kvstrata-sidecar`` (init container, ``restartPolicy:
-  Always``): ``kvstrata sidecar --config /etc/kvstrata/sidecar.yaml``; its
+  Always``): ``kvstrata sidecar --config /etc/kvstrata/sidecar.yaml``, from
+  the CUDA sidecar image when it is given a GPU (below), else the slim one; its
   startup probe on ``/readyz`` makes the kubelet start vLLM only once the
   sidecar serves. Memory request = limit = L1 + 512Mi (the L1 arena lives in
   the shared ``/dev/shm`` and is charged to the sidecar that touches it).
@@ -135,11 +137,13 @@ def mutate_pod(
     kvcache: Mapping[str, Any] | None,
     namespace: str | None = None,
     missing_reason: str | None = None,
+    images: S.Images | None = None,
 ) -> MutationResult:
     """Decide what to do with a pod at CREATE; never raises for pod or spec content.
 
     ``kvcache`` None means the named KVCache is absent; ``missing_reason``
-    says why when it could not be read at all.
+    says why when it could not be read at all. ``images``: the defaults for
+    a KVCache that names no sidecar image (else the operator's environment).
     """
     meta = pod.get("metadata") or {}
     annotations = meta.get("annotations") or {}
@@ -168,7 +172,8 @@ def mutate_pod(
         return _skip(pod, f"container {vllm.get('name')!r} already sets --kv-transfer-config")
     inject_package = annotations.get(S.INJECT_PACKAGE_ANNOTATION, "true").lower() != "false"
     after = copy.deepcopy(dict(pod))
-    _inject(after, index, kvcache, config, S.config_hash(kvcache, text), inject_package)
+    digest = S.config_hash(kvcache, text)
+    _inject(after, index, kvcache, config, digest, inject_package, images or S.Images.from_env())
     return MutationResult(patch=_diff(pod, after), injected=True)
 
 
@@ -179,6 +184,7 @@ def _inject(
     config: SidecarConfig,
     digest: str,
     inject_package: bool,
+    images: S.Images,
 ) -> None:
     spec = kvcache.get("spec") or {}
     name = kvcache["metadata"]["name"]
@@ -215,13 +221,14 @@ def _inject(
     init = pod_spec.setdefault("initContainers", [])
     if inject_package:
         volumes.append({"name": "kvstrata-python", "emptyDir": {}})
-        init.append(_installer(spec))
+        init.append(_installer(spec, images.installer))
         vllm["volumeMounts"].append(
             {"name": "kvstrata-python", "mountPath": S.PYTHON_DIR, "readOnly": True}
         )
-    init.append(
-        _sidecar(spec, config, sidecar_mounts, _gpu_env(vllm, config.transfer_mode), vllm, pod_spec)
-    )
+    gpu_env = _gpu_env(vllm, config.transfer_mode)
+    # A sidecar that sees a GPU gets the CUDA image (its kernels); else the slim one.
+    image = images.sidecar_cuda if gpu_env else images.sidecar
+    init.append(_sidecar(spec, config, sidecar_mounts, gpu_env, vllm, pod_spec, image))
     _configure_vllm(vllm, inject_package)
 
 
@@ -322,12 +329,12 @@ def _security_context(overrides: Mapping[str, Any] | None) -> dict[str, Any]:
     return ctx
 
 
-def _installer(spec: Mapping[str, Any]) -> dict[str, Any]:
+def _installer(spec: Mapping[str, Any], image: S.Image) -> dict[str, Any]:
     sidecar = spec.get("sidecar") or {}
     return {
         "name": INSTALLER,
-        "image": sidecar.get("image", S.DEFAULT_SIDECAR_IMAGE),
-        "imagePullPolicy": sidecar.get("imagePullPolicy", "IfNotPresent"),
+        "image": sidecar.get("image", image.ref),
+        "imagePullPolicy": sidecar.get("imagePullPolicy", image.pull_policy),
         "command": ["python", "-m", "kvstrata.operator.install", S.PYTHON_DIR],
         "resources": {
             "requests": {"cpu": "50m", "memory": "64Mi"},
@@ -373,6 +380,7 @@ def _sidecar(
     gpu_env: list[dict[str, Any]],
     vllm: Mapping[str, Any],
     pod_spec: Mapping[str, Any],
+    image: S.Image,
 ) -> dict[str, Any]:
     sidecar = spec.get("sidecar") or {}
     port = config.server.http_port
@@ -397,8 +405,8 @@ def _sidecar(
     ]
     return {
         "name": SIDECAR,
-        "image": sidecar.get("image", S.DEFAULT_SIDECAR_IMAGE),
-        "imagePullPolicy": sidecar.get("imagePullPolicy", "IfNotPresent"),
+        "image": sidecar.get("image", image.ref),
+        "imagePullPolicy": sidecar.get("imagePullPolicy", image.pull_policy),
         "restartPolicy": "Always",
         "command": ["kvstrata", "sidecar", "--config", S.CONFIG_PATH],
         "env": env,

@@ -146,9 +146,11 @@ def _valkey_container(
 ) -> dict[str, Any]:
     meta = kvcache["metadata"]
     base = S.valkey_name(meta["name"])
+    image = S.Images.from_env().valkey
     container: dict[str, Any] = {
         "name": "valkey",
-        "image": managed.get("image", S.DEFAULT_VALKEY_IMAGE),
+        "image": managed.get("image", image.ref),
+        "imagePullPolicy": image.pull_policy,
         "command": ["/bin/sh", "-c"],
         "args": [_valkey_args(managed, auth, base, meta.get("namespace", "default"))],
         "ports": [{"name": "valkey", "containerPort": S.VALKEY_PORT, "protocol": "TCP"}],

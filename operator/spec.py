@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from kvstrata import __version__
 from kvstrata.sidecar.config import ConfigError, SidecarConfig, config_from_dict, dump_config
 
 GROUP = "kvstrata.io"
@@ -48,10 +51,55 @@ S3_SECRET_KEY_FILE = f"{SECRETS_DIR}/s3/secret-access-key"
 L2_DIR = "/var/cache/kvstrata/l2"
 PYTHON_DIR = "/opt/kvstrata/python"
 
-DEFAULT_SIDECAR_IMAGE = "ghcr.io/kvstrata/kvstrata:0.1.0"
-DEFAULT_VALKEY_IMAGE = "docker.io/valkey/valkey:8.0"
 DEFAULT_METRICS_PORT = 9464
 VALKEY_PORT = 6379
+
+
+IMAGE_REGISTRY = "ghcr.io/kvstrata"
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+
+
+@dataclass(frozen=True, slots=True)
+class Image:
+    """An image reference (``repo:tag``, ``repo@sha256:...`` or both) and its pull policy."""
+
+    ref: str
+    pull_policy: str = "IfNotPresent"
+
+
+@dataclass(frozen=True, slots=True)
+class Images:
+    """The images the operator puts into pods when a KVCache names none.
+
+    ``sidecar`` runs the sidecar in host transfer mode, ``sidecar_cuda`` where
+    the sidecar sees a GPU, ``installer`` copies the connector into vLLM pods,
+    ``valkey`` runs a managed shared tier. The defaults are the images
+    ``make images`` builds for this version; the chart sets each one through
+    ``KVSTRATA_OPERATOR_<NAME>_IMAGE`` and ``KVSTRATA_OPERATOR_<NAME>_PULL_POLICY``
+    (NAME: ``SIDECAR``, ``SIDECAR_CUDA``, ``INSTALLER``, ``VALKEY``).
+    """
+
+    sidecar: Image = Image(f"{IMAGE_REGISTRY}/kvstrata-sidecar:{__version__}")
+    sidecar_cuda: Image = Image(f"{IMAGE_REGISTRY}/kvstrata-sidecar-cuda:{__version__}")
+    installer: Image = Image(f"{IMAGE_REGISTRY}/kvstrata-sidecar:{__version__}")
+    valkey: Image = Image("docker.io/valkey/valkey:8.0.2")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Images:
+        """The defaults, each replaced by the environment where it is set and not empty.
+
+        Raises :class:`ValueError` naming the variable for an unknown pull policy.
+        """
+        env = os.environ if environ is None else environ
+        images = {}
+        for field, spec in cls.__dataclass_fields__.items():
+            default: Image = spec.default
+            prefix = f"KVSTRATA_OPERATOR_{field.upper()}"
+            policy = env.get(f"{prefix}_PULL_POLICY") or default.pull_policy
+            if policy not in PULL_POLICIES:
+                raise ValueError(f"{prefix}_PULL_POLICY={policy!r}: one of {PULL_POLICIES}")
+            images[field] = Image(env.get(f"{prefix}_IMAGE") or default.ref, policy)
+        return cls(**images)
 
 
 class SpecError(ValueError):
