@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvstrata.connector.layout import dtype_name, expected_layout
+from kvstrata.connector.layout import dtype_name, layout_id
 from kvstrata.connector.metadata import KVStrataMetadata
 from kvstrata.sidecar.keys import Namespace
 
@@ -69,9 +69,9 @@ class ConnectorSettings:
     retry_interval_s: float
     chunk_size: int
     block_size: int
-    num_kv_heads: int
-    head_dim: int
-    layout: str | None  # None: no known layout on this platform (connector disabled)
+    num_blocks: int  # vLLM's KV cache blocks (its kernels may split them further)
+    kv_cache_layout: str | None  # vLLM's resolved KVCacheLayout name
+    layout: str | None  # namespace layout string; None: unknown layout (connector disabled)
     namespace: Namespace  # with tp_rank 0; the worker substitutes its own rank
 
     @property
@@ -101,7 +101,15 @@ def settings_from_config(
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     endpoint = str(extra.get("endpoint") or f"ipc://{tempfile.gettempdir()}/kvstrata/sidecar.sock")
     groups = kv_cache_config.kv_cache_groups
-    layout = expected_layout(current_platform.device_type)
+    kv_cache_layout = getattr(kv_cache_config, "kv_cache_layout", None)
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    layout = layout_id(
+        current_platform.device_type,
+        kv_cache_layout,
+        getattr(backend, "name", None) if backend is not None else None,
+    )
+    if layout is None:
+        logger.warning("kvstrata: vLLM names no KV cache layout: connector disabled")
     if len(groups) != 1:
         logger.warning(
             "kvstrata: %d KV cache groups (hybrid model): connector disabled", len(groups)
@@ -109,8 +117,6 @@ def settings_from_config(
         layout = None
     spec = groups[0].kv_cache_spec if groups else None
     block_size = int(getattr(spec, "block_size", vllm_config.cache_config.block_size))
-    num_kv_heads = int(getattr(spec, "num_kv_heads", 0))
-    head_dim = int(getattr(spec, "head_size", 0))
     chunk_size = int(extra.get("chunk_size", DEFAULT_CHUNK_SIZE))
     if chunk_size < 1:
         raise ValueError(f"kv_connector_extra_config.chunk_size must be >= 1, not {chunk_size}")
@@ -146,8 +152,8 @@ def settings_from_config(
         retry_interval_s=_float(extra, "retry_interval_seconds", 1.0),
         chunk_size=chunk_size,
         block_size=block_size,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
+        num_blocks=int(kv_cache_config.num_blocks),
+        kv_cache_layout=kv_cache_layout,
         layout=layout,
         namespace=namespace,
     )

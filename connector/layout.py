@@ -1,22 +1,25 @@
 """vLLM's paged KV tensors <-> the contiguous bytes of one chunk.
 
 Why: the sidecar stores a chunk as one opaque byte string; only the
-connector knows how vLLM lays its KV out. This module detects the layout
-once (at ``register_kv_caches``) and refuses what it does not know, so a
+connector knows how vLLM lays its KV out. This module names the layout
+from vLLM's config (both roles, so their namespaces agree), checks the
+registered tensors against that name by their strides, and builds the
+copy plan (:mod:`kvstrata.sidecar.transfer.plan`) that the torch copy and
+the CUDA kernels move bytes by. What it cannot describe it refuses, so a
 new vLLM layout can never be read back as wrong bytes.
 
-Known layout (vLLM-CPU, ``CPU_ATTN``), one tensor per attention layer::
+vLLM (>= 0.32) resolves one ``KVCacheLayout`` for the whole model
+(``KVCacheConfig.kv_cache_layout``: ``LBNHC``, ``LBHNC``, ``LHBNC``,
+``BLNHC``, ``BLHNC``, ``BHLNC``) and hands each attention layer a logical
+``[blocks, heads, tokens, content]`` view whose strides follow it: FlashAttention,
+FlashInfer, Triton and MLA (one head, latent content) on GPUs, ``LBHNC``
+on vLLM-CPU. Block-outermost layouts (``BL..``) keep every layer's page of
+a block together (cross-layer blocks): a chunk is then one copy per block.
 
-    [num_blocks, num_kv_heads, block_size, 2 * head_dim]
-    (inside a block and head: block_size K rows, then block_size V rows)
-
-A chunk of ``B = chunk_size // block_size`` blocks is stored as::
-
-    [num_layers, B, num_kv_heads, block_size, 2 * head_dim]   (KV dtype)
-
-i.e. for each layer (in model order) the chunk's blocks back to back, each
-block exactly as vLLM holds it. Copies are whole blocks, so gathering and
-scattering are one contiguous copy per layer and run of consecutive blocks.
+The namespace's layout string is ``vllm-<device>:<KVCacheLayout>:<backend>:v2``.
+The device is in it because backends read the page's content differently
+(vLLM-CPU keeps a head's K rows before its V rows, GPU backends K|V per
+token); bytes saved under one layout string never load under another.
 """
 
 from __future__ import annotations
@@ -24,28 +27,47 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from kvstrata.sidecar.transfer.plan import (
+    CopyPlan,
+    TensorGeometry,
+    UnsupportedLayoutError,
+    plan_from_geometry,
+)
+from kvstrata.sidecar.transfer.torch_copy import TorchCopier
+
+__all__ = ["ChunkLayout", "UnsupportedLayoutError", "detect_layout", "dtype_name", "layout_id"]
+
 logger = logging.getLogger(__name__)
 
-# The namespace's layout string for vLLM-CPU. Changing how chunks are laid
-# out must change this string, so old entries become misses, never garbage.
-CPU_LAYOUT = "vllm-cpu:blocks,kv_heads,block,k+v*head_dim:v1"
+# Bump when the chunk byte order changes: old entries become misses, never garbage.
+LAYOUT_VERSION = "v2"
+
+# Physical order of the per-layer view's logical dims [B, H, N, C] for each
+# vLLM KVCacheLayout (vllm/v1/kv_cache_layout.py: layer_view_order, the
+# stride permutation with the layer axis dropped).
+_VIEW_ORDER = {
+    "LBHNC": (0, 1, 2, 3),
+    "LBNHC": (0, 2, 1, 3),
+    "LHBNC": (1, 0, 2, 3),
+    "BLHNC": (0, 1, 2, 3),
+    "BLNHC": (0, 2, 1, 3),
+    "BHLNC": (0, 1, 2, 3),
+}
 
 
-class UnsupportedLayoutError(ValueError):
-    """The KV tensors are not in a layout this connector can copy."""
-
-
-def expected_layout(device_type: str) -> str | None:
-    """The layout string for a vLLM platform, or None when unsupported.
+def layout_id(device_type: str, kv_cache_layout: str | None, backend: str | None) -> str | None:
+    """The namespace's layout string, or None when vLLM named no layout.
 
     Both connector roles compute it from the config alone (the scheduler
     never sees the tensors), so their namespaces agree.
     """
-    return CPU_LAYOUT if device_type == "cpu" else None
+    if not kv_cache_layout:
+        return None
+    return f"vllm-{device_type}:{kv_cache_layout}:{backend or 'auto'}:{LAYOUT_VERSION}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -61,96 +83,126 @@ def _layer_order(name: str) -> tuple[int, str]:
 class ChunkLayout:
     """How one chunk's bytes map onto the registered KV tensors."""
 
-    layers: tuple[torch.Tensor, ...]  # in model order
-    layer_names: tuple[str, ...]
+    layer_names: tuple[str, ...]  # in model order
+    layers: tuple[torch.Tensor, ...]
+    plan: CopyPlan  # coalesced
+    copier: TorchCopier
     blocks_per_chunk: int
-    block_shape: tuple[int, ...]  # one block of one layer
     dtype: torch.dtype
 
     @property
+    def device(self) -> torch.device:
+        return self.layers[0].device
+
+    @property
     def chunk_shape(self) -> tuple[int, ...]:
-        return (len(self.layers), self.blocks_per_chunk, *self.block_shape)
+        """The chunk in KV-dtype elements, in the plan's chunk order."""
+        p = self.plan
+        outer = (
+            (self.blocks_per_chunk, p.num_layers)
+            if p.block_outer
+            else (p.num_layers, self.blocks_per_chunk)
+        )
+        return (*outer, p.num_segments, p.segment_bytes // self.dtype.itemsize)
 
     @property
     def chunk_nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.chunk_shape:
-            n *= d
-        return n
+        return self.plan.chunk_nbytes(self.blocks_per_chunk)
 
     @property
     def dtype_str(self) -> str:
         return dtype_name(self.dtype)
 
-    def view(self, buf: torch.Tensor) -> torch.Tensor:
-        """``buf`` (uint8, ``chunk_nbytes`` long) as the chunk-shaped tensor."""
-        return buf.view(self.dtype).view(self.chunk_shape)
-
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         """Copy the chunk's blocks of every layer into ``out`` (uint8 bytes)."""
-        dst = self.view(out)
-        for pos, start, n in _runs(block_ids):
-            for i, kv in enumerate(self.layers):
-                dst[i, pos : pos + n].copy_(kv[start : start + n])
+        self.copier.gather(block_ids, out)
 
     def scatter(self, src: torch.Tensor, block_ids: Sequence[int], first_block: int = 0) -> None:
         """Copy chunk bytes ``src`` into the blocks ``block_ids[first_block:]``."""
-        chunk = self.view(src)
-        for pos, start, n in _runs(block_ids, first_block):
-            for i, kv in enumerate(self.layers):
-                kv[start : start + n].copy_(chunk[i, pos : pos + n])
+        self.copier.scatter(src, block_ids, first_block)
 
 
-def _runs(block_ids: Sequence[int], first: int = 0) -> list[tuple[int, int, int]]:
-    """``(position in chunk, first block id, count)`` of each run of consecutive
-    block ids, so each copy is one contiguous memcpy (vLLM hands out blocks
-    mostly in order; indexed copies take slow paths on CPU)."""
-    runs: list[tuple[int, int, int]] = []
-    for pos in range(first, len(block_ids)):
-        b = int(block_ids[pos])
-        if runs and runs[-1][1] + runs[-1][2] == b:
-            p, start, n = runs[-1]
-            runs[-1] = (p, start, n + 1)
-        else:
-            runs.append((pos, b, 1))
-    return runs
+def _check_view_order(name: str, kv: torch.Tensor, kv_cache_layout: str) -> None:
+    order = _VIEW_ORDER.get(kv_cache_layout)
+    if order is None:
+        raise UnsupportedLayoutError(f"unknown vLLM KV cache layout {kv_cache_layout!r}")
+    if kv.dim() != 4:
+        raise UnsupportedLayoutError(
+            f"layer {name}: a {kv.dim()}-D KV tensor {tuple(kv.shape)}, expected the "
+            "[blocks, heads, tokens, content] view of vLLM's KV cache layouts"
+        )
+    # Dims in memory order, outermost first (size-1 dims carry no order).
+    strides = kv.stride()
+    actual = [d for d in sorted(range(4), key=lambda d: -strides[d]) if kv.shape[d] > 1]
+    expected = [d for d in order if kv.shape[d] > 1]
+    if actual != expected:
+        raise UnsupportedLayoutError(
+            f"layer {name}: strides {tuple(strides)} of shape {tuple(kv.shape)} do not "
+            f"follow the {kv_cache_layout} layout"
+        )
+
+
+def _per_manager_block(plan: CopyPlan, num_blocks: int) -> CopyPlan:
+    """A plan over kernel blocks as one over vLLM's (larger) manager blocks."""
+    if plan.num_blocks == num_blocks:
+        return plan
+    ratio, rest = divmod(plan.num_blocks, num_blocks)
+    dense = plan.num_segments == 1 and plan.segment_bytes == plan.block_stride
+    if rest or not dense:
+        raise UnsupportedLayoutError(
+            f"{plan.num_blocks} kernel blocks for {num_blocks} cache blocks in a layout "
+            "whose pages are not dense"
+        )
+    return replace(
+        plan,
+        num_blocks=num_blocks,
+        block_stride=plan.block_stride * ratio,
+        segment_bytes=plan.segment_bytes * ratio,
+    )
 
 
 def detect_layout(
     kv_caches: dict[str, torch.Tensor],
     *,
-    layout: str | None,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
+    kv_cache_layout: str | None,
     blocks_per_chunk: int,
+    num_blocks: int | None = None,
+    block_dim: int = 0,
 ) -> ChunkLayout:
-    """Check the tensors against ``layout`` and return the copy plan.
+    """Check the tensors and return the copy plan of one chunk.
 
+    ``kv_cache_layout`` is vLLM's resolved layout name; each tensor's strides
+    must follow it. With ``None`` (tensors of another vLLM generation, and
+    tests) the plan is read from the strides alone around ``block_dim``.
+    ``num_blocks`` is vLLM's block count when its kernels split blocks.
     Raises :class:`UnsupportedLayoutError` naming what differs.
     """
-    if layout != CPU_LAYOUT:
-        raise UnsupportedLayoutError(f"no chunk layout for this platform (layout {layout!r})")
     if not kv_caches:
         raise UnsupportedLayoutError("no KV cache tensors were registered")
     names = sorted(kv_caches, key=_layer_order)
-    first = kv_caches[names[0]]
-    want = (num_kv_heads, block_size, 2 * head_dim)
-    for name in names:
-        kv = kv_caches[name]
-        if kv.dim() != 4 or tuple(kv.shape[1:]) != want:
-            raise UnsupportedLayoutError(
-                f"layer {name}: KV tensor shape {tuple(kv.shape)}, expected "
-                f"[num_blocks, {num_kv_heads}, {block_size}, {2 * head_dim}]"
-            )
-        if kv.dtype != first.dtype or kv.shape[0] != first.shape[0]:
-            raise UnsupportedLayoutError(f"layer {name}: dtype or block count differs")
-        if not kv.is_contiguous() or kv.device.type != "cpu":
-            raise UnsupportedLayoutError(f"layer {name}: not a contiguous CPU tensor")
+    tensors = [kv_caches[n] for n in names]
+    first = tensors[0]
+    for name, kv in zip(names, tensors, strict=True):
+        if kv.dtype != first.dtype or kv.device != first.device:
+            raise UnsupportedLayoutError(f"layer {name}: dtype or device differs from layer 0")
+        if kv_cache_layout is not None:
+            _check_view_order(name, kv, kv_cache_layout)
+    plan = plan_from_geometry([TensorGeometry.of(t) for t in tensors], block_dim)
+    # Block-outermost layouts (BL.., BH..) interleave the layers inside each block.
+    interleaved = kv_cache_layout is not None and kv_cache_layout.startswith("B")
+    if kv_cache_layout is not None and len(tensors) > 1 and plan.block_outer != interleaved:
+        raise UnsupportedLayoutError(
+            f"layers are {'' if plan.block_outer else 'not '}interleaved in blocks: "
+            f"their strides do not follow the {kv_cache_layout} layout"
+        )
+    if num_blocks is not None:
+        plan = _per_manager_block(plan, num_blocks)
+    plan = plan.coalesced()
     return ChunkLayout(
-        layers=tuple(kv_caches[n] for n in names),
         layer_names=tuple(names),
+        layers=tuple(tensors),
+        plan=plan,
+        copier=TorchCopier(plan, tensors),
         blocks_per_chunk=blocks_per_chunk,
-        block_shape=want,
         dtype=first.dtype,
     )

@@ -86,13 +86,13 @@ class KVStrataWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         s = self.settings
         try:
+            if s.layout is None:
+                raise UnsupportedLayoutError("vLLM names no KV cache layout")
             self.layout = detect_layout(
                 kv_caches,
-                layout=s.layout,
-                block_size=s.block_size,
-                num_kv_heads=s.num_kv_heads,
-                head_dim=s.head_dim,
+                kv_cache_layout=s.kv_cache_layout,
                 blocks_per_chunk=s.blocks_per_chunk,
+                num_blocks=s.num_blocks,
             )
         except UnsupportedLayoutError as exc:
             self.layout = None

@@ -1,4 +1,9 @@
-"""Chunk layout of the vLLM connector: detection and block copies (no vLLM needed)."""
+"""Chunk layouts of the vLLM connector: every vLLM KV layout x dtype, on CPU tensors
+built with the shapes and strides vLLM uses on GPUs (no vLLM, no GPU needed).
+
+The expected bytes come from plain indexing of each tensor (``tensor.select``
+along its block dimension), never from the copy plan under test.
+"""
 
 from __future__ import annotations
 
@@ -7,80 +12,134 @@ import re
 import pytest
 import torch
 
-from kvstrata.connector.layout import CPU_LAYOUT, UnsupportedLayoutError, detect_layout
+from kvstrata.connector.layout import UnsupportedLayoutError, detect_layout, layout_id
+from kvstrata.testing.kvlayouts import (
+    DTYPES,
+    VLLM_LAYOUTS,
+    KVLayoutCase,
+    every_case,
+    vllm_layers,
+)
 
-HEADS, BLOCK, HEAD_DIM, BLOCKS = 2, 32, 64, 12
+CASES = [case for dtype in DTYPES for case in every_case(dtype)]
+POISON = 0xA5
 
 
-def kv_caches(layers: int = 3, blocks: int = BLOCKS) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    # Names out of order on purpose: the layout sorts them by layer index.
-    names = [f"model.layers.{i}.self_attn.attn" for i in (2, 0, 10, 1)[:layers]]
-    return {n: torch.randn(blocks, HEADS, BLOCK, 2 * HEAD_DIM, generator=gen) for n in names}
-
-
-def layout_for(caches: dict[str, torch.Tensor], layout: str | None = CPU_LAYOUT):
+def layout_for(case: KVLayoutCase, blocks_per_chunk: int = 3):
     return detect_layout(
-        caches,
-        layout=layout,
-        block_size=BLOCK,
-        num_kv_heads=HEADS,
-        head_dim=HEAD_DIM,
-        blocks_per_chunk=2,
+        case.layers,
+        kv_cache_layout=case.kv_cache_layout,
+        blocks_per_chunk=blocks_per_chunk,
+        block_dim=case.block_dim,
     )
 
 
+def block_bytes(case: KVLayoutCase, layer: torch.Tensor, block: int) -> torch.Tensor:
+    """One block of one layer as bytes, in logical order (independent reference)."""
+    return layer.select(case.block_dim, block).contiguous().view(torch.uint8).flatten()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_a_gathered_chunk_scatters_back_into_other_blocks_byte_for_byte(
+    case: KVLayoutCase,
+) -> None:
+    layout = layout_for(case)
+    buf = torch.full((layout.chunk_nbytes,), POISON, dtype=torch.uint8)
+    layout.gather([5, 2, 3], buf)
+    assert not torch.all(buf == POISON)
+    before = {n: t.clone() for n, t in case.layers.items()}
+    layout.scatter(buf, [7, 9, 11])
+    for name, kv in case.layers.items():
+        for src, dst in ((5, 7), (2, 9), (3, 11)):
+            assert torch.equal(block_bytes(case, kv, dst), block_bytes(case, kv, src)), name
+        # Blocks outside the scatter are untouched.
+        for other in (0, 1, 4, 6, 8, 10):
+            assert torch.equal(
+                block_bytes(case, kv, other), block_bytes(case, before[name], other)
+            ), name
+
+
+@pytest.mark.parametrize("case", CASES[:12], ids=lambda c: c.name)
+def test_a_chunk_holds_each_blocks_bytes_exactly_once(case: KVLayoutCase) -> None:
+    layout = layout_for(case, blocks_per_chunk=2)
+    buf = torch.full((layout.chunk_nbytes,), POISON, dtype=torch.uint8)
+    layout.gather([4, 1], buf)
+    expected = sorted(
+        block_bytes(case, kv, b).tolist() for kv in case.layers.values() for b in (4, 1)
+    )
+    assert layout.chunk_nbytes == sum(len(e) for e in expected)
+    # Every byte of every selected block is in the chunk: compare multisets.
+    assert sorted(buf.tolist()) == sorted(x for e in expected for x in e)
+
+
+@pytest.mark.parametrize("case", CASES[:12], ids=lambda c: c.name)
+def test_scatter_from_first_block_leaves_the_leading_blocks_alone(case: KVLayoutCase) -> None:
+    layout = layout_for(case, blocks_per_chunk=2)
+    buf = torch.empty(layout.chunk_nbytes, dtype=torch.uint8)
+    layout.gather([3, 4], buf)
+    before = [block_bytes(case, kv, 8).clone() for kv in case.layers.values()]
+    layout.scatter(buf, [8, 11], first_block=1)
+    for kv, old in zip(case.layers.values(), before, strict=True):
+        assert torch.equal(block_bytes(case, kv, 8), old)
+        assert torch.equal(block_bytes(case, kv, 11), block_bytes(case, kv, 4))
+
+
 def test_layers_are_ordered_by_their_index_not_by_name() -> None:
-    layout = layout_for(kv_caches(4))
+    case = vllm_layers("LBHNC", num_layers=4)
+    names = list(case.layers)
+    shuffled = {names[i]: case.layers[names[i]] for i in (2, 0, 3, 1)}
+    renamed = {n.replace(".3.", ".10."): t for n, t in shuffled.items()}
+    layout = detect_layout(renamed, kv_cache_layout="LBHNC", blocks_per_chunk=2)
     assert [n.split(".")[2] for n in layout.layer_names] == ["0", "1", "2", "10"]
 
 
-def test_a_gathered_chunk_scatters_back_into_other_blocks_byte_for_byte() -> None:
-    caches = kv_caches()
-    layout = layout_for(caches)
-    buf = torch.empty(layout.chunk_nbytes, dtype=torch.uint8)
-    layout.gather([5, 2], buf)
-    layout.scatter(buf, [7, 9])
-    for kv in layout.layers:
-        assert torch.equal(kv[7], kv[5]) and torch.equal(kv[9], kv[2])
+def test_cross_layer_blocks_move_as_one_run_per_block() -> None:
+    case = vllm_layers("BLNHC", num_layers=4)
+    layout = layout_for(case)
+    assert layout.plan.num_layers == 1 and layout.plan.block_outer
+    assert layout.plan.segment_bytes == sum(
+        block_bytes(case, kv, 0).numel() for kv in case.layers.values()
+    )
 
 
-def test_scatter_from_first_block_leaves_the_leading_blocks_alone() -> None:
-    caches = kv_caches()
-    layout = layout_for(caches)
-    buf = torch.empty(layout.chunk_nbytes, dtype=torch.uint8)
-    layout.gather([3, 4], buf)
-    before = [kv[8].clone() for kv in layout.layers]
-    layout.scatter(buf, [8, 11], first_block=1)
-    for kv, old in zip(layout.layers, before, strict=True):
-        assert torch.equal(kv[8], old)
-        assert torch.equal(kv[11], kv[4])
+@pytest.mark.parametrize("named", ["LBNHC", "LHBNC", "BLHNC"])
+def test_tensors_whose_strides_disagree_with_the_named_layout_are_refused(named: str) -> None:
+    case = vllm_layers("LBHNC")
+    with pytest.raises(UnsupportedLayoutError, match=re.escape(f"follow the {named}")):
+        detect_layout(case.layers, kv_cache_layout=named, blocks_per_chunk=2)
 
 
-def test_chunk_bytes_are_layer_major_whole_blocks() -> None:
-    caches = kv_caches(2)
-    layout = layout_for(caches)
-    assert layout.chunk_shape == (2, 2, HEADS, BLOCK, 2 * HEAD_DIM)
-    buf = torch.empty(layout.chunk_nbytes, dtype=torch.uint8)
-    layout.gather([1, 6], buf)
-    chunk = buf.view(torch.float32).view(layout.chunk_shape)
-    assert torch.equal(chunk[1, 0], layout.layers[1][1])
-
-
-@pytest.mark.parametrize(
-    "shape",
-    [
-        (BLOCKS, HEADS, BLOCK, HEAD_DIM),  # K and V in separate tensors
-        (BLOCKS, HEADS + 1, BLOCK, 2 * HEAD_DIM),
-        (2, BLOCKS, HEADS, BLOCK, HEAD_DIM),  # a leading K/V dimension
-    ],
-)
-def test_an_unknown_tensor_shape_is_refused_naming_the_layer(shape: tuple) -> None:
-    caches = {"model.layers.0.self_attn.attn": torch.zeros(shape)}
+def test_a_tensor_of_another_rank_is_refused_naming_the_layer() -> None:
+    caches = {"model.layers.0.self_attn.attn": torch.zeros(2, 12, 16, 2, 64)}
     with pytest.raises(UnsupportedLayoutError, match=re.escape("model.layers.0")):
-        layout_for(caches)
+        detect_layout(caches, kv_cache_layout="LBHNC", blocks_per_chunk=2)
 
 
-def test_a_platform_without_a_known_layout_is_refused() -> None:
-    with pytest.raises(UnsupportedLayoutError, match="platform"):
-        layout_for(kv_caches(), layout=None)
+def test_layers_of_different_shapes_are_refused() -> None:
+    a = vllm_layers("LBHNC", num_layers=1, heads=2).layers
+    b = vllm_layers("LBHNC", num_layers=1, heads=4).layers
+    caches = {
+        "model.layers.0.attn": next(iter(a.values())),
+        "model.layers.1.attn": next(iter(b.values())),
+    }
+    with pytest.raises(UnsupportedLayoutError, match="layer 1"):
+        detect_layout(caches, kv_cache_layout="LBHNC", blocks_per_chunk=2)
+
+
+def test_kernel_blocks_smaller_than_cache_blocks_map_onto_cache_blocks() -> None:
+    # vLLM may split each cache block into kernel blocks: 12 kernel blocks = 6 cache blocks.
+    case = vllm_layers("LBHNC", num_blocks=12, heads=1)
+    layout = detect_layout(case.layers, kv_cache_layout="LBHNC", blocks_per_chunk=1, num_blocks=6)
+    buf = torch.empty(layout.chunk_nbytes, dtype=torch.uint8)
+    layout.gather([2], buf)
+    layout.scatter(buf, [5])
+    for kv in case.layers.values():
+        # Bytes, not values: random bytes hold NaNs, which never compare equal.
+        assert torch.equal(kv[10:12].view(torch.uint8), kv[4:6].view(torch.uint8))
+
+
+def test_every_layout_has_its_own_namespace_string() -> None:
+    ids = {layout_id(device, name, None) for device in ("cpu", "cuda") for name in VLLM_LAYOUTS}
+    assert len(ids) == 2 * len(VLLM_LAYOUTS)
+    assert layout_id("cuda", "LBNHC", "FLASH_ATTN") != layout_id("cuda", "LBNHC", "FLASHINFER")
+    assert layout_id("cuda", None, None) is None
