@@ -1,0 +1,85 @@
+// The C ABI of the kvstrata transfer libraries (see README.md in this directory).
+//
+// Two libraries export it: the CUDA build (kvs_transfer.cu, nvcc) and the host build
+// (kvs_host.cpp, g++). Python binds them with ctypes (kvstrata.sidecar.transfer.kernels),
+// so no torch header or Python API appears on either side.
+//
+// Arguments of kvs_gather / kvs_scatter, in order:
+//   layer_addresses   [num_layers] byte address of each layer's block 0, segment 0
+//   num_layers        L >= 1
+//   block_stride      bytes between consecutive blocks of one layer
+//   num_segments      S >= 1 runs per page
+//   segment_stride    bytes between consecutive runs of one page
+//   segment_bytes     contiguous bytes of one run (> 0)
+//   block_outer       chunk order: 0 [layer][block][segment], 1 [block][layer][segment]
+//   block_ids         [num_chunks * blocks_per_chunk] paged block of each chunk position;
+//                     a negative id skips the position (its destination stays untouched)
+//   blocks_per_chunk  P >= 1
+//   chunk_addresses   [num_chunks] byte address of each chunk buffer
+//   num_chunks        C >= 0
+//   max_ctas          CUDA: at most this many thread blocks (0: enough to fill the GPU);
+//                     host: ignored
+//   stream            CUDA: the cudaStream_t as an integer (0: the legacy default
+//                     stream); host: ignored, the copy is done when the call returns
+// All three arrays are host memory, read during the call only. The callee trusts its
+// inputs (the binding validates them): every block id < num_blocks, no overlap
+// between source and destination bytes.
+//
+// Return: 0, or a cudaError_t value (CUDA build; name it with kvs_cuda_error_name).
+#ifndef KVSTRATA_KVS_ABI_H_
+#define KVSTRATA_KVS_ABI_H_
+
+#include <stdint.h>
+
+// Bumped whenever a signature or a meaning above changes; the binding refuses a
+// library of another version.
+#define KVS_ABI_VERSION 1
+
+#define KVS_API __attribute__((visibility("default")))
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+KVS_API int kvs_gather(const uint64_t* layer_addresses, int32_t num_layers, int64_t block_stride,
+                       int32_t num_segments, int64_t segment_stride, int64_t segment_bytes,
+                       int32_t block_outer, const int64_t* block_ids, int32_t blocks_per_chunk,
+                       const uint64_t* chunk_addresses, int64_t num_chunks, int32_t max_ctas,
+                       uint64_t stream);
+
+KVS_API int kvs_scatter(const uint64_t* layer_addresses, int32_t num_layers, int64_t block_stride,
+                        int32_t num_segments, int64_t segment_stride, int64_t segment_bytes,
+                        int32_t block_outer, const int64_t* block_ids, int32_t blocks_per_chunk,
+                        const uint64_t* chunk_addresses, int64_t num_chunks, int32_t max_ctas,
+                        uint64_t stream);
+
+// The access width (16, 8, 4, 2 or 1 bytes) a copy with these inputs uses.
+KVS_API int kvs_vector_width(const uint64_t* layer_addresses, int32_t num_layers,
+                             int64_t block_stride, int64_t segment_stride, int64_t segment_bytes,
+                             const uint64_t* chunk_addresses, int64_t num_chunks);
+
+KVS_API int kvs_abi_version(void);
+// sha256 of the sources the library was built from (set by the build, see
+// kvstrata.sidecar.transfer.csrc_build.source_hash); "unknown" when built by hand.
+KVS_API const char* kvs_source_hash(void);
+// "cuda" or "host".
+KVS_API const char* kvs_backend(void);
+
+// CUDA build only.
+// The number of CUDA devices the driver shows; returns a cudaError_t (no driver, no
+// device, a driver older than the runtime the library was built with, ...).
+KVS_API int kvs_cuda_device_count(int32_t* count);
+// The CUDA runtime version the library was linked with and the driver's (0: no driver),
+// both as 1000 * major + 10 * minor; returns a cudaError_t.
+KVS_API int kvs_cuda_versions(int32_t* runtime, int32_t* driver);
+// cudaGetErrorName / cudaGetErrorString of a code (static strings).
+KVS_API const char* kvs_cuda_error_name(int32_t code);
+KVS_API const char* kvs_cuda_error_string(int32_t code);
+// Wait for the stream; returns a cudaError_t (a kernel's asynchronous error shows here).
+KVS_API int kvs_cuda_stream_synchronize(uint64_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif  // KVSTRATA_KVS_ABI_H_
