@@ -1,0 +1,382 @@
+"""ctypes binding of the ``csrc/`` transfer libraries: the CUDA kernels and their host build.
+
+Why a C ABI and ctypes: the kernels know nothing of torch or Python, so the
+CUDA library builds without torch (or a GPU) and one binding drives both
+libraries. The CUDA library moves all layers of a batch of chunks in one
+launch on the caller's stream; the host library runs the same index code
+(``csrc/kvs_index.h``) with memcpy, for tests on machines without a GPU and
+as a CPU copy path. Both move bytes by a :class:`CopyPlan` (the byte model
+is in :mod:`kvstrata.sidecar.transfer.plan`).
+
+Usage::
+
+    lib = load_cuda()              # None where the kernels cannot run
+    if lib is None:
+        log.info("csrc kernels unavailable: %s", cuda_unavailable_reason())
+    else:
+        lib.gather(plan, block_ids, chunk_addresses, blocks_per_chunk,
+                   stream=torch.cuda.current_stream().cuda_stream)
+
+Where the libraries come from, in order:
+
+1. the copies installed beside this module by the install step
+   (``setup.py``; the CUDA one only where nvcc was present);
+2. in a source checkout (``csrc/`` at hand), an installed copy built from
+   other sources than the checkout's is never used: the library is rebuilt
+   from the checkout into the cache directory
+   (:func:`kvstrata.sidecar.transfer.csrc_build.cache_dir`), keyed by a
+   hash of the sources, so an edited source rebuilds and an unchanged one
+   compiles once.
+
+``KVSTRATA_CUDA_KERNELS=0`` makes :func:`load_cuda` return None (the
+torch copy path is used instead).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvstrata.sidecar.transfer import csrc_build
+from kvstrata.sidecar.transfer.csrc_build import CSrcBuildError, Library
+
+if TYPE_CHECKING:
+    from kvstrata.sidecar.transfer.plan import CopyPlan
+
+# Must equal KVS_ABI_VERSION in csrc/kvs_abi.h.
+ABI_VERSION = 1
+
+IntArray = Sequence[int] | np.ndarray
+
+_I32_MAX = 2**31 - 1
+_I64_MAX = 2**63 - 1
+_U64_MAX = 2**64 - 1
+
+_COPY_ARGTYPES = [
+    ctypes.c_void_p,  # layer_addresses
+    ctypes.c_int32,  # num_layers
+    ctypes.c_int64,  # block_stride
+    ctypes.c_int32,  # num_segments
+    ctypes.c_int64,  # segment_stride
+    ctypes.c_int64,  # segment_bytes
+    ctypes.c_int32,  # block_outer
+    ctypes.c_void_p,  # block_ids
+    ctypes.c_int32,  # blocks_per_chunk
+    ctypes.c_void_p,  # chunk_addresses
+    ctypes.c_int64,  # num_chunks
+    ctypes.c_int32,  # max_ctas
+    ctypes.c_uint64,  # stream
+]
+
+
+class _Unavailable(Exception):
+    """Why the CUDA library cannot run here (the reason :func:`load_cuda` keeps)."""
+
+
+class KernelError(RuntimeError):
+    """A CUDA call of the library failed; ``code`` is the cudaError_t, ``name`` its name."""
+
+    def __init__(self, what: str, code: int, name: str, text: str) -> None:
+        super().__init__(f"{what} failed: {name} ({text}, CUDA error {code})")
+        self.code = code
+        self.name = name
+
+
+class TransferLibrary:
+    """One loaded csrc library (``backend`` "cuda" or "host") behind the C ABI.
+
+    Thread-safe: calls hold no Python state and release the GIL while they copy.
+    """
+
+    def __init__(self, path: Path, cdll: ctypes.CDLL) -> None:
+        self.path = path
+        self._lib = cdll
+        self.backend: str = cdll.kvs_backend().decode()
+        self.source_hash: str = cdll.kvs_source_hash().decode()
+
+    def gather(
+        self,
+        plan: CopyPlan,
+        block_ids: IntArray,
+        chunk_addresses: IntArray,
+        blocks_per_chunk: int,
+        stream: Any = 0,
+        max_ctas: int = 0,
+    ) -> None:
+        """Copy paged blocks into chunk buffers (pages -> chunks).
+
+        For chunk ``c`` and position ``p``, block ``block_ids[c * P + p]`` of
+        every layer lands at ``chunk_addresses[c]`` in the plan's chunk order;
+        a negative id leaves that position's bytes of the chunk untouched.
+        CUDA: runs on ``stream`` (an integer ``cudaStream_t``, or an object
+        with ``.cuda_stream`` such as a ``torch.cuda.Stream``; 0 is the legacy
+        default stream) on the current device and returns once launched: the
+        buffers must live until the stream passes it. ``max_ctas`` caps the
+        thread blocks (0: fill the GPU) to leave SMs to a concurrent model.
+        Host: the addresses are host memory and the copy is done on return.
+        Raises ValueError for bad input (checked before anything runs) and
+        :class:`KernelError` when the launch fails.
+        """
+        self._copy(
+            "kvs_gather", plan, block_ids, chunk_addresses, blocks_per_chunk, stream, max_ctas
+        )
+
+    def scatter(
+        self,
+        plan: CopyPlan,
+        block_ids: IntArray,
+        chunk_addresses: IntArray,
+        blocks_per_chunk: int,
+        stream: Any = 0,
+        max_ctas: int = 0,
+    ) -> None:
+        """Copy chunk buffers into paged blocks (chunks -> pages); see :meth:`gather`.
+
+        A negative id skips its position: those blocks are not written (a load
+        skips the leading blocks vLLM's prefix cache already holds).
+        """
+        self._copy(
+            "kvs_scatter", plan, block_ids, chunk_addresses, blocks_per_chunk, stream, max_ctas
+        )
+
+    def vector_width(self, plan: CopyPlan, chunk_addresses: IntArray) -> int:
+        """The access width in bytes (16, 8, 4, 2 or 1) a copy of these inputs uses."""
+        layers = _plan_layers(plan)
+        chunks = _int_array(chunk_addresses, "chunk_addresses", np.uint64, 1, _U64_MAX)
+        return int(
+            self._lib.kvs_vector_width(
+                layers.ctypes.data, len(layers), plan.block_stride, plan.segment_stride,
+                plan.segment_bytes, chunks.ctypes.data, len(chunks),
+            )
+        )  # fmt: skip
+
+    def synchronize(self, stream: Any = 0) -> None:
+        """Wait until ``stream`` has run everything queued (CUDA); no-op on the host.
+
+        Raises :class:`KernelError` naming an error a kernel hit on the way.
+        """
+        if self.backend == "cuda":
+            self._check(
+                "cudaStreamSynchronize", self._lib.kvs_cuda_stream_synchronize(_stream(stream))
+            )
+
+    def _copy(
+        self,
+        fn: str,
+        plan: CopyPlan,
+        block_ids: IntArray,
+        chunk_addresses: IntArray,
+        blocks_per_chunk: int,
+        stream: Any,
+        max_ctas: int,
+    ) -> None:
+        layers = _plan_layers(plan)
+        chunks = _int_array(chunk_addresses, "chunk_addresses", np.uint64, 1, _U64_MAX)
+        if not 1 <= blocks_per_chunk <= _I32_MAX:
+            raise ValueError(f"blocks_per_chunk must be >= 1, not {blocks_per_chunk}")
+        ids = _int_array(block_ids, "block_ids", np.int64, -(2**63), plan.num_blocks - 1)
+        if len(ids) != len(chunks) * blocks_per_chunk:
+            raise ValueError(
+                f"{len(ids)} block ids for {len(chunks)} chunks of {blocks_per_chunk} blocks "
+                f"(expected {len(chunks) * blocks_per_chunk})"
+            )
+        if not 0 <= max_ctas <= _I32_MAX:
+            raise ValueError(f"max_ctas must be >= 0, not {max_ctas}")
+        handle = _stream(stream)
+        if len(chunks) == 0:
+            return
+        code = getattr(self._lib, fn)(
+            layers.ctypes.data, len(layers), plan.block_stride, plan.num_segments,
+            plan.segment_stride, plan.segment_bytes, int(plan.block_outer), ids.ctypes.data,
+            blocks_per_chunk, chunks.ctypes.data, len(chunks), max_ctas, handle,
+        )  # fmt: skip
+        self._check(fn, code)
+
+    def _check(self, what: str, code: int) -> None:
+        if code == 0:
+            return
+        if self.backend == "cuda":
+            name = self._lib.kvs_cuda_error_name(code).decode()
+            text = self._lib.kvs_cuda_error_string(code).decode()
+        else:
+            name, text = "error", "host library error"
+        raise KernelError(what, code, name, text)
+
+
+def _stream(stream: Any) -> int:
+    handle = getattr(stream, "cuda_stream", stream)
+    if not isinstance(handle, int) or not 0 <= handle <= _U64_MAX:
+        raise ValueError(f"stream must be a cudaStream_t handle (int >= 0), not {stream!r}")
+    return handle
+
+
+def _int_array(values: IntArray, name: str, dtype: type, low: int, high: int) -> np.ndarray:
+    """``values`` as a contiguous 1-D array of ``dtype``; ValueError unless all in [low, high]."""
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"{name} must be a sequence of integers: {exc}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, not of shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=dtype)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be integers, not {arr.dtype}")
+    bad = (arr < low) | (arr > high)
+    if bad.any():
+        value = int(arr[int(np.argmax(bad))])
+        if name == "block_ids" and value > high:
+            raise ValueError(f"block id {value} >= num_blocks {high + 1}")
+        raise ValueError(f"{name}: {value} is outside [{low}, {high}]")
+    return np.ascontiguousarray(arr, dtype=dtype)
+
+
+def _plan_layers(plan: CopyPlan) -> np.ndarray:
+    """The plan's layer addresses after checking every scalar fits the ABI."""
+    checks = (
+        ("num_layers", plan.num_layers, 1, _I32_MAX),
+        ("num_blocks", plan.num_blocks, 0, _I64_MAX),
+        ("block_stride", plan.block_stride, 0, _I64_MAX),
+        ("num_segments", plan.num_segments, 1, _I32_MAX),
+        ("segment_stride", plan.segment_stride, 0, _I64_MAX),
+        ("segment_bytes", plan.segment_bytes, 1, _I64_MAX),
+    )
+    for field, value, low, high in checks:
+        if not low <= value <= high:
+            raise ValueError(f"plan.{field} = {value} is outside [{low}, {high}]")
+    return _int_array(plan.layer_addresses, "plan.layer_addresses", np.uint64, 1, _U64_MAX)
+
+
+def _declare(cdll: ctypes.CDLL) -> None:
+    """Set argument and result types (ctypes would otherwise pass ints as C int)."""
+    for fn in ("kvs_gather", "kvs_scatter"):
+        getattr(cdll, fn).argtypes = _COPY_ARGTYPES
+        getattr(cdll, fn).restype = ctypes.c_int
+    cdll.kvs_vector_width.argtypes = [
+        ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+        ctypes.c_void_p, ctypes.c_int64,
+    ]  # fmt: skip
+    cdll.kvs_vector_width.restype = ctypes.c_int
+    cdll.kvs_abi_version.restype = ctypes.c_int
+    cdll.kvs_source_hash.restype = ctypes.c_char_p
+    cdll.kvs_backend.restype = ctypes.c_char_p
+    if cdll.kvs_backend() == b"cuda":
+        cdll.kvs_cuda_device_count.argtypes = [ctypes.POINTER(ctypes.c_int32)]
+        cdll.kvs_cuda_versions.argtypes = [ctypes.POINTER(ctypes.c_int32)] * 2
+        for fn in ("kvs_cuda_error_name", "kvs_cuda_error_string"):
+            getattr(cdll, fn).argtypes = [ctypes.c_int32]
+            getattr(cdll, fn).restype = ctypes.c_char_p
+        cdll.kvs_cuda_stream_synchronize.argtypes = [ctypes.c_uint64]
+
+
+def _open(path: Path) -> TransferLibrary:
+    """dlopen ``path`` and check it speaks this ABI (OSError / CSrcBuildError otherwise)."""
+    cdll = ctypes.CDLL(str(path))
+    cdll.kvs_abi_version.restype = ctypes.c_int
+    version = cdll.kvs_abi_version()
+    if version != ABI_VERSION:
+        raise CSrcBuildError(f"{path} speaks ABI {version}, this binding {ABI_VERSION}")
+    _declare(cdll)
+    return TransferLibrary(path, cdll)
+
+
+def installed_path(library: Library) -> Path:
+    """Where the install step puts ``library`` (beside this module, not resolved:
+    an editable install links the module but builds the library in its own tree)."""
+    return Path(__file__).parent / library.filename
+
+
+def _load(library: Library) -> TransferLibrary:
+    """The installed library if it is current, else one built from the checkout.
+
+    Raises CSrcBuildError (or OSError from dlopen) saying why neither works.
+    """
+    installed = installed_path(library)
+    csrc = csrc_build.repo_csrc_dir()
+    if csrc is None:
+        if not installed.is_file():
+            raise CSrcBuildError(
+                f"{library.filename} was not built at install and no csrc/ is at hand"
+            )
+        return _open(installed)
+    stale = ""
+    if installed.is_file():
+        lib = _open(installed)
+        if lib.source_hash == csrc_build.source_hash(csrc, library):
+            return lib
+        stale = f"the installed {library.filename} was built from other sources than {csrc}; "
+    try:
+        return _open(csrc_build.build(library, csrc))
+    except CSrcBuildError as exc:
+        raise CSrcBuildError(f"{stale}{exc}") from None
+
+
+_lock = threading.Lock()
+_host: TransferLibrary | None = None
+_cuda: TransferLibrary | None = None
+_cuda_reason: str | None = None
+_cuda_probed = False
+
+
+def load_host() -> TransferLibrary:
+    """The host library (built with the C++ compiler on first use if need be).
+
+    Raises :class:`CSrcBuildError` when it is neither installed nor buildable.
+    """
+    global _host
+    with _lock:
+        if _host is None:
+            _host = _load(csrc_build.HOST)
+        return _host
+
+
+def load_cuda() -> TransferLibrary | None:
+    """The CUDA library, or None where it cannot run (see :func:`cuda_unavailable_reason`).
+
+    None when disabled (``KVSTRATA_CUDA_KERNELS=0``), when it was not built
+    (no nvcc at install) and cannot be, or when the CUDA runtime finds no
+    usable driver or device. The answer is decided once per process.
+    """
+    global _cuda, _cuda_reason, _cuda_probed
+    with _lock:
+        if not _cuda_probed:
+            _cuda_probed = True
+            try:
+                _cuda = _probe_cuda()
+            except (_Unavailable, CSrcBuildError, OSError) as exc:
+                _cuda_reason = str(exc)
+        return _cuda
+
+
+def cuda_unavailable_reason() -> str | None:
+    """Why :func:`load_cuda` returns None, for logs and selftests; None when it does not."""
+    load_cuda()
+    return _cuda_reason
+
+
+def _probe_cuda() -> TransferLibrary:
+    if os.environ.get("KVSTRATA_CUDA_KERNELS", "1") == "0":
+        raise _Unavailable("disabled by KVSTRATA_CUDA_KERNELS=0")
+    lib = _load(csrc_build.CUDA)
+    runtime, driver = ctypes.c_int32(0), ctypes.c_int32(0)
+    lib._lib.kvs_cuda_versions(ctypes.byref(runtime), ctypes.byref(driver))
+    count = ctypes.c_int32(0)
+    code = lib._lib.kvs_cuda_device_count(ctypes.byref(count))
+    versions = f"runtime {_version(runtime.value)}, driver {_version(driver.value)}"
+    if code != 0:
+        name = lib._lib.kvs_cuda_error_name(code).decode()
+        text = lib._lib.kvs_cuda_error_string(code).decode()
+        raise _Unavailable(f"no usable CUDA device: {name} ({text}; {versions})")
+    if count.value == 0:
+        raise _Unavailable(f"no CUDA device ({versions})")
+    return lib
+
+
+def _version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}" if v else "none"
