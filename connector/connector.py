@@ -220,8 +220,10 @@ class KVStrataConnector(KVConnectorBase_V1):
             self._worker.start_load(self._bound_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Every layer was loaded in start_load_kv (sync loads).
-        return
+        # On CUDA, vLLM's stream waits for this layer's copies only; on the
+        # CPU every layer was loaded in start_load_kv.
+        if self._worker is not None:
+            self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(
         self,

@@ -4,13 +4,17 @@ Why separate from the scheduler: this half runs next to the KV tensors
 (one instance per rank) and does the byte moves the scheduler planned:
 
 * loads, before the forward pass (``start_load_kv``): lease the chunks
-  (``prepare_retrieve``), scatter each into its paged blocks, release;
+  (``prepare_retrieve``), scatter each into its paged blocks layer by
+  layer, release the leases once the copies have finished;
 * saves, after it (``wait_for_save``): lease fresh arena space
   (``prepare_store``), gather the blocks into it, commit.
 
 Both copy through one ``torch.frombuffer`` view over the mapped shared
 arena, re-made whenever the client's :attr:`~SidecarClient.epoch` changes
 (a sidecar restart re-maps the arena; slots of an older epoch are void).
+Copies follow the plan of :mod:`kvstrata.connector.layout` on whatever
+device vLLM's KV lives on; :mod:`kvstrata.connector.device` orders them
+against vLLM's compute (inline on the CPU, own stream + events on CUDA).
 
 A load that cannot complete (sidecar down, slot missing, wrong shape,
 epoch changed, ``load_timeout_seconds`` passed) reports the blocks it did
@@ -21,6 +25,7 @@ into vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -30,9 +35,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstrata.connector.client import ArenaSlot, SidecarClient
+from kvstrata.connector.device import DeviceCopies, copies_for
 from kvstrata.connector.gate import RetryGate
 from kvstrata.connector.layout import ChunkLayout, UnsupportedLayoutError, detect_layout
-from kvstrata.connector.metadata import KVStrataMetadata, RequestTransfer
+from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, RequestTransfer
 from kvstrata.sidecar.keys import make_key
 
 if TYPE_CHECKING:
@@ -82,6 +88,9 @@ class KVStrataWorker:
         self._load_errors: set[int] = set()
         self._arena_view: torch.Tensor | None = None
         self._arena_epoch = -1
+        self.copies: DeviceCopies = DeviceCopies()
+        self._layer_index: dict[str, int] = {}
+        self._pending_leases: list[int] = []  # held until the load copies finish
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         s = self.settings
@@ -98,9 +107,17 @@ class KVStrataWorker:
             self.layout = None
             logger.warning("kvstrata: connector disabled (every lookup misses): %s", exc)
             return
+        plan = self.layout.plan
+        self.copies.close()
+        self.copies = copies_for(self.layout.device, plan.num_layers)
+        merged = plan.num_layers != len(self.layout.layer_names)  # layers coalesced into one
+        self._layer_index = {
+            name: 0 if merged else i for i, name in enumerate(self.layout.layer_names)
+        }
         logger.info(
-            "kvstrata: %d layers, chunk of %d tokens = %d bytes %s",
+            "kvstrata: %d layers on %s, chunk of %d tokens = %d bytes %s",
             len(self.layout.layers),
+            self.layout.device,
             s.chunk_size,
             self.layout.chunk_nbytes,
             self.layout.chunk_shape,
@@ -112,6 +129,7 @@ class KVStrataWorker:
         """The arena as one uint8 tensor, for the client's current epoch."""
         epoch = self.client.epoch
         if self._arena_view is None or epoch != self._arena_epoch:
+            self.copies.unregister_arena()
             self._arena_view = None
             view = self.client.arena
             if view is None:
@@ -120,6 +138,7 @@ class KVStrataWorker:
                 warnings.simplefilter("ignore")
                 self._arena_view = torch.frombuffer(view, dtype=torch.uint8)
             self._arena_epoch = epoch
+            self.copies.register_arena(self._arena_view)
         return self._arena_view
 
     def _slot_fits(self, slot: ArenaSlot) -> bool:
@@ -135,23 +154,41 @@ class KVStrataWorker:
     # -- loads --------------------------------------------------------------------
 
     def start_load(self, meta: KVStrataMetadata | None) -> None:
+        """Queue this step's loads; on CUDA they finish layer by layer on our stream."""
+        self._finish_loads()
         if meta is None or not meta.loads:
             return
         started = time.perf_counter()
+        work: list[tuple[ChunkTransfer, torch.Tensor]] = []
         for req in meta.loads:
             try:
-                loaded = self._load_request(req) if self.layout is not None else 0
+                ready = self._leased_sources(req) if self.layout is not None else []
             except Exception:
                 logger.exception("kvstrata: load of %s failed; vLLM recomputes it", req.req_id)
-                loaded = 0
-            for chunk in req.chunks[loaded:]:
+                ready = []
+            work.extend(ready)
+            for chunk in req.chunks[len(ready) :]:
                 self._load_errors.update(chunk.block_ids[chunk.first_block :])
-            self.counters.loaded_chunks += loaded
-            self.counters.failed_chunks += len(req.chunks) - loaded
+            self.counters.failed_chunks += len(req.chunks) - len(ready)
+        if work:
+            try:
+                self._copy_in(work)
+                self.counters.loaded_chunks += len(work)
+            except Exception:
+                logger.exception("kvstrata: copy into vLLM's KV failed; vLLM recomputes it")
+                for chunk, _ in work:
+                    self._load_errors.update(chunk.block_ids[chunk.first_block :])
+                self.counters.failed_chunks += len(work)
+        if not self.copies.asynchronous:
+            self._finish_loads()
         self.counters.load_seconds += time.perf_counter() - started
 
-    def _load_request(self, req: RequestTransfer) -> int:
-        """Scatter the request's chunks in order; the number fully loaded."""
+    def _leased_sources(self, req: RequestTransfer) -> list[tuple[ChunkTransfer, torch.Tensor]]:
+        """Lease the request's chunks; the arena bytes of the leading ones that fit.
+
+        The leases of every returned chunk stay held (``_pending_leases``)
+        until the copies from them have finished; the others are released now.
+        """
         layout = self.layout
         assert layout is not None  # checked by the caller
         deadline = time.monotonic() + self.settings.load_timeout_s
@@ -159,25 +196,46 @@ class KVStrataWorker:
         keys = [make_key(fp, c.chunk_hash) for c in req.chunks]
         slots = self.client.prepare_retrieve(keys, owner=req.req_id)
         if slots is None:
-            return 0
+            return []
         epoch = self.client.epoch
-        loaded = 0
-        try:
-            arena = self._arena()
-            for chunk, slot in zip(req.chunks, slots, strict=False):
-                if slot is None or arena is None or self.client.epoch != epoch:
-                    break
-                if time.monotonic() > deadline or not self._slot_fits(slot):
-                    logger.debug("kvstrata: slot %s refused (deadline or shape)", slot)
-                    break
-                src = arena[slot.offset : slot.offset + slot.length]
-                layout.scatter(src, chunk.block_ids, chunk.first_block)
-                loaded += 1
-        finally:
-            leases = [s.lease_id for s in slots if s is not None]
-            if leases:
-                self.client.release(leases)
-        return loaded
+        arena = self._arena()
+        ready: list[tuple[ChunkTransfer, torch.Tensor]] = []
+        for chunk, slot in zip(req.chunks, slots, strict=False):
+            if slot is None or arena is None or self.client.epoch != epoch:
+                break
+            if time.monotonic() > deadline or not self._slot_fits(slot):
+                logger.debug("kvstrata: slot %s refused (deadline or shape)", slot)
+                break
+            ready.append((chunk, arena[slot.offset : slot.offset + slot.length]))
+        held = [s.lease_id for s in slots[: len(ready)] if s is not None]
+        rest = [s.lease_id for s in slots[len(ready) :] if s is not None]
+        self._pending_leases.extend(held)
+        if rest:
+            self.client.release(rest)
+        return ready
+
+    def _copy_in(self, work: list[tuple[ChunkTransfer, torch.Tensor]]) -> None:
+        """Scatter every chunk into vLLM's KV, layer by layer (one event per layer)."""
+        layout = self.layout
+        assert layout is not None  # checked by the caller
+        with self.copies.loading():
+            for layer in range(layout.plan.num_layers):
+                for chunk, src in work:
+                    layout.copier.scatter_layer(layer, src, chunk.block_ids, chunk.first_block)
+                self.copies.layer_loaded(layer)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Make vLLM's compute wait until ``layer_name``'s blocks are loaded."""
+        index = self._layer_index.get(layer_name)
+        if index is not None:
+            self.copies.wait_for_layer(index)
+
+    def _finish_loads(self) -> None:
+        """Release the leases of finished loads (waits for the copies on CUDA)."""
+        if self._pending_leases:
+            self.copies.loads_done()
+            leases, self._pending_leases = self._pending_leases, []
+            self.client.release(leases)
 
     def take_load_errors(self) -> set[int]:
         """Blocks a load of this step failed to fill (vLLM recomputes them)."""
@@ -187,6 +245,7 @@ class KVStrataWorker:
     # -- saves --------------------------------------------------------------------
 
     def save(self, meta: KVStrataMetadata | None) -> None:
+        self._finish_loads()
         if meta is None or not meta.saves or self.layout is None:
             return
         started = time.perf_counter()
@@ -222,8 +281,11 @@ class KVStrataWorker:
             good = arena is not None and self._slot_fits(slot)
             if good and arena is not None:
                 try:
-                    layout.gather(chunk.block_ids, arena[slot.offset : slot.offset + slot.length])
-                except (RuntimeError, IndexError):
+                    with self.copies.saving():
+                        layout.gather(
+                            chunk.block_ids, arena[slot.offset : slot.offset + slot.length]
+                        )
+                except (RuntimeError, IndexError, ValueError):
                     logger.exception("kvstrata: copy into slot %d failed", slot.lease_id)
                     good = False
             lease_ids.append(slot.lease_id)
@@ -236,5 +298,8 @@ class KVStrataWorker:
             self.counters.save_dropped_chunks += len(lease_ids)
 
     def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._finish_loads()
+        self.copies.close()
         self._arena_view = None
         self.client.close()

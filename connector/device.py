@@ -1,0 +1,131 @@
+"""Where the worker's copies run: inline on the CPU, or on a CUDA stream of its own.
+
+Why a module: the copy code (:mod:`kvstrata.sidecar.transfer.torch_copy`)
+is the same on every device; what differs is ordering. On vLLM-CPU a copy
+is done when it returns. On CUDA, copies between the pinned arena and
+vLLM's KV run on the connector's own stream, so they overlap vLLM's
+compute, and are ordered against it with events:
+
+* loads: the stream first waits for what vLLM queued before
+  ``start_load_kv``; after each layer's copies an event is recorded, and
+  ``wait_for_layer_load(layer)`` makes vLLM's stream wait for that event
+  only (layer ``i`` computes while layer ``i + 1`` still loads). Leases
+  of the loaded slots are released once the copies have finished
+  (:meth:`DeviceCopies.loads_done`), never before: the sidecar may reuse
+  a released slot.
+* saves: the stream waits for vLLM's forward pass, copies, and is
+  synchronised before the slots are committed (a committed slot must
+  hold its bytes).
+
+The shared arena is registered with CUDA as page-locked memory
+(``cudaHostRegister``) so copies to and from it are DMA, not staged through
+a bounce buffer; it is unregistered before its mapping can go away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# cudaHostRegisterPortable: pinned for every CUDA context of the process.
+_HOST_REGISTER_PORTABLE = 1
+
+
+class DeviceCopies:
+    """Inline copies (CPU tensors). See the module docstring."""
+
+    asynchronous = False
+
+    def register_arena(self, arena: torch.Tensor) -> None:
+        """Make ``arena`` (uint8, CPU) a DMA target; no-op on the CPU."""
+
+    def unregister_arena(self) -> None:
+        """Undo :meth:`register_arena` before the mapping may be dropped."""
+
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        yield
+
+    def layer_loaded(self, layer: int) -> None:
+        """Copies for plan layer ``layer`` are queued."""
+
+    def wait_for_layer(self, layer: int) -> None:
+        """Make vLLM's compute wait until plan layer ``layer`` is loaded."""
+
+    def loads_done(self) -> None:
+        """Return once every queued load copy has finished (blocks on CUDA)."""
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Copies inside run after vLLM's forward pass and are done on exit."""
+        yield
+
+    def close(self) -> None:
+        self.unregister_arena()
+
+
+class CudaCopies(DeviceCopies):
+    """Copies on the connector's own CUDA stream, ordered with events."""
+
+    asynchronous = True
+
+    def __init__(self, device: torch.device, num_layers: int) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self._layer_events = [torch.cuda.Event() for _ in range(num_layers)]
+        self._loads_queued = False
+        self._registered: int | None = None  # data_ptr of the registered arena
+
+    def register_arena(self, arena: torch.Tensor) -> None:
+        self.unregister_arena()
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), _HOST_REGISTER_PORTABLE)
+        if int(err) != 0:
+            # Copies still work (staged by the driver), only slower.
+            logger.warning("kvstrata: cudaHostRegister of the arena failed (%s)", err)
+            return
+        self._registered = arena.data_ptr()
+
+    def unregister_arena(self) -> None:
+        if self._registered is not None:
+            torch.cuda.synchronize(self.device)  # nothing may still copy from it
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = None
+
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+        self._loads_queued = True
+
+    def layer_loaded(self, layer: int) -> None:
+        self._layer_events[layer].record(self.stream)
+
+    def wait_for_layer(self, layer: int) -> None:
+        if self._loads_queued:
+            torch.cuda.current_stream(self.device).wait_event(self._layer_events[layer])
+
+    def loads_done(self) -> None:
+        if self._loads_queued:
+            self._layer_events[-1].synchronize()
+            self._loads_queued = False
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            yield
+        self.stream.synchronize()
+
+
+def copies_for(device: torch.device, num_layers: int) -> DeviceCopies:
+    """The copy ordering for KV tensors on ``device``."""
+    if device.type == "cuda":
+        return CudaCopies(device, num_layers)
+    return DeviceCopies()
