@@ -161,20 +161,31 @@ def _per_manager_block(plan: CopyPlan, num_blocks: int) -> CopyPlan:
     )
 
 
+def _legacy_block_dim(kv: torch.Tensor, num_blocks: int | None) -> int:
+    dims = [d for d, n in enumerate(kv.shape) if n == num_blocks]
+    if num_blocks is None or len(dims) != 1:
+        raise UnsupportedLayoutError(
+            f"cannot tell the block dimension of a {tuple(kv.shape)} tensor for {num_blocks} blocks"
+        )
+    return dims[0]
+
+
 def detect_layout(
     kv_caches: dict[str, torch.Tensor],
     *,
     kv_cache_layout: str | None,
     blocks_per_chunk: int,
     num_blocks: int | None = None,
-    block_dim: int = 0,
+    block_dim: int | None = None,
 ) -> ChunkLayout:
     """Check the tensors and return the copy plan of one chunk.
 
     ``kv_cache_layout`` is vLLM's resolved layout name; each tensor's strides
     must follow it. With ``None`` (tensors of another vLLM generation, and
-    tests) the plan is read from the strides alone around ``block_dim``.
-    ``num_blocks`` is vLLM's block count when its kernels split blocks.
+    tests) the plan is read from the strides alone around ``block_dim``
+    (default: the one dimension of ``num_blocks`` entries, e.g. 1 for
+    FlashAttention's ``[2, B, N, H, D]``); vLLM's views have blocks on 0.
+    ``num_blocks`` is vLLM's block count (its kernels may split blocks).
     Raises :class:`UnsupportedLayoutError` naming what differs.
     """
     if not kv_caches:
@@ -187,6 +198,8 @@ def detect_layout(
             raise UnsupportedLayoutError(f"layer {name}: dtype or device differs from layer 0")
         if kv_cache_layout is not None:
             _check_view_order(name, kv, kv_cache_layout)
+    if block_dim is None:
+        block_dim = 0 if kv_cache_layout is not None else _legacy_block_dim(first, num_blocks)
     plan = plan_from_geometry([TensorGeometry.of(t) for t in tensors], block_dim)
     # Block-outermost layouts (BL.., BH..) interleave the layers inside each block.
     interleaved = kv_cache_layout is not None and kv_cache_layout.startswith("B")
