@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, str] = {
     "engine": "L1/L2 store and retrieve vs memcpy; lookup latency",
     "remote": "Valkey and S3 tiers vs the raw clients",
     "e2e": "vLLM-CPU TTFT cold vs L1/L2 hits vs vLLM's own prefix cache",
+    "transfer": "paged KV <-> chunk buffers (torch, csrc kernels) vs a plain copy",
 }
 
 

@@ -32,8 +32,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# cudaHostRegisterPortable: pinned for every CUDA context of the process.
-_HOST_REGISTER_PORTABLE = 1
+# cudaHostRegisterPortable | cudaHostRegisterMapped: pinned for every CUDA
+# context of the process, and addressable by kernels (zero-copy).
+_HOST_REGISTER_FLAGS = 1 | 2
 
 
 class DeviceCopies:
@@ -84,7 +85,7 @@ class CudaCopies(DeviceCopies):
     def register_arena(self, arena: torch.Tensor) -> None:
         self.unregister_arena()
         cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), _HOST_REGISTER_PORTABLE)
+        err = cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), _HOST_REGISTER_FLAGS)
         if int(err) != 0:
             # Copies still work (staged by the driver), only slower.
             logger.warning("kvstrata: cudaHostRegister of the arena failed (%s)", err)

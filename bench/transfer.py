@@ -1,0 +1,230 @@
+"""``kvstrata bench transfer``: paged KV <-> chunk buffers, against a plain copy.
+
+Shape: an 8B-like model (32 layers, 8 KV heads, head dim 128, bf16, block
+size 16, 256-token chunks: 32 MiB a chunk), laid out as vLLM does on GPUs
+(``LBNHC``, the per-layer default, and ``BLNHC``, cross-layer blocks).
+Each figure is the median of ``reps`` timed repetitions after a warm-up,
+over ``chunks`` chunks whose block ids are shuffled (vLLM's free list).
+
+* ``store``: paged blocks -> chunk buffers in pinned host memory;
+  ``load``: the reverse.
+* paths: ``torch`` (the connector's copier: one copy per layer and run of
+  consecutive blocks), ``kernel`` (the csrc library: all layers and chunks
+  in one launch; on CUDA straight into pinned host memory, "zero-copy"),
+  ``kernel-staging`` (CUDA: into a device buffer, then one
+  ``cudaMemcpyAsync`` to pinned host memory).
+* baseline, in the same run: one plain copy of the same number of bytes
+  between one contiguous buffer on the KV's device and pinned host memory
+  (CUDA: ``cudaMemcpyAsync``; CPU: memcpy). Ratio = path GB/s / baseline GB/s.
+* CUDA only, ``matmul_slowdown``: how much longer a bf16 matmul loop takes
+  while stores and loads run beside it on another stream.
+
+Without a GPU it runs on the CPU (torch and the host build of the kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+CHUNK_TOKENS = 256
+TARGET_VS_MEMCPY = 0.95
+
+
+def _params(quick: bool, cuda: bool) -> dict[str, Any]:
+    chunks = (2 if quick else 8) if cuda else (1 if quick else 2)
+    return {"chunks": chunks, "reps": 3 if quick else 7}
+
+
+def _timed(fn: Callable[[], None], sync: Callable[[], None], reps: int) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _case(layout: str, num_blocks: int, device: str) -> Any:
+    import torch
+
+    from kvstrata.connector.layout import detect_layout
+    from kvstrata.testing.kvlayouts import vllm_layers
+
+    case = vllm_layers(
+        layout,
+        num_layers=LAYERS,
+        num_blocks=num_blocks,
+        heads=HEADS,
+        tokens=BLOCK,
+        content=2 * HEAD_DIM,
+        dtype=torch.bfloat16,
+        device=device,
+    )
+    return detect_layout(
+        case.layers, kv_cache_layout=layout, blocks_per_chunk=CHUNK_TOKENS // BLOCK
+    )
+
+
+def _measure_layout(layout_name: str, params: dict[str, Any], device: str) -> dict[str, Any]:
+    import torch
+
+    from kvstrata.sidecar.transfer import kernels
+
+    cuda = device == "cuda"
+    per_chunk = CHUNK_TOKENS // BLOCK
+    chunks = params["chunks"]
+    num_blocks = chunks * per_chunk * 2  # room to load into other blocks
+    layout = _case(layout_name, num_blocks, device)
+    nbytes = layout.chunk_nbytes
+    total = nbytes * chunks
+    ids = list(range(num_blocks))
+    random.Random(0).shuffle(ids)
+    store_ids = ids[: chunks * per_chunk]
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
+    chunk_bufs = [host[c * nbytes : (c + 1) * nbytes] for c in range(chunks)]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    reps = params["reps"]
+    rows: dict[str, dict[str, float]] = {}
+
+    # Baseline: one plain copy of the same bytes, device buffer <-> pinned host.
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    base_store = _timed(lambda: host.copy_(flat, non_blocking=True), sync, reps)
+    base_load = _timed(lambda: flat.copy_(host, non_blocking=True), sync, reps)
+    rows["baseline"] = {
+        "store_gbps": total / base_store / 1e9,
+        "load_gbps": total / base_load / 1e9,
+    }
+
+    def by_chunk(op: Callable[[list[int], torch.Tensor], None]) -> Callable[[], None]:
+        def run() -> None:
+            for c, buf in enumerate(chunk_bufs):
+                op(store_ids[c * per_chunk : (c + 1) * per_chunk], buf)
+
+        return run
+
+    rows["torch"] = {
+        "store_gbps": total
+        / _timed(by_chunk(lambda b, buf: layout.copier.gather(b, buf)), sync, reps)
+        / 1e9,
+        "load_gbps": total
+        / _timed(by_chunk(lambda b, buf: layout.copier.scatter(buf, b)), sync, reps)
+        / 1e9,
+    }
+
+    lib = kernels.load_cuda() if cuda else kernels.load_host()
+    if lib is not None:
+        plan = layout.plan
+        # Pinned host memory from cudaHostAlloc is mapped at the same address
+        # for the device (unified virtual addressing on every 64-bit platform).
+        addresses = [b.data_ptr() for b in chunk_bufs]
+        stream = torch.cuda.current_stream() if cuda else 0
+        rows["kernel"] = {
+            "store_gbps": total
+            / _timed(lambda: lib.gather(plan, store_ids, addresses, per_chunk, stream), sync, reps)
+            / 1e9,
+            "load_gbps": total
+            / _timed(lambda: lib.scatter(plan, store_ids, addresses, per_chunk, stream), sync, reps)
+            / 1e9,
+        }
+        if cuda:
+            staging = torch.empty(total, dtype=torch.uint8, device=device)
+            stage_addr = [staging.data_ptr() + c * nbytes for c in range(chunks)]
+
+            def staged_store() -> None:
+                lib.gather(plan, store_ids, stage_addr, per_chunk, stream)
+                host.copy_(staging, non_blocking=True)
+
+            def staged_load() -> None:
+                staging.copy_(host, non_blocking=True)
+                lib.scatter(plan, store_ids, stage_addr, per_chunk, stream)
+
+            rows["kernel-staging"] = {
+                "store_gbps": total / _timed(staged_store, sync, reps) / 1e9,
+                "load_gbps": total / _timed(staged_load, sync, reps) / 1e9,
+            }
+    for name, row in rows.items():
+        if name != "baseline":
+            row["store_vs_baseline"] = row["store_gbps"] / rows["baseline"]["store_gbps"]
+            row["load_vs_baseline"] = row["load_gbps"] / rows["baseline"]["load_gbps"]
+    out: dict[str, Any] = {"chunk_bytes": nbytes, "chunks": chunks, "paths": rows}
+    if cuda and lib is not None:
+
+        def transfer() -> None:  # on the caller's (side) stream
+            side = torch.cuda.current_stream()
+            lib.gather(layout.plan, store_ids, addresses, per_chunk, side)
+            lib.scatter(layout.plan, store_ids, addresses, per_chunk, side)
+
+        out["matmul_slowdown"] = _matmul_slowdown(transfer, reps)
+    return out
+
+
+def _matmul_slowdown(transfer: Callable[[], None], reps: int) -> float:
+    """Time of a matmul loop while transfers run on another stream / time alone."""
+    import torch
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def matmuls() -> None:
+        for _ in range(20):
+            a @ a
+
+    alone = _timed(matmuls, torch.cuda.synchronize, reps)
+    side = torch.cuda.Stream()
+
+    def both() -> None:
+        with torch.cuda.stream(side):
+            transfer()
+        matmuls()
+
+    together = _timed(both, torch.cuda.synchronize, reps)
+    return together / alone
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    params = _params(bool(args.quick), cuda)
+    layouts = {name: _measure_layout(name, params, device) for name in ("LBNHC", "BLNHC")}
+    return {
+        "device": device,
+        "shape": {
+            "layers": LAYERS,
+            "kv_heads": HEADS,
+            "head_dim": HEAD_DIM,
+            "dtype": "bfloat16",
+            "block_size": BLOCK,
+            "chunk_tokens": CHUNK_TOKENS,
+        },
+        "params": params,
+        "target_vs_baseline": TARGET_VS_MEMCPY,
+        "layouts": layouts,
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"transfer on {result['device']} (8B-like shape, bf16, 256-token chunks), GB/s",
+        f"{'layout':8} {'path':16} {'store':>8} {'load':>8} {'store x':>8} {'load x':>8}",
+    ]
+    for name, layout in result["layouts"].items():
+        for path, row in layout["paths"].items():
+            lines.append(
+                f"{name:8} {path:16} {row['store_gbps']:8.2f} {row['load_gbps']:8.2f} "
+                f"{row.get('store_vs_baseline', 1.0):8.2f} {row.get('load_vs_baseline', 1.0):8.2f}"
+            )
+        if "matmul_slowdown" in layout:
+            lines.append(
+                f"{name:8} matmul slowdown while transferring: {layout['matmul_slowdown']:.2f}x"
+            )
+    return "\n".join(lines)
