@@ -19,6 +19,7 @@ import torch
 from kvstrata.sidecar.transfer.kernels import TransferLibrary, load_host
 from kvstrata.sidecar.transfer.plan import CopyPlan, TensorGeometry, plan_from_geometry
 from kvstrata.testing import chunkref
+from kvstrata.testing.chunkref import POISON, ChunkArena, random_block_ids
 from kvstrata.testing.kvlayouts import (
     DTYPES,
     VLLM_LAYOUTS,
@@ -30,31 +31,6 @@ from kvstrata.testing.kvlayouts import (
     vllm_layers,
 )
 
-POISON = 0xA5
-GUARD = 64  # poisoned bytes before and between chunk buffers
-
-
-def padded_unaligned_layers(dtype: torch.dtype, *, seed: int = 0) -> KVLayoutCase:
-    """LBNHC per-layer views whose blocks and layers are padded and whose buffer
-    starts one element past a 16-byte boundary: no access wider than the dtype fits."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    layers, blocks, heads, tokens, content = 3, 12, 2, 16, 40 * itemsize
-    page = heads * tokens * content
-    block_stride = page + 48
-    layer_stride = blocks * block_stride + 16
-    strides = (layer_stride, block_stride, content, heads * content, 1)  # N outside H
-    raw = torch.empty(itemsize + layers * layer_stride, dtype=torch.int8)
-    gen = torch.Generator().manual_seed(seed)
-    raw.view(torch.uint8).copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
-    views = {
-        f"model.layers.{i}.self_attn.attn": torch.as_strided(
-            raw, (blocks, heads, tokens, content), strides[1:], itemsize + i * layer_stride
-        ).view(dtype)
-        for i in range(layers)
-    }
-    return KVLayoutCase(f"padded-LBNHC-{dtype}", views, 0, "LBNHC", blocks)
-
-
 BUILDERS: dict[str, Callable[..., KVLayoutCase]] = {
     **{f"vllm-{name}": partial(vllm_layers, name) for name in VLLM_LAYOUTS},
     "flash-attn-nhd": partial(flash_attn_layers, False),
@@ -63,7 +39,7 @@ BUILDERS: dict[str, Callable[..., KVLayoutCase]] = {
     "flashinfer-hnd": partial(flashinfer_layers, True),
     "mla": mla_layers,
     "vllm-cpu-legacy": cpu_legacy_layers,
-    "padded-unaligned": padded_unaligned_layers,
+    "padded-unaligned": chunkref.padded_unaligned_layers,
 }
 DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
 
@@ -83,36 +59,6 @@ def plan_of(case: KVLayoutCase, coalesced: bool) -> CopyPlan:
     return plan.coalesced() if coalesced else plan
 
 
-class Arena:
-    """Chunk buffers in one poisoned byte tensor, out of order and apart."""
-
-    def __init__(self, num_chunks: int, chunk_nbytes: int, seed: int = 0) -> None:
-        self.chunk_nbytes = chunk_nbytes
-        self.buf = torch.full(
-            (GUARD + num_chunks * (chunk_nbytes + GUARD),), POISON, dtype=torch.uint8
-        )
-        slots = torch.randperm(num_chunks, generator=torch.Generator().manual_seed(seed)).tolist()
-        self.offsets = [GUARD + s * (chunk_nbytes + GUARD) for s in slots]
-
-    @property
-    def addresses(self) -> list[int]:
-        return [self.buf.data_ptr() + off for off in self.offsets]
-
-    def chunk(self, c: int) -> torch.Tensor:
-        return self.buf[self.offsets[c] : self.offsets[c] + self.chunk_nbytes]
-
-
-def chunk_ids(
-    num_blocks: int, chunks: int, per_chunk: int, seed: int, skip: tuple[int, ...]
-) -> list[int]:
-    """Distinct, non-consecutive random block ids; positions in ``skip`` are -1."""
-    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-    ids = perm[: chunks * per_chunk]
-    for pos in skip:
-        ids[pos] = -1
-    return ids
-
-
 # Three chunks of four blocks; chunk 0 and chunk 1 skip their leading block (a
 # load after vLLM's prefix cache), chunk 2 skips one in the middle.
 CHUNKS, PER_CHUNK, SKIP = 3, 4, (0, 4, 10)
@@ -126,17 +72,17 @@ def test_gather_writes_every_chunk_in_chunk_order_and_no_other_byte(
 ) -> None:
     case = BUILDERS[layout](dtype=dtype, seed=1)
     plan = plan_of(case, coalesced)
-    ids = chunk_ids(case.num_blocks, CHUNKS, PER_CHUNK, seed=2, skip=SKIP)
-    arena = Arena(CHUNKS, plan.chunk_nbytes(PER_CHUNK))
+    ids = random_block_ids(case.num_blocks, CHUNKS * PER_CHUNK, seed=2, skip=SKIP)
+    arena = ChunkArena(CHUNKS, plan.chunk_nbytes(PER_CHUNK))
     before = [s.clone() for s in chunkref.storage_bytes(list(case.layers.values()))]
 
     lib.gather(plan, ids, arena.addresses, PER_CHUNK)
 
-    expected = torch.full_like(arena.buf, POISON)
-    for c in range(CHUNKS):
-        got = chunkref.chunk_bytes(case, ids[c * PER_CHUNK : (c + 1) * PER_CHUNK], POISON)
-        expected[arena.offsets[c] : arena.offsets[c] + arena.chunk_nbytes] = got
-    assert torch.equal(arena.buf, expected)
+    chunks = [
+        chunkref.chunk_bytes(case, ids[c * PER_CHUNK : (c + 1) * PER_CHUNK], POISON)
+        for c in range(CHUNKS)
+    ]
+    assert torch.equal(arena.buf, arena.expected_after_gather(chunks))
     for after, old in zip(chunkref.storage_bytes(list(case.layers.values())), before, strict=True):
         assert torch.equal(after, old)  # a gather never writes the pages
 
@@ -150,9 +96,9 @@ def test_scatter_writes_the_named_blocks_and_no_other_byte(
     source = BUILDERS[layout](dtype=dtype, seed=3)
     target = BUILDERS[layout](dtype=dtype, seed=4)
     plan = plan_of(target, coalesced)
-    src_ids = chunk_ids(source.num_blocks, CHUNKS, PER_CHUNK, seed=5, skip=())
-    dst_ids = chunk_ids(target.num_blocks, CHUNKS, PER_CHUNK, seed=6, skip=SKIP)
-    arena = Arena(CHUNKS, plan.chunk_nbytes(PER_CHUNK), seed=7)
+    src_ids = random_block_ids(source.num_blocks, CHUNKS * PER_CHUNK, seed=5)
+    dst_ids = random_block_ids(target.num_blocks, CHUNKS * PER_CHUNK, seed=6, skip=SKIP)
+    arena = ChunkArena(CHUNKS, plan.chunk_nbytes(PER_CHUNK), seed=7)
     chunks = [
         chunkref.chunk_bytes(source, src_ids[c * PER_CHUNK : (c + 1) * PER_CHUNK], POISON)
         for c in range(CHUNKS)
@@ -183,7 +129,7 @@ def test_a_gathered_batch_scatters_into_other_blocks_byte_for_byte(
     plan = plan_of(case, coalesced=True)
     perm = torch.randperm(case.num_blocks, generator=torch.Generator().manual_seed(9)).tolist()
     src, dst = perm[:6], perm[6:]
-    arena = Arena(2, plan.chunk_nbytes(3))
+    arena = ChunkArena(2, plan.chunk_nbytes(3))
     layers = list(case.layers.values())
     before = chunkref.clone_layers(layers)
 

@@ -1,5 +1,9 @@
 """The bytes a chunk must hold, written with plain torch indexing, for tests of any copier.
 
+Also the harness around it: poisoned chunk buffers (:class:`ChunkArena`),
+random block ids, and one layout kvlayouts does not build (padded pages at
+an unaligned address, :func:`padded_unaligned_layers`).
+
 Why a second description of the chunk format: the copiers (torch, CUDA
 kernels, their host build) all derive their byte offsets from a
 :class:`~kvstrata.sidecar.transfer.plan.CopyPlan` read from strides, so a
@@ -25,6 +29,9 @@ import torch
 
 from kvstrata.testing.kvlayouts import KVLayoutCase
 
+POISON = 0xA5  # what untouched bytes of chunk buffers hold
+GUARD = 64  # poisoned bytes before and between chunk buffers
+
 # Dimensions of one layer's tensor (block dimension left out) from the outermost
 # to the innermost in memory. vLLM >= 0.32 per-layer views are [B, H, N, C]; the
 # legacy shapes are those of kvlayouts' builders.
@@ -41,6 +48,7 @@ PAGE_ORDER: dict[str, tuple[int, ...]] = {
     "flashinfer-hnd": (1, 3, 2, 4),  # [B, 2, N, H, D] stored as [B, 2, H, N, D]
     "mla": (1, 2),  # [B, N, latent]
     "vllm-cpu-legacy": (1, 2, 3),  # [B, H, N, 2D]
+    "padded-LBNHC": (2, 1, 3),  # padded_unaligned_layers: LBNHC views
 }
 
 # Layouts whose chunks are block-outer: a block's pages of all layers are one region.
@@ -136,3 +144,71 @@ def storage_bytes(layers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             flat = torch.empty(0, dtype=torch.uint8, device=t.device)
             seen[storage.data_ptr()] = flat.set_(storage)
     return list(seen.values())
+
+
+def padded_unaligned_layers(
+    dtype: torch.dtype, *, device: str = "cpu", seed: int = 0
+) -> KVLayoutCase:
+    """LBNHC per-layer views whose blocks and layers are padded (48 and 16 bytes) and
+    whose buffer starts one element past a 16-byte boundary, so no access wider than
+    the dtype fits every address."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    layers, blocks, heads, tokens, content = 3, 12, 2, 16, 40 * itemsize
+    page = heads * tokens * content
+    block_stride = page + 48
+    layer_stride = blocks * block_stride + 16
+    strides = (block_stride, content, heads * content, 1)  # tokens outside heads
+    raw = torch.empty(itemsize + layers * layer_stride, dtype=torch.int8)
+    gen = torch.Generator().manual_seed(seed)
+    raw.view(torch.uint8).copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+    raw = raw.to(device)
+    views = {
+        f"model.layers.{i}.self_attn.attn": torch.as_strided(
+            raw, (blocks, heads, tokens, content), strides, itemsize + i * layer_stride
+        ).view(dtype)
+        for i in range(layers)
+    }
+    return KVLayoutCase(f"padded-LBNHC-{dtype}", views, 0, None, blocks)
+
+
+def random_block_ids(num_blocks: int, count: int, seed: int, skip: Sequence[int] = ()) -> list[int]:
+    """``count`` distinct, non-consecutive random block ids; positions in ``skip`` are -1."""
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    ids = perm[:count]
+    for pos in skip:
+        ids[pos] = -1
+    return ids
+
+
+class ChunkArena:
+    """Chunk buffers inside one poisoned byte tensor, out of order and :data:`GUARD` apart.
+
+    ``pinned``: page-locked host memory (the GPU reaches it over PCIe, zero-copy).
+    """
+
+    def __init__(
+        self, num_chunks: int, chunk_nbytes: int, *, device: str = "cpu", pinned: bool = False,
+        seed: int = 0,
+    ) -> None:  # fmt: skip
+        self.chunk_nbytes = chunk_nbytes
+        size = GUARD + num_chunks * (chunk_nbytes + GUARD)
+        self.buf = torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pinned)
+        self.buf.fill_(POISON)
+        slots = torch.randperm(num_chunks, generator=torch.Generator().manual_seed(seed)).tolist()
+        self.offsets = [GUARD + s * (chunk_nbytes + GUARD) for s in slots]
+
+    @property
+    def addresses(self) -> list[int]:
+        """Each chunk's byte address (host or device, as the buffer is)."""
+        return [self.buf.data_ptr() + off for off in self.offsets]
+
+    def chunk(self, c: int) -> torch.Tensor:
+        """Chunk ``c`` as a byte view."""
+        return self.buf[self.offsets[c] : self.offsets[c] + self.chunk_nbytes]
+
+    def expected_after_gather(self, chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The whole arena once ``chunks[c]`` is in chunk ``c`` and nothing else changed."""
+        expected = torch.full_like(self.buf, POISON)
+        for c, data in enumerate(chunks):
+            expected[self.offsets[c] : self.offsets[c] + self.chunk_nbytes] = data
+        return expected
