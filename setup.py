@@ -23,6 +23,7 @@ import importlib.util
 import os
 import shutil
 import sys
+import types
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -31,7 +32,8 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 
 
-def _load_recipe():  # noqa: ANN202 - a module loaded by path
+def _load_recipe() -> types.ModuleType:
+    """csrc_build.py, loaded by path: the package is not importable while it is built."""
     spec = importlib.util.spec_from_file_location(
         "_kvstrata_csrc_build", ROOT / "sidecar" / "transfer" / "csrc_build.py"
     )
@@ -77,6 +79,9 @@ class BuildCSrc(build_ext):
     def _build_library(self, ext: CSrcLibrary) -> bool:
         kind = ext.library.kind
         mode = os.environ.get(f"KVSTRATA_BUILD_{kind.upper()}", "auto").lower()
+        target = Path(self.get_ext_fullpath(ext.name))
+        # A library left in the build tree by an earlier build must not ship instead.
+        target.unlink(missing_ok=True)
         if mode == "0":
             print(f"kvstrata: {ext.library.filename} skipped (KVSTRATA_BUILD_{kind.upper()}=0)")
             return False
@@ -87,7 +92,6 @@ class BuildCSrc(build_ext):
                 raise
             print(f"kvstrata: {ext.library.filename} not built: {exc}", file=sys.stderr)
             return False
-        target = Path(self.get_ext_fullpath(ext.name))
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, target)
         print(f"kvstrata: {ext.library.filename} <- {path.name}")

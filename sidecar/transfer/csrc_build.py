@@ -129,9 +129,12 @@ def cuda_archs(nvcc: str) -> list[str]:
     explicit = os.environ.get("KVSTRATA_CUDA_ARCHS")
     if explicit:
         return [a.strip() for a in explicit.replace(",", ";").split(";") if a.strip()]
-    out = subprocess.run(
-        [nvcc, "--list-gpu-code"], capture_output=True, text=True, check=False
-    ).stdout
+    try:
+        out = subprocess.run(
+            [nvcc, "--list-gpu-code"], capture_output=True, text=True, check=False
+        ).stdout
+    except OSError as exc:
+        raise CSrcBuildError(f"cannot run {nvcc}: {exc}") from None
     known = {line.strip().removeprefix("sm_") for line in out.split()}
     archs = [a for a in DEFAULT_ARCHS if a in known]
     if not archs:
@@ -197,7 +200,10 @@ def build(library: Library, csrc: Path, into: Path | None = None) -> Path:
     tmp = Path(tmp_name)
     try:
         command = [str(tmp) if a == placeholder else a for a in command]
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+        except OSError as exc:
+            raise CSrcBuildError(f"cannot run {command[0]}: {exc}") from None
         if done.returncode != 0:
             raise CSrcBuildError(
                 f"building {library.filename} failed ({done.returncode}): {' '.join(command)}\n"
