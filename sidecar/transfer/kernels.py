@@ -114,6 +114,8 @@ class TransferLibrary:
         For chunk ``c`` and position ``p``, block ``block_ids[c * P + p]`` of
         every layer lands at ``chunk_addresses[c]`` in the plan's chunk order;
         a negative id leaves that position's bytes of the chunk untouched.
+        Each chunk buffer holds ``plan.chunk_nbytes(blocks_per_chunk)`` bytes
+        and overlaps no page (neither can be checked from raw addresses).
         CUDA: runs on ``stream`` (an integer ``cudaStream_t``, or an object
         with ``.cuda_stream`` such as a ``torch.cuda.Stream``; 0 is the legacy
         default stream) on the current device and returns once launched: the
