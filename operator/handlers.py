@@ -6,6 +6,11 @@ decisions live in :mod:`~kvstrata.operator.reconcile` and
 :func:`register` (called from ``kvstrata operator``), never at import, so
 importing this module has no side effect.
 
+kopf's connection to the API server comes from :func:`login`, the same
+configuration :class:`~kvstrata.operator.kube.KubeCluster` uses: kopf only
+brings login handlers of its own on the registry it builds itself, and
+:func:`register` fills a fresh one.
+
 Shared state lives in kopf's ``memo`` (set up by :func:`configure`):
 ``memo.cluster`` (a :class:`~kvstrata.operator.reconcile.Cluster`) and
 ``memo.options`` (the parsed command line), and optionally
@@ -24,6 +29,7 @@ from typing import Any
 import jsonpatch
 import kopf
 
+from kvstrata.operator import kube
 from kvstrata.operator import spec as S
 from kvstrata.operator.mutate import mutate_pod
 from kvstrata.operator.reconcile import Outcome, reconcile
@@ -54,6 +60,43 @@ class NamespacedWebhookServer(kopf.WebhookServer):
 
         async for client_config in super().__call__(with_namespace):
             yield client_config
+
+
+def login(logger: logging.Logger, **_: Any) -> kopf.ConnectionInfo:
+    """Login: kopf's credentials, from :func:`kvstrata.operator.kube.client_configuration`.
+
+    Called by kopf at startup and again whenever the API server answers 401,
+    so a rotated service-account token or an expired exec credential is
+    fetched afresh. Raises ``kubernetes.config.ConfigException`` when no
+    cluster is configured.
+    """
+    configuration = kube.client_configuration()
+    logger.debug("logging in to %s", configuration.host)
+    return connection_info(configuration)
+
+
+def connection_info(configuration: Any) -> kopf.ConnectionInfo:
+    """kopf's view of a ``kubernetes.client.Configuration``: server, CA, credentials.
+
+    The bearer token (kubeconfig token or token file, exec plugin, service
+    account) or basic-auth header comes from ``get_api_key_with_prefix``,
+    which runs the client's refresh hook first; client certificates are the
+    files the client wrote (inline ``*-data`` and exec-plugin certificates
+    become temporary files that live as long as the process).
+    """
+    header = configuration.get_api_key_with_prefix("BearerToken") or ""
+    scheme, _, token = header.partition(" ") if " " in header else ("", "", header)
+    if scheme.lower() == "bearer":
+        scheme = "Bearer"  # the in-cluster loader writes "bearer"
+    return kopf.ConnectionInfo(
+        server=configuration.host,
+        ca_path=configuration.ssl_ca_cert or None,
+        insecure=not configuration.verify_ssl,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=configuration.cert_file or None,
+        private_key_path=configuration.key_file or None,
+    )
 
 
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
@@ -180,8 +223,9 @@ def _raw(body: Any) -> dict[str, Any]:
 
 
 def register(registry: kopf.OperatorRegistry, webhook: bool = True) -> None:
-    """Attach every handler to ``registry`` (the admission one only with ``webhook``)."""
+    """Attach every handler, login included, to ``registry`` (admission only with ``webhook``)."""
     kvcaches = dict(group=S.GROUP, version=S.VERSION, plural=S.PLURAL, registry=registry)
+    kopf.on.login(registry=registry, id="kubeconfig-or-service-account")(login)
     kopf.on.startup(registry=registry)(configure)
     kopf.on.startup(registry=registry)(manage_certificate)
     for on in (kopf.on.create, kopf.on.update, kopf.on.resume):

@@ -6,19 +6,31 @@ this adapter speaks raw JSON through the ``kubernetes`` client's transport
 Writes are server-side apply with field manager ``kvstrata-operator`` and
 ``force=true``: applying the same object twice changes nothing, and fields
 other managers own (``status``, defaults) are left alone.
+
+Where the API server and the credentials come from is decided once, by
+:func:`client_configuration`, for this adapter and for kopf's own
+connection alike (``handlers.login``): the kubeconfig files kubectl would
+read when there are any, else the pod's service account.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import urllib.parse
 from collections.abc import Mapping
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kubernetes.client import Configuration
 
 logger = logging.getLogger(__name__)
 
 FIELD_MANAGER = "kvstrata-operator"
+# Where Kubernetes mounts a pod's service account (token, ca.crt, namespace).
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 # (apiVersion, kind) -> (plural, namespaced)
 KINDS: dict[tuple[str, str], tuple[str, bool]] = {
@@ -52,18 +64,94 @@ def resource_path(api_version: str, kind: str, namespace: str | None, name: str 
     return "".join(parts)
 
 
+def kubeconfig_paths() -> list[Path]:
+    """The kubeconfig files kubectl reads: ``$KUBECONFIG``'s list, else ``~/.kube/config``.
+
+    Read at each call (the kubernetes package reads ``$KUBECONFIG`` once, at
+    import). Files that do not exist are included; callers check.
+    """
+    listed = os.environ.get("KUBECONFIG", "")
+    if listed:
+        return [Path(p).expanduser() for p in listed.split(os.pathsep) if p]
+    return [Path("~/.kube/config").expanduser()]
+
+
+def in_cluster(service_account_dir: Path | None = None) -> bool:
+    """Does this process run in a pod with a service account (env and token file)?"""
+    directory = service_account_dir or SERVICE_ACCOUNT_DIR
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and (directory / "token").is_file()
+
+
+def cluster_configured() -> bool:
+    """Is any cluster configured at all: a kubeconfig file, or a service account?"""
+    return any(p.is_file() for p in kubeconfig_paths()) or in_cluster()
+
+
+def client_configuration(service_account_dir: Path | None = None) -> Configuration:
+    """A fresh client configuration for the cluster this process is pointed at.
+
+    Like kubectl (client-go's loading rules): the kubeconfig files when any
+    exists, with everything a kubeconfig can hold (token or token file,
+    client certificate and key, as files or inline data, exec plugins,
+    basic auth); else the pod's service account (``service_account_dir``,
+    default :data:`SERVICE_ACCOUNT_DIR`), whose token is re-read as it
+    rotates. The process-wide default configuration is left alone.
+
+    Raises ``kubernetes.config.ConfigException`` when neither is there or
+    the kubeconfig is unusable.
+    """
+    from kubernetes import client, config
+    from kubernetes.config.incluster_config import InClusterConfigLoader
+
+    configuration = client.Configuration()
+    existing = [str(p) for p in kubeconfig_paths() if p.is_file()]
+    if existing:
+        config.load_kube_config(
+            config_file=os.pathsep.join(existing), client_configuration=configuration
+        )
+        _strip_token(configuration)
+        return configuration
+    directory = service_account_dir or SERVICE_ACCOUNT_DIR
+    try:
+        loader = InClusterConfigLoader(
+            token_filename=str(directory / "token"), cert_filename=str(directory / "ca.crt")
+        )
+        loader.load_and_set(configuration)
+    except config.ConfigException as exc:
+        raise config.ConfigException(
+            f"no kubeconfig ({', '.join(str(p) for p in kubeconfig_paths())}) "
+            f"and not in a pod with a service account ({exc})"
+        ) from None
+    return configuration
+
+
+def _strip_token(configuration: Configuration) -> None:
+    """Trim the token after every refresh, as kubectl does.
+
+    The client keeps a ``tokenFile``'s trailing newline, and an HTTP header
+    cannot carry one. Its refresh hook (run before each request) rewrites the
+    token, so the trim wraps the hook.
+    """
+    refresh = configuration.refresh_api_key_hook
+
+    def refresh_and_strip(target: Configuration) -> None:
+        if refresh is not None:
+            refresh(target)
+        token = target.api_key.get("BearerToken")
+        if isinstance(token, str):
+            target.api_key["BearerToken"] = token.strip()
+
+    configuration.refresh_api_key_hook = refresh_and_strip
+
+
 class KubeCluster:
     """:class:`kvstrata.operator.reconcile.Cluster` over a real API server."""
 
     def __init__(self, api_client: Any | None = None) -> None:
-        from kubernetes import client, config
+        from kubernetes import client
 
         if api_client is None:
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-            api_client = client.ApiClient()
+            api_client = client.ApiClient(client_configuration())
         self.api = api_client
 
     def _call(
