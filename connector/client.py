@@ -41,6 +41,7 @@ from typing import Any
 
 import zmq
 
+from kvstrata.sidecar import liveness
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.keys import ChunkKey, Namespace
 
@@ -131,6 +132,7 @@ class SidecarClient:
         role: str,
         call_timeout_s: float = 0.5,
         client_id: str | None = None,
+        transfer_mode: str = "host",
     ) -> None:
         self.endpoint = endpoint
         self.namespace = namespace
@@ -152,6 +154,11 @@ class SidecarClient:
         self._retry_at = 0.0
         self._closed = False
         self._ever_sent = False  # whether this socket was ever connected
+        self.requested_mode = transfer_mode
+        self._granted_mode = "host"
+        self._kv_registration: p.RegisterKVRequest | None = None
+        self._ipc_refused_logged = False
+        self._live: socket.socket | None = None  # liveness connection (ipc:// only)
 
     # -- properties -----------------------------------------------------------
 
@@ -165,6 +172,23 @@ class SidecarClient:
     def epoch(self) -> int:
         """Bumps on every (re)connect and re-map; slots of an older epoch are void."""
         return self._epoch
+
+    @property
+    def transfer_mode(self) -> str:
+        """``ipc`` while the sidecar serves this client's registered KV by block
+        ids, else ``host`` (copies through the arena). Changes only at a HELLO."""
+        return self._granted_mode
+
+    def register_kv(self, body: p.RegisterKVRequest) -> None:
+        """Share the KV tensors for ipc mode: sent now and after every re-HELLO.
+
+        When the sidecar refuses (no GPU it can see, bad handles), the client
+        stays in host mode, says why once and counts ``ipc_fallback``.
+        """
+        with self._lock:
+            self._kv_registration = body
+            if self._connected and self._granted_mode == "ipc":
+                self._send_registration(time.monotonic() + self.call_timeout_s)
 
     def available(self) -> bool:
         """Connected now, as of the last call (no I/O)."""
@@ -239,6 +263,44 @@ class SidecarClient:
         reply = self._call(p.END_REQUEST, p.EndRequestRequest(owner=owner))
         return isinstance(reply, p.CountReply)
 
+    def save_blocks(
+        self,
+        keys: Sequence[ChunkKey],
+        block_ids: Sequence[Sequence[int]],
+        after_event: bytes | None,
+        owner: str,
+    ) -> list[bool] | None:
+        """ipc mode: the sidecar copies these blocks (after ``after_event``) and
+        stores them; one bool per key (False: skipped or failed)."""
+        body = p.SaveBlocksRequest(
+            keys=list(keys),
+            block_ids=[[int(b) for b in ids] for ids in block_ids],
+            after_event=after_event,
+            owner=owner,
+        )
+        reply = self._call(p.SAVE_BLOCKS, body)
+        if not isinstance(reply, p.CommitStoreReply):
+            return None
+        committed = list(reply.committed or [])
+        if len(committed) != len(keys):
+            return self._bad_reply(p.SAVE_BLOCKS, "wrong number of results")
+        return committed
+
+    def load_blocks(
+        self, keys: Sequence[ChunkKey], block_ids: Sequence[Sequence[int]], owner: str
+    ) -> int | None:
+        """ipc mode: the sidecar copies the longest stored prefix of ``keys``
+        into these blocks; how many chunks it loaded (done when this returns)."""
+        body = p.LoadBlocksRequest(
+            keys=list(keys), block_ids=[[int(b) for b in ids] for ids in block_ids], owner=owner
+        )
+        reply = self._call(p.LOAD_BLOCKS, body)
+        if not isinstance(reply, p.LoadBlocksReply):
+            return None
+        if reply.loaded > len(keys):
+            return self._bad_reply(p.LOAD_BLOCKS, "more chunks loaded than asked for")
+        return reply.loaded
+
     def ping(self) -> bool:
         reply = self._call(p.PING, p.PingRequest())
         return isinstance(reply, p.PingReply)
@@ -253,6 +315,7 @@ class SidecarClient:
             self._closed = True
             self._connected = False
             self._drop_socket()
+            self._close_live()
             if self._arena is not None:
                 self._arena.close()
                 self._arena = None
@@ -324,7 +387,7 @@ class SidecarClient:
             role=self.role,
             fingerprint=self.fingerprint,
             namespace=_namespace_map(self.namespace),
-            transfer_mode="host",
+            transfer_mode=self.requested_mode,
             pid=os.getpid(),
         )
         reply = self._roundtrip(p.HELLO, hello, deadline)
@@ -350,8 +413,48 @@ class SidecarClient:
         self._connected = True
         self._backoff_s = BACKOFF_MIN_S
         self._retry_at = 0.0
-        logger.info("connected to sidecar %s (epoch %d)", self.endpoint, self._epoch)
+        self._open_live(reply.session_id)
+        self._granted_mode = reply.transfer_mode
+        if self.requested_mode == "ipc" and reply.transfer_mode != "ipc":
+            self._ipc_fallback(reply.fallback_reason or "not served")
+        elif self._granted_mode == "ipc" and self._kv_registration is not None:
+            self._send_registration(deadline)
+        logger.info(
+            "connected to sidecar %s (epoch %d, %s mode)",
+            self.endpoint,
+            self._epoch,
+            self._granted_mode,
+        )
         return True
+
+    def _send_registration(self, deadline: float) -> None:
+        body = self._kv_registration
+        assert body is not None  # callers check
+        reply = self._roundtrip(p.REGISTER_KV, body, deadline)
+        if not isinstance(reply, p.RegisterKVReply):
+            why = reply.message if isinstance(reply, p.ErrorReply) else "no answer"
+            self._granted_mode = "host"
+            self._ipc_fallback(f"REGISTER_KV refused: {why}")
+
+    def _ipc_fallback(self, why: str) -> None:
+        self._count("ipc_fallback")
+        if not self._ipc_refused_logged:
+            self._ipc_refused_logged = True
+            logger.warning("kvstrata: ipc transfer mode unavailable (%s); using host mode", why)
+
+    def _open_live(self, session_id: str) -> None:
+        """Hold the sidecar's liveness connection for this session (ipc:// only)."""
+        self._close_live()
+        if self.endpoint.startswith("ipc://"):
+            self._live = liveness.connect(
+                liveness.liveness_path(self.endpoint[len("ipc://") :]), session_id
+            )
+
+    def _close_live(self) -> None:
+        if self._live is not None:
+            with contextlib.suppress(OSError):
+                self._live.close()
+            self._live = None
 
     def _back_off(self) -> None:
         self._connected = False

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from kvstrata.sidecar.config import SidecarConfig
     from kvstrata.sidecar.engine import Slot, StorageManager
     from kvstrata.sidecar.metrics import ServerMetrics
+    from kvstrata.sidecar.transfer.ipc import IpcTransfers
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,8 @@ logger = logging.getLogger(__name__)
 # into L1), which must never stall the server loop. LOOKUP joins them when
 # a shared tier is configured (its existence checks are network calls); a
 # local lookup is cheaper than the hop to a worker thread.
-POOLED_OPS = frozenset({p.PREPARE_RETRIEVE})
-POOLED_OPS_REMOTE = frozenset({p.PREPARE_RETRIEVE, p.LOOKUP})
+POOLED_OPS = frozenset({p.PREPARE_RETRIEVE, p.SAVE_BLOCKS, p.LOAD_BLOCKS})
+POOLED_OPS_REMOTE = POOLED_OPS | {p.LOOKUP}
 
 
 def _slot_info(slot: Slot) -> p.SlotInfo:
@@ -58,14 +59,17 @@ class Handlers:
         metrics: ServerMetrics,
         config: SidecarConfig,
         server_version: str,
-        transfer_modes: frozenset[str],
+        ipc: IpcTransfers | None = None,
+        ipc_unavailable: str = "ipc mode is not enabled",
     ) -> None:
         self.engine = engine
         self.sessions = sessions
         self.metrics = metrics
         self.config = config
         self.server_version = server_version
-        self.transfer_modes = transfer_modes
+        self.ipc = ipc
+        self.ipc_unavailable = ipc_unavailable
+        self.transfer_modes = frozenset({"host", "ipc"} if ipc is not None else {"host"})
         self._table = {
             p.LOOKUP: self._lookup,
             p.PREPARE_STORE: self._prepare_store,
@@ -74,6 +78,9 @@ class Handlers:
             p.RELEASE: self._release,
             p.END_REQUEST: self._end_request,
             p.STATS: self._stats,
+            p.REGISTER_KV: self._register_kv,
+            p.SAVE_BLOCKS: self._save_blocks,
+            p.LOAD_BLOCKS: self._load_blocks,
         }
 
     def handle(self, request: p.Request, session: Session | None, identity: bytes) -> p.Message:
@@ -92,6 +99,8 @@ class Handlers:
             released += self.engine.release_owner(owner_key)
             self.sessions.drop_owner(owner_key)
         self.sessions.drop_session_leases(session)
+        if self.ipc is not None:
+            self.ipc.close(session.session_id)
         logger.info(
             "client %s (pid %s) gone: %d leases reclaimed", session.client_id, session.pid, released
         )
@@ -100,15 +109,19 @@ class Handlers:
     # -- ops ----------------------------------------------------------------
 
     def _hello(self, body: p.HelloRequest, identity: bytes) -> p.HelloReply:
-        if body.transfer_mode not in self.transfer_modes:
+        # A client that asks for ipc where it cannot be served gets host mode
+        # and the reason (it falls back and says so once); other modes are errors.
+        mode, fallback = body.transfer_mode, ""
+        if mode == "ipc" and mode not in self.transfer_modes:
+            mode, fallback = "host", self.ipc_unavailable
+            self.metrics.errors.labels(kind="ipc_fallback").inc()
+        if mode not in self.transfer_modes:
             raise p.ProtocolError(
                 p.E_UNSUPPORTED,
                 f"field 'transfer_mode': {body.transfer_mode!r} is not served here "
                 f"(served: {sorted(self.transfer_modes)})",
             )
-        session, replaced = self.sessions.open(
-            body.client_id, body.role, body.pid, body.transfer_mode, identity
-        )
+        session, replaced = self.sessions.open(body.client_id, body.role, body.pid, mode, identity)
         for old in replaced:
             self.reclaim(old)
         logger.info(
@@ -125,8 +138,9 @@ class Handlers:
             arena_size=arena.size,
             chunk_size=self.config.chunk_size,
             server_version=self.server_version,
-            transfer_mode=body.transfer_mode,
+            transfer_mode=mode,
             lease_seconds=self.config.server.lease_seconds,
+            fallback_reason=fallback,
         )
 
     def _lookup(self, body: p.LookupRequest, session: Session) -> p.LookupReply:
@@ -206,6 +220,26 @@ class Handlers:
         released = self.engine.release_owner(owner_key)
         self.sessions.drop_owner(owner_key)
         return p.CountReply(released=int(released))
+
+    # -- ipc mode -------------------------------------------------------------
+
+    def _ipc_session(self, session: Session) -> IpcTransfers:
+        if self.ipc is None or session.transfer_mode != "ipc":
+            raise p.ProtocolError(
+                p.E_UNSUPPORTED, f"this session is in {session.transfer_mode} transfer mode"
+            )
+        return self.ipc
+
+    def _register_kv(self, body: p.RegisterKVRequest, session: Session) -> p.RegisterKVReply:
+        return self._ipc_session(session).register(session.session_id, body)
+
+    def _save_blocks(self, body: p.SaveBlocksRequest, session: Session) -> p.CommitStoreReply:
+        ipc = self._ipc_session(session)
+        return ipc.save(session.session_id, body, session.owner_key(body.owner))
+
+    def _load_blocks(self, body: p.LoadBlocksRequest, session: Session) -> p.LoadBlocksReply:
+        ipc = self._ipc_session(session)
+        return ipc.load(session.session_id, body, session.owner_key(body.owner))
 
     def _ping(self, body: p.PingRequest, session: Session | None) -> p.PingReply:
         return p.PingReply(server_version=self.server_version, session_valid=session is not None)

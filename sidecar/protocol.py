@@ -36,7 +36,21 @@ RELEASE        lease_ids                                 released
 END_REQUEST    owner                                     released
 PING           (nothing)                                 server_version, session_valid
 STATS          (nothing)                                 stats
+REGISTER_KV    device_uuid, kv_cache_layout, block_dim,  layers, chunk_nbytes
+               blocks_per_chunk, dtype, layers
+SAVE_BLOCKS    keys, block_ids, after_event, owner       committed (one bool per key)
+LOAD_BLOCKS    keys, block_ids, owner                    loaded (chunks, a prefix of keys)
 ============== ========================================= ==========================================
+
+HELLO's reply names the transfer mode granted: a client asking for ``ipc``
+gets ``host`` and a ``fallback_reason`` when the sidecar cannot serve it
+(no CUDA, another GPU). The last three ops are the ``ipc`` mode: the
+worker registers CUDA IPC handles of its KV tensors once per session
+(``layers``: ``[handle, offset, shape, strides]`` per layer, ``offset`` in
+bytes from the start of the handle's allocation), then moves chunks by
+block ids (``block_ids``: one list per key, ``-1`` = skip that block) while
+the sidecar runs the copies on the GPU. ``after_event`` is the IPC handle of
+a CUDA event the sidecar waits for before reading vLLM's KV (nil: none).
 
 A slot on the wire is ``[lease_id, offset, length, dtype, shape]``: a byte
 range of the shared L1 arena the client copies KV into (store) or out of
@@ -77,6 +91,9 @@ RELEASE = "RELEASE"
 END_REQUEST = "END_REQUEST"
 PING = "PING"
 STATS = "STATS"
+REGISTER_KV = "REGISTER_KV"
+SAVE_BLOCKS = "SAVE_BLOCKS"
+LOAD_BLOCKS = "LOAD_BLOCKS"
 
 # Error codes carried in an error reply's body.
 E_BAD_FRAME = "bad_frame"  # not one msgpack array of the envelope shape
@@ -278,6 +295,7 @@ class HelloReply(Message):
     server_version: str = ""
     transfer_mode: str = "host"
     lease_seconds: float = 0.0
+    fallback_reason: str = ""  # why an asked-for mode was not granted
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> HelloReply:
@@ -292,6 +310,7 @@ class HelloReply(Message):
             server_version=read_str(_get(body, "server_version"), "server_version"),
             transfer_mode=read_str(_get(body, "transfer_mode"), "transfer_mode", 16),
             lease_seconds=float(lease),
+            fallback_reason=read_str(body.get("fallback_reason", ""), "fallback_reason"),
         )
 
 
@@ -488,6 +507,157 @@ class ErrorReply(Message):
         )
 
 
+# -- ipc mode -----------------------------------------------------------------
+
+IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t / cudaIpcEventHandle_t
+MAX_LAYERS = 1024
+MAX_BLOCKS_PER_CHUNK = 4096
+
+
+def _read_handle(value: Any, name: str) -> bytes:
+    if not isinstance(value, bytes) or len(value) != IPC_HANDLE_BYTES:
+        raise _bad(name, f"{IPC_HANDLE_BYTES} bytes (a CUDA IPC handle)", value)
+    return value
+
+
+@dataclass(slots=True)
+class KVLayerHandle:
+    """One KV tensor shared by CUDA IPC: ``[handle, offset, shape, strides]`` on the wire."""
+
+    handle: bytes
+    offset: int  # bytes from the start of the handle's allocation to element 0
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+
+    def to_wire(self) -> list[Any]:
+        return [self.handle, self.offset, list(self.shape), list(self.strides)]
+
+    @classmethod
+    def from_wire(cls, value: Any, name: str) -> KVLayerHandle:
+        items = read_list(value, name, 4)
+        if len(items) != 4:
+            raise _bad(name, "[handle, offset, shape, strides]", value)
+        shape = read_shape(items[2], f"{name}.shape")
+        strides = read_shape(items[3], f"{name}.strides")
+        if len(shape) != len(strides) or not shape:
+            raise ProtocolError(E_BAD_REQUEST, f"field '{name}': shape and strides differ")
+        return cls(
+            handle=_read_handle(items[0], f"{name}.handle"),
+            offset=read_int(items[1], f"{name}.offset"),
+            shape=shape,
+            strides=strides,
+        )
+
+
+@dataclass(slots=True)
+class RegisterKVRequest(Message):
+    op: ClassVar[str] = REGISTER_KV
+    device_uuid: str = ""
+    kv_cache_layout: str = ""
+    block_dim: int = 0
+    blocks_per_chunk: int = 1
+    dtype: str = ""
+    itemsize: int = 1
+    layers: list[KVLayerHandle] | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        body = Message.to_wire(self)
+        body["layers"] = [layer.to_wire() for layer in self.layers or []]
+        return body
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> RegisterKVRequest:
+        layers = read_items(_get(body, "layers"), "layers", KVLayerHandle.from_wire, MAX_LAYERS)
+        if not layers:
+            raise ProtocolError(E_BAD_REQUEST, "field 'layers': no KV tensor")
+        return cls(
+            device_uuid=read_str(_get(body, "device_uuid"), "device_uuid", 64),
+            kv_cache_layout=read_str(_get(body, "kv_cache_layout"), "kv_cache_layout", 16),
+            block_dim=read_int(_get(body, "block_dim"), "block_dim", 0, MAX_NDIM - 1),
+            blocks_per_chunk=read_int(
+                _get(body, "blocks_per_chunk"), "blocks_per_chunk", 1, MAX_BLOCKS_PER_CHUNK
+            ),
+            dtype=read_str(_get(body, "dtype"), "dtype", 32),
+            itemsize=read_int(_get(body, "itemsize"), "itemsize", 1, 16),
+            layers=layers,
+        )
+
+
+@dataclass(slots=True)
+class RegisterKVReply(Message):
+    op: ClassVar[str] = REGISTER_KV
+    layers: int = 0
+    chunk_nbytes: int = 0
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> RegisterKVReply:
+        return cls(
+            layers=read_int(_get(body, "layers"), "layers"),
+            chunk_nbytes=read_int(_get(body, "chunk_nbytes"), "chunk_nbytes"),
+        )
+
+
+def _read_block_ids(value: Any, name: str) -> list[int]:
+    return read_items(value, name, lambda v, n: read_int(v, n, -1, (1 << 62)), MAX_BLOCKS_PER_CHUNK)
+
+
+def _read_blocks(body: Mapping[str, Any], keys: list[ChunkKey]) -> list[list[int]]:
+    blocks = read_items(_get(body, "block_ids"), "block_ids", _read_block_ids)
+    if len(blocks) != len(keys):
+        raise ProtocolError(
+            E_BAD_REQUEST,
+            f"fields 'keys' and 'block_ids' differ in length ({len(keys)}, {len(blocks)})",
+        )
+    return blocks
+
+
+@dataclass(slots=True)
+class SaveBlocksRequest(Message):
+    op: ClassVar[str] = SAVE_BLOCKS
+    keys: list[ChunkKey] | None = None
+    block_ids: list[list[int]] | None = None
+    after_event: bytes | None = None
+    owner: str = ""
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> SaveBlocksRequest:
+        keys = read_keys(_get(body, "keys"))
+        event = body.get("after_event")
+        return cls(
+            keys=keys,
+            block_ids=_read_blocks(body, keys),
+            after_event=None if event is None else _read_handle(event, "after_event"),
+            owner=read_str(_get(body, "owner"), "owner"),
+        )
+
+
+@dataclass(slots=True)
+class LoadBlocksRequest(Message):
+    op: ClassVar[str] = LOAD_BLOCKS
+    keys: list[ChunkKey] | None = None
+    block_ids: list[list[int]] | None = None
+    owner: str = ""
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> LoadBlocksRequest:
+        keys = read_keys(_get(body, "keys"))
+        return cls(
+            keys=keys,
+            block_ids=_read_blocks(body, keys),
+            owner=read_str(_get(body, "owner"), "owner"),
+        )
+
+
+@dataclass(slots=True)
+class LoadBlocksReply(Message):
+    op: ClassVar[str] = LOAD_BLOCKS
+    loaded: int = 0
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> LoadBlocksReply:
+        return cls(loaded=read_int(_get(body, "loaded"), "loaded"))
+
+
 # Request body class of every op the server answers.
 REQUESTS: dict[str, type[Message]] = {
     HELLO: HelloRequest,
@@ -499,6 +669,9 @@ REQUESTS: dict[str, type[Message]] = {
     END_REQUEST: EndRequestRequest,
     PING: PingRequest,
     STATS: StatsRequest,
+    REGISTER_KV: RegisterKVRequest,
+    SAVE_BLOCKS: SaveBlocksRequest,
+    LOAD_BLOCKS: LoadBlocksRequest,
 }
 
 # Reply body class of every op (what the client validates).
@@ -512,6 +685,9 @@ REPLIES: dict[str, type[Message]] = {
     END_REQUEST: CountReply,
     PING: PingReply,
     STATS: StatsReply,
+    REGISTER_KV: RegisterKVReply,
+    SAVE_BLOCKS: CommitStoreReply,
+    LOAD_BLOCKS: LoadBlocksReply,
 }
 
 # Ops a client may send without a session.

@@ -30,12 +30,14 @@ import zmq
 
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.handlers import POOLED_OPS, POOLED_OPS_REMOTE, Handlers
+from kvstrata.sidecar.liveness import LivenessListener, liveness_path
 from kvstrata.sidecar.metrics import EngineCollector, ServerMetrics
 from kvstrata.sidecar.sessions import Session, SessionTable
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.config import SidecarConfig
     from kvstrata.sidecar.engine import StorageManager
+    from kvstrata.sidecar.transfer.ipc import IpcTransfers
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,8 @@ class SidecarServer:
         engine: StorageManager,
         *,
         server_version: str,
-        transfer_modes: frozenset[str] = frozenset({"host"}),
+        ipc: IpcTransfers | None = None,
+        ipc_unavailable: str = "ipc mode is not enabled",
         workers: int = 4,
         remote_lookups: bool = False,
     ) -> None:
@@ -76,7 +79,7 @@ class SidecarServer:
             config.server.client_timeout_seconds, config.server.lease_seconds
         )
         self.handlers = Handlers(
-            engine, self.sessions, self.metrics, config, server_version, transfer_modes
+            engine, self.sessions, self.metrics, config, server_version, ipc, ipc_unavailable
         )
         self.metrics.attach(
             EngineCollector(engine.stats, lambda: len(self.sessions), self._count_error)
@@ -95,6 +98,7 @@ class SidecarServer:
         os.set_blocking(self._wake_w, False)
         self._serving = threading.Event()
         self._bound_path: str | None = None
+        self._liveness: LivenessListener | None = None
 
     # -- life cycle ---------------------------------------------------------
 
@@ -116,6 +120,9 @@ class SidecarServer:
             raise
         self._sock = sock
         self._bound_path = path
+        if path is not None:
+            self._liveness = LivenessListener(liveness_path(path), self._client_gone)
+            self._liveness.start()
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         logger.info("serving on %s", self.endpoint)
         return self.endpoint
@@ -155,6 +162,9 @@ class SidecarServer:
 
     def close(self) -> None:
         self._serving.clear()
+        if self._liveness is not None:
+            self._liveness.close()
+            self._liveness = None
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._sock is not None:
             self._sock.close(0)
@@ -281,6 +291,12 @@ class SidecarServer:
         except Exception:
             logger.exception("housekeeping failed")
             self._count_error(p.E_INTERNAL)
+
+    def _client_gone(self, session_id: str) -> None:
+        """The liveness connection of a session closed: its process is gone."""
+        session = self.sessions.remove(session_id)
+        if session is not None:
+            self.handlers.reclaim(session)
 
     def _count_error(self, kind: str) -> None:
         self.metrics.errors.labels(kind=kind).inc()

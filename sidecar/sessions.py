@@ -123,6 +123,14 @@ class SessionTable:
             self.reaped_total += len(gone)
         return gone
 
+    def remove(self, session_id: str) -> Session | None:
+        """Remove and return a session whose process is gone (None if unknown)."""
+        with self._lock:
+            session = self._sessions.pop(session_id, None)
+            if session is not None:
+                self.reaped_total += 1
+            return session
+
     def sessions(self) -> list[Session]:
         with self._lock:
             return list(self._sessions.values())

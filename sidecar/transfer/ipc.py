@@ -1,0 +1,288 @@
+"""IPC transfer mode: the sidecar copies between vLLM's KV and its arena itself.
+
+Why: in host mode every byte crosses the vLLM process (its connector copies
+into the shared arena). In ``ipc`` mode the worker shares its KV tensors
+once (CUDA IPC memory handles, :data:`~kvstrata.sidecar.protocol.REGISTER_KV`)
+and then names only block ids; the sidecar runs the ``csrc`` kernels on
+its own stream between the mapped KV and its pinned arena, after the
+CUDA event vLLM recorded at the end of its forward pass.
+
+State, one :class:`IpcMapping` per session (never shared between
+sessions)::
+
+    session_id -> IpcMapping(device, opened handles, CopyPlan, chunk dtype/shape)
+
+A mapping lives exactly as long as its session: the handles are closed
+when the session ends for any reason (END, replaced by a new HELLO,
+reaped as idle, or its process gone, which the liveness socket reports at
+once), so no GPU memory of a dead vLLM stays mapped here.
+
+The GPU is reached through a :class:`TransferDevice` (the CUDA one is
+:class:`~kvstrata.sidecar.transfer.cuda_device.CudaDevice`). Nothing here
+imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from kvstrata.sidecar import protocol as p
+from kvstrata.sidecar.objformat import ChunkMeta
+from kvstrata.sidecar.transfer.plan import (
+    CopyPlan,
+    TensorGeometry,
+    UnsupportedLayoutError,
+    plan_from_geometry,
+)
+
+if TYPE_CHECKING:
+    from kvstrata.sidecar.engine import Slot, StorageManager
+
+logger = logging.getLogger(__name__)
+
+
+class TransferDevice(Protocol):
+    """One GPU as the sidecar uses it in ipc mode. Every call is synchronous:
+    a copy has finished (or failed, raising) when it returns."""
+
+    def open_memory(self, handle: bytes) -> int:
+        """Map a peer's allocation; its device address. Raises OSError."""
+        ...
+
+    def close_memory(self, address: int) -> None: ...
+
+    def gather(
+        self,
+        plan: CopyPlan,
+        block_ids: Sequence[int],
+        chunk_addresses: Sequence[int],
+        blocks_per_chunk: int,
+        after_event: bytes | None,
+    ) -> None:
+        """Paged KV -> chunks in the arena, after the peer's event (if any)."""
+        ...
+
+    def scatter(
+        self,
+        plan: CopyPlan,
+        block_ids: Sequence[int],
+        chunk_addresses: Sequence[int],
+        blocks_per_chunk: int,
+    ) -> None:
+        """Chunks in the arena -> paged KV."""
+        ...
+
+    def arena_address(self, offset: int) -> int:
+        """The device-visible address of arena byte ``offset``."""
+        ...
+
+
+@dataclass(slots=True)
+class IpcMapping:
+    """One worker's registered KV, as mapped in the sidecar."""
+
+    device: TransferDevice
+    opened: list[int]  # device addresses of the opened allocations (to close)
+    plan: CopyPlan
+    blocks_per_chunk: int
+    meta: ChunkMeta  # dtype and shape recorded with every chunk saved
+
+    @property
+    def chunk_nbytes(self) -> int:
+        return self.plan.chunk_nbytes(self.blocks_per_chunk)
+
+
+class IpcTransfers:
+    """The ipc-mode ops against the engine (see the module docstring).
+
+    Thread-safe: the mapping table has its own lock; copies of different
+    sessions may run at once.
+    """
+
+    def __init__(
+        self, engine: StorageManager, open_device: Callable[[str], TransferDevice]
+    ) -> None:
+        self.engine = engine
+        self._open_device = open_device
+        self._devices: dict[str, TransferDevice] = {}
+        self._mappings: dict[str, IpcMapping] = {}
+        self._lock = threading.Lock()
+
+    def _device(self, uuid: str) -> TransferDevice:
+        """The GPU with this UUID (opened once); OSError when this sidecar cannot see it."""
+        with self._lock:
+            device = self._devices.get(uuid)
+            if device is None:
+                device = self._devices[uuid] = self._open_device(uuid)
+            return device
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._mappings)
+
+    # -- registration ---------------------------------------------------------
+
+    def register(self, session_id: str, body: p.RegisterKVRequest) -> p.RegisterKVReply:
+        """Open the worker's handles and plan its copies; replaces an earlier one."""
+        try:
+            device = self._device(body.device_uuid)
+        except OSError as exc:
+            raise p.ProtocolError(
+                p.E_UNSUPPORTED, f"field 'device_uuid': GPU {body.device_uuid!r}: {exc}"
+            ) from None
+        self.close(session_id)
+        opened: dict[bytes, int] = {}
+        try:
+            geometries = []
+            for i, layer in enumerate(body.layers or []):
+                if layer.handle not in opened:
+                    opened[layer.handle] = device.open_memory(layer.handle)
+                geometries.append(
+                    TensorGeometry(
+                        address=opened[layer.handle] + layer.offset,
+                        shape=layer.shape,
+                        strides=layer.strides,
+                        itemsize=body.itemsize,
+                    )
+                )
+                if any(n < 1 for n in layer.shape):
+                    raise UnsupportedLayoutError(f"layer {i}: empty shape {layer.shape}")
+            plan = plan_from_geometry(geometries, body.block_dim).coalesced()
+        except (UnsupportedLayoutError, OSError) as exc:
+            for address in opened.values():
+                device.close_memory(address)
+            raise p.ProtocolError(p.E_UNSUPPORTED, f"REGISTER_KV: {exc}") from None
+        chunk_nbytes = plan.chunk_nbytes(body.blocks_per_chunk)
+        if chunk_nbytes > self.engine.arena.size:
+            for address in opened.values():
+                device.close_memory(address)
+            raise p.ProtocolError(
+                p.E_BAD_REQUEST,
+                f"REGISTER_KV: a chunk of {chunk_nbytes} bytes exceeds the arena "
+                f"({self.engine.arena.size})",
+            )
+        mapping = IpcMapping(
+            device=device,
+            opened=list(opened.values()),
+            plan=plan,
+            blocks_per_chunk=body.blocks_per_chunk,
+            meta=ChunkMeta(dtype=body.dtype, shape=(chunk_nbytes // body.itemsize,)),
+        )
+        with self._lock:
+            self._mappings[session_id] = mapping
+        logger.info(
+            "session %s registered %d KV tensors (%d plan layers, chunk %d bytes)",
+            session_id[:8],
+            len(body.layers or []),
+            plan.num_layers,
+            chunk_nbytes,
+        )
+        return p.RegisterKVReply(layers=len(body.layers or []), chunk_nbytes=chunk_nbytes)
+
+    def close(self, session_id: str) -> bool:
+        """Close a session's handles; whether it had any."""
+        with self._lock:
+            mapping = self._mappings.pop(session_id, None)
+        if mapping is None:
+            return False
+        for address in mapping.opened:
+            try:
+                mapping.device.close_memory(address)
+            except OSError:
+                logger.exception("closing an IPC handle of session %s failed", session_id[:8])
+        logger.info("session %s: %d IPC handles closed", session_id[:8], len(mapping.opened))
+        return True
+
+    def _mapping(self, session_id: str) -> IpcMapping:
+        with self._lock:
+            mapping = self._mappings.get(session_id)
+        if mapping is None:
+            raise p.ProtocolError(p.E_BAD_REQUEST, "no KV registered: send REGISTER_KV first")
+        return mapping
+
+    def _check_blocks(self, mapping: IpcMapping, block_ids: list[list[int]]) -> list[int]:
+        flat: list[int] = []
+        for i, ids in enumerate(block_ids):
+            if len(ids) != mapping.blocks_per_chunk:
+                raise p.ProtocolError(
+                    p.E_BAD_REQUEST,
+                    f"field 'block_ids[{i}]': {len(ids)} blocks, a chunk has "
+                    f"{mapping.blocks_per_chunk}",
+                )
+            for b in ids:
+                if b >= mapping.plan.num_blocks:
+                    raise p.ProtocolError(
+                        p.E_BAD_REQUEST,
+                        f"field 'block_ids[{i}]': block {b} >= {mapping.plan.num_blocks}",
+                    )
+            flat.extend(ids)
+        return flat
+
+    # -- copies ---------------------------------------------------------------
+
+    def save(
+        self,
+        session_id: str,
+        body: p.SaveBlocksRequest,
+        owner_key: str,
+    ) -> p.CommitStoreReply:
+        """Reserve arena slots, gather the blocks into them on the GPU, commit."""
+        mapping = self._mapping(session_id)
+        keys = body.keys or []
+        blocks = body.block_ids or []
+        self._check_blocks(mapping, blocks)
+        slots: list[Slot | None] = [
+            self.engine.reserve(key, mapping.chunk_nbytes, mapping.meta, owner_key) for key in keys
+        ]
+        todo = [(i, s) for i, s in enumerate(slots) if s is not None]
+        committed = [False] * len(keys)
+        if not todo:
+            return p.CommitStoreReply(committed=committed)
+        ids = [b for i, _ in todo for b in blocks[i]]
+        addresses = [mapping.device.arena_address(s.offset) for _, s in todo]
+        try:
+            mapping.device.gather(
+                mapping.plan, ids, addresses, mapping.blocks_per_chunk, body.after_event
+            )
+        except Exception:
+            logger.exception("GPU gather for session %s failed", session_id[:8])
+            for _, slot in todo:
+                self.engine.abort(slot)
+            return p.CommitStoreReply(committed=committed)
+        for i, slot in todo:
+            committed[i] = bool(self.engine.commit(slot))
+        return p.CommitStoreReply(committed=committed)
+
+    def load(self, session_id: str, body: p.LoadBlocksRequest, owner_key: str) -> p.LoadBlocksReply:
+        """Lease the longest present prefix of the keys, scatter it on the GPU, release."""
+        mapping = self._mapping(session_id)
+        keys = body.keys or []
+        blocks = body.block_ids or []
+        self._check_blocks(mapping, blocks)
+        slots: list[Slot] = []
+        for key in keys:
+            slot = self.engine.acquire(key, owner_key)
+            if slot is None:
+                break
+            if slot.length != mapping.chunk_nbytes:  # stored under another geometry
+                self.engine.release_lease(slot.lease_id)
+                break
+            slots.append(slot)
+        if not slots:
+            return p.LoadBlocksReply(loaded=0)
+        try:
+            ids = [b for ids in blocks[: len(slots)] for b in ids]
+            addresses = [mapping.device.arena_address(s.offset) for s in slots]
+            mapping.device.scatter(mapping.plan, ids, addresses, mapping.blocks_per_chunk)
+            loaded = len(slots)
+        except Exception:
+            logger.exception("GPU scatter for session %s failed", session_id[:8])
+            loaded = 0
+        finally:
+            for slot in slots:
+                self.engine.release_lease(slot.lease_id)
+        return p.LoadBlocksReply(loaded=loaded)
