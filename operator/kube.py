@@ -42,6 +42,7 @@ KINDS: dict[tuple[str, str], tuple[str, bool]] = {
     ("v1", "Namespace"): ("namespaces", False),
     ("apps/v1", "StatefulSet"): ("statefulsets", True),
     ("apps/v1", "Deployment"): ("deployments", True),
+    ("apps/v1", "ReplicaSet"): ("replicasets", True),
     ("monitoring.coreos.com/v1", "ServiceMonitor"): ("servicemonitors", True),
     ("kvstrata.io/v1alpha1", "KVCache"): ("kvcaches", True),
     ("admissionregistration.k8s.io/v1", "MutatingWebhookConfiguration"): (

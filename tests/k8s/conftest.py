@@ -1,26 +1,37 @@
 """A real cluster for the ``k8s`` suite, and the real operator running against it.
 
-The cluster is the one ``KUBECONFIG`` (or ``~/.kube/config``) names; without
-a reachable one every test here is skipped, saying so.
+The cluster is the one the kubeconfig names (``$KUBECONFIG``, else
+``~/.kube/config``), or the pod's service account when the suite runs in
+one: the same rules the operator follows
+(:func:`kvstrata.operator.kube.client_configuration`). The suite is skipped
+only when none of these is there; a configured cluster that cannot be
+reached, or refuses the credentials, fails every test.
+
+Nothing here waits for a pod to run: the suite passes against a control
+plane with no nodes at all (etcd + kube-apiserver + kube-controller-manager).
 
 The operator runs out of cluster as ``python -m kvstrata.cli operator``,
-watching one fresh namespace. For the admission tests the API server must
-reach its webhook: set ``KVSTRATA_K8S_WEBHOOK_HOST`` to this machine's
-address as the cluster sees it (kind/Docker: ``172.17.0.1`` or
-``host.docker.internal``); the test then issues a certificate for that host
-and registers a MutatingWebhookConfiguration with a URL. Without it the
-admission tests are skipped, saying so.
+watching one fresh namespace, with the webhook on this machine. The API
+server must reach it: when the API server's address is on loopback the
+webhook is registered at ``https://127.0.0.1:PORT``; otherwise set
+``KVSTRATA_K8S_WEBHOOK_HOST`` to this machine's address as the cluster sees
+it (kind/Docker: ``172.17.0.1`` or ``host.docker.internal``; kind also
+needs it although its kubeconfig says 127.0.0.1, since its API server runs
+in a container). Without either, the admission tests are skipped, saying so.
 """
 
 from __future__ import annotations
 
 import base64
+import ipaddress
 import os
 import socket
 import subprocess
 import sys
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +42,7 @@ from kvstrata.sidecarproc import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 ADMISSION = "admissionregistration.k8s.io/v1"
+WEBHOOK_HOST_ENV = "KVSTRATA_K8S_WEBHOOK_HOST"
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, step: float = 0.5) -> Any:
@@ -43,35 +55,54 @@ def wait_for_fixture() -> Callable[..., Any]:
     return wait_for
 
 
-def _reachable_cluster():
+@pytest.fixture(scope="session")
+def kube_configuration() -> Any:
+    """The client configuration of the configured cluster; skip only when there is none."""
+    from kvstrata.operator import kube
+
+    if not kube.cluster_configured():
+        pytest.skip(
+            "no Kubernetes cluster is configured (no $KUBECONFIG, no ~/.kube/config, "
+            "not in a pod with a service account)"
+        )
     try:
-        from kubernetes import client, config
-
-        try:
-            config.load_kube_config()
-        except Exception:
-            config.load_incluster_config()
-        api = client.ApiClient()
-        client.VersionApi(api).get_code(_request_timeout=5)
-    except Exception as exc:
-        return None, f"no reachable Kubernetes cluster ({type(exc).__name__}: {exc})"
-    from kvstrata.operator.kube import KubeCluster
-
-    return KubeCluster(api), ""
+        return kube.client_configuration()
+    except Exception as exc:  # a configured cluster that fails is a failure
+        pytest.fail(f"the configured cluster's kubeconfig is unusable: {exc}")
 
 
 @pytest.fixture(scope="session")
-def kube():
-    cluster, why = _reachable_cluster()
-    if cluster is None:
-        pytest.skip(why)
-    return cluster
+def kube(kube_configuration):
+    from kubernetes import client
+
+    from kvstrata.operator.kube import KubeCluster
+
+    api = client.ApiClient(kube_configuration)
+    try:
+        version = client.VersionApi(api).get_code(_request_timeout=10)
+    except Exception as exc:
+        pytest.fail(
+            f"the configured cluster at {kube_configuration.host} does not answer /version: "
+            f"{type(exc).__name__}: {exc}"
+        )
+    print(f"k8s suite: {kube_configuration.host}, Kubernetes {version.git_version}")
+    return KubeCluster(api)
+
+
+def api_server_on_loopback(configuration: Any) -> bool:
+    host = urllib.parse.urlsplit(configuration.host).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @pytest.fixture(scope="session")
 def crd_applied(kube):
     crd = yaml.safe_load((REPO / "crds" / "kvcache.yaml").read_text())
-    kube.apply(crd)
+    kube.apply(crd)  # refused here when the API server rejects the CRD
 
     def established():
         found = kube.get(
@@ -92,64 +123,95 @@ def namespace(kube, crd_applied) -> Iterator[str]:
     kube.delete("v1", "Namespace", "", name)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nothing listens on right now."""
     with socket.socket() as s:
         s.bind(("0.0.0.0", 0))
         return s.getsockname()[1]
 
 
+def chart_webhook_values() -> dict[str, Any]:
+    """failurePolicy and timeoutSeconds as the chart registers the webhook."""
+    values = yaml.safe_load((REPO / "charts" / "kvstrata" / "values.yaml").read_text())
+    return values["webhook"]
+
+
+def webhook_configuration(
+    name: str,
+    url: str,
+    ca_crt: bytes,
+    namespace: str,
+    object_selector: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A MutatingWebhookConfiguration for pod CREATE in ``namespace``, with the chart's policy."""
+    chart = chart_webhook_values()
+    hook: dict[str, Any] = {
+        "name": "inject.kvstrata.io",
+        "admissionReviewVersions": ["v1"],
+        "failurePolicy": chart["failurePolicy"],
+        "sideEffects": "None",
+        "timeoutSeconds": chart["timeoutSeconds"],
+        "clientConfig": {"url": url, "caBundle": base64.b64encode(ca_crt).decode()},
+        "rules": [
+            {
+                "apiGroups": [""],
+                "apiVersions": ["v1"],
+                "operations": ["CREATE"],
+                "resources": ["pods"],
+            }
+        ],
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+    }
+    if object_selector is not None:
+        hook["objectSelector"] = object_selector
+    return {
+        "apiVersion": ADMISSION,
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": name},
+        "webhooks": [hook],
+    }
+
+
 @pytest.fixture(scope="session")
-def webhook(kube, namespace, tmp_path_factory) -> Iterator[dict[str, Any] | None]:
+def webhook_host(kube_configuration) -> str | None:
+    """Where the API server reaches this machine, or None when that is not known."""
+    host = os.environ.get(WEBHOOK_HOST_ENV)
+    if host:
+        return host
+    return "127.0.0.1" if api_server_on_loopback(kube_configuration) else None
+
+
+@pytest.fixture(scope="session")
+def webhook(kube, namespace, webhook_host, tmp_path_factory) -> Iterator[dict[str, Any] | None]:
     """Certificate files and a registered webhook, when the API server can reach us."""
-    host = os.environ.get("KVSTRATA_K8S_WEBHOOK_HOST")
-    if not host:
+    if webhook_host is None:
         yield None
         return
     from kvstrata.operator import certs
     from kvstrata.operator.webhook_tls import write_files
 
-    port = _free_port()
+    port = free_port()
     cert_dir = tmp_path_factory.mktemp("webhook")
-    bundle = certs.issue([host])
+    bundle = certs.issue([webhook_host])
     write_files(bundle, cert_dir)
     name = f"{namespace}-inject"
-    kube.apply(
-        {
-            "apiVersion": ADMISSION,
-            "kind": "MutatingWebhookConfiguration",
-            "metadata": {"name": name},
-            "webhooks": [
-                {
-                    "name": "inject.kvstrata.io",
-                    "admissionReviewVersions": ["v1"],
-                    "failurePolicy": "Ignore",
-                    "sideEffects": "None",
-                    "timeoutSeconds": 5,
-                    "clientConfig": {
-                        "url": f"https://{host}:{port}/inject",
-                        "caBundle": base64.b64encode(bundle.ca_crt).decode(),
-                    },
-                    "rules": [
-                        {
-                            "apiGroups": [""],
-                            "apiVersions": ["v1"],
-                            "operations": ["CREATE"],
-                            "resources": ["pods"],
-                        }
-                    ],
-                    "namespaceSelector": {
-                        "matchLabels": {"kubernetes.io/metadata.name": namespace}
-                    },
-                }
-            ],
-        }
-    )
-    yield {"port": port, "cert_dir": cert_dir, "config": name}
+    url = f"https://{webhook_host}:{port}/inject"
+    kube.apply(webhook_configuration(name, url, bundle.ca_crt, namespace))
+    yield {"port": port, "cert_dir": cert_dir, "config": name, "url": url}
     kube.delete(ADMISSION, "MutatingWebhookConfiguration", "", name)
 
 
+@dataclass(frozen=True)
+class RunningOperator:
+    process: subprocess.Popen
+    log: Path
+
+    def tail(self, size: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-size:]
+
+
 @pytest.fixture(scope="session")
-def operator(kube, namespace, webhook, tmp_path_factory) -> Iterator[subprocess.Popen]:
+def operator(kube, namespace, webhook, tmp_path_factory) -> Iterator[RunningOperator]:
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     args = [
         sys.executable,
@@ -176,12 +238,12 @@ def operator(kube, namespace, webhook, tmp_path_factory) -> Iterator[subprocess.
         ]
     with log.open("wb") as out:
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-    yield process
+    running = RunningOperator(process, log)
+    yield running
     process.terminate()
     try:
         process.wait(timeout=20)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-    if process.returncode not in (0, -15):
-        print(log.read_text()[-4000:])
+    print(f"operator exited {process.returncode}; last lines of its log:\n{running.tail()}")

@@ -1,17 +1,30 @@
-"""The real operator against a real cluster: reconcile, owned objects, the webhook, cleanup."""
+"""The real operator against a real cluster: the CRD, reconcile, status, events, rolling,
+garbage collection and the admission webhook.
+
+No test waits for a pod to run: against a control plane without nodes, pods
+are created (and mutated by the webhook) but stay Pending.
+"""
 
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 
+from kvstrata.operator import certs
 from kvstrata.operator import spec as S
+from kvstrata.operator.reconcile import reconcile
+
+from .conftest import ADMISSION, free_port, webhook_configuration
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
+READY_TIMEOUT_S = 90
 
-def kvcache(name: str, namespace: str, **spec) -> dict:
+
+def kvcache(name: str, namespace: str, **spec: Any) -> dict:
     return {
         "apiVersion": S.API_VERSION,
         "kind": S.KIND,
@@ -20,11 +33,16 @@ def kvcache(name: str, namespace: str, **spec) -> dict:
     }
 
 
-def pod(name: str, namespace: str, annotations: dict[str, str]) -> dict:
+def pod(name: str, namespace: str, annotations: dict[str, str], **labels: str) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name, "namespace": namespace, "annotations": annotations},
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "annotations": annotations,
+            "labels": labels,
+        },
         "spec": {
             "containers": [
                 {
@@ -37,71 +55,232 @@ def pod(name: str, namespace: str, annotations: dict[str, str]) -> dict:
     }
 
 
+def deployment(name: str, namespace: str, cache: str) -> dict:
+    labels = {"app": name}
+    template = pod(name, namespace, {S.CACHE_ANNOTATION: cache}, **labels)
+    del template["metadata"]["name"], template["metadata"]["namespace"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": template["metadata"], "spec": template["spec"]},
+        },
+    }
+
+
 def condition(obj: dict | None, ctype: str) -> dict:
     conditions = ((obj or {}).get("status") or {}).get("conditions") or []
     return next((c for c in conditions if c["type"] == ctype), {})
 
 
-def test_the_crd_applies_and_the_api_serves_kvcaches(kube, crd_applied, namespace):
-    assert kube.has_kind(S.API_VERSION, S.KIND)
-    bad = kvcache("bad", namespace, l1={"policy": "mru"})
-    from kubernetes.client.exceptions import ApiException
+def wait_ready(kube, namespace: str, name: str, wait_for, generation: int = 1) -> dict:
+    """The KVCache once its status says Ready for ``generation``."""
 
+    def ready() -> dict | None:
+        found = kube.get(S.API_VERSION, S.KIND, namespace, name)
+        status = (found or {}).get("status") or {}
+        ok = condition(found, "Ready")
+        if (
+            status.get("observedGeneration") == generation
+            and ok.get("status") == "True"
+            and ok.get("observedGeneration") == generation
+        ):
+            return found
+        return None
+
+    return wait_for(ready, READY_TIMEOUT_S, f"KVCache {name} Ready at generation {generation}")
+
+
+def resource_versions(kube, namespace: str, name: str) -> dict[str, str]:
+    owned = [
+        ("v1", "ConfigMap", S.configmap_name(name)),
+        ("v1", "Service", f"{name}-metrics"),
+    ]
+    out = {}
+    for api_version, kind, obj_name in owned:
+        found = kube.get(api_version, kind, namespace, obj_name)
+        assert found is not None, f"{kind} {obj_name} was not created"
+        out[f"{kind}/{obj_name}"] = found["metadata"]["resourceVersion"]
+    return out
+
+
+# -- the CRD on the API server -----------------------------------------------------
+
+
+def test_the_crd_applies_and_the_api_server_defaults_and_validates_kvcaches(
+    kube, crd_applied, namespace
+):
+    assert kube.has_kind(S.API_VERSION, S.KIND)
+    name = f"defaults-{uuid.uuid4().hex[:4]}"
+    stored = kube.apply(
+        {
+            "apiVersion": S.API_VERSION,
+            "kind": S.KIND,
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {},
+        }
+    )
+    spec = stored["spec"]
+    assert spec["l2"]["volume"] == {"type": "emptyDir"}  # a default inside a default
+    assert spec["shared"]["backend"] == "none"
+    kube.delete(S.API_VERSION, S.KIND, namespace, name)
+
+
+@pytest.mark.parametrize(
+    ("spec", "refusal"),
+    [
+        ({"l1": {"policy": "mru"}}, "Unsupported value"),
+        ({"l2": {"volume": {"type": "existingClaim"}}}, "l2.volume.claimName is required"),
+        ({"shared": {"backend": "s3"}}, "shared.s3 is required"),
+        (
+            {"shared": {"valkey": {"managed": {}, "external": {"url": "redis://v:6379"}}}},
+            "set one of shared.valkey.managed and shared.valkey.external",
+        ),
+    ],
+)
+def test_the_api_server_refuses_what_the_crd_forbids(kube, namespace, spec, refusal):
     with pytest.raises(ApiException) as refused:
-        kube.apply(bad)  # the CRD's enum refuses it before any reconcile
+        kube.apply(kvcache(f"bad-{uuid.uuid4().hex[:4]}", namespace, **spec))
     assert refused.value.status == 422
+    assert refusal in str(refused.value)
+
+
+# -- reconcile, status, events -----------------------------------------------------
 
 
 def test_a_kvcache_becomes_ready_with_its_configmap(kube, namespace, operator, wait_for):
     name = f"local-{uuid.uuid4().hex[:4]}"
     kube.apply(kvcache(name, namespace))
-    ready = wait_for(
-        lambda: (
-            condition(kube.get(S.API_VERSION, S.KIND, namespace, name), "Ready").get("status")
-            == "True"
-        ),
-        90,
-        f"KVCache {name} to be Ready",
-    )
-    assert ready
+    found = wait_ready(kube, namespace, name, wait_for)
     cm = kube.get("v1", "ConfigMap", namespace, S.configmap_name(name))
     assert "size_bytes: 67108864" in cm["data"]["sidecar.yaml"]
-    status = kube.get(S.API_VERSION, S.KIND, namespace, name)["status"]
-    assert status["observedGeneration"] == 1 and status["sharedTier"] == "none"
+    status = found["status"]
+    assert status["sharedTier"] == "none" and status["configMap"] == S.configmap_name(name)
+    assert cm["metadata"]["ownerReferences"][0]["uid"] == found["metadata"]["uid"]
 
 
-def test_a_managed_valkey_statefulset_appears_and_deletion_removes_what_was_owned(
+def test_a_spec_change_moves_observed_generation_conditions_and_config(
     kube, namespace, operator, wait_for
 ):
+    name = f"gen-{uuid.uuid4().hex[:4]}"
+    kube.apply(kvcache(name, namespace))
+    first = wait_ready(kube, namespace, name, wait_for, generation=1)
+    kube.apply(kvcache(name, namespace, l1={"size": "128Mi"}))
+    second = wait_ready(kube, namespace, name, wait_for, generation=2)
+    assert second["metadata"]["generation"] == 2
+    assert second["status"]["configHash"] != first["status"]["configHash"]
+    for ctype in ("Ready", "SharedTierReady", "Degraded"):
+        assert condition(second, ctype)["observedGeneration"] == 2, ctype
+    assert condition(second, "Degraded")["status"] == "False"
+    cm = kube.get("v1", "ConfigMap", namespace, S.configmap_name(name))
+    assert "size_bytes: 134217728" in cm["data"]["sidecar.yaml"]
+
+
+def test_a_second_reconcile_changes_no_resource_version(kube, namespace, operator, wait_for):
+    name = f"idem-{uuid.uuid4().hex[:4]}"
+    kube.apply(kvcache(name, namespace))
+    current = wait_ready(kube, namespace, name, wait_for)
+    before = resource_versions(kube, namespace, name)
+    outcome = reconcile(current, kube)  # the operator's pass, run once more from here
+    assert resource_versions(kube, namespace, name) == before
+    assert [e.reason for e in outcome.events] == []
+    assert condition({"status": outcome.status}, "Ready")["status"] == "True"
+
+
+def test_reconcile_records_events_on_the_kvcache(kube, namespace, operator, wait_for):
+    name = f"events-{uuid.uuid4().hex[:4]}"
+    kube.apply(kvcache(name, namespace))
+    wait_ready(kube, namespace, name, wait_for)
+
+    def created_events() -> list[dict]:
+        return [
+            e
+            for e in kube.list("v1", "Event", namespace)
+            if e["involvedObject"].get("kind") == S.KIND
+            and e["involvedObject"].get("name") == name
+            and e.get("reason") == "Created"
+        ]
+
+    events = wait_for(created_events, 60, f"Created events on KVCache {name}")
+    messages = {e["message"] for e in events}
+    assert f"created ConfigMap {S.configmap_name(name)}" in messages
+
+
+def test_a_spec_change_rolls_an_annotated_deployment_to_a_new_pod_template(
+    kube, namespace, operator, wait_for
+):
+    name = f"roll-{uuid.uuid4().hex[:4]}"
+    kube.apply(kvcache(name, namespace))
+    wait_ready(kube, namespace, name, wait_for)
+    workload = f"vllm-{name}"
+    kube.apply(deployment(workload, namespace, name))
+
+    def template_hashes() -> set[str]:
+        sets = kube.list("apps/v1", "ReplicaSet", namespace, f"app={workload}")
+        return {rs["metadata"]["labels"]["pod-template-hash"] for rs in sets}
+
+    initial = wait_for(template_hashes, 60, "the Deployment's first ReplicaSet")
+    kube.apply(kvcache(name, namespace, l1={"size": "96Mi"}))
+    digest = wait_ready(kube, namespace, name, wait_for, generation=2)["status"]["configHash"]
+
+    def rolled() -> bool:
+        found = kube.get("apps/v1", "Deployment", namespace, workload)
+        annotations = found["spec"]["template"]["metadata"].get("annotations") or {}
+        return annotations.get(S.CONFIG_HASH_ANNOTATION) == digest
+
+    wait_for(rolled, 60, "the config hash on the Deployment's pod template")
+    # The Deployment controller (kube-controller-manager) makes a ReplicaSet per template.
+    wait_for(lambda: template_hashes() - initial, 60, "a ReplicaSet for the new pod template")
+
+
+def test_deleting_a_kvcache_garbage_collects_what_it_owned(kube, namespace, operator, wait_for):
     name = f"shared-{uuid.uuid4().hex[:4]}"
     kube.apply(kvcache(name, namespace, shared={"backend": "valkey", "valkey": {"managed": {}}}))
     sts = wait_for(
         lambda: kube.get("apps/v1", "StatefulSet", namespace, S.valkey_name(name)),
-        90,
+        READY_TIMEOUT_S,
         "the managed Valkey StatefulSet",
     )
     assert sts["metadata"]["ownerReferences"][0]["name"] == name
-    assert kube.get("v1", "Secret", namespace, S.valkey_auth_secret_name(name)) is not None
+    owned = [
+        ("v1", "ConfigMap", S.configmap_name(name)),
+        ("v1", "Secret", S.valkey_auth_secret_name(name)),
+        ("apps/v1", "StatefulSet", S.valkey_name(name)),
+        ("v1", "Service", f"{name}-metrics"),
+    ]
+    for api_version, kind, obj_name in owned:
+        assert kube.get(api_version, kind, namespace, obj_name) is not None, kind
     kube.delete(S.API_VERSION, S.KIND, namespace, name)
     wait_for(
-        lambda: (
-            kube.get("v1", "ConfigMap", namespace, S.configmap_name(name)) is None
-            and kube.get("apps/v1", "StatefulSet", namespace, S.valkey_name(name)) is None
-        ),
+        lambda: all(kube.get(a, k, namespace, n) is None for a, k, n in owned),
         120,
-        "garbage collection of the KVCache's ConfigMap and StatefulSet",
+        "the garbage collector to delete the KVCache's ConfigMap, Secret, StatefulSet, Service",
     )
+
+
+# -- the admission webhook ---------------------------------------------------------
 
 
 def test_an_annotated_pod_gets_the_sidecar_and_an_unannotated_pod_is_untouched(
     kube, namespace, operator, webhook, wait_for
 ):
     if webhook is None:
-        pytest.skip("KVSTRATA_K8S_WEBHOOK_HOST is not set: the API server cannot reach the webhook")
+        pytest.skip(
+            "the API server is not on loopback and KVSTRATA_K8S_WEBHOOK_HOST is not set: "
+            "it cannot reach the webhook on this machine"
+        )
     name = f"inj-{uuid.uuid4().hex[:4]}"
     kube.apply(kvcache(name, namespace))
-    wait_for(lambda: kube.get("v1", "ConfigMap", namespace, S.configmap_name(name)), 90, "config")
-    wait_for(lambda: _webhook_answers(kube, namespace), 60, "the webhook to answer")
+    wait_ready(kube, namespace, name, wait_for)
+    wait_for(
+        lambda: _webhook_answers(kube, namespace),
+        60,
+        f"the API server to call the webhook at {webhook['url']} (a kind cluster's API server "
+        "runs in a container: set KVSTRATA_K8S_WEBHOOK_HOST to this machine's address there)",
+    )
     kube.apply(pod(f"{name}-a", namespace, {S.CACHE_ANNOTATION: name}))
     injected = kube.get("v1", "Pod", namespace, f"{name}-a")
     inits = {c["name"]: c for c in injected["spec"].get("initContainers") or []}
@@ -111,10 +290,30 @@ def test_an_annotated_pod_gets_the_sidecar_and_an_unannotated_pod_is_untouched(
     kube.apply(pod(f"{name}-b", namespace, {}))
     plain = kube.get("v1", "Pod", namespace, f"{name}-b")
     assert not plain["spec"].get("initContainers")
-    assert S.SKIPPED_ANNOTATION not in plain["metadata"].get("annotations", {})
+    assert S.SKIPPED_ANNOTATION not in (plain["metadata"].get("annotations") or {})
     kube.apply(pod(f"{name}-c", namespace, {S.CACHE_ANNOTATION: "no-such-cache"}))
     skipped = kube.get("v1", "Pod", namespace, f"{name}-c")
     assert "not found" in skipped["metadata"]["annotations"][S.SKIPPED_ANNOTATION]
+
+
+def test_a_pod_is_still_created_when_the_webhook_is_down(kube, namespace):
+    # The chart's failurePolicy and timeout, pointed at a port where nothing listens,
+    # and only for pods carrying this test's label.
+    label = f"down-{uuid.uuid4().hex[:4]}"
+    name = f"{namespace}-{label}"
+    dead_url = f"https://127.0.0.1:{free_port()}/inject"
+    ca = certs.issue(["127.0.0.1"]).ca_crt
+    selector = {"matchLabels": {"kvstrata-test/webhook": label}}
+    kube.apply(webhook_configuration(name, dead_url, ca, namespace, object_selector=selector))
+    try:
+        kube.apply(
+            pod(label, namespace, {S.CACHE_ANNOTATION: "any"}, **{"kvstrata-test/webhook": label})
+        )
+        created = kube.get("v1", "Pod", namespace, label)
+        assert created is not None
+        assert not created["spec"].get("initContainers")
+    finally:
+        kube.delete(ADMISSION, "MutatingWebhookConfiguration", "", name)
 
 
 def _webhook_answers(kube, namespace: str) -> bool:
@@ -123,4 +322,4 @@ def _webhook_answers(kube, namespace: str) -> bool:
     kube.apply(pod(probe, namespace, {S.CACHE_ANNOTATION: "probe-absent"}))
     created = kube.get("v1", "Pod", namespace, probe) or {}
     kube.delete("v1", "Pod", namespace, probe)
-    return S.SKIPPED_ANNOTATION in (created.get("metadata") or {}).get("annotations", {})
+    return S.SKIPPED_ANNOTATION in ((created.get("metadata") or {}).get("annotations") or {})
