@@ -67,8 +67,10 @@ def vllm_layers(
     dtype: torch.dtype = torch.bfloat16,
     device: str = "cpu",
     seed: int = 0,
+    buffer: torch.Tensor | None = None,
 ) -> KVLayoutCase:
-    """vLLM >= 0.32: per-layer ``[B, H, N, content]`` views of one buffer."""
+    """vLLM >= 0.32: per-layer ``[B, H, N, content]`` views of one buffer
+    (``buffer``: an int8 tensor to build them in, at least that large)."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     shape = (num_layers, num_blocks, heads, tokens, content * itemsize)
     strides = [0] * 5
@@ -76,7 +78,10 @@ def vllm_layers(
     for dim in reversed(VLLM_LAYOUTS[layout]):
         strides[dim] = step
         step *= shape[dim]
-    raw = torch.empty(math.prod(shape), dtype=torch.int8, device=device)
+    raw = buffer if buffer is not None else torch.empty(0, dtype=torch.int8, device=device)
+    if raw.numel() < math.prod(shape):
+        raw = torch.empty(math.prod(shape), dtype=torch.int8, device=device)
+    raw = raw[: math.prod(shape)]
     _randomize(raw, torch.Generator().manual_seed(seed))
     layers = {}
     for name, layer in zip(_names(num_layers), range(num_layers), strict=True):

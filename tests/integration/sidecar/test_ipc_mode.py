@@ -1,0 +1,284 @@
+"""ipc transfer mode through a real server, real client and real ZeroMQ sockets.
+
+No GPU here: the sidecar's device is :class:`SharedMemoryDevice`, a named
+test double whose "IPC handles" name shared-memory segments and whose copies
+run the host build of the csrc kernels. The protocol, registration, copy
+plans, engine slots and session life cycle are the real code. A sidecar
+process without CUDA is also asked for ipc and must grant host mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import mmap
+import os
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvstrata.connector.client import SidecarClient
+from kvstrata.sidecar import protocol as p
+from kvstrata.sidecar.config import config_from_dict
+from kvstrata.sidecar.engine import StorageManager
+from kvstrata.sidecar.keys import ChunkKey, Namespace
+from kvstrata.sidecar.server import SidecarServer
+from kvstrata.sidecar.transfer.ipc import IpcTransfers
+from kvstrata.testing.kvlayouts import vllm_layers
+from kvstrata.testing.shmdevice import SharedMemoryDevice, handle_for
+
+GPU_UUID = "GPU-00000000-0000-0000-0000-00000000test"
+NAMESPACE = Namespace(model="ipc-test", block_size=16, chunk_size=32)
+BLOCKS_PER_CHUNK = 2
+POISON = 0x5A
+
+
+class InProcessSidecar:
+    """A SidecarServer on a thread, its ipc device a SharedMemoryDevice."""
+
+    def __init__(self, root: Path) -> None:
+        config = config_from_dict(
+            {
+                "chunk_size": 32,
+                "l1": {"size_bytes": "8Mi", "pin_memory": False},
+                "l2": {"path": str(root / "l2"), "size_bytes": "16Mi"},
+                "server": {"endpoint": f"ipc://{root}/sidecar.sock", "http_port": 0},
+            }
+        )
+        self.engine = StorageManager(config)
+        self.device = SharedMemoryDevice(self.engine.arena.address())
+
+        def open_device(gpu: str) -> SharedMemoryDevice:
+            if gpu != GPU_UUID:
+                raise OSError(f"no GPU {gpu} visible here")
+            return self.device
+
+        self.ipc = IpcTransfers(self.engine, open_device)
+        self.server = SidecarServer(config, self.engine, server_version="test", ipc=self.ipc)
+        self.endpoint = self.server.bind()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.server.serve, args=(self.stop,), daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.wake()
+        self.thread.join(timeout=10)
+        self.server.close()
+        self.engine.close()
+
+
+class SharedKV:
+    """vLLM's KV (layout LBNHC) built inside a shared-memory segment."""
+
+    def __init__(self, num_blocks: int = 12) -> None:
+        self.name = f"kvstrata-test-kv-{uuid.uuid4().hex[:12]}"
+        nbytes = 3 * num_blocks * 2 * 16 * 128 * 2  # layers, blocks, heads, tokens, bf16 content
+        fd = os.open(f"/dev/shm/{self.name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self.mm = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        raw = torch.frombuffer(self.mm, dtype=torch.int8)
+        self.base = raw.data_ptr()
+        self.case = vllm_layers(
+            "LBNHC", num_blocks=num_blocks, heads=2, tokens=16, content=128, buffer=raw
+        )
+
+    def registration(self, gpu: str = GPU_UUID) -> p.RegisterKVRequest:
+        layers = [
+            p.KVLayerHandle(
+                handle=handle_for(self.name),
+                offset=t.data_ptr() - self.base,
+                shape=tuple(t.shape),
+                strides=tuple(t.stride()),
+            )
+            for t in self.case.layers.values()
+        ]
+        return p.RegisterKVRequest(
+            device_uuid=gpu,
+            kv_cache_layout="LBNHC",
+            block_dim=0,
+            blocks_per_chunk=BLOCKS_PER_CHUNK,
+            dtype="bfloat16",
+            itemsize=2,
+            layers=layers,
+        )
+
+    def block(self, kv: torch.Tensor, b: int) -> torch.Tensor:
+        return kv[b].contiguous().view(torch.uint8).flatten()
+
+    def close(self) -> None:
+        self.case.layers.clear()
+        # A view may still be alive in this test process; the unlink suffices.
+        with contextlib.suppress(BufferError):
+            self.mm.close()
+        os.unlink(f"/dev/shm/{self.name}")
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path) -> Iterator[InProcessSidecar]:
+    sc = InProcessSidecar(tmp_path)
+    yield sc
+    sc.close()
+
+
+@pytest.fixture
+def kv() -> Iterator[SharedKV]:
+    shared = SharedKV()
+    yield shared
+    shared.close()
+
+
+def keys(n: int, tag: str) -> list[ChunkKey]:
+    fp = NAMESPACE.fingerprint()
+    return [ChunkKey(fp + hashlib.sha256(f"{tag}/{i}".encode()).digest()) for i in range(n)]
+
+
+def ipc_client(endpoint: str) -> SidecarClient:
+    return SidecarClient(
+        endpoint, NAMESPACE, role="worker", call_timeout_s=5.0, transfer_mode="ipc"
+    )
+
+
+def test_blocks_saved_and_loaded_by_the_sidecar_come_back_byte_for_byte(
+    sidecar: InProcessSidecar, kv: SharedKV
+) -> None:
+    client = ipc_client(sidecar.endpoint)
+    try:
+        client.register_kv(kv.registration())
+        assert client.stats() is not None  # connects: HELLO + REGISTER_KV
+        assert client.transfer_mode == "ipc"
+        assert sidecar.device.open_handles == 1  # one allocation for all layers
+
+        ks = keys(2, "round-trip")
+        event = b"\x07" * p.IPC_HANDLE_BYTES
+        assert client.save_blocks(ks, [[3, 4], [9, 1]], event, "r1") == [True, True]
+        assert sidecar.device.events_waited == [event]  # copies ordered after vLLM's event
+
+        layers = list(kv.case.layers.values())
+        for t in layers:
+            for b in (6, 7, 0, 11):
+                t[b].view(torch.uint8).fill_(POISON)
+        assert client.load_blocks(ks, [[6, 7], [0, 11]], "r2") == 2
+        for t in layers:
+            for src, dst in ((3, 6), (4, 7), (9, 0), (1, 11)):
+                assert torch.equal(kv.block(t, dst), kv.block(t, src))
+    finally:
+        client.close()
+
+
+def test_a_load_fills_only_the_stored_prefix_and_skips_negative_block_ids(
+    sidecar: InProcessSidecar, kv: SharedKV
+) -> None:
+    client = ipc_client(sidecar.endpoint)
+    try:
+        client.register_kv(kv.registration())
+        stored, missing = keys(1, "prefix"), keys(1, "absent")
+        assert client.save_blocks(stored, [[2, 5]], None, "r1") == [True]
+        layers = list(kv.case.layers.values())
+        for t in layers:
+            for b in (8, 10):
+                t[b].view(torch.uint8).fill_(POISON)
+        # Block 8 is vLLM's own prefix-cache hit: -1 leaves it alone.
+        assert client.load_blocks(stored + missing, [[-1, 10], [3, 4]], "r2") == 1
+        for t in layers:
+            assert torch.all(kv.block(t, 8) == POISON)
+            assert torch.equal(kv.block(t, 10), kv.block(t, 5))
+    finally:
+        client.close()
+
+
+def test_out_of_range_blocks_are_refused_and_the_sidecar_keeps_serving(
+    sidecar: InProcessSidecar, kv: SharedKV
+) -> None:
+    client = ipc_client(sidecar.endpoint)
+    try:
+        client.register_kv(kv.registration())
+        assert client.save_blocks(keys(1, "bad"), [[2, 12]], None, "r") is None
+        assert client.errors.get(p.E_BAD_REQUEST) == 1
+        assert client.save_blocks(keys(1, "bad"), [[2]], None, "r") is None  # too few blocks
+        assert client.save_blocks(keys(1, "good"), [[2, 3]], None, "r") == [True]
+    finally:
+        client.close()
+
+
+def test_a_gpu_the_sidecar_cannot_see_leaves_the_client_in_host_mode(
+    sidecar: InProcessSidecar, kv: SharedKV, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = ipc_client(sidecar.endpoint)
+    try:
+        client.register_kv(kv.registration(gpu="GPU-ffffffff"))
+        with caplog.at_level("WARNING"):
+            assert client.stats() is not None
+        assert client.transfer_mode == "host"
+        assert client.errors.get("ipc_fallback") == 1
+        assert sum("ipc transfer mode unavailable" in r.message for r in caplog.records) == 1
+        assert sidecar.device.open_handles == 0
+        # Host mode still works on the same session.
+        assert client.prepare_store(keys(1, "host"), 64, "uint8", (64,), "r") is not None
+    finally:
+        client.close()
+
+
+def test_handles_are_closed_at_once_when_the_client_process_is_killed(
+    sidecar: InProcessSidecar, kv: SharedKV, kit: Any
+) -> None:
+    script = f"""
+import os, pickle, sys
+from kvstrata.connector.client import SidecarClient
+from kvstrata.sidecar.keys import Namespace
+reg = pickle.loads(sys.stdin.buffer.read())
+c = SidecarClient({sidecar.endpoint!r}, Namespace(model="ipc-test", block_size=16, chunk_size=32),
+                  role="worker", call_timeout_s=5.0, transfer_mode="ipc")
+c.register_kv(reg)
+assert c.stats() is not None and c.transfer_mode == "ipc"
+print("registered", flush=True)
+sys.stdin.close()
+import time; time.sleep(60)
+"""
+    import pickle
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(pickle.dumps(kv.registration()))
+        proc.stdin.close()
+        assert proc.stdout.readline().strip() == b"registered"
+        assert sidecar.device.open_handles == 1
+        proc.kill()  # SIGKILL: no goodbye
+        proc.wait(timeout=10)
+        # Far sooner than the idle timeout (60 s): the liveness socket closed.
+        kit.wait_until(lambda: sidecar.device.open_handles == 0, 5.0, "handles closed")
+        assert len(sidecar.ipc) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_sidecar_without_cuda_grants_host_mode_with_the_reason(kit: Any, tmp_path: Path) -> None:
+    sc = kit.Sidecar(tmp_path / "sc").start()
+    try:
+        client = SidecarClient(
+            sc.endpoint, kit.NAMESPACE, role="worker", call_timeout_s=5.0, transfer_mode="ipc"
+        )
+        try:
+            assert client.stats() is not None
+            assert client.transfer_mode == "host"
+            assert client.errors.get("ipc_fallback") == 1
+        finally:
+            client.close()
+        assert 'kvstrata_errors_total{kind="ipc_fallback"} 1.0' in sc.get("/metrics")
+    finally:
+        sc.stop()
+        sc.cleanup()
