@@ -21,7 +21,6 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -40,6 +39,7 @@ from kopf._cogs.structs import credentials
 from kopf._core.engines import activities, indexing
 
 from kvstrata.operator import handlers, kube
+from kvstrata.sidecarproc import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 USER = "kvstrata-operator"  # the client certificate's CommonName
@@ -401,13 +401,7 @@ def test_without_any_configuration_nothing_counts_as_a_configured_cluster(no_clu
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = condition()
-        if found:
-            return found
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+    return wait_until(condition, timeout, what, step=0.2, error=pytest.fail.Exception)
 
 
 @pytest.mark.slow
