@@ -168,6 +168,37 @@ def test_leases_of_a_client_that_vanishes_are_reclaimed(sidecar_factory: Any, ki
     other.close()
 
 
+def test_a_killed_client_loses_its_leases_at_once_not_after_the_idle_timeout(
+    sidecar_factory: Any, kit: Any
+):
+    # The idle timeout is a minute; the liveness socket reports the death at once.
+    sidecar = sidecar_factory(overrides={"server": {"client_timeout_seconds": 60.0}}).start()
+    other = sidecar.client()
+    keys = kit.make_keys(2, seed=13)
+    kit.store(other, keys, NBYTES, owner="w")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, sidecar.endpoint, "holder-2", *(k.hex() for k in keys)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "2"
+        assert sidecar.status()["leases_active"] >= 2
+    finally:
+        holder.kill()
+        holder.wait()
+    kit.wait_until(
+        lambda: (
+            sidecar.status()["leases_active"] == 0
+            and "holder-2" not in {c["client_id"] for c in sidecar.status()["clients"]}
+        ),
+        3,
+        "the killed client's session ended",
+    )
+    other.close()
+
+
 def test_a_client_that_holds_leases_and_stops_reading_does_not_stall_another(
     sidecar_factory: Any, kit: Any
 ):
