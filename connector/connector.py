@@ -16,6 +16,10 @@ Configuration (``kv_transfer_config.kv_connector_extra_config``):
                            should equal the sidecar's ``chunk_size``)
 ``retry_interval_seconds`` while the sidecar does not answer, one call per this interval
                            (doubling, up to 8x) probes it; the others are misses (default 1.0)
+``transfer_mode``          ``auto`` (default: ipc when the KV is on a GPU the sidecar sees,
+                           else host), ``ipc`` or ``host``; see :mod:`kvstrata.connector.ipc`
+``kv_cache_layout``        a vLLM KVCacheLayout to ask for (e.g. ``BLNHC``: cross-layer
+                           blocks, one copy per block); vLLM uses it when its backends can
 
 The cache is never the source of truth: a sidecar that is down, slow or
 restarting costs misses and dropped saves, never an exception or a hang.
@@ -72,6 +76,7 @@ class ConnectorSettings:
     num_blocks: int  # vLLM's KV cache blocks (its kernels may split them further)
     kv_cache_layout: str | None  # vLLM's resolved KVCacheLayout name
     layout: str | None  # namespace layout string; None: unknown layout (connector disabled)
+    transfer_mode: str  # "auto" (ipc for CUDA KV where the sidecar can), "ipc" or "host"
     namespace: Namespace  # with tp_rank 0; the worker substitutes its own rank
 
     @property
@@ -117,6 +122,12 @@ def settings_from_config(
         layout = None
     spec = groups[0].kv_cache_spec if groups else None
     block_size = int(getattr(spec, "block_size", vllm_config.cache_config.block_size))
+    transfer_mode = str(extra.get("transfer_mode", "auto"))
+    if transfer_mode not in ("auto", "ipc", "host"):
+        raise ValueError(
+            "kv_connector_extra_config.transfer_mode must be auto, ipc or host, "
+            f"not {transfer_mode!r}"
+        )
     chunk_size = int(extra.get("chunk_size", DEFAULT_CHUNK_SIZE))
     if chunk_size < 1:
         raise ValueError(f"kv_connector_extra_config.chunk_size must be >= 1, not {chunk_size}")
@@ -150,6 +161,7 @@ def settings_from_config(
         call_timeout_s=_float(extra, "call_timeout_seconds", 0.5),
         load_timeout_s=_float(extra, "load_timeout_seconds", 5.0),
         retry_interval_s=_float(extra, "retry_interval_seconds", 1.0),
+        transfer_mode=transfer_mode,
         chunk_size=chunk_size,
         block_size=block_size,
         num_blocks=int(kv_cache_config.num_blocks),
@@ -195,6 +207,15 @@ class KVStrataConnector(KVConnectorBase_V1):
             from kvstrata.connector.worker import KVStrataWorker
 
             self._worker = KVStrataWorker(self.settings, vllm_config)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """The ``kv_cache_layout`` extra-config key, if set (vLLM falls back
+        with a warning when its attention backends cannot use it)."""
+        transfer = vllm_config.kv_transfer_config
+        extra = (transfer.kv_connector_extra_config if transfer is not None else None) or {}
+        layout = extra.get("kv_cache_layout")
+        return str(layout) if layout else None
 
     @property
     def counters(self) -> SchedulerCounters | WorkerCounters:

@@ -89,6 +89,7 @@ class ChunkLayout:
     copier: TorchCopier
     blocks_per_chunk: int
     dtype: torch.dtype
+    block_dim: int  # the tensors' block dimension the plan was read around
 
     @property
     def device(self) -> torch.device:
@@ -218,4 +219,5 @@ def detect_layout(
         copier=TorchCopier(plan, tensors),
         blocks_per_chunk=blocks_per_chunk,
         dtype=first.dtype,
+        block_dim=block_dim,
     )

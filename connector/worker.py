@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvstrata.connector import ipc
 from kvstrata.connector.client import ArenaSlot, SidecarClient
 from kvstrata.connector.device import DeviceCopies, copies_for
 from kvstrata.connector.gate import RetryGate
@@ -107,6 +108,8 @@ class KVStrataWorker:
             self.layout = None
             logger.warning("kvstrata: connector disabled (every lookup misses): %s", exc)
             return
+        if self.layout.device.type == "cuda" and s.transfer_mode != "host":
+            self._ask_for_ipc()
         plan = self.layout.plan
         self.copies.close()
         self.copies = copies_for(self.layout.device, plan.num_layers)
@@ -122,6 +125,24 @@ class KVStrataWorker:
             self.layout.chunk_nbytes,
             self.layout.chunk_shape,
         )
+
+    def _ask_for_ipc(self) -> None:
+        """Offer the sidecar our KV by CUDA IPC; host mode stays if it declines."""
+        layout = self.layout
+        assert layout is not None  # checked by the caller
+        try:
+            body = ipc.kv_registration(
+                layout.layers,
+                kv_cache_layout=self.settings.kv_cache_layout,
+                block_dim=layout.block_dim,
+                blocks_per_chunk=layout.blocks_per_chunk,
+            )
+        except Exception:
+            logger.exception("kvstrata: cannot export the KV for ipc mode; using host mode")
+            return
+        self.client.requested_mode = "ipc"
+        self.client.register_kv(body)
+        self.client.stats()  # connect now: the mode is decided at HELLO
 
     # -- arena --------------------------------------------------------------------
 
@@ -160,6 +181,11 @@ class KVStrataWorker:
             return
         started = time.perf_counter()
         work: list[tuple[ChunkTransfer, torch.Tensor]] = []
+        if self.layout is not None and self.client.transfer_mode == "ipc":
+            for req in meta.loads:
+                self._load_by_sidecar(req)
+            self.counters.load_seconds += time.perf_counter() - started
+            return
         for req in meta.loads:
             try:
                 ready = self._leased_sources(req) if self.layout is not None else []
@@ -182,6 +208,17 @@ class KVStrataWorker:
         if not self.copies.asynchronous:
             self._finish_loads()
         self.counters.load_seconds += time.perf_counter() - started
+
+    def _load_by_sidecar(self, req: RequestTransfer) -> None:
+        """ipc mode: the sidecar scatters the stored prefix; the rest is a load error."""
+        fp = self.client.fingerprint
+        keys = [make_key(fp, c.chunk_hash) for c in req.chunks]
+        blocks = [ipc.load_block_ids(c) for c in req.chunks]
+        loaded = self.client.load_blocks(keys, blocks, req.req_id) or 0
+        for chunk in req.chunks[loaded:]:
+            self._load_errors.update(chunk.block_ids[chunk.first_block :])
+        self.counters.loaded_chunks += loaded
+        self.counters.failed_chunks += len(req.chunks) - loaded
 
     def _leased_sources(self, req: RequestTransfer) -> list[tuple[ChunkTransfer, torch.Tensor]]:
         """Lease the request's chunks; the arena bytes of the leading ones that fit.
@@ -265,6 +302,18 @@ class KVStrataWorker:
             return
         fp = self.client.fingerprint
         keys = [make_key(fp, c.chunk_hash) for c in req.chunks]
+        if self.client.transfer_mode == "ipc":
+            event, handle = ipc.compute_done_event()
+            committed = self.client.save_blocks(
+                keys, [c.block_ids for c in req.chunks], handle, req.req_id
+            )
+            del event  # the sidecar has waited for it
+            if committed is None:
+                self.counters.save_dropped_chunks += len(req.chunks)
+            else:
+                self.counters.saved_chunks += sum(committed)
+                self.counters.save_skipped_chunks += len(committed) - sum(committed)
+            return
         slots = self.client.prepare_store(
             keys, layout.chunk_nbytes, layout.dtype_str, layout.chunk_shape, owner=req.req_id
         )

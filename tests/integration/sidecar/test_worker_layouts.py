@@ -51,6 +51,7 @@ def settings_for(endpoint: str, case: KVLayoutCase, layout: str | None = None) -
         num_blocks=case.num_blocks,
         kv_cache_layout=case.kv_cache_layout,
         layout=layout,
+        transfer_mode="host",
         namespace=Namespace(
             model="layout-test",
             kv_dtype=case.name,
