@@ -229,7 +229,7 @@ def test_a_gpu_the_sidecar_cannot_see_leaves_the_client_in_host_mode(
         client.close()
 
 
-def test_handles_are_closed_at_once_when_the_client_process_is_killed(
+def test_handles_are_closed_at_once_when_the_client_process_is_killed_and_a_restart_registers_again(
     sidecar: InProcessSidecar, kv: SharedKV, kit: Any
 ) -> None:
     script = f"""
@@ -264,6 +264,14 @@ import time; time.sleep(60)
     finally:
         if proc.poll() is None:
             proc.kill()
+    # A restarted vLLM registers again and is served.
+    client = ipc_client(sidecar.endpoint)
+    try:
+        client.register_kv(kv.registration())
+        assert client.save_blocks(keys(1, "restarted"), [[1, 2]], None, "r") == [True]
+        assert client.transfer_mode == "ipc" and sidecar.device.open_handles == 1
+    finally:
+        client.close()
 
 
 def test_a_sidecar_without_cuda_grants_host_mode_with_the_reason(kit: Any, tmp_path: Path) -> None:
