@@ -33,7 +33,7 @@
 
 // Bumped whenever a signature or a meaning above changes; the binding refuses a
 // library of another version.
-#define KVS_ABI_VERSION 1
+#define KVS_ABI_VERSION 2
 
 #define KVS_API __attribute__((visibility("default")))
 
@@ -64,6 +64,11 @@ KVS_API int kvs_abi_version(void);
 KVS_API const char* kvs_source_hash(void);
 // "cuda" or "host".
 KVS_API const char* kvs_backend(void);
+// Parse a GPU UUID as nvidia-smi ("GPU-" + 8-4-4-4-12 hex digits), a MIG instance
+// ("MIG-" + the same) or torch (no prefix) writes it, in either letter case, into
+// its 16 bytes (those of cudaDeviceProp.uuid). Returns 0, or 1 (cudaErrorInvalidValue)
+// when `text` is not such a UUID. In both libraries, so the host tests check it.
+KVS_API int kvs_uuid_parse(const char* text, uint8_t* bytes);
 
 // CUDA build only.
 // The number of CUDA devices the driver shows; returns a cudaError_t (no driver, no
@@ -77,6 +82,46 @@ KVS_API const char* kvs_cuda_error_name(int32_t code);
 KVS_API const char* kvs_cuda_error_string(int32_t code);
 // Wait for the stream; returns a cudaError_t (a kernel's asynchronous error shows here).
 KVS_API int kvs_cuda_stream_synchronize(uint64_t stream);
+
+// CUDA build only: what the sidecar's ipc mode needs (kvs_ipc.cu). Each returns a
+// cudaError_t, and a failure leaves no error behind for a later call to pick up (the
+// runtime's last-error state is cleared). Functions that take `device` run on it and
+// give the calling thread its earlier current device back; kvs_gather / kvs_scatter
+// run on the current device, so make it current first (kvs_cuda_set_device).
+//
+// The device (index as this process numbers them) whose cudaDeviceProp.uuid is `uuid`
+// (any form kvs_uuid_parse accepts); cudaErrorInvalidValue for malformed text,
+// cudaErrorInvalidDevice when no visible device has it.
+KVS_API int kvs_cuda_device_by_uuid(const char* uuid, int32_t* device);
+// Make `device` the calling thread's current device.
+KVS_API int kvs_cuda_set_device(int32_t device);
+// Map another process's allocation from its cudaIpcMemHandle_t (64 bytes) into this
+// process (peer access enabled lazily); `*address` is the device address of its first
+// byte. The driver counts opens of one handle (the same address comes back): close
+// each with kvs_cuda_ipc_close. While it is open the memory stays allocated even after
+// the exporter frees it or dies; the last close gives it back.
+KVS_API int kvs_cuda_ipc_open(int32_t device, const void* handle, uint64_t* address);
+KVS_API int kvs_cuda_ipc_close(int32_t device, uint64_t address);
+// A stream of `device` that does not synchronise with the legacy default stream.
+KVS_API int kvs_cuda_stream_create(int32_t device, uint64_t* stream);
+KVS_API int kvs_cuda_stream_destroy(int32_t device, uint64_t stream);
+// Make `stream` wait (on the GPU, the host does not block) for the last record of
+// another process's event, named by its cudaIpcEventHandle_t (64 bytes). The event
+// is opened for this call and released; the wait stays queued.
+KVS_API int kvs_cuda_stream_wait_ipc_event(int32_t device, uint64_t stream,
+                                           const void* event_handle);
+// Page-lock `nbytes` of host memory at `ptr` for every device (portable) and map it
+// for kernels (mapped), on the current device; `*device_address` is the address
+// kernels of the current device use for `ptr`. Memory that is already registered (by
+// torch, say) is left as it is and only its device address is returned;
+// `*registered` says whether this call registered it (1) or not (0), so that only its
+// registrant unregisters it.
+KVS_API int kvs_cuda_host_register(void* ptr, uint64_t nbytes, uint64_t* device_address,
+                                   int32_t* registered);
+// Undo kvs_cuda_host_register (before the memory is unmapped).
+KVS_API int kvs_cuda_host_unregister(void* ptr);
+// Free and total memory of `device` in bytes (cudaMemGetInfo: device-wide).
+KVS_API int kvs_cuda_mem_get_info(int32_t device, uint64_t* free_bytes, uint64_t* total_bytes);
 
 #ifdef __cplusplus
 }

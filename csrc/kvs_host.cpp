@@ -9,6 +9,7 @@
 
 #include "kvs_abi.h"
 #include "kvs_index.h"
+#include "kvs_uuid.h"
 
 #ifndef KVS_SOURCE_HASH
 #define KVS_SOURCE_HASH "unknown"
@@ -84,5 +85,10 @@ KVS_API int kvs_abi_version(void) { return KVS_ABI_VERSION; }
 KVS_API const char* kvs_source_hash(void) { return KVS_SOURCE_HASH; }
 
 KVS_API const char* kvs_backend(void) { return "host"; }
+
+// 1 is cudaErrorInvalidValue, what the CUDA library returns for the same text.
+KVS_API int kvs_uuid_parse(const char* text, uint8_t* bytes) {
+  return kvs::parse_uuid(text, bytes) ? 0 : 1;
+}
 
 }  // extern "C"

@@ -11,7 +11,8 @@ Two libraries, one C ABI (``csrc/kvs_abi.h``):
 
 - ``libkvstrata-host.so``: ``csrc/kvs_host.cpp``, built with the C++
   compiler (``$CXX`` or ``g++``) as ``-O2 -shared -fPIC``.
-- ``libkvstrata-cuda.so``: ``csrc/kvs_transfer.cu``, built with ``nvcc``
+- ``libkvstrata-cuda.so``: ``csrc/kvs_transfer.cu`` (the kernels) and
+  ``csrc/kvs_ipc.cu`` (the CUDA runtime calls of ipc mode), built with ``nvcc``
   for :data:`DEFAULT_ARCHS` (those this nvcc accepts; ``KVSTRATA_CUDA_ARCHS``
   overrides, e.g. ``"90"`` or ``"80;90"``) as SASS, plus PTX of the lowest
   arch so newer GPUs JIT it. cudart is linked statically and its symbols
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Bump when a command line changes in a way the sources do not show.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: a library may compile several sources
 
 # Compute capabilities compiled as SASS: A100 (8.x runs sm_80 code), H100/H200,
 # B200 (10.x), RTX 50 / RTX PRO (12.x). Intersected with what nvcc accepts.
@@ -52,15 +53,18 @@ class Library:
 
     kind: str  # "host" or "cuda"
     filename: str
-    sources: tuple[str, ...]  # file names in csrc/, the compiled one last
+    headers: tuple[str, ...]  # file names in csrc/ the compiled ones include
+    compiled: tuple[str, ...]  # file names in csrc/ handed to the compiler, in order
 
     @property
-    def main_source(self) -> str:
-        return self.sources[-1]
+    def sources(self) -> tuple[str, ...]:
+        """Every file the library is built from (what :func:`source_hash` covers)."""
+        return self.headers + self.compiled
 
 
-HOST = Library("host", "libkvstrata-host.so", ("kvs_abi.h", "kvs_index.h", "kvs_host.cpp"))
-CUDA = Library("cuda", "libkvstrata-cuda.so", ("kvs_abi.h", "kvs_index.h", "kvs_transfer.cu"))
+_HEADERS = ("kvs_abi.h", "kvs_index.h", "kvs_uuid.h")
+HOST = Library("host", "libkvstrata-host.so", _HEADERS, ("kvs_host.cpp",))
+CUDA = Library("cuda", "libkvstrata-cuda.so", _HEADERS, ("kvs_transfer.cu", "kvs_ipc.cu"))
 
 
 def repo_csrc_dir() -> Path | None:
@@ -74,7 +78,7 @@ def repo_csrc_dir() -> Path | None:
         return Path(explicit)
     here = Path(__file__).resolve().parent  # <repo>/sidecar/transfer
     candidate = here.parent.parent / "csrc"
-    return candidate if (candidate / HOST.main_source).is_file() else None
+    return candidate if (candidate / HOST.compiled[0]).is_file() else None
 
 
 def cache_dir() -> Path:
@@ -153,14 +157,14 @@ def gencode_flags(archs: list[str]) -> list[str]:
 def compile_command(library: Library, csrc: Path, output: Path, digest: str) -> list[str]:
     """The compiler command line that builds ``library`` from ``csrc`` into ``output``."""
     define = f'-DKVS_SOURCE_HASH="{digest}"'
-    source = str(csrc / library.main_source)
+    sources = [str(csrc / name) for name in library.compiled]
     if library.kind == "host":
         cxx = find_cxx()
         if cxx is None:
             raise CSrcBuildError("no C++ compiler found (set CXX or install g++)")
         return [
             cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
-            define, "-o", str(output), source,
+            define, "-o", str(output), *sources,
         ]  # fmt: skip
     nvcc = find_nvcc()
     if nvcc is None:
@@ -169,7 +173,7 @@ def compile_command(library: Library, csrc: Path, output: Path, digest: str) -> 
         nvcc, "-O3", "-std=c++17", "-shared", "--cudart=static",
         "-Xcompiler=-fPIC,-fvisibility=hidden", "-Xlinker=--exclude-libs,ALL",
         f"--threads={min(4, os.cpu_count() or 1)}",
-        *gencode_flags(cuda_archs(nvcc)), define, "-o", str(output), source,
+        *gencode_flags(cuda_archs(nvcc)), define, "-o", str(output), *sources,
     ]  # fmt: skip
 
 
@@ -186,9 +190,9 @@ def build(library: Library, csrc: Path, into: Path | None = None) -> Path:
     digest = source_hash(csrc, library)
     placeholder = "@OUTPUT@"
     command = compile_command(library, csrc, Path(placeholder), digest)
-    source = str(csrc / library.main_source)
+    sources = {str(csrc / name) for name in library.compiled}
     # The key leaves out where the tree is: the same sources and flags are the same build.
-    flags = " ".join(a for a in command if a not in (placeholder, source))
+    flags = " ".join(a for a in command if a != placeholder and a not in sources)
     key = hashlib.sha256(f"{RECIPE_VERSION}\n{flags}".encode()).hexdigest()[:16]
     stem = library.filename.removesuffix(".so")
     target = into / f"{stem}-{key}.so"

@@ -30,6 +30,12 @@ Where the libraries come from, in order:
 
 ``KVSTRATA_CUDA_KERNELS=0`` makes :func:`load_cuda` return None (the
 torch copy path is used instead).
+
+The CUDA library also carries the runtime calls the sidecar's ipc mode
+needs without torch (device by UUID, CUDA IPC memory and event handles,
+streams, host registration, free memory): methods of
+:class:`TransferLibrary` that only the ``cuda`` backend has, used by
+:mod:`kvstrata.sidecar.transfer.cuda_device`.
 """
 
 from __future__ import annotations
@@ -50,7 +56,9 @@ if TYPE_CHECKING:
     from kvstrata.sidecar.transfer.plan import CopyPlan
 
 # Must equal KVS_ABI_VERSION in csrc/kvs_abi.h.
-ABI_VERSION = 1
+ABI_VERSION = 2
+
+IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t, cudaIpcEventHandle_t
 
 IntArray = Sequence[int] | np.ndarray
 
@@ -73,6 +81,23 @@ _COPY_ARGTYPES = [
     ctypes.c_int32,  # max_ctas
     ctypes.c_uint64,  # stream
 ]
+
+_I32P = ctypes.POINTER(ctypes.c_int32)
+_U64P = ctypes.POINTER(ctypes.c_uint64)
+# The runtime calls of ipc mode (csrc/kvs_ipc.cu); every one returns a cudaError_t.
+_CUDA_IPC_ARGTYPES: dict[str, list[Any]] = {
+    "kvs_cuda_device_by_uuid": [ctypes.c_char_p, _I32P],
+    "kvs_cuda_set_device": [ctypes.c_int32],
+    # Handles go as c_char_p: a pointer to the bytes object's own 64 bytes (NULs and all).
+    "kvs_cuda_ipc_open": [ctypes.c_int32, ctypes.c_char_p, _U64P],
+    "kvs_cuda_ipc_close": [ctypes.c_int32, ctypes.c_uint64],
+    "kvs_cuda_stream_create": [ctypes.c_int32, _U64P],
+    "kvs_cuda_stream_destroy": [ctypes.c_int32, ctypes.c_uint64],
+    "kvs_cuda_stream_wait_ipc_event": [ctypes.c_int32, ctypes.c_uint64, ctypes.c_char_p],
+    "kvs_cuda_host_register": [ctypes.c_void_p, ctypes.c_uint64, _U64P, _I32P],
+    "kvs_cuda_host_unregister": [ctypes.c_void_p],
+    "kvs_cuda_mem_get_info": [ctypes.c_int32, _U64P, _U64P],
+}
 
 
 class _Unavailable(Exception):
@@ -200,6 +225,104 @@ class TransferLibrary:
         )  # fmt: skip
         self._check(fn, code)
 
+    # -- both backends --------------------------------------------------------
+
+    def parse_uuid(self, text: str) -> bytes:
+        """The 16 bytes of a GPU UUID written as nvidia-smi, a MIG instance or torch
+        writes it (``GPU-``/``MIG-`` prefix optional, dashes optional, any case);
+        ValueError when ``text`` is not one. The rule :meth:`device_by_uuid` matches by.
+        """
+        out = ctypes.create_string_buffer(16)
+        if self._lib.kvs_uuid_parse(_ascii(text, "uuid"), out) != 0:
+            raise ValueError(f"{text!r} is not a GPU UUID (like GPU-<8-4-4-4-12 hex digits>)")
+        return out.raw
+
+    # -- CUDA library only: the runtime calls of ipc mode ---------------------
+
+    def device_by_uuid(self, uuid: str) -> int:
+        """The index (as this process numbers devices) of the GPU whose UUID is ``uuid``.
+
+        Raises ValueError for malformed text and :class:`KernelError` named
+        ``cudaErrorInvalidDevice`` when no visible device has it.
+        """
+        self.parse_uuid(uuid)
+        device = ctypes.c_int32(-1)
+        self._cuda_call("kvs_cuda_device_by_uuid", _ascii(uuid, "uuid"), ctypes.byref(device))
+        return device.value
+
+    def set_device(self, device: int) -> None:
+        """Make ``device`` the calling thread's current device (the one
+        :meth:`gather` / :meth:`scatter` launch on)."""
+        self._cuda_call("kvs_cuda_set_device", _device(device))
+
+    def ipc_open(self, device: int, handle: bytes) -> int:
+        """Map another process's allocation (its 64-byte ``cudaIpcMemHandle_t``) on
+        ``device``; the device address of its first byte. Close it with :meth:`ipc_close`.
+        """
+        address = ctypes.c_uint64(0)
+        self._cuda_call(
+            "kvs_cuda_ipc_open", _device(device), _handle(handle, "handle"),
+            ctypes.byref(address),
+        )  # fmt: skip
+        return address.value
+
+    def ipc_close(self, device: int, address: int) -> None:
+        """Unmap an allocation :meth:`ipc_open` mapped (once per open)."""
+        self._cuda_call("kvs_cuda_ipc_close", _device(device), _address(address, "address"))
+
+    def stream_create(self, device: int) -> int:
+        """A new non-blocking stream of ``device`` (a ``cudaStream_t`` as an integer)."""
+        stream = ctypes.c_uint64(0)
+        self._cuda_call("kvs_cuda_stream_create", _device(device), ctypes.byref(stream))
+        return stream.value
+
+    def stream_destroy(self, device: int, stream: int) -> None:
+        """Destroy a stream :meth:`stream_create` made (queued work still completes)."""
+        self._cuda_call("kvs_cuda_stream_destroy", _device(device), _address(stream, "stream"))
+
+    def stream_wait_ipc_event(self, device: int, stream: int, event_handle: bytes) -> None:
+        """Queue on ``stream`` a wait for another process's interprocess event (its
+        64-byte ``cudaIpcEventHandle_t``): later work on the stream runs after the
+        event's last record completes. The host does not block."""
+        self._cuda_call(
+            "kvs_cuda_stream_wait_ipc_event", _device(device), _address(stream, "stream"),
+            _handle(event_handle, "event_handle"),
+        )  # fmt: skip
+
+    def host_register(self, address: int, nbytes: int) -> tuple[int, bool]:
+        """Page-lock and map ``nbytes`` of host memory at ``address`` for the GPUs, on
+        the current device: ``(device address, registered here)``.
+
+        Memory already registered (torch pinned it) is left so, and only its device
+        address is returned with ``False``: unregister only what this call registered.
+        """
+        if not 1 <= nbytes <= _U64_MAX:
+            raise ValueError(f"nbytes must be >= 1, not {nbytes}")
+        device_address = ctypes.c_uint64(0)
+        registered = ctypes.c_int32(0)
+        self._cuda_call(
+            "kvs_cuda_host_register", _address(address, "address"), nbytes,
+            ctypes.byref(device_address), ctypes.byref(registered),
+        )  # fmt: skip
+        return device_address.value, bool(registered.value)
+
+    def host_unregister(self, address: int) -> None:
+        """Undo :meth:`host_register` (before the memory is unmapped)."""
+        self._cuda_call("kvs_cuda_host_unregister", _address(address, "address"))
+
+    def mem_get_info(self, device: int) -> tuple[int, int]:
+        """``(free, total)`` bytes of ``device``'s memory (device-wide, all processes)."""
+        free, total = ctypes.c_uint64(0), ctypes.c_uint64(0)
+        self._cuda_call(
+            "kvs_cuda_mem_get_info", _device(device), ctypes.byref(free), ctypes.byref(total)
+        )
+        return free.value, total.value
+
+    def _cuda_call(self, fn: str, *args: Any) -> None:
+        if self.backend != "cuda":
+            raise RuntimeError(f"{fn} is in the CUDA library only, this is the {self.backend} one")
+        self._check(fn, getattr(self._lib, fn)(*args))
+
     def _check(self, what: str, code: int) -> None:
         if code == 0:
             return
@@ -216,6 +339,31 @@ def _stream(stream: Any) -> int:
     if not isinstance(handle, int) or not 0 <= handle <= _U64_MAX:
         raise ValueError(f"stream must be a cudaStream_t handle (int >= 0), not {stream!r}")
     return handle
+
+
+def _device(device: int) -> int:
+    if not isinstance(device, int) or not 0 <= device <= _I32_MAX:
+        raise ValueError(f"device must be a CUDA device index (int >= 0), not {device!r}")
+    return device
+
+
+def _address(value: int, name: str) -> int:
+    if not isinstance(value, int) or not 1 <= value <= _U64_MAX:
+        raise ValueError(f"{name} must be a non-null address, not {value!r}")
+    return value
+
+
+def _handle(value: bytes, name: str) -> bytes:
+    if not isinstance(value, bytes) or len(value) != IPC_HANDLE_BYTES:
+        raise ValueError(f"{name} must be {IPC_HANDLE_BYTES} bytes (a CUDA IPC handle)")
+    return value
+
+
+def _ascii(text: str, name: str) -> bytes:
+    try:
+        return text.encode("ascii")
+    except (AttributeError, UnicodeEncodeError):
+        raise ValueError(f"{name} must be an ASCII string, not {text!r}") from None
 
 
 def _int_array(values: IntArray, name: str, dtype: type, low: int, high: int) -> np.ndarray:
@@ -268,6 +416,8 @@ def _declare(cdll: ctypes.CDLL) -> None:
     cdll.kvs_abi_version.restype = ctypes.c_int
     cdll.kvs_source_hash.restype = ctypes.c_char_p
     cdll.kvs_backend.restype = ctypes.c_char_p
+    cdll.kvs_uuid_parse.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+    cdll.kvs_uuid_parse.restype = ctypes.c_int
     if cdll.kvs_backend() == b"cuda":
         cdll.kvs_cuda_device_count.argtypes = [ctypes.POINTER(ctypes.c_int32)]
         cdll.kvs_cuda_versions.argtypes = [ctypes.POINTER(ctypes.c_int32)] * 2
@@ -275,6 +425,9 @@ def _declare(cdll: ctypes.CDLL) -> None:
             getattr(cdll, fn).argtypes = [ctypes.c_int32]
             getattr(cdll, fn).restype = ctypes.c_char_p
         cdll.kvs_cuda_stream_synchronize.argtypes = [ctypes.c_uint64]
+        for fn, argtypes in _CUDA_IPC_ARGTYPES.items():
+            getattr(cdll, fn).argtypes = argtypes
+            getattr(cdll, fn).restype = ctypes.c_int
 
 
 def _open(path: Path) -> TransferLibrary:
@@ -309,10 +462,14 @@ def _load(library: Library) -> TransferLibrary:
         return _open(installed)
     stale = ""
     if installed.is_file():
-        lib = _open(installed)
-        if lib.source_hash == csrc_build.source_hash(csrc, library):
-            return lib
-        stale = f"the installed {library.filename} was built from other sources than {csrc}; "
+        try:
+            lib = _open(installed)
+        except CSrcBuildError as exc:  # another ABI: it is older (or newer) than the checkout
+            stale = f"{exc}; "
+        else:
+            if lib.source_hash == csrc_build.source_hash(csrc, library):
+                return lib
+            stale = f"the installed {library.filename} was built from other sources than {csrc}; "
     try:
         return _open(csrc_build.build(library, csrc))
     except CSrcBuildError as exc:

@@ -3,6 +3,7 @@ and the binding never runs a library built from other sources or for another ABI
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -112,11 +114,151 @@ def test_without_a_checkout_the_installed_library_is_used_as_it_is(
 def test_a_library_of_another_abi_version_is_refused(tmp_path: Path) -> None:
     tree = shutil.copytree(CSRC, tmp_path / "csrc")
     header = tree / "kvs_abi.h"
-    header.write_text(
-        header.read_text().replace("#define KVS_ABI_VERSION 1", "#define KVS_ABI_VERSION 99")
-    )
+    current = f"#define KVS_ABI_VERSION {kernels.ABI_VERSION}\n"
+    header.write_text(header.read_text().replace(current, "#define KVS_ABI_VERSION 99\n"))
     with pytest.raises(CSrcBuildError, match="speaks ABI 99"):
         kernels._open(build(HOST, tree, tmp_path / "cache"))
+
+
+def test_an_installed_library_of_another_abi_is_rebuilt_from_the_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tree = shutil.copytree(CSRC, tmp_path / "csrc")
+    header = tree / "kvs_abi.h"
+    current = f"#define KVS_ABI_VERSION {kernels.ABI_VERSION}\n"
+    header.write_text(header.read_text().replace(current, "#define KVS_ABI_VERSION 99\n"))
+    older = build(HOST, tree, tmp_path / "older")
+    monkeypatch.setattr(kernels, "installed_path", lambda library: older)
+    monkeypatch.setenv("KVSTRATA_CACHE_DIR", str(tmp_path / "cache"))
+
+    lib = kernels._load(HOST)
+    assert lib.path != older
+    assert lib.source_hash == source_hash(CSRC, HOST)
+
+
+# -- the ABI: header, exports and ctypes declarations agree -------------------
+
+# C parameter types of kvs_abi.h -> the ctypes types that pass them correctly.
+_U64P, _I32P = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int32)
+CTYPES_FOR: dict[str, set[Any]] = {
+    "int32_t": {ctypes.c_int32},
+    "int64_t": {ctypes.c_int64},
+    "uint64_t": {ctypes.c_uint64},
+    "const uint64_t*": {ctypes.c_void_p},
+    "const int64_t*": {ctypes.c_void_p},
+    "const char*": {ctypes.c_char_p},
+    "const void*": {ctypes.c_char_p, ctypes.c_void_p},
+    "void*": {ctypes.c_void_p},
+    "uint8_t*": {ctypes.c_void_p},
+    "int32_t*": {_I32P},
+    "uint64_t*": {_U64P},
+}
+
+
+def abi_functions() -> dict[str, list[str]]:
+    """Every function kvs_abi.h declares -> its parameter types (names dropped)."""
+    text = re.sub(r"//[^\n]*", "", (CSRC / "kvs_abi.h").read_text())
+    functions = {}
+    for name, params in re.findall(r"KVS_API\s+[\w\s*]+?\b(kvs_\w+)\s*\(([^)]*)\)", text):
+        params = " ".join(params.split())
+        types = []
+        if params != "void":
+            for param in params.split(","):
+                words = param.replace("*", "* ").split()
+                types.append(" ".join(words[:-1]).replace(" *", "*"))
+        functions[name] = types
+    return functions
+
+
+def check_declarations(lib: kernels.TransferLibrary, names: list[str]) -> None:
+    functions = abi_functions()
+    for name in names:
+        fn = getattr(lib._lib, name)  # AttributeError: not exported
+        params = functions[name]
+        if not params:
+            assert not fn.argtypes, name
+            continue
+        assert fn.argtypes is not None, f"{name}: no argtypes declared"
+        assert len(fn.argtypes) == len(params), f"{name}: {fn.argtypes} for {params}"
+        for i, (c_type, declared) in enumerate(zip(params, fn.argtypes, strict=True)):
+            assert declared in CTYPES_FOR[c_type], f"{name} argument {i}: {declared} for {c_type}"
+
+
+def test_the_header_declares_the_functions_the_binding_calls() -> None:
+    functions = abi_functions()
+    assert "kvs_cuda_ipc_open" in functions
+    assert functions["kvs_cuda_host_register"] == ["void*", "uint64_t", "uint64_t*", "int32_t*"]
+    assert set(kernels._CUDA_IPC_ARGTYPES) <= set(functions)
+
+
+def test_the_host_library_exports_every_function_but_the_cuda_ones_as_declared() -> None:
+    lib = kernels.load_host()
+    host_names = [n for n in abi_functions() if not n.startswith("kvs_cuda_")]
+    check_declarations(lib, host_names)
+    for name in abi_functions():
+        if name.startswith("kvs_cuda_"):
+            assert not hasattr(lib._lib, name), f"the host library exports {name}"
+
+
+@pytest.fixture(scope="module")
+def cuda_lib(tmp_path_factory: pytest.TempPathFactory) -> kernels.TransferLibrary:
+    if NVCC is None:
+        pytest.skip("nvcc not found (no CUDA toolkit here)")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVSTRATA_CUDA_ARCHS", "80")  # one arch: the ABI, not the code, is tested
+        return kernels._open(build(csrc_build.CUDA, CSRC, tmp_path_factory.mktemp("cuda")))
+
+
+def test_the_cuda_library_exports_every_function_of_the_header_as_declared(
+    cuda_lib: kernels.TransferLibrary,
+) -> None:
+    assert cuda_lib.backend == "cuda"
+    check_declarations(cuda_lib, list(abi_functions()))
+
+
+IPC_CALLS = (
+    "import json, sys; from kvstrata.sidecar.transfer import kernels as k; "
+    "lib = k._open(__import__('pathlib').Path(sys.argv[1])); out = {}\n"
+    "calls = {\n"
+    " 'device_by_uuid': lambda: lib.device_by_uuid('GPU-12345678-9abc-def0-1234-56789abcdef0'),\n"
+    " 'set_device': lambda: lib.set_device(0),\n"
+    " 'ipc_open': lambda: lib.ipc_open(0, bytes(64)),\n"
+    " 'ipc_close': lambda: lib.ipc_close(0, 1 << 40),\n"
+    " 'stream_create': lambda: lib.stream_create(0),\n"
+    " 'stream_wait_ipc_event': lambda: lib.stream_wait_ipc_event(0, 1, bytes(64)),\n"
+    " 'host_register': lambda: lib.host_register(1 << 40, 4096),\n"
+    " 'mem_get_info': lambda: lib.mem_get_info(0),\n"
+    "}\n"
+    "for name, call in calls.items():\n"
+    "    try:\n"
+    "        out[name] = repr(call())\n"
+    "    except k.KernelError as exc:\n"
+    "        out[name] = exc.name\n"
+    "print(json.dumps(out))"
+)
+
+
+def test_without_a_visible_gpu_every_ipc_call_raises_naming_the_cuda_error(
+    cuda_lib: kernels.TransferLibrary,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", IPC_CALLS, str(cuda_lib.path)], capture_output=True, text=True,
+        check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120,
+    )  # fmt: skip
+    results = json.loads(done.stdout)
+    assert len(results) == 8
+    for name, result in results.items():
+        # cudaErrorNoDevice with a driver, cudaErrorInsufficientDriver without one
+        assert re.fullmatch(r"cudaError\w+", result), f"{name} returned {result}"
+
+
+def test_the_cuda_library_refuses_a_malformed_uuid_before_asking_the_driver(
+    cuda_lib: kernels.TransferLibrary,
+) -> None:
+    device = ctypes.c_int32(-1)
+    code = cuda_lib._lib.kvs_cuda_device_by_uuid(b"GPU-not-a-uuid", ctypes.byref(device))
+    assert cuda_lib._lib.kvs_cuda_error_name(code) == b"cudaErrorInvalidValue"
+    assert device.value == -1
 
 
 PROBE = (

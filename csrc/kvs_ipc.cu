@@ -1,0 +1,183 @@
+// CUDA runtime calls of the sidecar's ipc mode, part of libkvstrata-cuda.so.
+//
+// In ipc mode the sidecar maps vLLM's KV tensors (CUDA IPC memory handles), waits
+// for vLLM's interprocess events on its own streams and runs the copy kernels
+// (kvs_transfer.cu) between those tensors and its pinned arena. The sidecar image
+// need not have torch, so these calls live here, behind the same C ABI (kvs_abi.h),
+// with the statically linked cudart of the kernels.
+//
+// Every entry point returns a cudaError_t and clears the runtime's last-error state
+// when it fails: kvs_gather checks its launch with cudaGetLastError, which would
+// otherwise report an earlier, unrelated failure of the same thread (an "already
+// registered" answer, a closed peer's handle) as its own.
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kvs_abi.h"
+#include "kvs_uuid.h"
+
+namespace kvs {
+namespace {
+
+static_assert(sizeof(cudaIpcMemHandle_t) == 64, "the protocol carries 64-byte memory handles");
+static_assert(sizeof(cudaIpcEventHandle_t) == 64, "the protocol carries 64-byte event handles");
+static_assert(sizeof(cudaUUID_t) == 16, "cudaDeviceProp.uuid is 16 bytes");
+
+// The code to return: a failure also resets the last-error state (see the top).
+int done(cudaError_t err) {
+  if (err != cudaSuccess) cudaGetLastError();
+  return static_cast<int>(err);
+}
+
+// Makes `device` current for its lifetime and gives the thread its earlier device
+// back: a caller that also runs torch on this thread keeps the device it chose.
+class OnDevice {
+ public:
+  explicit OnDevice(int32_t device) {
+    err_ = cudaGetDevice(&previous_);
+    if (err_ == cudaSuccess && previous_ != device) {
+      err_ = cudaSetDevice(device);
+      switched_ = err_ == cudaSuccess;
+    }
+  }
+  ~OnDevice() {
+    if (switched_) cudaSetDevice(previous_);
+  }
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+
+  cudaError_t error() const { return err_; }
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+  cudaError_t err_ = cudaSuccess;
+};
+
+cudaStream_t as_stream(uint64_t handle) {
+  return reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(handle));
+}
+
+}  // namespace
+}  // namespace kvs
+
+extern "C" {
+
+KVS_API int kvs_uuid_parse(const char* text, uint8_t* bytes) {
+  return kvs::parse_uuid(text, bytes) ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+KVS_API int kvs_cuda_device_by_uuid(const char* uuid, int32_t* device) {
+  uint8_t wanted[16];
+  if (!kvs::parse_uuid(uuid, wanted)) return cudaErrorInvalidValue;
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) return kvs::done(err);
+  for (int i = 0; i < count; ++i) {
+    cudaDeviceProp prop;
+    err = cudaGetDeviceProperties(&prop, i);
+    if (err != cudaSuccess) return kvs::done(err);
+    if (memcmp(prop.uuid.bytes, wanted, sizeof(wanted)) == 0) {
+      *device = i;
+      return cudaSuccess;
+    }
+  }
+  return cudaErrorInvalidDevice;
+}
+
+KVS_API int kvs_cuda_set_device(int32_t device) { return kvs::done(cudaSetDevice(device)); }
+
+KVS_API int kvs_cuda_ipc_open(int32_t device, const void* handle, uint64_t* address) {
+  kvs::OnDevice on(device);
+  if (on.error() != cudaSuccess) return kvs::done(on.error());
+  cudaIpcMemHandle_t h;
+  memcpy(&h, handle, sizeof(h));
+  void* ptr = nullptr;
+  const cudaError_t err = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+  if (err != cudaSuccess) return kvs::done(err);
+  *address = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(ptr));
+  return cudaSuccess;
+}
+
+KVS_API int kvs_cuda_ipc_close(int32_t device, uint64_t address) {
+  kvs::OnDevice on(device);
+  if (on.error() != cudaSuccess) return kvs::done(on.error());
+  void* ptr = reinterpret_cast<void*>(static_cast<uintptr_t>(address));
+  return kvs::done(cudaIpcCloseMemHandle(ptr));
+}
+
+KVS_API int kvs_cuda_stream_create(int32_t device, uint64_t* stream) {
+  kvs::OnDevice on(device);
+  if (on.error() != cudaSuccess) return kvs::done(on.error());
+  cudaStream_t s = nullptr;
+  // Non-blocking: the sidecar's copies never wait for (or hold up) work queued on the
+  // legacy default stream by anything else in the process.
+  const cudaError_t err = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  if (err != cudaSuccess) return kvs::done(err);
+  *stream = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(s));
+  return cudaSuccess;
+}
+
+KVS_API int kvs_cuda_stream_destroy(int32_t device, uint64_t stream) {
+  kvs::OnDevice on(device);
+  if (on.error() != cudaSuccess) return kvs::done(on.error());
+  return kvs::done(cudaStreamDestroy(kvs::as_stream(stream)));
+}
+
+KVS_API int kvs_cuda_stream_wait_ipc_event(int32_t device, uint64_t stream,
+                                           const void* event_handle) {
+  kvs::OnDevice on(device);
+  if (on.error() != cudaSuccess) return kvs::done(on.error());
+  cudaIpcEventHandle_t h;
+  memcpy(&h, event_handle, sizeof(h));
+  cudaEvent_t event = nullptr;
+  cudaError_t err = cudaIpcOpenEventHandle(&event, h);
+  if (err != cudaSuccess) return kvs::done(err);
+  err = cudaStreamWaitEvent(kvs::as_stream(stream), event, 0);
+  // The queued wait keeps what it needs of the event: destroying it now is safe and
+  // leaves nothing open per call.
+  const cudaError_t destroyed = cudaEventDestroy(event);
+  return kvs::done(err != cudaSuccess ? err : destroyed);
+}
+
+KVS_API int kvs_cuda_host_register(void* ptr, uint64_t nbytes, uint64_t* device_address,
+                                   int32_t* registered) {
+  *registered = 0;
+  const unsigned int flags = cudaHostRegisterPortable | cudaHostRegisterMapped;
+  cudaError_t err = cudaHostRegister(ptr, static_cast<size_t>(nbytes), flags);
+  if (err == cudaSuccess) {
+    *registered = 1;
+  } else if (err == cudaErrorHostMemoryAlreadyRegistered) {
+    // torch pinned it (Arena with pin_memory): its registration serves; on a UVA
+    // system even flags 0 map it for the device.
+    cudaGetLastError();
+  } else {
+    return kvs::done(err);
+  }
+  void* dptr = nullptr;
+  err = cudaHostGetDevicePointer(&dptr, ptr, 0);
+  if (err != cudaSuccess) {
+    if (*registered) cudaHostUnregister(ptr);
+    *registered = 0;
+    return kvs::done(err);
+  }
+  *device_address = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(dptr));
+  return cudaSuccess;
+}
+
+KVS_API int kvs_cuda_host_unregister(void* ptr) { return kvs::done(cudaHostUnregister(ptr)); }
+
+KVS_API int kvs_cuda_mem_get_info(int32_t device, uint64_t* free_bytes, uint64_t* total_bytes) {
+  kvs::OnDevice on(device);
+  if (on.error() != cudaSuccess) return kvs::done(on.error());
+  size_t free_now = 0;
+  size_t total = 0;
+  const cudaError_t err = cudaMemGetInfo(&free_now, &total);
+  if (err != cudaSuccess) return kvs::done(err);
+  *free_bytes = free_now;
+  *total_bytes = total;
+  return cudaSuccess;
+}
+
+}  // extern "C"
