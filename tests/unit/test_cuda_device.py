@@ -1,0 +1,413 @@
+"""CudaDevice (the sidecar's GPU in ipc mode) without a GPU, and GPU UUID parsing.
+
+The CUDA library is replaced by :class:`RecordingCuda`, a stand-in that
+records every runtime call (device, stream, order) and runs the copies with
+the host build of the csrc kernels, so the bytes a CudaDevice moves are real
+and the order of its calls (event wait, copy, synchronise) is checked. UUID
+parsing runs in the real libraries. What only a GPU shows (CUDA IPC,
+events, pinned mappings) is in tests/gpu/test_selftest_gpu.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvstrata.sidecar import protocol as p
+from kvstrata.sidecar.arena import Arena
+from kvstrata.sidecar.config import config_from_dict
+from kvstrata.sidecar.engine import StorageManager
+from kvstrata.sidecar.keys import ChunkKey, Namespace
+from kvstrata.sidecar.transfer import csrc_build, kernels
+from kvstrata.sidecar.transfer.cuda_device import (
+    CudaDevice,
+    CudaDeviceError,
+    CudaDevices,
+)
+from kvstrata.sidecar.transfer.ipc import IpcTransfers
+from kvstrata.sidecar.transfer.kernels import KernelError, TransferLibrary
+from kvstrata.sidecar.transfer.plan import CopyPlan, TensorGeometry, plan_from_geometry
+from kvstrata.testing import chunkref
+from kvstrata.testing.kvlayouts import vllm_layers
+
+GPU0 = "GPU-0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9"
+GPU1 = "GPU-11111111-2222-3333-4444-555555555555"
+ARENA_DELTA = 1 << 44  # the stand-in maps the arena at host address + this for "kernels"
+
+
+class RecordingCuda:
+    """A stand-in for the CUDA library (see the module docstring).
+
+    ``devices``: UUID -> index. IPC handles name CPU tensors the test hands
+    in (``exports``); the arena's "device address" is its host address plus
+    :data:`ARENA_DELTA`, so a copy given a host address instead fails.
+    """
+
+    backend = "cuda"
+
+    def __init__(self, devices: dict[str, int], pinned_already: bool = False) -> None:
+        self.host = kernels.load_host()
+        self.devices = {self.host.parse_uuid(u): i for u, i in devices.items()}
+        self.calls: list[tuple[Any, ...]] = []
+        self.current = 0
+        self.registered: set[int] = set()
+        self.pinned_already = pinned_already
+        self.exports: dict[bytes, torch.Tensor] = {}
+        self.open: dict[int, int] = {}
+        self.arena_range = (0, 0)
+
+    def _fail(self, fn: str, name: str) -> KernelError:
+        return KernelError(fn, 1, name, "stand-in failure")
+
+    def parse_uuid(self, text: str) -> bytes:
+        return self.host.parse_uuid(text)
+
+    def device_by_uuid(self, uuid: str) -> int:
+        key = self.host.parse_uuid(uuid)
+        if key not in self.devices:
+            raise self._fail("kvs_cuda_device_by_uuid", "cudaErrorInvalidDevice")
+        return self.devices[key]
+
+    def set_device(self, device: int) -> None:
+        self.calls.append(("set_device", device))
+        self.current = device
+
+    def ipc_open(self, device: int, handle: bytes) -> int:
+        self.calls.append(("ipc_open", device))
+        if handle not in self.exports:
+            raise self._fail("kvs_cuda_ipc_open", "cudaErrorInvalidResourceHandle")
+        address = self.exports[handle].data_ptr()
+        self.open[address] = self.open.get(address, 0) + 1
+        return address
+
+    def ipc_close(self, device: int, address: int) -> None:
+        self.calls.append(("ipc_close", device))
+        self.open[address] -= 1
+
+    def stream_create(self, device: int) -> int:
+        self.calls.append(("stream_create", device))
+        return 0x5000 + device
+
+    def stream_destroy(self, device: int, stream: int) -> None:
+        self.calls.append(("stream_destroy", device, stream))
+
+    def stream_wait_ipc_event(self, device: int, stream: int, handle: bytes) -> None:
+        self.calls.append(("wait_event", device, stream, handle))
+
+    def host_register(self, address: int, nbytes: int) -> tuple[int, bool]:
+        self.calls.append(("host_register", self.current))
+        here = not self.pinned_already and address not in self.registered
+        if here:
+            self.registered.add(address)
+        self.arena_range = (address + ARENA_DELTA, address + ARENA_DELTA + nbytes)
+        return address + ARENA_DELTA, here
+
+    def host_unregister(self, address: int) -> None:
+        self.calls.append(("host_unregister",))
+        self.registered.remove(address)
+
+    def _to_host(self, addresses: list[int]) -> list[int]:
+        low, high = self.arena_range
+        assert all(low <= a < high for a in addresses), "chunk addresses must be device addresses"
+        return [a - ARENA_DELTA for a in addresses]
+
+    def gather(self, plan: CopyPlan, ids: Any, chunks: Any, per_chunk: int, **kw: Any) -> None:
+        self.calls.append(("gather", self.current, kw["stream"]))
+        self.host.gather(plan, ids, self._to_host(list(chunks)), per_chunk)
+
+    def scatter(self, plan: CopyPlan, ids: Any, chunks: Any, per_chunk: int, **kw: Any) -> None:
+        self.calls.append(("scatter", self.current, kw["stream"]))
+        self.host.scatter(plan, ids, self._to_host(list(chunks)), per_chunk)
+
+    def synchronize(self, stream: int) -> None:
+        self.calls.append(("synchronize", stream))
+
+
+@pytest.fixture
+def arena() -> Iterator[Arena]:
+    a = Arena(1 << 20)
+    yield a
+    a.close()
+
+
+def names(calls: list[tuple[Any, ...]]) -> list[str]:
+    return [c[0] for c in calls]
+
+
+# -- UUIDs ----------------------------------------------------------------------
+
+UUID_BYTES = bytes.fromhex("0a1b2c3d4e5f60718293a4b5c6d7e8f9")
+SAME_GPU = [
+    "GPU-0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9",  # nvidia-smi -L, NVIDIA_VISIBLE_DEVICES
+    "0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9",  # str(torch.cuda.get_device_properties(i).uuid)
+    "gpu-0A1B2C3D-4E5F-6071-8293-A4B5C6D7E8F9",
+    "MIG-0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9",
+    "0a1b2c3d4e5f60718293a4b5c6d7e8f9",
+]
+NOT_UUIDS = [
+    "",
+    "GPU-",
+    "GPU-ffffffff",
+    "GPU-0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f",  # 31 digits
+    "GPU-0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f90",  # 33
+    "GPU-0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8fg",
+    "GPU--0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9",
+    "GPU-0a1b2c3d--4e5f-6071-8293-a4b5c6d7e8f9",
+    "GPU-0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9-",
+    "CPU-0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9",
+    " 0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9",
+    "MIG-GPU-0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9/1/0",
+]
+
+
+@pytest.mark.parametrize("text", SAME_GPU)
+def test_every_form_nvidia_smi_torch_and_mig_write_names_the_same_uuid(text: str) -> None:
+    assert kernels.load_host().parse_uuid(text) == UUID_BYTES
+
+
+@pytest.mark.parametrize("text", NOT_UUIDS)
+def test_text_that_is_not_a_uuid_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="is not a GPU UUID"):
+        kernels.load_host().parse_uuid(text)
+
+
+@pytest.mark.skipif(csrc_build.find_nvcc() is None, reason="nvcc not found (no CUDA toolkit)")
+def test_the_cuda_library_parses_uuids_as_the_host_library_does() -> None:
+    cuda = kernels._load(csrc_build.CUDA)
+    for text in SAME_GPU:
+        assert cuda.parse_uuid(text) == UUID_BYTES
+    for text in NOT_UUIDS:
+        with pytest.raises(ValueError):
+            cuda.parse_uuid(text)
+
+
+# -- CudaDevice -------------------------------------------------------------------
+
+
+def test_a_device_is_opened_by_uuid_with_its_own_stream_and_the_arena_mapped_for_it(
+    arena: Arena,
+) -> None:
+    lib = RecordingCuda({GPU0: 0, GPU1: 1})
+    device = CudaDevice(lib, GPU1.lower().removeprefix("gpu-"), arena)  # type: ignore[arg-type]
+    assert device.index == 1
+    assert device.stream == 0x5001
+    assert ("host_register", 1) in lib.calls  # registered while device 1 was current
+    assert device.arena_address(0) == arena.address() + ARENA_DELTA
+    assert device.arena_address(arena.size - 1) == arena.address() + ARENA_DELTA + arena.size - 1
+    with pytest.raises(ValueError, match="outside"):
+        device.arena_address(arena.size)
+    device.close()
+    assert lib.registered == set()  # it registered the arena, so it unregistered it
+
+
+def test_a_gpu_that_is_not_visible_or_not_a_uuid_is_an_os_error_naming_it(arena: Arena) -> None:
+    lib = RecordingCuda({GPU0: 0})
+    with pytest.raises(CudaDeviceError, match=f"GPU {GPU1} is not visible") as info:
+        CudaDevice(lib, GPU1, arena)  # type: ignore[arg-type]
+    assert isinstance(info.value, OSError)
+    assert info.value.name == "cudaErrorInvalidDevice"
+    with pytest.raises(OSError, match="is not a GPU UUID"):
+        CudaDevice(lib, "GPU-ffffffff", arena)  # type: ignore[arg-type]
+    assert lib.registered == set()
+
+
+def test_an_arena_torch_already_pinned_is_used_and_never_unregistered(arena: Arena) -> None:
+    lib = RecordingCuda({GPU0: 0}, pinned_already=True)
+    devices = CudaDevices(lib, arena)  # type: ignore[arg-type]
+    device = devices(GPU0)
+    assert device.arena_address(8) == arena.address() + ARENA_DELTA + 8
+    devices.close()
+    assert "host_unregister" not in names(lib.calls)
+
+
+def test_devices_of_one_factory_share_one_arena_registration_released_at_close(
+    arena: Arena,
+) -> None:
+    lib = RecordingCuda({GPU0: 0, GPU1: 1})
+    devices = CudaDevices(lib, arena)  # type: ignore[arg-type]
+    first, second = devices(GPU0), devices(GPU1)
+    assert (first.index, second.index) == (0, 1)
+    first.close()  # a device of the factory leaves the shared registration alone
+    assert lib.registered == {arena.address()}
+    devices.close()
+    assert lib.registered == set()
+    assert names(lib.calls).count("stream_destroy") == 2
+
+
+def test_gather_waits_for_the_peer_event_on_its_stream_before_copying_and_syncs_after(
+    arena: Arena,
+) -> None:
+    lib = RecordingCuda({GPU0: 0, GPU1: 1})
+    device = CudaDevice(lib, GPU1, arena)  # type: ignore[arg-type]
+    case = vllm_layers("LBNHC", seed=1)
+    plan = plan_from_geometry([TensorGeometry.of(t) for t in case.layers.values()], 0).coalesced()
+    event = b"\x42" * 64
+    lib.calls.clear()
+    lib.current = 0  # another thread's work left device 0 current
+
+    device.gather(plan, [3, 7], [device.arena_address(64)], 2, event)
+
+    assert lib.calls == [
+        ("set_device", 1),
+        ("wait_event", 1, device.stream, event),
+        ("gather", 1, device.stream),
+        ("synchronize", device.stream),
+    ]
+    got = torch.frombuffer(arena.buffer, dtype=torch.uint8)[64 : 64 + plan.chunk_nbytes(2)]
+    assert torch.equal(got, chunkref.chunk_bytes(case, [3, 7], 0))
+
+
+def test_gather_without_an_event_and_scatter_copy_on_the_device_stream_and_sync(
+    arena: Arena,
+) -> None:
+    lib = RecordingCuda({GPU0: 0})
+    device = CudaDevice(lib, GPU0, arena)  # type: ignore[arg-type]
+    case = vllm_layers("BLNHC", seed=2)
+    layers = list(case.layers.values())
+    plan = plan_from_geometry([TensorGeometry.of(t) for t in layers], 0).coalesced()
+    before = chunkref.clone_layers(layers)
+    lib.calls.clear()
+
+    device.gather(plan, [1, 2], [device.arena_address(0)], 2, None)
+    device.scatter(plan, [9, -1], [device.arena_address(0)], 2)
+
+    assert names(lib.calls) == [
+        "set_device", "gather", "synchronize", "set_device", "scatter", "synchronize",
+    ]  # fmt: skip
+    for layer, old in zip(layers, before, strict=True):
+        assert torch.equal(chunkref.page_bytes(case, layer, 9), chunkref.page_bytes(case, old, 1))
+        assert torch.equal(chunkref.page_bytes(case, layer, 2), chunkref.page_bytes(case, old, 2))
+
+
+def test_a_failed_copy_is_an_os_error_naming_the_cuda_error(arena: Arena) -> None:
+    lib = RecordingCuda({GPU0: 0})
+    device = CudaDevice(lib, GPU0, arena)  # type: ignore[arg-type]
+
+    def fault(stream: int) -> None:
+        raise KernelError("cudaStreamSynchronize", 700, "cudaErrorIllegalAddress", "fault")
+
+    lib.synchronize = fault  # type: ignore[method-assign]
+    case = vllm_layers("LBNHC", seed=3)
+    plan = plan_from_geometry([TensorGeometry.of(t) for t in case.layers.values()], 0)
+    with pytest.raises(CudaDeviceError, match="cudaErrorIllegalAddress"):
+        device.gather(plan, [0], [device.arena_address(0)], 1, None)
+
+
+def test_a_handle_opened_twice_must_be_closed_twice_and_close_releases_what_is_left(
+    arena: Arena,
+) -> None:
+    lib = RecordingCuda({GPU0: 0})
+    kv = torch.zeros(4096, dtype=torch.uint8)
+    handle = b"\x01" * 64
+    lib.exports[handle] = kv
+    device = CudaDevice(lib, GPU0, arena)  # type: ignore[arg-type]
+
+    assert device.open_memory(handle) == device.open_memory(handle) == kv.data_ptr()
+    assert device.open_handles == 2
+    device.close_memory(kv.data_ptr())
+    assert device.open_handles == 1
+    with pytest.raises(OSError, match="cudaErrorInvalidResourceHandle"):
+        device.open_memory(b"\x02" * 64)
+
+    device.close()
+    assert lib.open[kv.data_ptr()] == 0  # the handle left open was closed
+    assert device.open_handles == 0
+    with pytest.raises(KeyError):
+        device.close_memory(kv.data_ptr())
+    with pytest.raises(OSError, match="is closed"):
+        device.open_memory(handle)
+    device.close()  # a second close does nothing
+    assert names(lib.calls).count("stream_destroy") == 1
+
+
+# -- through IpcTransfers, the sidecar's ipc ops ------------------------------------
+
+NAMESPACE = Namespace(model="cuda-device-test", block_size=16, chunk_size=32)
+
+
+def chunk_keys(n: int, tag: str) -> list[ChunkKey]:
+    fp = NAMESPACE.fingerprint()
+    return [ChunkKey(fp + hashlib.sha256(f"{tag}/{i}".encode()).digest()) for i in range(n)]
+
+
+def test_the_sidecar_ipc_ops_save_and_load_blocks_through_a_cuda_device(tmp_path: Path) -> None:
+    config = config_from_dict(
+        {
+            "chunk_size": 32,
+            "l1": {"size_bytes": "4Mi", "pin_memory": False},
+            "l2": {"path": str(tmp_path / "l2"), "size_bytes": "8Mi"},
+        }
+    )
+    engine = StorageManager(config)
+    lib = RecordingCuda({GPU0: 0})
+    devices = CudaDevices(lib, engine.arena)  # type: ignore[arg-type]
+    try:
+        ipc = IpcTransfers(engine, devices)
+        raw = torch.empty(3 * 12 * 2 * 16 * 128 * 2, dtype=torch.int8)
+        case = vllm_layers("LBNHC", buffer=raw, seed=4)
+        handle = b"\x07" * 64
+        lib.exports[handle] = raw
+        body = p.RegisterKVRequest(
+            device_uuid=GPU0.removeprefix("GPU-"), kv_cache_layout="LBNHC", block_dim=0,
+            blocks_per_chunk=2, dtype="bfloat16", itemsize=2,
+            layers=[
+                p.KVLayerHandle(handle, t.data_ptr() - raw.data_ptr(), tuple(t.shape),
+                                tuple(t.stride()))
+                for t in case.layers.values()
+            ],
+        )  # fmt: skip
+        ipc.register("s1", body)
+        event = b"\x09" * 64
+        ks = chunk_keys(2, "through")
+        saved = ipc.save("s1", p.SaveBlocksRequest(ks, [[3, 4], [9, 1]], event), "o")
+        assert saved.committed == [True, True]
+        assert ("wait_event", 0, 0x5000, event) in lib.calls
+
+        layers = list(case.layers.values())
+        before = chunkref.clone_layers(layers)
+        assert ipc.load("s1", p.LoadBlocksRequest(ks, [[6, 7], [0, 11]]), "o").loaded == 2
+        for layer, old in zip(layers, before, strict=True):
+            for src, dst in ((3, 6), (4, 7), (9, 0), (1, 11)):
+                moved = chunkref.page_bytes(case, layer, dst)
+                assert torch.equal(moved, chunkref.page_bytes(case, old, src))
+        assert ipc.close("s1")
+        assert lib.open[raw.data_ptr()] == 0
+    finally:
+        devices.close()
+        engine.close()
+
+
+# -- the factory on this machine ---------------------------------------------------
+
+FACTORY = (
+    "import json; from kvstrata.sidecar.arena import Arena; "
+    "from kvstrata.sidecar.transfer.cuda_device import open_cuda_devices; "
+    "a = Arena(1 << 16); f, why = open_cuda_devices(a); a.close(); "
+    "print(json.dumps([f is None, why]))"
+)
+
+
+def test_without_a_visible_gpu_the_factory_is_none_and_the_reason_says_why() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", FACTORY], capture_output=True, text=True, check=True,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=300,
+    )  # fmt: skip
+    is_none, why = json.loads(done.stdout)
+    assert is_none
+    assert why.startswith("CUDA kernels unavailable: ")
+    assert "CUDA" in why.removeprefix("CUDA kernels unavailable: ")
+
+
+def test_the_binding_refuses_runtime_calls_on_the_host_library() -> None:
+    host: TransferLibrary = kernels.load_host()
+    with pytest.raises(RuntimeError, match="CUDA library only"):
+        host.stream_create(0)
