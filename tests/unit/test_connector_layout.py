@@ -7,6 +7,7 @@ along its block dimension), never from the copy plan under test.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -25,13 +26,21 @@ CASES = [case for dtype in DTYPES for case in every_case(dtype)]
 POISON = 0xA5
 
 
-def layout_for(case: KVLayoutCase, blocks_per_chunk: int = 3):
-    return detect_layout(
+@pytest.fixture(params=["csrc-host", "torch"])
+def copies(request: pytest.FixtureRequest) -> str:
+    """Both CPU copy paths: the csrc host library (the default) and the torch copier."""
+    return str(request.param)
+
+
+def layout_for(case: KVLayoutCase, blocks_per_chunk: int = 3, copies: str = "csrc-host"):
+    layout = detect_layout(
         case.layers,
         kv_cache_layout=case.kv_cache_layout,
         blocks_per_chunk=blocks_per_chunk,
         block_dim=case.block_dim,
     )
+    assert layout.host_copies is not None  # built at install (or on first use) here
+    return layout if copies == "csrc-host" else dataclasses.replace(layout, host_copies=None)
 
 
 def block_bytes(case: KVLayoutCase, layer: torch.Tensor, block: int) -> torch.Tensor:
@@ -41,9 +50,9 @@ def block_bytes(case: KVLayoutCase, layer: torch.Tensor, block: int) -> torch.Te
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_a_gathered_chunk_scatters_back_into_other_blocks_byte_for_byte(
-    case: KVLayoutCase,
+    case: KVLayoutCase, copies: str
 ) -> None:
-    layout = layout_for(case)
+    layout = layout_for(case, copies=copies)
     buf = torch.full((layout.chunk_nbytes,), POISON, dtype=torch.uint8)
     layout.gather([5, 2, 3], buf)
     assert not torch.all(buf == POISON)
@@ -60,8 +69,8 @@ def test_a_gathered_chunk_scatters_back_into_other_blocks_byte_for_byte(
 
 
 @pytest.mark.parametrize("case", CASES[:12], ids=lambda c: c.name)
-def test_a_chunk_holds_each_blocks_bytes_exactly_once(case: KVLayoutCase) -> None:
-    layout = layout_for(case, blocks_per_chunk=2)
+def test_a_chunk_holds_each_blocks_bytes_exactly_once(case: KVLayoutCase, copies: str) -> None:
+    layout = layout_for(case, blocks_per_chunk=2, copies=copies)
     buf = torch.full((layout.chunk_nbytes,), POISON, dtype=torch.uint8)
     layout.gather([4, 1], buf)
     expected = sorted(
@@ -73,8 +82,10 @@ def test_a_chunk_holds_each_blocks_bytes_exactly_once(case: KVLayoutCase) -> Non
 
 
 @pytest.mark.parametrize("case", CASES[:12], ids=lambda c: c.name)
-def test_scatter_from_first_block_leaves_the_leading_blocks_alone(case: KVLayoutCase) -> None:
-    layout = layout_for(case, blocks_per_chunk=2)
+def test_scatter_from_first_block_leaves_the_leading_blocks_alone(
+    case: KVLayoutCase, copies: str
+) -> None:
+    layout = layout_for(case, blocks_per_chunk=2, copies=copies)
     buf = torch.empty(layout.chunk_nbytes, dtype=torch.uint8)
     layout.gather([3, 4], buf)
     before = [block_bytes(case, kv, 8).clone() for kv in case.layers.values()]
@@ -143,3 +154,16 @@ def test_every_layout_has_its_own_namespace_string() -> None:
     assert len(ids) == 2 * len(VLLM_LAYOUTS)
     assert layout_id("cuda", "LBNHC", "FLASH_ATTN") != layout_id("cuda", "LBNHC", "FLASHINFER")
     assert layout_id("cuda", None, None) is None
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_the_csrc_host_library_and_the_torch_copier_write_the_same_chunk_bytes(
+    case: KVLayoutCase,
+) -> None:
+    fast = layout_for(case, copies="csrc-host")
+    slow = layout_for(case, copies="torch")
+    a = torch.full((fast.chunk_nbytes,), POISON, dtype=torch.uint8)
+    b = torch.full((slow.chunk_nbytes,), 0x3C, dtype=torch.uint8)
+    fast.gather([6, 0, 11], a)
+    slow.gather([6, 0, 11], b)
+    assert torch.equal(a, b)
