@@ -142,7 +142,7 @@ class CudaDevice:
             except KernelError as exc:
                 raise _failed(f"GPU {uuid} (device {self.index})", exc) from None
             registration = ArenaRegistration(lib, arena)
-        self._registration = registration
+        self.registration = registration
         self._arena_size = arena.size
         try:
             self._arena_base = registration.device_address(self.index)
@@ -266,7 +266,7 @@ class CudaDevice:
             self._quietly("cudaStreamSynchronize", self._lib.synchronize, self.stream)
             self._quietly("cudaStreamDestroy", self._lib.stream_destroy, self.index, self.stream)
         if self._own_registration:
-            self._registration.close()
+            self.registration.close()
 
     def _quietly(self, what: str, fn: Callable[..., object], *args: int) -> None:
         try:

@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("kvstrata.operator.main", "run the kopf operator and admission webhook"),
     "demo": ("kvstrata.demo", "run vLLM-CPU with a local sidecar on a shared-prefix workload"),
     "bench": ("kvstrata.bench.main", "run a benchmark and print its figures (--json)"),
+    "selftest": ("kvstrata.testing.selftest", "check the GPU path on this node (selftest gpu)"),
 }
 
 

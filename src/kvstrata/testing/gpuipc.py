@@ -1,0 +1,467 @@
+"""GPU checks between processes: what ``kvstrata selftest gpu`` runs on CUDA IPC.
+
+Two checks, each with this process playing the sidecar and spawned
+processes playing vLLM workers (torch, KV tensors in vLLM's layouts):
+
+* :func:`check_ipc_round_trip`: a worker exports its KV tensors (CUDA IPC
+  memory handles, the allocation offset of each layer) and an
+  interprocess event it records after the KV's last write, which is held
+  back behind a GPU sleep so that a copy that did not wait for the event
+  reads the poison underneath. The sidecar side registers them with the
+  real :class:`~kvstrata.sidecar.transfer.ipc.IpcTransfers` over a real
+  engine (arena pinned by torch, as ``l1.pin_memory`` does) and
+  :class:`~kvstrata.sidecar.transfer.cuda_device.CudaDevice`, saves
+  chunks (SAVE_BLOCKS) and checks the arena's bytes against
+  :mod:`kvstrata.testing.chunkref`. A second worker exports poisoned
+  tensors; the sidecar loads the chunks into other blocks (LOAD_BLOCKS)
+  and that worker checks every byte of its KV itself: store from one
+  process, load into another. A CudaDevice over an unpinned arena (its own
+  registration) gathers the same chunks once more.
+* :func:`check_handle_cleanup`: a worker exports a large allocation, the
+  sidecar side opens it, the worker is SIGKILLed, the handle is closed (as
+  the sidecar does when a session's liveness socket closes); the device's
+  free memory must come back within a deadline.
+
+Messages between the processes are tuples over a multiprocessing pipe:
+``("ready", payload)``, ``("check", src_ids, dst_ids)`` ->
+``("checked", problem_or_empty)``, ``("exit",)``, ``("error", traceback)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+POISON_SOURCE = 0x3C  # under the source KV until its delayed write lands
+POISON_TARGET = 0x5A  # the load target's KV before the sidecar writes it
+BLOCKS_PER_CHUNK, CHUNKS = 4, 3
+SKIP = (0, 5)  # chunk positions both copies skip (block id -1)
+SEED = 21
+SLEEP_CYCLES = 400_000_000  # ~0.2-0.3 s of GPU time before the source KV is written
+REPLY_SECONDS = 120.0
+# (vLLM layout, dtype) of the round trip: every vLLM layout, and the other dtypes once.
+ROUND_TRIP_CASES: tuple[tuple[str, str], ...] = (
+    ("LBHNC", "bfloat16"),
+    ("LBNHC", "bfloat16"),
+    ("LHBNC", "bfloat16"),
+    ("BLHNC", "bfloat16"),
+    ("BLNHC", "bfloat16"),
+    ("BHLNC", "bfloat16"),
+    ("LBNHC", "float8_e4m3fn"),
+    ("BLNHC", "float32"),
+)
+CLEANUP_MARGIN = 64 << 20
+CLEANUP_DEADLINE_SECONDS = 30.0
+
+
+class CheckFailed(Exception):
+    """A selftest check found a wrong result (the message says what)."""
+
+
+@dataclass(frozen=True)
+class ExportedKV:
+    """One worker's KV tensors of one case as the sidecar learns them (REGISTER_KV)."""
+
+    layout: str
+    dtype: str
+    itemsize: int
+    uuid: str
+    handle: bytes
+    offsets: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    strides: tuple[tuple[int, ...], ...]
+
+
+# -- the worker side (spawned processes) -------------------------------------------
+
+
+def _build(layout: str, dtype_name: str, device: str) -> Any:
+    import torch
+
+    from kvstrata.testing.kvlayouts import vllm_layers
+
+    return vllm_layers(layout, dtype=getattr(torch, dtype_name), device=device, seed=SEED)
+
+
+def _export(case: Any, layout: str, dtype_name: str) -> ExportedKV:
+    import torch
+
+    layers = list(case.layers.values())
+    storage = layers[0].untyped_storage()
+    # (device, handle, storage bytes, storage offset in the allocation, ...): the
+    # handle covers the caching allocator's whole allocation.
+    shared = storage._share_cuda_()
+    device, handle, offset = shared[0], bytes(shared[1]), int(shared[3])
+    if len(handle) != 64:
+        raise RuntimeError(
+            f"torch exported a {len(handle)}-byte handle, not a cudaIpcMemHandle_t "
+            "(PYTORCH_CUDA_ALLOC_CONF expandable_segments?)"
+        )
+    itemsize = layers[0].element_size()
+    return ExportedKV(
+        layout=layout,
+        dtype=dtype_name,
+        itemsize=itemsize,
+        uuid=str(torch.cuda.get_device_properties(device).uuid),
+        handle=handle,
+        offsets=tuple(offset + t.storage_offset() * itemsize for t in layers),
+        shapes=tuple(tuple(t.shape) for t in layers),
+        strides=tuple(tuple(t.stride()) for t in layers),
+    )
+
+
+def _expected_target(layout: str, dtype_name: str, src: list[int], dst: list[int]) -> list[Any]:
+    """The target's storage bytes once the source's chunks of ``src`` landed in ``dst``,
+    computed on the CPU from the seed alone (never from what the sidecar sent)."""
+    from kvstrata.testing import chunkref
+
+    source = _build(layout, dtype_name, "cpu")
+    target = chunkref.clone_layers(list(source.layers.values()))
+    for raw in chunkref.storage_bytes(target):
+        raw.fill_(POISON_TARGET)
+    for c in range(CHUNKS):
+        ids = slice(c * BLOCKS_PER_CHUNK, (c + 1) * BLOCKS_PER_CHUNK)
+        chunk = chunkref.chunk_bytes(source, src[ids], chunkref.POISON)
+        chunkref.scatter_reference(source, target, dst[ids], chunk)
+    return chunkref.storage_bytes(target)
+
+
+def worker_main(conn: Connection, role: str, cases: list[tuple[str, str]], nbytes: int) -> None:
+    """A spawned worker. ``role``: ``source`` (KV written late, behind an exported
+    event), ``target`` (poisoned KV, checked on request) or ``hog`` (one allocation
+    of ``nbytes``, then waits to be killed)."""
+    try:
+        import torch
+
+        from kvstrata.testing import chunkref
+
+        torch.cuda.init()
+        keep: list[Any] = []
+        if role == "hog":
+            hog = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            keep.append(hog)
+            fake = type("Case", (), {"layers": {"hog": hog}})()
+            torch.cuda.synchronize()
+            conn.send(("ready", [_export(fake, "hog", "uint8")]))
+            conn.recv()  # never answered: the parent kills this process
+            return
+        built = [(_build(layout, dtype, "cuda"), layout, dtype) for layout, dtype in cases]
+        payload = [_export(case, layout, dtype) for case, layout, dtype in built]
+        raws = [
+            r for case, _, _ in built for r in chunkref.storage_bytes(list(case.layers.values()))
+        ]
+        event = None
+        if role == "source":
+            truth = [r.clone() for r in raws]
+            for r in raws:
+                r.fill_(POISON_SOURCE)
+            torch.cuda.synchronize()
+            if hasattr(torch.cuda, "_sleep"):  # hold the real bytes back on the GPU
+                torch.cuda._sleep(SLEEP_CYCLES)
+            for r, t in zip(raws, truth, strict=True):
+                r.copy_(t)
+            event = torch.cuda.Event(interprocess=True)
+            event.record()
+            keep += [truth, event]
+        else:
+            for r in raws:
+                r.fill_(POISON_TARGET)
+            torch.cuda.synchronize()
+        conn.send(("ready", (payload, None if event is None else bytes(event.ipc_handle()))))
+        while True:
+            message = conn.recv()
+            if message[0] == "exit":
+                return
+            if message[0] == "check":
+                _, src, dst = message
+                problems = []
+                for case, layout, dtype in built:
+                    got = chunkref.storage_bytes(list(case.layers.values()))
+                    want = _expected_target(layout, dtype, src, dst)
+                    for g, w in zip(got, want, strict=True):
+                        if not torch.equal(g.cpu(), w):
+                            bad = int((g.cpu() != w).sum())
+                            problems.append(f"{layout}/{dtype}: {bad} bytes differ")
+                conn.send(("checked", "; ".join(problems)))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+
+
+@contextmanager
+def _worker(
+    role: str, cases: Sequence[tuple[str, str]] = (), nbytes: int = 0
+) -> Iterator[tuple[Any, Connection]]:
+    """A spawned worker and its pipe; killed on the way out if it is still there."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=worker_main, args=(child, role, list(cases), nbytes), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        yield proc, parent
+    finally:
+        if proc.is_alive():
+            with suppress(OSError):  # it may be gone already
+                parent.send(("exit",))
+            proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        parent.close()
+
+
+def _receive(conn: Connection, what: str) -> Any:
+    if not conn.poll(REPLY_SECONDS):
+        raise CheckFailed(f"no answer from the worker within {REPLY_SECONDS:.0f} s ({what})")
+    message = conn.recv()
+    if message[0] == "error":
+        raise CheckFailed(f"the worker failed ({what}):\n{message[1]}")
+    return message[1]
+
+
+# -- the sidecar side (this process) ------------------------------------------------
+
+
+def _registration(kv: ExportedKV) -> Any:
+    from kvstrata.sidecar import protocol as p
+
+    return p.RegisterKVRequest(
+        device_uuid=kv.uuid,
+        kv_cache_layout=kv.layout,
+        block_dim=0,
+        blocks_per_chunk=BLOCKS_PER_CHUNK,
+        dtype=kv.dtype,
+        itemsize=kv.itemsize,
+        layers=[
+            p.KVLayerHandle(kv.handle, off, shape, strides)
+            for off, shape, strides in zip(kv.offsets, kv.shapes, kv.strides, strict=True)
+        ],
+    )
+
+
+def _ids() -> tuple[list[int], list[int]]:
+    from kvstrata.testing.chunkref import random_block_ids
+
+    n = CHUNKS * BLOCKS_PER_CHUNK
+    return random_block_ids(12, n, SEED + 1, SKIP), random_block_ids(12, n, SEED + 2, SKIP)
+
+
+def _per_chunk(ids: list[int]) -> list[list[int]]:
+    return [ids[c * BLOCKS_PER_CHUNK : (c + 1) * BLOCKS_PER_CHUNK] for c in range(CHUNKS)]
+
+
+def _keys(kv: ExportedKV) -> list[Any]:
+    from kvstrata.sidecar.keys import ChunkKey, Namespace
+
+    fp = Namespace(
+        model="selftest", kv_dtype=kv.dtype, layout=kv.layout, chunk_size=64
+    ).fingerprint()
+    return [
+        ChunkKey(fp + hashlib.sha256(f"{kv.layout}/{c}".encode()).digest()) for c in range(CHUNKS)
+    ]
+
+
+def _reference_chunks(kv: ExportedKV, src: list[int]) -> list[Any]:
+    from kvstrata.testing import chunkref
+
+    source = _build(kv.layout, kv.dtype, "cpu")
+    return [chunkref.chunk_bytes(source, ids, chunkref.POISON) for ids in _per_chunk(src)]
+
+
+def check_ipc_round_trip(lib: Any) -> str:
+    """See the module docstring. ``lib``: the loaded CUDA library. Raises CheckFailed."""
+    import torch
+
+    from kvstrata.sidecar import protocol as p
+    from kvstrata.sidecar.config import config_from_dict
+    from kvstrata.sidecar.engine import StorageManager
+    from kvstrata.sidecar.transfer.cuda_device import CudaDevices
+    from kvstrata.sidecar.transfer.ipc import IpcTransfers
+    from kvstrata.testing import chunkref
+
+    src, dst = _ids()
+    cases = list(ROUND_TRIP_CASES)
+    with tempfile.TemporaryDirectory(prefix="kvstrata-selftest-") as tmp:
+        config = config_from_dict(
+            {
+                "chunk_size": 64,
+                "l1": {"size_bytes": "64Mi", "pin_memory": True},
+                "l2": {"path": os.path.join(tmp, "l2"), "size_bytes": "64Mi"},
+            }
+        )
+        engine = StorageManager(config)
+        devices = CudaDevices(lib, engine.arena)
+        ipc = IpcTransfers(engine, devices)
+        arena = torch.frombuffer(engine.arena.buffer, dtype=torch.uint8)
+        arena.fill_(chunkref.POISON)  # what the positions the copies skip keep
+        notes = [
+            f"arena pinned by torch: {engine.arena.pinned}, "
+            f"registered here: {devices.registration.owned}"
+        ]
+        try:
+            with _worker("source", cases) as (_, conn), _sessions(ipc) as sessions:
+                exported, event = _receive(conn, "exporting the source KV")
+                if event is None:
+                    raise CheckFailed("the source worker sent no event")
+                for i, kv in enumerate(exported):
+                    sessions.append(f"source-{i}")
+                    ipc.register(sessions[-1], _registration(kv))
+                    body = p.SaveBlocksRequest(_keys(kv), _per_chunk(src), event)
+                    committed = ipc.save(sessions[-1], body, "selftest").committed
+                    if committed != [True] * CHUNKS:
+                        raise CheckFailed(
+                            f"{kv.layout}/{kv.dtype}: SAVE_BLOCKS committed {committed} "
+                            "(the log above says why)"
+                        )
+                    _check_arena(engine, arena, kv, src)
+                notes.append(_check_own_registration(lib, exported[0], event, src))
+            with _worker("target", cases) as (_, conn):
+                with _sessions(ipc) as sessions:
+                    exported, _ = _receive(conn, "exporting the target KV")
+                    for i, kv in enumerate(exported):
+                        sessions.append(f"target-{i}")
+                        ipc.register(sessions[-1], _registration(kv))
+                        body = p.LoadBlocksRequest(_keys(kv), _per_chunk(dst))
+                        loaded = ipc.load(sessions[-1], body, "selftest").loaded
+                        if loaded != CHUNKS:
+                            raise CheckFailed(
+                                f"{kv.layout}/{kv.dtype}: LOAD_BLOCKS loaded {loaded} of {CHUNKS}"
+                            )
+                # Handles closed: the worker reads its KV as vLLM would after the reply.
+                conn.send(("check", src, dst))
+                problem = _receive(conn, "checking the loaded KV")
+                if problem:
+                    raise CheckFailed(f"the loading worker's KV is wrong: {problem}")
+        finally:
+            del arena
+            devices.close()  # unregisters before the engine unmaps the arena
+            engine.close()
+    return f"{len(cases)} layouts x dtypes stored from one process, loaded into another; " + (
+        "; ".join(notes)
+    )
+
+
+@contextmanager
+def _sessions(ipc: Any) -> Iterator[list[str]]:
+    """Session ids registered inside; their handles are closed on the way out, before
+    the exporting worker may exit (an exporter must not free what is still mapped)."""
+    sessions: list[str] = []
+    try:
+        yield sessions
+    finally:
+        for session in sessions:
+            ipc.close(session)
+
+
+def _check_arena(engine: Any, arena: Any, kv: ExportedKV, src: list[int]) -> None:
+    for c, (key, want) in enumerate(zip(_keys(kv), _reference_chunks(kv, src), strict=True)):
+        slot = engine.acquire(key, "selftest-check")
+        if slot is None:
+            raise CheckFailed(f"{kv.layout}/{kv.dtype}: chunk {c} is not in L1 after SAVE_BLOCKS")
+        try:
+            got = arena[slot.offset : slot.offset + slot.length]
+            if slot.length != want.numel() or not bool((got == want).all()):
+                poisoned = int((got == POISON_SOURCE).sum())
+                raise CheckFailed(
+                    f"{kv.layout}/{kv.dtype}: chunk {c} differs from the reference "
+                    f"({poisoned} bytes still hold the poison under the delayed write: "
+                    "a copy that did not wait for the event)"
+                )
+        finally:
+            engine.release_lease(slot.lease_id)
+
+
+def _check_own_registration(lib: Any, kv: ExportedKV, event: bytes, src: list[int]) -> str:
+    """A CudaDevice over an arena nothing pinned yet registers it itself and gathers right."""
+    import torch
+
+    from kvstrata.sidecar.arena import Arena
+    from kvstrata.sidecar.transfer.cuda_device import CudaDevice
+    from kvstrata.sidecar.transfer.plan import TensorGeometry, plan_from_geometry
+    from kvstrata.testing import chunkref
+
+    want = torch.cat(_reference_chunks(kv, src))
+    arena = Arena(want.numel(), pin_memory=False)
+    view = torch.frombuffer(arena.buffer, dtype=torch.uint8)
+    view.fill_(chunkref.POISON)  # what the positions the copy skips keep
+    try:
+        device = CudaDevice(lib, kv.uuid, arena)
+        try:
+            base = device.open_memory(kv.handle)
+            try:
+                geometries = [
+                    TensorGeometry(base + off, shape, strides, kv.itemsize)
+                    for off, shape, strides in zip(kv.offsets, kv.shapes, kv.strides, strict=True)
+                ]
+                plan = plan_from_geometry(geometries, 0).coalesced()
+                nbytes = plan.chunk_nbytes(BLOCKS_PER_CHUNK)
+                chunks = [device.arena_address(c * nbytes) for c in range(CHUNKS)]
+                device.gather(plan, src, chunks, BLOCKS_PER_CHUNK, event)
+            finally:
+                device.close_memory(base)
+            owned = device.registration.owned
+        finally:
+            device.close()
+        if not owned:
+            raise CheckFailed("CudaDevice did not register an arena nothing had pinned")
+        if not torch.equal(view, want):
+            raise CheckFailed("an arena CudaDevice registered itself got other bytes")
+    finally:
+        del view
+        arena.close()
+    return "an unpinned arena registered by CudaDevice gathers the same bytes"
+
+
+# -- handle cleanup ----------------------------------------------------------------
+
+
+def check_handle_cleanup(lib: Any) -> str:
+    """See the module docstring. Raises CheckFailed."""
+    import torch
+
+    from kvstrata.sidecar.arena import Arena
+    from kvstrata.sidecar.transfer.cuda_device import CudaDevice
+
+    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    arena = Arena(1 << 20, pin_memory=False)
+    device = CudaDevice(lib, uuid, arena)
+    try:
+        torch.cuda.synchronize()
+        free_before, total = lib.mem_get_info(device.index)
+        nbytes = min(1 << 30, free_before // 4)
+        with _worker("hog", nbytes=nbytes) as (proc, conn):
+            (kv,) = _receive(conn, "exporting the allocation")
+            address = device.open_memory(kv.handle)
+            os.kill(proc.pid, signal.SIGKILL)  # no goodbye, as when vLLM is OOM-killed
+            proc.join(30)
+            held = free_before - lib.mem_get_info(device.index)[0]
+            device.close_memory(address)
+        deadline = time.monotonic() + CLEANUP_DEADLINE_SECONDS
+        while True:
+            free_now = lib.mem_get_info(device.index)[0]
+            if free_now >= free_before - CLEANUP_MARGIN:
+                break
+            if time.monotonic() > deadline:
+                raise CheckFailed(
+                    f"{(free_before - free_now) >> 20} MiB of GPU memory still in use "
+                    f"{CLEANUP_DEADLINE_SECONDS:.0f} s after the killed worker's handle was "
+                    f"closed (allowed: {CLEANUP_MARGIN >> 20} MiB)"
+                )
+            time.sleep(0.1)
+    finally:
+        device.close()
+        arena.close()
+    return (
+        f"{nbytes >> 20} MiB exported by a SIGKILLed worker: {held >> 20} MiB held while "
+        f"mapped, back within {CLEANUP_MARGIN >> 20} MiB once closed ({total >> 30} GiB GPU)"
+    )
