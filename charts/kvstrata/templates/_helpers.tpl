@@ -52,6 +52,60 @@ app.kubernetes.io/component: operator
 {{- printf "%s-webhook-tls" (include "kvstrata.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{- define "kvstrata.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{/*
+An image reference from a values image (repository, tag, digest) and the chart:
+repository:tag, or repository:tag@digest; an empty tag is the chart's appVersion.
+Called with (list IMAGE $).
+*/}}
+{{- define "kvstrata.imageRef" -}}
+{{- $image := index . 0 }}
+{{- $root := index . 1 }}
+{{- $ref := printf "%s:%s" $image.repository (default $root.Chart.AppVersion $image.tag) }}
+{{- if $image.digest }}{{ printf "%s@%s" $ref $image.digest }}{{ else }}{{ $ref }}{{ end }}
+{{- end }}
+
+{{/*
+The operator's namespaced rules: cluster-wide (ClusterRole) when it watches every
+namespace, else in a Role in each watched namespace only.
+*/}}
+{{- define "kvstrata.namespacedRules" -}}
+# KVCaches: list/watch to reconcile them; patch because kopf keeps its
+# progress in kvstrata.io/* annotations on each object.
+- apiGroups: [kvstrata.io]
+  resources: [kvcaches]
+  verbs: [get, list, watch, patch]
+# Status: conditions, observedGeneration, injectedPods.
+- apiGroups: [kvstrata.io]
+  resources: [kvcaches/status]
+  verbs: [get, patch]
+# Owned objects: the sidecar ConfigMap, the Valkey and metrics Services and
+# the Valkey auth Secret. get: compare and read back; create+patch: server-side apply.
+# Secrets get also reads the S3/Valkey credentials a KVCache names.
+- apiGroups: [""]
+  resources: [configmaps, services, secrets]
+  verbs: [get, create, patch]
+# The managed Valkey StatefulSet: apply it and read its readiness; list+patch
+# also find the StatefulSets whose pod template asks for a cache and stamp the
+# config hash that rolls them.
+- apiGroups: [apps]
+  resources: [statefulsets]
+  verbs: [get, list, create, patch]
+# Deployments whose pod template asks for a cache: list them, patch the config
+# hash that rolls them.
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [list, patch]
+# Count the injected pods (label kvstrata.io/cache) for status.injectedPods.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
+# Events about reconciles and skipped injections.
+- apiGroups: ["", events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+# A per-KVCache ServiceMonitor when spec.metrics.serviceMonitor.enabled; get
+# also tells whether the Prometheus Operator CRD exists.
+- apiGroups: [monitoring.coreos.com]
+  resources: [servicemonitors]
+  verbs: [get, create, patch]
 {{- end }}
