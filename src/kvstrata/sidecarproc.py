@@ -114,6 +114,11 @@ class SidecarProcess:
 
     # -- process control ----------------------------------------------------
 
+    def command(self) -> list[str]:
+        """The argv that runs ``kvstrata sidecar`` (``--config FILE`` is appended);
+        a subclass runs it elsewhere, e.g. inside a container image."""
+        return list(SIDECAR_COMMAND)
+
     def running(self) -> bool:
         """Whether the process was started and has not exited."""
         return self.proc is not None and self.proc.poll() is None
@@ -125,7 +130,7 @@ class SidecarProcess:
         env = {k: v for k, v in env.items() if not k.startswith("KVSTRATA_")}
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [*SIDECAR_COMMAND, "--config", str(self.config_path)],
+                [*self.command(), "--config", str(self.config_path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,

@@ -1,0 +1,133 @@
+# kvstrata container images. One file, three targets (`make images` builds all):
+#
+#   operator      kvstrata[operator] on a slim Python base        CMD: kvstrata operator
+#   sidecar       the cache sidecar for host transfer mode, slim   CMD: kvstrata sidecar
+#                 Python base: no torch, no CUDA. The webhook's init
+#                 container runs `python -m kvstrata.operator.install`
+#                 from this image too.
+#   sidecar-cuda  the same sidecar on a CUDA runtime base, plus the CUDA kernels of
+#                 csrc/ compiled with the devel base's nvcc once csrc/ has a Makefile.
+#
+# Every final stage: user 65532:65532, ENTRYPOINT kvstrata, no compiler, no pip
+# cache, bytecode precompiled (pods run with a read-only root filesystem), no
+# HEALTHCHECK: Kubernetes probes the sidecar's /readyz and /healthz and the
+# operator's /healthz itself.
+#
+# The bases are build arguments pinned to digests. Behind a TLS-intercepting
+# proxy, hand its CA bundle to pip as the build secret `pip-ca`
+# (`--secret id=pip-ca,src=/path/ca.crt`); it never lands in a layer.
+
+ARG PYTHON_BASE=docker.io/library/python:3.11-slim-bookworm@sha256:2e32f7d302adc1c37428355c1e646897c0c53f4fd60b6a551245fb90ee129f91
+ARG CUDA_DEVEL_BASE=docker.io/nvidia/cuda:12.8.1-devel-ubuntu22.04@sha256:6617a625f4090c76c545a0e7d63f2e441718ef9af7f4efe7dd1242a29e289fd7
+ARG CUDA_RUNTIME_BASE=docker.io/nvidia/cuda:12.8.1-runtime-ubuntu22.04@sha256:fcbbd60a5ad3db3a1c7375bf14546b369b54064c513224310b2026df50c7a9bd
+
+# -- the project's wheel, built once and installed by every target --------------
+FROM ${PYTHON_BASE} AS wheel
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY src/ src/
+COPY sidecar/ sidecar/
+COPY connector/ connector/
+COPY operator/ operator/
+COPY bench/ bench/
+RUN --mount=type=cache,target=/root/.cache/pip,sharing=locked \
+    --mount=type=secret,id=pip-ca \
+    if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
+    python3 -m venv /tmp/build-env \
+    && /tmp/build-env/bin/pip wheel --disable-pip-version-check --no-deps -w /dist .
+
+# -- /opt/kvstrata: a venv holding kvstrata and its runtime dependencies --------
+# The venv's interpreter is the base's, so its runtime stage uses the same base.
+# pip and setuptools leave the venv once it is filled: nothing installs at run time.
+FROM ${PYTHON_BASE} AS sidecar-env
+RUN --mount=type=cache,target=/root/.cache/pip,sharing=locked \
+    --mount=type=secret,id=pip-ca \
+    --mount=type=bind,from=wheel,source=/dist,target=/dist \
+    if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
+    python3 -m venv /opt/kvstrata \
+    && /opt/kvstrata/bin/pip install --disable-pip-version-check /dist/kvstrata-*.whl \
+    && /opt/kvstrata/bin/pip uninstall --disable-pip-version-check -y pip setuptools
+
+FROM ${PYTHON_BASE} AS operator-env
+RUN --mount=type=cache,target=/root/.cache/pip,sharing=locked \
+    --mount=type=secret,id=pip-ca \
+    --mount=type=bind,from=wheel,source=/dist,target=/dist \
+    if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
+    python3 -m venv /opt/kvstrata \
+    && /opt/kvstrata/bin/pip install --disable-pip-version-check "$(ls /dist/kvstrata-*.whl)[operator]" \
+    && /opt/kvstrata/bin/pip uninstall --disable-pip-version-check -y pip setuptools
+
+# -- the runtime stages ----------------------------------------------------------
+FROM ${PYTHON_BASE} AS runtime
+# 65532: the conventional non-root id of distroless images; the chart and the
+# webhook run the containers as non-root (the sidecar as the vLLM container's user).
+RUN groupadd --gid 65532 kvstrata \
+    && useradd --uid 65532 --gid 65532 --home-dir /home/kvstrata --create-home \
+       --shell /usr/sbin/nologin kvstrata
+ENV PATH=/opt/kvstrata/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+WORKDIR /home/kvstrata
+USER 65532:65532
+ENTRYPOINT ["kvstrata"]
+
+FROM runtime AS operator
+COPY --from=operator-env /opt/kvstrata /opt/kvstrata
+# 9443: admission webhook (HTTPS); 8080: /healthz.
+EXPOSE 9443 8080
+CMD ["operator"]
+
+FROM runtime AS sidecar
+COPY --from=sidecar-env /opt/kvstrata /opt/kvstrata
+# 9464: /metrics /healthz /readyz /status.
+EXPOSE 9464
+CMD ["sidecar"]
+
+# -- the sidecar for GPU nodes ---------------------------------------------------
+# csrc/ is compiled where the base has nvcc and csrc/ has a Makefile; the shared
+# libraries it builds go to /opt/kvstrata/lib. Without them the image is the
+# host-mode sidecar on a CUDA base.
+FROM ${CUDA_DEVEL_BASE} AS kernels
+RUN --mount=type=bind,target=/context \
+    mkdir -p /out \
+    && if command -v nvcc >/dev/null && [ -f /context/csrc/Makefile ]; then \
+         cp -r /context/csrc /tmp/csrc && make -C /tmp/csrc \
+         && find /tmp/csrc -name '*.so' -exec cp {} /out/ \; ; \
+       else echo "kvstrata: no nvcc or no csrc/Makefile: no CUDA kernels in this image"; fi
+
+# The CUDA bases have no Python: Ubuntu's python3 (3.10) comes from apt, with venv
+# support only in the stage that builds the venv.
+FROM ${CUDA_RUNTIME_BASE} AS sidecar-cuda-env
+RUN if ! python3 -c 'import ensurepip, venv' 2>/dev/null; then \
+      apt-get update \
+      && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+         python3 python3-venv \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
+RUN --mount=type=cache,target=/root/.cache/pip,sharing=locked \
+    --mount=type=secret,id=pip-ca \
+    --mount=type=bind,from=wheel,source=/dist,target=/dist \
+    if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
+    python3 -m venv /opt/kvstrata \
+    && /opt/kvstrata/bin/pip install --disable-pip-version-check /dist/kvstrata-*.whl \
+    && /opt/kvstrata/bin/pip uninstall --disable-pip-version-check -y pip setuptools
+
+FROM ${CUDA_RUNTIME_BASE} AS sidecar-cuda
+RUN if ! command -v python3 >/dev/null; then \
+      apt-get update \
+      && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi \
+    && groupadd --gid 65532 kvstrata \
+    && useradd --uid 65532 --gid 65532 --home-dir /home/kvstrata --create-home \
+       --shell /usr/sbin/nologin kvstrata
+COPY --from=sidecar-cuda-env /opt/kvstrata /opt/kvstrata
+COPY --from=kernels /out/ /opt/kvstrata/lib/
+ENV PATH=/opt/kvstrata/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+WORKDIR /home/kvstrata
+USER 65532:65532
+EXPOSE 9464
+ENTRYPOINT ["kvstrata"]
+CMD ["sidecar"]
