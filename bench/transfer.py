@@ -12,7 +12,12 @@ over ``chunks`` chunks whose block ids are shuffled (vLLM's free list).
   consecutive blocks), ``kernel`` (the csrc library: all layers and chunks
   in one launch; on CUDA straight into pinned host memory, "zero-copy"),
   ``kernel-staging`` (CUDA: into a device buffer, then one
-  ``cudaMemcpyAsync`` to pinned host memory).
+  ``cudaMemcpyAsync`` to pinned host memory), ``ipc`` (CUDA: the sidecar's
+  own path: another process owns the KV and exports it over CUDA IPC; this
+  one maps it and copies with :class:`CudaDevice` into a shared-memory
+  arena it registered, waiting for the owner's event on every store and
+  synchronising its stream after every call, as SAVE_BLOCKS / LOAD_BLOCKS
+  do; ``ipc_error`` says why where it could not run).
 * baseline, in the same run: one plain copy of the same number of bytes
   between one contiguous buffer on the KV's device and pinned host memory
   (CUDA: ``cudaMemcpyAsync``; CPU: memcpy). Ratio = path GB/s / baseline GB/s.
@@ -151,11 +156,21 @@ def _measure_layout(layout_name: str, params: dict[str, Any], device: str) -> di
                 "store_gbps": total / _timed(staged_store, sync, reps) / 1e9,
                 "load_gbps": total / _timed(staged_load, sync, reps) / 1e9,
             }
+    ipc_error: str | None = None
+    if cuda and lib is not None:
+        try:
+            rows["ipc"] = _measure_ipc(
+                lib, layout_name, num_blocks, store_ids, nbytes, chunks, reps
+            )
+        except Exception as exc:  # reported beside the figures, not fatal to them
+            ipc_error = f"{type(exc).__name__}: {exc}"
     for name, row in rows.items():
         if name != "baseline":
             row["store_vs_baseline"] = row["store_gbps"] / rows["baseline"]["store_gbps"]
             row["load_vs_baseline"] = row["load_gbps"] / rows["baseline"]["load_gbps"]
     out: dict[str, Any] = {"chunk_bytes": nbytes, "chunks": chunks, "paths": rows}
+    if ipc_error is not None:
+        out["ipc_error"] = ipc_error
     if cuda and lib is not None:
 
         def transfer() -> None:  # on the caller's (side) stream
@@ -165,6 +180,53 @@ def _measure_layout(layout_name: str, params: dict[str, Any], device: str) -> di
 
         out["matmul_slowdown"] = _matmul_slowdown(transfer, reps)
     return out
+
+
+def _measure_ipc(
+    lib: Any, layout_name: str, num_blocks: int, ids: list[int], nbytes: int, chunks: int, reps: int
+) -> dict[str, float]:
+    """Store and load GB/s of the sidecar's ipc path (see the module docstring);
+    ``nbytes``: a chunk's size, as the connector's plan of the same shape says."""
+    from kvstrata.sidecar.arena import Arena
+    from kvstrata.sidecar.transfer.cuda_device import CudaDevice
+    from kvstrata.sidecar.transfer.plan import TensorGeometry, plan_from_geometry
+    from kvstrata.testing.gpuipc import exported_kv
+
+    per_chunk = CHUNK_TOKENS // BLOCK
+    shape = {
+        "num_layers": LAYERS, "num_blocks": num_blocks, "heads": HEADS, "tokens": BLOCK,
+        "content": 2 * HEAD_DIM,
+    }  # fmt: skip
+    total = nbytes * chunks
+    with exported_kv(layout_name, "bfloat16", shape) as (kv, event), Arena(total) as arena:
+        device = CudaDevice(lib, kv.uuid, arena)
+        try:
+            base = device.open_memory(kv.handle)
+            try:
+                layers = zip(kv.offsets, kv.shapes, kv.strides, strict=True)
+                geometries = [TensorGeometry(base + o, sh, st, kv.itemsize) for o, sh, st in layers]
+                plan = plan_from_geometry(geometries, 0).coalesced()
+                if plan.chunk_nbytes(per_chunk) != nbytes:
+                    raise ValueError(
+                        f"exported KV makes {plan.chunk_nbytes(per_chunk)}-byte chunks"
+                    )
+                addresses = [device.arena_address(c * nbytes) for c in range(chunks)]
+
+                def store() -> None:
+                    device.gather(plan, ids, addresses, per_chunk, event)
+
+                def load() -> None:
+                    device.scatter(plan, ids, addresses, per_chunk)
+
+                # Every call is synchronous, as the sidecar's are: nothing more to wait for.
+                return {
+                    "store_gbps": total / _timed(store, lambda: None, reps) / 1e9,
+                    "load_gbps": total / _timed(load, lambda: None, reps) / 1e9,
+                }
+            finally:
+                device.close_memory(base)  # before the exporting process exits
+        finally:
+            device.close()  # unregisters the arena before it is unmapped
 
 
 def _matmul_slowdown(transfer: Callable[[], None], reps: int) -> float:
@@ -223,6 +285,8 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{name:8} {path:16} {row['store_gbps']:8.2f} {row['load_gbps']:8.2f} "
                 f"{row.get('store_vs_baseline', 1.0):8.2f} {row.get('load_vs_baseline', 1.0):8.2f}"
             )
+        if "ipc_error" in layout:
+            lines.append(f"{name:8} ipc path not measured: {layout['ipc_error']}")
         if "matmul_slowdown" in layout:
             lines.append(
                 f"{name:8} matmul slowdown while transferring: {layout['matmul_slowdown']:.2f}x"

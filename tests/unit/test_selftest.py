@@ -220,14 +220,16 @@ class SharedMemoryCuda:
 
 
 @contextlib.contextmanager
-def shm_worker(role: str, cases: Any = (), nbytes: int = 0) -> Iterator[tuple[None, Any]]:
+def shm_worker(
+    role: str, cases: Any = (), nbytes: int = 0, shape: dict[str, int] | None = None
+) -> Iterator[tuple[None, Any]]:
     """Stands in for gpuipc._worker: the KV of every case in a /dev/shm segment, as the
     real worker builds it (same seed), and a thread answering the pipe like it."""
     parent, child = multiprocessing.Pipe()
     segments: list[tuple[str, mmap.mmap, Any, str, str]] = []
     payload = []
     for layout, dtype in cases:
-        case = gpuipc._build(layout, dtype, "cpu")
+        case = gpuipc._build(layout, dtype, "cpu", shape)
         (storage,) = chunkref.storage_bytes(list(case.layers.values()))
         name = f"kvstrata-test-selftest-{uuid.uuid4().hex[:12]}"
         fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -248,7 +250,7 @@ def shm_worker(role: str, cases: Any = (), nbytes: int = 0) -> Iterator[tuple[No
                 tuple(tuple(t.shape) for t in layers), tuple(tuple(t.stride()) for t in layers),
             )
         )  # fmt: skip
-    event = b"\x0e" * 64 if role == "source" else None
+    event = b"\x0e" * 64 if role in ("source", "export") else None
 
     def serve() -> None:
         child.send(("ready", (payload, event)))
@@ -310,3 +312,24 @@ def test_the_round_trip_fails_when_a_load_writes_the_wrong_blocks(
             gpuipc.check_ipc_round_trip(lib)
     finally:
         lib.close()
+
+
+def test_the_transfer_benchmark_times_the_ipc_path_through_cuda_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvstrata.bench import transfer
+
+    monkeypatch.setattr(gpuipc, "_worker", shm_worker)
+    lib = SharedMemoryCuda()
+    per_chunk = transfer.CHUNK_TOKENS // transfer.BLOCK
+    layout = transfer._case("BLNHC", 2 * per_chunk, "cpu")
+    try:
+        row = transfer._measure_ipc(
+            lib, "BLNHC", 2 * per_chunk, list(range(per_chunk)), layout.chunk_nbytes, 1, 1
+        )
+    finally:
+        lib.close()
+    assert row["store_gbps"] > 0 and row["load_gbps"] > 0
+    assert lib.events == [b"\x0e" * 64] * 2  # warm-up and timed store both waited
+    assert all(n == 0 for n in lib.opens.values())
+    assert not lib.registered

@@ -22,6 +22,9 @@ processes playing vLLM workers (torch, KV tensors in vLLM's layouts):
   the sidecar does when a session's liveness socket closes); the device's
   free memory must come back within a deadline.
 
+:func:`exported_kv` lends the same worker to ``kvstrata bench transfer``
+(its ``ipc`` path): KV of the benchmark's shape in another process.
+
 Messages between the processes are tuples over a multiprocessing pipe:
 ``("ready", payload)``, ``("check", src_ids, dst_ids)`` ->
 ``("checked", problem_or_empty)``, ``("exit",)``, ``("error", traceback)``.
@@ -85,12 +88,14 @@ class ExportedKV:
 # -- the worker side (spawned processes) -------------------------------------------
 
 
-def _build(layout: str, dtype_name: str, device: str) -> Any:
+def _build(layout: str, dtype_name: str, device: str, shape: dict[str, int] | None = None) -> Any:
+    """The KV of one case (``shape``: vllm_layers' size arguments; default its small one)."""
     import torch
 
     from kvstrata.testing.kvlayouts import vllm_layers
 
-    return vllm_layers(layout, dtype=getattr(torch, dtype_name), device=device, seed=SEED)
+    dtype = getattr(torch, dtype_name)
+    return vllm_layers(layout, dtype=dtype, device=device, seed=SEED, **(shape or {}))
 
 
 def _export(case: Any, layout: str, dtype_name: str) -> ExportedKV:
@@ -136,10 +141,17 @@ def _expected_target(layout: str, dtype_name: str, src: list[int], dst: list[int
     return chunkref.storage_bytes(target)
 
 
-def worker_main(conn: Connection, role: str, cases: list[tuple[str, str]], nbytes: int) -> None:
+def worker_main(
+    conn: Connection,
+    role: str,
+    cases: list[tuple[str, str]],
+    nbytes: int,
+    shape: dict[str, int] | None = None,
+) -> None:
     """A spawned worker. ``role``: ``source`` (KV written late, behind an exported
-    event), ``target`` (poisoned KV, checked on request) or ``hog`` (one allocation
-    of ``nbytes``, then waits to be killed)."""
+    event), ``target`` (poisoned KV, checked on request), ``export`` (KV of ``shape``
+    and an event recorded after it, for benchmarks) or ``hog`` (one allocation of
+    ``nbytes``, then waits to be killed)."""
     try:
         import torch
 
@@ -155,7 +167,7 @@ def worker_main(conn: Connection, role: str, cases: list[tuple[str, str]], nbyte
             conn.send(("ready", [_export(fake, "hog", "uint8")]))
             conn.recv()  # never answered: the parent kills this process
             return
-        built = [(_build(layout, dtype, "cuda"), layout, dtype) for layout, dtype in cases]
+        built = [(_build(layout, dtype, "cuda", shape), layout, dtype) for layout, dtype in cases]
         payload = [_export(case, layout, dtype) for case, layout, dtype in built]
         raws = [
             r for case, _, _ in built for r in chunkref.storage_bytes(list(case.layers.values()))
@@ -173,6 +185,10 @@ def worker_main(conn: Connection, role: str, cases: list[tuple[str, str]], nbyte
             event = torch.cuda.Event(interprocess=True)
             event.record()
             keep += [truth, event]
+        elif role == "export":
+            event = torch.cuda.Event(interprocess=True)
+            event.record()
+            keep.append(event)
         else:
             for r in raws:
                 r.fill_(POISON_TARGET)
@@ -199,12 +215,16 @@ def worker_main(conn: Connection, role: str, cases: list[tuple[str, str]], nbyte
 
 @contextmanager
 def _worker(
-    role: str, cases: Sequence[tuple[str, str]] = (), nbytes: int = 0
+    role: str,
+    cases: Sequence[tuple[str, str]] = (),
+    nbytes: int = 0,
+    shape: dict[str, int] | None = None,
 ) -> Iterator[tuple[Any, Connection]]:
     """A spawned worker and its pipe; killed on the way out if it is still there."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=worker_main, args=(child, role, list(cases), nbytes), daemon=True)
+    args = (child, role, list(cases), nbytes, shape)
+    proc = ctx.Process(target=worker_main, args=args, daemon=True)
     proc.start()
     child.close()
     try:
@@ -218,6 +238,19 @@ def _worker(
             proc.kill()
             proc.join(10)
         parent.close()
+
+
+@contextmanager
+def exported_kv(
+    layout: str, dtype: str, shape: dict[str, int]
+) -> Iterator[tuple[ExportedKV, bytes]]:
+    """KV tensors of ``shape`` (vllm_layers' size arguments) in another process, as
+    that process exports them: its allocation handle and layer offsets, and the
+    handle of an event recorded after they were written. Close every handle opened
+    from it before leaving the block (the worker then exits)."""
+    with _worker("export", [(layout, dtype)], shape=shape) as (_, conn):
+        (kv,), event = _receive(conn, "exporting KV")
+        yield kv, event
 
 
 def _receive(conn: Connection, what: str) -> Any:
