@@ -4,11 +4,14 @@ processes, and namespace fingerprints."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
 import json
 import os
 import random
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -28,15 +31,30 @@ def random_tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(0, 150_000) for _ in range(n)]
 
 
+def vllm_names(module: str, *names: str) -> list[Any]:
+    """``names`` from a vLLM module. Without vLLM the parity checks skip; with
+    it, a moved or renamed name fails: that drift is what they exist to catch."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed: no parity check")
+    try:
+        found = importlib.import_module(module)
+    except ImportError as exc:
+        pytest.fail(f"vLLM has no module {module} any more ({exc}): re-check keys.py against it")
+    missing = [name for name in names if not hasattr(found, name)]
+    if missing:
+        pytest.fail(f"vLLM moved {missing} out of {module}: re-check keys.py against it")
+    return [getattr(found, name) for name in names]
+
+
 @pytest.fixture(scope="module")
 def vllm_hash():
     """vLLM's own chain function, initialised the way vLLM does at start."""
-    kv_cache_utils = pytest.importorskip(
-        "vllm.v1.core.kv_cache_utils", reason="vllm is not installed: no parity check"
+    init_none_hash, hash_block_tokens = vllm_names(
+        "vllm.v1.core.kv_cache_utils", "init_none_hash", "hash_block_tokens"
     )
-    from vllm.utils.hashing import sha256_cbor
+    (sha256_cbor,) = vllm_names("vllm.utils.hashing", "sha256_cbor")
 
-    kv_cache_utils.init_none_hash(sha256_cbor)
+    init_none_hash(sha256_cbor)
 
     def chain(tokens, cache_salt=None, lora=None):
         out, parent = [], None
@@ -46,7 +64,7 @@ def vllm_hash():
                 extra.append(("lora", *lora))
             if cache_salt and start == 0:
                 extra.append(("cache_salt", cache_salt))
-            parent = kv_cache_utils.hash_block_tokens(
+            parent = hash_block_tokens(
                 sha256_cbor, parent, tokens[start : start + BLOCK], tuple(extra) or None
             )
             out.append(bytes(parent))
@@ -70,11 +88,9 @@ def test_block_hasher_equals_vllms_chain(vllm_hash, seed, cache_salt, lora):
     assert len(ours) == len(tokens) // BLOCK
 
 
+@pytest.mark.vllm
 def test_the_none_hash_seed_matches_vllms_default():
-    try:
-        from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED as theirs
-    except ImportError:
-        pytest.skip("vllm is not installed: no parity check")
+    (theirs,) = vllm_names("vllm.v1.core.kv_cache_utils", "DEFAULT_NONE_HASH_SEED")
     assert theirs == DEFAULT_NONE_HASH_SEED
 
 
@@ -148,3 +164,11 @@ def test_chunk_keys_take_the_last_block_of_each_full_chunk():
 def test_iter_prefix_counts_the_leading_run():
     assert iter_prefix("abcd", [True, True, False, True]) == 2
     assert iter_prefix("ab", []) == 0
+
+
+@pytest.mark.vllm
+def test_a_name_vllm_moved_fails_the_parity_checks_instead_of_skipping_them():
+    with pytest.raises(pytest.fail.Exception, match="moved"):
+        vllm_names("vllm.v1.core.kv_cache_utils", "hash_block_tokens", "a_name_vllm_never_had")
+    with pytest.raises(pytest.fail.Exception, match="no module"):
+        vllm_names("vllm.v1.core.a_module_vllm_never_had", "hash_block_tokens")
