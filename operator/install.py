@@ -12,8 +12,9 @@ copied whole. Its compiled extension only loads on a Python with the same ABI
 tag (the file name says which); on any other Python, msgpack falls back to
 its own pure-Python implementation from the same copy.
 
-Layout written: ``DIR/kvstrata/{__init__.py, sidecar/, sidecar/tiers/,
-connector/}`` and ``DIR/msgpack/``.
+Layout written: ``DIR/kvstrata/{__init__.py, sidecar/, connector/}``, each
+with every subpackage (``sidecar/tiers/``, ``sidecar/transfer/`` ...), and
+``DIR/msgpack/``.
 """
 
 from __future__ import annotations
@@ -23,16 +24,30 @@ import shutil
 import sys
 from pathlib import Path
 
-PACKAGES = ("kvstrata", "kvstrata.sidecar", "kvstrata.sidecar.tiers", "kvstrata.connector")
+TREES = ("kvstrata.sidecar", "kvstrata.connector")  # copied with all their subpackages
 VENDORED = ("msgpack",)  # copied whole: not a vLLM dependency
+
+
+def _directory(package: str) -> Path:
+    return Path(next(iter(importlib.import_module(package).__path__)))
+
+
+def packages() -> dict[str, Path]:
+    """``kvstrata`` and every package under :data:`TREES` (the connector reaches
+    into sidecar subpackages), with their directories; found on disk, so no
+    subpackage is imported (some need torch, which this image lacks)."""
+    found = {"kvstrata": _directory("kvstrata")}
+    for tree in TREES:
+        root = _directory(tree)
+        for init in sorted(root.rglob("__init__.py")):
+            found[".".join((tree, *init.parent.relative_to(root).parts))] = init.parent
+    return found
 
 
 def install(target: Path) -> list[Path]:
     """Copy each package's modules under ``target``; returns the files written."""
     written: list[Path] = []
-    for name in PACKAGES:
-        module = importlib.import_module(name)
-        source = Path(next(iter(module.__path__)))
+    for name, source in packages().items():
         dest = target.joinpath(*name.split("."))
         dest.mkdir(parents=True, exist_ok=True)
         for path in sorted(source.glob("*.py")):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from kvstrata.operator import install
 
@@ -53,3 +54,14 @@ def test_the_copied_msgpack_works_compiled_or_pure_python(tmp_path):
 def test_install_without_a_directory_explains_its_usage(capsys):
     assert install.main([]) == 2
     assert "usage" in capsys.readouterr().err
+
+
+def test_every_subpackage_of_the_sidecar_and_the_connector_is_copied(tmp_path):
+    install.install(tmp_path)
+    repo = Path(__file__).resolve().parents[2]
+    for tree in ("sidecar", "connector"):
+        for init in (repo / tree).rglob("__init__.py"):
+            package = init.parent.relative_to(repo)
+            for module in init.parent.glob("*.py"):
+                copied = tmp_path / "kvstrata" / package / module.name
+                assert copied.is_file(), f"{package}/{module.name} not copied"
