@@ -22,6 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.config import SidecarConfig
+    from kvstrata.sidecar.engine import StorageManager
+    from kvstrata.sidecar.transfer.cuda_device import CudaDevices
+    from kvstrata.sidecar.transfer.ipc import IpcTransfers
 
 logger = logging.getLogger("kvstrata.sidecar")
 
@@ -93,8 +96,6 @@ def _serve(config: SidecarConfig) -> int:
         except ValueError as exc:
             print(f"kvstrata sidecar: {exc}", file=sys.stderr)
             return 2
-    if config.transfer_mode == "ipc":
-        logger.warning("transfer_mode ipc: this sidecar serves host mode; ipc clients fall back")
     try:
         engine = StorageManager(config, shared_tier=shared)
     except (OSError, ValueError) as exc:  # no room in /dev/shm, unwritable L2 path, ...
@@ -105,9 +106,16 @@ def _serve(config: SidecarConfig) -> int:
     server: SidecarServer | None = None
     http: HttpEndpoints | None = None
     stop = threading.Event()
+    devices: CudaDevices | None = None
     try:
+        devices, ipc, ipc_unavailable = _open_ipc(config, engine)
         server = SidecarServer(
-            config, engine, server_version=__version__, remote_lookups=shared is not None
+            config,
+            engine,
+            server_version=__version__,
+            remote_lookups=shared is not None,
+            ipc=ipc,
+            ipc_unavailable=ipc_unavailable,
         )
         try:
             server.bind()
@@ -146,6 +154,30 @@ def _serve(config: SidecarConfig) -> int:
             http.close()
         if server is not None:
             server.close()
+        if devices is not None:
+            devices.close()  # IPC handles and the arena's CUDA registration, before unmapping
         engine.close()  # stops writers and unlinks the shared-memory segment
         if shared is not None:
             shared.close()
+
+
+def _open_ipc(
+    config: SidecarConfig, engine: StorageManager
+) -> tuple[CudaDevices | None, IpcTransfers | None, str]:
+    """``(devices, IpcTransfers, why not)`` for ipc mode: the GPUs and the ops, or
+    Nones and the reason HELLO gives clients that ask for ipc (they get host mode)."""
+    if config.transfer_mode == "host":
+        return None, None, "this sidecar is configured for transfer_mode host"
+    from kvstrata.sidecar.transfer.cuda_device import open_cuda_devices
+    from kvstrata.sidecar.transfer.ipc import IpcTransfers
+
+    devices, reason = open_cuda_devices(engine.arena)
+    if devices is None:
+        # Asked for explicitly, a missing GPU path is worth a warning; under auto
+        # (CPU nodes too) host mode is the expected outcome.
+        level = logging.WARNING if config.transfer_mode == "ipc" else logging.INFO
+        logger.log(level, "transfer_mode %s: ipc unavailable, clients get host mode: %s",
+                   config.transfer_mode, reason)  # fmt: skip
+        return None, None, reason
+    logger.info("transfer_mode %s: ipc served with the csrc CUDA kernels", config.transfer_mode)
+    return devices, IpcTransfers(engine, devices), ""
