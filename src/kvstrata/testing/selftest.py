@@ -17,8 +17,10 @@ where a GPU is, e.g. in the sidecar's CUDA image on a GPU node:
 5. ``bench``: ``kvstrata bench transfer`` (printed as JSON).
 
 Each check prints ``PASS`` or ``FAIL`` with what it saw; the exit code is
-0 when all pass, 1 when one fails, 2 when there is no CUDA device (one
-line says why). ``--json`` prints one JSON object instead.
+0 when all pass, 1 when one fails, 2 when the checks cannot run here (one
+line says why: "no CUDA device: ...", or torch missing; the checks build
+vLLM-like KV with torch, which the sidecar's own code never needs).
+``--json`` prints one JSON object instead.
 """
 
 from __future__ import annotations
@@ -54,12 +56,13 @@ class CheckResult:
     seconds: float
 
 
-def no_cuda_reason() -> str | None:
-    """Why this machine cannot run the GPU checks (None: torch sees a CUDA device)."""
+def cannot_run_reason() -> str | None:
+    """The line saying why this machine cannot run the GPU checks, starting with
+    "no CUDA device: " when that is why (None: torch sees a CUDA device)."""
     try:
         import torch
     except ImportError as exc:
-        return f"torch is not importable ({exc}); the checks build their KV with torch"
+        return f"cannot run: torch is not importable ({exc}); the checks build their KV with torch"
     from kvstrata.sidecar.transfer import kernels
 
     if torch.cuda.is_available():
@@ -68,7 +71,7 @@ def no_cuda_reason() -> str | None:
         seen = f"torch {torch.__version__} is built without CUDA"
     else:
         seen = f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no device"
-    return f"{seen}; csrc kernels: {kernels.cuda_unavailable_reason() or 'loaded'}"
+    return f"no CUDA device: {seen}; csrc kernels: {kernels.cuda_unavailable_reason() or 'loaded'}"
 
 
 def cuda_library() -> Any:
@@ -310,9 +313,8 @@ def _line(result: CheckResult) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    reason = no_cuda_reason()
-    if reason is not None:
-        line = f"no CUDA device: {reason}"
+    line = cannot_run_reason()
+    if line is not None:
         print(
             json.dumps({"selftest": args.what, "ok": False, "skipped": line}) if args.json else line
         )
