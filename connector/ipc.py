@@ -47,6 +47,9 @@ def kv_registration(
         storage = t.untyped_storage()
         shared = storage._share_cuda_()
         handle, storage_offset_bytes = shared[1], int(shared[3])
+        if not isinstance(handle, bytes) or len(handle) != p.IPC_HANDLE_BYTES:
+            # e.g. PYTORCH_CUDA_ALLOC_CONF=expandable_segments: not a cudaIpcMemHandle_t
+            raise ValueError("the KV allocation has no CUDA IPC memory handle")
         layers.append(
             p.KVLayerHandle(
                 handle=bytes(handle),

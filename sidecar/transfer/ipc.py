@@ -24,9 +24,10 @@ imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -90,6 +91,7 @@ class IpcMapping:
     plan: CopyPlan
     blocks_per_chunk: int
     meta: ChunkMeta  # dtype and shape recorded with every chunk saved
+    copies: int = 0  # copies running on it now (its handles stay open until 0)
 
     @property
     def chunk_nbytes(self) -> int:
@@ -111,6 +113,7 @@ class IpcTransfers:
         self._devices: dict[str, TransferDevice] = {}
         self._mappings: dict[str, IpcMapping] = {}
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # a mapping's copies reached 0
 
     def _device(self, uuid: str) -> TransferDevice:
         """The GPU with this UUID (opened once); OSError when this sidecar cannot see it."""
@@ -184,11 +187,18 @@ class IpcTransfers:
         return p.RegisterKVReply(layers=len(body.layers or []), chunk_nbytes=chunk_nbytes)
 
     def close(self, session_id: str) -> bool:
-        """Close a session's handles; whether it had any."""
+        """Close a session's handles; whether it had any.
+
+        Waits for the copies already running on them: a handle closed under
+        a running kernel is an illegal address, which would break the
+        sidecar's CUDA context for every session. No new copy can start once
+        the mapping is out of the table.
+        """
         with self._lock:
             mapping = self._mappings.pop(session_id, None)
-        if mapping is None:
-            return False
+            if mapping is None:
+                return False
+            self._idle.wait_for(lambda: mapping.copies == 0)
         for address in mapping.opened:
             try:
                 mapping.device.close_memory(address)
@@ -197,12 +207,20 @@ class IpcTransfers:
         logger.info("session %s: %d IPC handles closed", session_id[:8], len(mapping.opened))
         return True
 
-    def _mapping(self, session_id: str) -> IpcMapping:
+    @contextlib.contextmanager
+    def _using(self, session_id: str) -> Iterator[IpcMapping]:
+        """The session's mapping, kept open (not closed under us) while in use."""
         with self._lock:
             mapping = self._mappings.get(session_id)
-        if mapping is None:
-            raise p.ProtocolError(p.E_BAD_REQUEST, "no KV registered: send REGISTER_KV first")
-        return mapping
+            if mapping is None:
+                raise p.ProtocolError(p.E_BAD_REQUEST, "no KV registered: send REGISTER_KV first")
+            mapping.copies += 1
+        try:
+            yield mapping
+        finally:
+            with self._lock:
+                mapping.copies -= 1
+                self._idle.notify_all()
 
     def _check_blocks(self, mapping: IpcMapping, block_ids: list[list[int]]) -> list[int]:
         flat: list[int] = []
@@ -231,7 +249,12 @@ class IpcTransfers:
         owner_key: str,
     ) -> p.CommitStoreReply:
         """Reserve arena slots, gather the blocks into them on the GPU, commit."""
-        mapping = self._mapping(session_id)
+        with self._using(session_id) as mapping:
+            return self._save(mapping, body, owner_key, session_id)
+
+    def _save(
+        self, mapping: IpcMapping, body: p.SaveBlocksRequest, owner_key: str, session_id: str
+    ) -> p.CommitStoreReply:
         keys = body.keys or []
         blocks = body.block_ids or []
         self._check_blocks(mapping, blocks)
@@ -259,7 +282,12 @@ class IpcTransfers:
 
     def load(self, session_id: str, body: p.LoadBlocksRequest, owner_key: str) -> p.LoadBlocksReply:
         """Lease the longest present prefix of the keys, scatter it on the GPU, release."""
-        mapping = self._mapping(session_id)
+        with self._using(session_id) as mapping:
+            return self._load(mapping, body, owner_key, session_id)
+
+    def _load(
+        self, mapping: IpcMapping, body: p.LoadBlocksRequest, owner_key: str, session_id: str
+    ) -> p.LoadBlocksReply:
         keys = body.keys or []
         blocks = body.block_ids or []
         self._check_blocks(mapping, blocks)

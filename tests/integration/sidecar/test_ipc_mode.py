@@ -290,3 +290,46 @@ def test_a_sidecar_without_cuda_grants_host_mode_with_the_reason(kit: Any, tmp_p
     finally:
         sc.stop()
         sc.cleanup()
+
+
+def test_a_session_ending_during_a_copy_closes_its_handles_only_after_the_copy(
+    tmp_path: Path, kv: SharedKV
+) -> None:
+    # A copy that is running when its session ends (the process died) must
+    # finish before the handles close: closing under a running kernel is an
+    # illegal address for the whole GPU context.
+    config = config_from_dict(
+        {"l1": {"size_bytes": "8Mi", "pin_memory": False}, "l2": {"path": str(tmp_path / "l2")}}
+    )
+    engine = StorageManager(config)
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowDevice(SharedMemoryDevice):
+        def gather(self, *args: Any, **kwargs: Any) -> None:
+            entered.set()
+            assert release.wait(10)
+            super().gather(*args, **kwargs)
+
+    device = SlowDevice(engine.arena.address())
+    ipc = IpcTransfers(engine, lambda gpu: device)
+    try:
+        ipc.register("s1", kv.registration())
+        body = p.SaveBlocksRequest(keys=keys(1, "race"), block_ids=[[1, 2]], owner="o")
+        saved: list[p.CommitStoreReply] = []
+        saver = threading.Thread(target=lambda: saved.append(ipc.save("s1", body, "s1/o")))
+        saver.start()
+        assert entered.wait(10)
+        closer = threading.Thread(target=ipc.close, args=("s1",))
+        closer.start()
+        closer.join(0.3)
+        assert closer.is_alive() and device.open_handles == 1  # waiting for the copy
+        release.set()
+        saver.join(10)
+        closer.join(10)
+        assert not closer.is_alive() and device.open_handles == 0
+        assert saved[0].committed == [True]
+        with pytest.raises(p.ProtocolError, match="REGISTER_KV first"):
+            ipc.save("s1", body, "s1/o")  # no copy starts on a closed session
+    finally:
+        release.set()
+        engine.close()
