@@ -271,18 +271,8 @@ KVS_API int kvs_scatter(const uint64_t* layer_addresses, int32_t num_layers, int
                    num_chunks, max_ctas, stream);
 }
 
-KVS_API int kvs_vector_width(const uint64_t* layer_addresses, int32_t num_layers,
-                             int64_t block_stride, int64_t segment_stride, int64_t segment_bytes,
-                             const uint64_t* chunk_addresses, int64_t num_chunks) {
-  const kvs::Geometry g{block_stride, segment_stride, segment_bytes, num_layers, 1, 1, 0};
-  return kvs::vector_width(g, layer_addresses, chunk_addresses, num_chunks);
-}
-
-KVS_API int kvs_abi_version(void) { return KVS_ABI_VERSION; }
-
-KVS_API const char* kvs_source_hash(void) { return KVS_SOURCE_HASH; }
-
-KVS_API const char* kvs_backend(void) { return "cuda"; }
+#define KVS_BACKEND_NAME "cuda"
+#include "kvs_common.h"
 
 KVS_API int kvs_cuda_device_count(int32_t* count) {
   int n = 0;

@@ -10,7 +10,6 @@ copy by. Skipped where torch sees no CUDA device.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import pytest
 import torch
@@ -25,12 +24,8 @@ from kvstrata.testing import chunkref
 from kvstrata.testing.chunkref import POISON, ChunkArena, random_block_ids
 from kvstrata.testing.kvlayouts import (
     DTYPES,
-    VLLM_LAYOUTS,
     KVLayoutCase,
-    cpu_legacy_layers,
     flash_attn_layers,
-    flashinfer_layers,
-    mla_layers,
     vllm_layers,
 )
 
@@ -39,16 +34,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
 ]
 
-BUILDERS: dict[str, Callable[..., KVLayoutCase]] = {
-    **{f"vllm-{name}": partial(vllm_layers, name) for name in VLLM_LAYOUTS},
-    "flash-attn-nhd": partial(flash_attn_layers, False),
-    "flash-attn-hnd": partial(flash_attn_layers, True),
-    "flashinfer-nhd": partial(flashinfer_layers, False),
-    "flashinfer-hnd": partial(flashinfer_layers, True),
-    "mla": mla_layers,
-    "vllm-cpu-legacy": cpu_legacy_layers,
-    "padded-unaligned": chunkref.padded_unaligned_layers,
-}
+BUILDERS = chunkref.layout_builders()
 DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
 
 layouts = pytest.mark.parametrize("layout", list(BUILDERS))

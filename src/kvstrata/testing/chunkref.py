@@ -23,10 +23,12 @@ walked in memory order (gaps between runs are not part of a chunk).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
+from kvstrata.testing import kvlayouts
 from kvstrata.testing.kvlayouts import KVLayoutCase
 
 POISON = 0xA5  # what untouched bytes of chunk buffers hold
@@ -212,3 +214,17 @@ class ChunkArena:
         for c, data in enumerate(chunks):
             expected[self.offsets[c] : self.offsets[c] + self.chunk_nbytes] = data
         return expected
+
+
+def layout_builders() -> dict[str, Callable[..., KVLayoutCase]]:
+    """Every layout the kernels are tested on, by name: ``builder(dtype=..., device=...)``."""
+    return {
+        **{f"vllm-{name}": partial(kvlayouts.vllm_layers, name) for name in kvlayouts.VLLM_LAYOUTS},
+        "flash-attn-nhd": partial(kvlayouts.flash_attn_layers, False),
+        "flash-attn-hnd": partial(kvlayouts.flash_attn_layers, True),
+        "flashinfer-nhd": partial(kvlayouts.flashinfer_layers, False),
+        "flashinfer-hnd": partial(kvlayouts.flashinfer_layers, True),
+        "mla": kvlayouts.mla_layers,
+        "vllm-cpu-legacy": kvlayouts.cpu_legacy_layers,
+        "padded-unaligned": padded_unaligned_layers,
+    }
