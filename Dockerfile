@@ -5,8 +5,8 @@
 #                 Python base: no torch, no CUDA. The webhook's init
 #                 container runs `python -m kvstrata.operator.install`
 #                 from this image too.
-#   sidecar-cuda  the same sidecar on a CUDA runtime base, plus the CUDA kernels of
-#                 csrc/ compiled with the devel base's nvcc once csrc/ has a Makefile.
+#   sidecar-cuda  the same sidecar on a CUDA runtime base, its wheel built on the CUDA
+#                 devel base so that setup.py compiles the csrc/ libraries with nvcc.
 #
 # Every final stage: user 65532:65532, ENTRYPOINT kvstrata, no compiler, no pip
 # cache, bytecode precompiled (pods run with a read-only root filesystem), no
@@ -21,20 +21,17 @@ ARG PYTHON_BASE=docker.io/library/python:3.11-slim-bookworm@sha256:2e32f7d302adc
 ARG CUDA_DEVEL_BASE=docker.io/nvidia/cuda:12.8.1-devel-ubuntu22.04@sha256:6617a625f4090c76c545a0e7d63f2e441718ef9af7f4efe7dd1242a29e289fd7
 ARG CUDA_RUNTIME_BASE=docker.io/nvidia/cuda:12.8.1-runtime-ubuntu22.04@sha256:fcbbd60a5ad3db3a1c7375bf14546b369b54064c513224310b2026df50c7a9bd
 
-# -- the project's wheel, built once and installed by every target --------------
+# -- the project's wheel, built once and installed by every slim target ----------
+# setup.py compiles the csrc/ libraries where it finds their compilers; the slim
+# base has none, so this wheel carries none (host mode needs none).
 FROM ${PYTHON_BASE} AS wheel
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY src/ src/
-COPY sidecar/ sidecar/
-COPY connector/ connector/
-COPY operator/ operator/
-COPY bench/ bench/
+COPY . /src
 RUN --mount=type=cache,target=/root/.cache/pip,sharing=locked \
     --mount=type=secret,id=pip-ca \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
     python3 -m venv /tmp/build-env \
-    && /tmp/build-env/bin/pip wheel --disable-pip-version-check --no-deps -w /dist .
+    && KVSTRATA_BUILD_CUDA=0 /tmp/build-env/bin/pip wheel --disable-pip-version-check \
+       --no-deps -w /dist /src
 
 # -- /opt/kvstrata: a venv holding kvstrata and its runtime dependencies --------
 # The venv's interpreter is the base's, so its runtime stage uses the same base.
@@ -84,19 +81,27 @@ EXPOSE 9464
 CMD ["sidecar"]
 
 # -- the sidecar for GPU nodes ---------------------------------------------------
-# csrc/ is compiled where the base has nvcc and csrc/ has a Makefile; the shared
-# libraries it builds go to /opt/kvstrata/lib. Without them the image is the
-# host-mode sidecar on a CUDA base.
-FROM ${CUDA_DEVEL_BASE} AS kernels
-RUN --mount=type=bind,target=/context \
-    mkdir -p /out \
-    && if command -v nvcc >/dev/null && [ -f /context/csrc/Makefile ]; then \
-         cp -r /context/csrc /tmp/csrc && make -C /tmp/csrc \
-         && find /tmp/csrc -name '*.so' -exec cp {} /out/ \; ; \
-       else echo "kvstrata: no nvcc or no csrc/Makefile: no CUDA kernels in this image"; fi
+# Its wheel is built where nvcc is: there setup.py must compile the CUDA library
+# (KVSTRATA_BUILD_CUDA=1 turns a failed compile into a failed build). On a base
+# without nvcc the wheel is the slim one and the image a host-mode sidecar.
+# The CUDA bases have no Python: Ubuntu's python3 (3.10) comes from apt, with
+# venv support only in the stages that build.
+FROM ${CUDA_DEVEL_BASE} AS cuda-wheel
+RUN if ! python3 -c 'import ensurepip, venv' 2>/dev/null; then \
+      apt-get update \
+      && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+         python3 python3-venv \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
+COPY . /src
+RUN --mount=type=cache,target=/root/.cache/pip,sharing=locked \
+    --mount=type=secret,id=pip-ca \
+    if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
+    if command -v nvcc >/dev/null; then export KVSTRATA_BUILD_CUDA=1; \
+    else export KVSTRATA_BUILD_CUDA=0; echo "kvstrata: no nvcc here: no CUDA library"; fi; \
+    python3 -m venv /tmp/build-env \
+    && /tmp/build-env/bin/pip wheel --disable-pip-version-check --no-deps -w /dist /src
 
-# The CUDA bases have no Python: Ubuntu's python3 (3.10) comes from apt, with venv
-# support only in the stage that builds the venv.
 FROM ${CUDA_RUNTIME_BASE} AS sidecar-cuda-env
 RUN if ! python3 -c 'import ensurepip, venv' 2>/dev/null; then \
       apt-get update \
@@ -106,7 +111,7 @@ RUN if ! python3 -c 'import ensurepip, venv' 2>/dev/null; then \
     fi
 RUN --mount=type=cache,target=/root/.cache/pip,sharing=locked \
     --mount=type=secret,id=pip-ca \
-    --mount=type=bind,from=wheel,source=/dist,target=/dist \
+    --mount=type=bind,from=cuda-wheel,source=/dist,target=/dist \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
     python3 -m venv /opt/kvstrata \
     && /opt/kvstrata/bin/pip install --disable-pip-version-check /dist/kvstrata-*.whl \
@@ -122,7 +127,6 @@ RUN if ! command -v python3 >/dev/null; then \
     && useradd --uid 65532 --gid 65532 --home-dir /home/kvstrata --create-home \
        --shell /usr/sbin/nologin kvstrata
 COPY --from=sidecar-cuda-env /opt/kvstrata /opt/kvstrata
-COPY --from=kernels /out/ /opt/kvstrata/lib/
 ENV PATH=/opt/kvstrata/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
