@@ -57,7 +57,8 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-test: system-deps dev lint
+# The whole suite, the image tests (tests/images: buildah, mmdebstrap) included.
+test: system-deps image-deps dev lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: dev
@@ -116,7 +117,8 @@ images: image-deps
 push-images:
 	@for t in $(IMAGES); do $(BUILDER) push $(REGISTRY)/kvstrata-$$t:$(IMAGE_TAG) || exit 1; done
 
-# Builds the images on a Debian base made here (no registry needed) and runs them.
+# Only the image tests: builds the images on a Debian base made here (no
+# registry needed) and runs them (about 6 minutes; `make test` runs them too).
 image-test: system-deps image-deps dev
 	$(BIN)/python -m pytest -m image tests/images $(PYTEST_ARGS)
 
