@@ -33,7 +33,7 @@
 
 // Bumped whenever a signature or a meaning above changes; the binding refuses a
 // library of another version.
-#define KVS_ABI_VERSION 2
+#define KVS_ABI_VERSION 3
 
 #define KVS_API __attribute__((visibility("default")))
 
@@ -122,6 +122,18 @@ KVS_API int kvs_cuda_host_register(void* ptr, uint64_t nbytes, uint64_t* device_
 KVS_API int kvs_cuda_host_unregister(void* ptr);
 // Free and total memory of `device` in bytes (cudaMemGetInfo: device-wide).
 KVS_API int kvs_cuda_mem_get_info(int32_t device, uint64_t* free_bytes, uint64_t* total_bytes);
+// The staging copy path (CudaDevice's copy_path "staging"): a device buffer the
+// kernels fill or drain at device-memory speed, moved to and from the pinned arena by
+// the copy engines. `nbytes` of device memory on `device` (cudaMalloc);
+// `*address` is its first byte.
+KVS_API int kvs_cuda_malloc(int32_t device, uint64_t nbytes, uint64_t* address);
+// Give back what kvs_cuda_malloc allocated on `device` (cudaFree: waits for the device).
+KVS_API int kvs_cuda_free(int32_t device, uint64_t address);
+// Queue a copy of `nbytes` from `src` to `dst` on `stream` (cudaMemcpyAsync, kind
+// cudaMemcpyDefault: the direction comes from the addresses). Both are addresses the
+// stream's device can use: device memory, or pinned host memory by its device address.
+// Runs on the current device like kvs_gather: make the stream's device current first.
+KVS_API int kvs_cuda_memcpy_async(uint64_t dst, uint64_t src, uint64_t nbytes, uint64_t stream);
 
 #ifdef __cplusplus
 }

@@ -2,7 +2,8 @@
 //
 // In ipc mode the sidecar maps vLLM's KV tensors (CUDA IPC memory handles), waits
 // for vLLM's interprocess events on its own streams and runs the copy kernels
-// (kvs_transfer.cu) between those tensors and its pinned arena. The sidecar image
+// (kvs_transfer.cu) between those tensors and its pinned arena, straight or through
+// a device staging buffer (malloc, free, async copies). The sidecar image
 // need not have torch, so these calls live here, behind the same C ABI (kvs_abi.h),
 // with the statically linked cudart of the kernels.
 //
@@ -178,6 +179,31 @@ KVS_API int kvs_cuda_mem_get_info(int32_t device, uint64_t* free_bytes, uint64_t
   *free_bytes = free_now;
   *total_bytes = total;
   return cudaSuccess;
+}
+
+KVS_API int kvs_cuda_malloc(int32_t device, uint64_t nbytes, uint64_t* address) {
+  kvs::OnDevice on(device);
+  if (on.error() != cudaSuccess) return kvs::done(on.error());
+  void* ptr = nullptr;
+  const cudaError_t err = cudaMalloc(&ptr, static_cast<size_t>(nbytes));
+  if (err != cudaSuccess) return kvs::done(err);
+  *address = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(ptr));
+  return cudaSuccess;
+}
+
+KVS_API int kvs_cuda_free(int32_t device, uint64_t address) {
+  kvs::OnDevice on(device);
+  if (on.error() != cudaSuccess) return kvs::done(on.error());
+  return kvs::done(cudaFree(reinterpret_cast<void*>(static_cast<uintptr_t>(address))));
+}
+
+KVS_API int kvs_cuda_memcpy_async(uint64_t dst, uint64_t src, uint64_t nbytes, uint64_t stream) {
+  // cudaMemcpyDefault: with unified addressing the runtime tells pinned host memory
+  // from device memory by the address, so one entry point serves both directions.
+  return kvs::done(cudaMemcpyAsync(reinterpret_cast<void*>(static_cast<uintptr_t>(dst)),
+                                   reinterpret_cast<const void*>(static_cast<uintptr_t>(src)),
+                                   static_cast<size_t>(nbytes), cudaMemcpyDefault,
+                                   kvs::as_stream(stream)));
 }
 
 }  // extern "C"

@@ -33,7 +33,8 @@ torch copy path is used instead).
 
 The CUDA library also carries the runtime calls the sidecar's ipc mode
 needs without torch (device by UUID, CUDA IPC memory and event handles,
-streams, host registration, free memory): methods of
+streams, host registration, free memory, device buffers and async copies for
+the staging copy path): methods of
 :class:`TransferLibrary` that only the ``cuda`` backend has, used by
 :mod:`kvstrata.sidecar.transfer.cuda_device`.
 """
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
     from kvstrata.sidecar.transfer.plan import CopyPlan
 
 # Must equal KVS_ABI_VERSION in csrc/kvs_abi.h.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t, cudaIpcEventHandle_t
 
@@ -97,6 +98,9 @@ _CUDA_IPC_ARGTYPES: dict[str, list[Any]] = {
     "kvs_cuda_host_register": [ctypes.c_void_p, ctypes.c_uint64, _U64P, _I32P],
     "kvs_cuda_host_unregister": [ctypes.c_void_p],
     "kvs_cuda_mem_get_info": [ctypes.c_int32, _U64P, _U64P],
+    "kvs_cuda_malloc": [ctypes.c_int32, ctypes.c_uint64, _U64P],
+    "kvs_cuda_free": [ctypes.c_int32, ctypes.c_uint64],
+    "kvs_cuda_memcpy_async": [ctypes.c_uint64] * 4,
 }
 
 
@@ -317,6 +321,37 @@ class TransferLibrary:
             "kvs_cuda_mem_get_info", _device(device), ctypes.byref(free), ctypes.byref(total)
         )
         return free.value, total.value
+
+    def malloc(self, device: int, nbytes: int) -> int:
+        """``nbytes`` of ``device``'s memory; the device address of its first byte.
+
+        Give it back with :meth:`free`. Raises :class:`KernelError` (named
+        ``cudaErrorMemoryAllocation`` when the device is full).
+        """
+        if not 1 <= nbytes <= _U64_MAX:
+            raise ValueError(f"nbytes must be >= 1, not {nbytes}")
+        address = ctypes.c_uint64(0)
+        self._cuda_call("kvs_cuda_malloc", _device(device), nbytes, ctypes.byref(address))
+        return address.value
+
+    def free(self, device: int, address: int) -> None:
+        """Give back memory :meth:`malloc` allocated (waits for the device's queued work)."""
+        self._cuda_call("kvs_cuda_free", _device(device), _address(address, "address"))
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: Any = 0) -> None:
+        """Queue a copy of ``nbytes`` from ``src`` to ``dst`` on ``stream`` and return.
+
+        Both are addresses the stream's device uses (device memory, or pinned
+        host memory by its device address); the runtime reads the direction
+        from them. Like :meth:`gather`, it runs on the current device, and both
+        ranges must stay valid until the stream passes the copy.
+        """
+        if not 0 <= nbytes <= _U64_MAX:
+            raise ValueError(f"nbytes must be >= 0, not {nbytes}")
+        self._cuda_call(
+            "kvs_cuda_memcpy_async", _address(dst, "dst"), _address(src, "src"), nbytes,
+            _stream(stream),
+        )  # fmt: skip
 
     def _cuda_call(self, fn: str, *args: Any) -> None:
         if self.backend != "cuda":

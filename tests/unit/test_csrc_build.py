@@ -188,6 +188,9 @@ def test_the_header_declares_the_functions_the_binding_calls() -> None:
     functions = abi_functions()
     assert "kvs_cuda_ipc_open" in functions
     assert functions["kvs_cuda_host_register"] == ["void*", "uint64_t", "uint64_t*", "int32_t*"]
+    assert functions["kvs_cuda_malloc"] == ["int32_t", "uint64_t", "uint64_t*"]
+    assert functions["kvs_cuda_free"] == ["int32_t", "uint64_t"]
+    assert functions["kvs_cuda_memcpy_async"] == ["uint64_t"] * 4
     assert set(kernels._CUDA_IPC_ARGTYPES) <= set(functions)
 
 
@@ -228,6 +231,9 @@ IPC_CALLS = (
     " 'stream_wait_ipc_event': lambda: lib.stream_wait_ipc_event(0, 1, bytes(64)),\n"
     " 'host_register': lambda: lib.host_register(1 << 40, 4096),\n"
     " 'mem_get_info': lambda: lib.mem_get_info(0),\n"
+    " 'malloc': lambda: lib.malloc(0, 1 << 20),\n"
+    " 'free': lambda: lib.free(0, 1 << 40),\n"
+    " 'memcpy_async': lambda: lib.memcpy_async(1 << 40, 1 << 41, 4096, 0),\n"
     "}\n"
     "for name, call in calls.items():\n"
     "    try:\n"
@@ -246,7 +252,7 @@ def test_without_a_visible_gpu_every_ipc_call_raises_naming_the_cuda_error(
         check=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120,
     )  # fmt: skip
     results = json.loads(done.stdout)
-    assert len(results) == 8
+    assert len(results) == 11
     for name, result in results.items():
         # cudaErrorNoDevice with a driver, cudaErrorInsufficientDriver without one
         assert re.fullmatch(r"cudaError\w+", result), f"{name} returned {result}"
