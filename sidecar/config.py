@@ -186,6 +186,22 @@ class ServerConfig(_Section):
     )
 
 
+class IpcConfig(_Section):
+    """How ipc mode's copies reach the arena (``kvstrata bench transfer`` measures both)."""
+
+    copy_path: Literal["zero_copy", "staging"] = Field(
+        "zero_copy",
+        description="zero_copy: the kernels read and write the pinned arena over PCIe; "
+        "staging: the kernels use a device buffer, the copy engines move it to the arena",
+    )
+    staging_bytes: ByteSize = Field(
+        256 << 20,
+        ge=1 << 20,
+        description="device memory per GPU for copy_path staging (at least 1Mi); a chunk "
+        "larger than this is copied zero-copy",
+    )
+
+
 class SidecarConfig(_Section):
     """The whole sidecar configuration."""
 
@@ -196,6 +212,7 @@ class SidecarConfig(_Section):
     l2: L2Config = Field(default_factory=L2Config)
     shared: SharedConfig = Field(default_factory=SharedConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    ipc: IpcConfig = Field(default_factory=IpcConfig)
 
     @model_validator(mode="after")
     def _check_tiers(self) -> SidecarConfig:

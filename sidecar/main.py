@@ -171,7 +171,9 @@ def _open_ipc(
     from kvstrata.sidecar.transfer.cuda_device import open_cuda_devices
     from kvstrata.sidecar.transfer.ipc import IpcTransfers
 
-    devices, reason = open_cuda_devices(engine.arena)
+    devices, reason = open_cuda_devices(
+        engine.arena, copy_path=config.ipc.copy_path, staging_bytes=config.ipc.staging_bytes
+    )
     if devices is None:
         # Asked for explicitly, a missing GPU path is worth a warning; under auto
         # (CPU nodes too) host mode is the expected outcome.

@@ -12,7 +12,8 @@ What lives here, per sidecar process::
     CudaDevices (the factory open_cuda_devices returns; IpcTransfers caches its devices)
       ArenaRegistration   the L1 arena page-locked and mapped for every GPU, once
       CudaDevice per UUID device index, one non-blocking stream, the arena's device
-                          address, the IPC allocations it has open (address -> opens)
+                          address, the IPC allocations it has open (address -> opens),
+                          its copy path and, for "staging", its staging buffer
 
 Ordering contract of :class:`CudaDevice` (the ``TransferDevice`` protocol):
 ``gather`` makes the device's stream wait for the peer's interprocess event
@@ -23,6 +24,23 @@ slot or replies to LOAD_BLOCKS, and vLLM's next kernels (queued after that
 reply) see the loaded blocks. Copies of one device are serialised by a lock,
 and closing a handle takes the same lock, so no copy still reads memory that
 is being unmapped.
+
+Two copy paths, chosen per sidecar (``ipc.copy_path``) because which one is
+faster depends on the node (PCIe generation, GPU, how busy its SMs are);
+``kvstrata bench transfer`` measures both:
+
+* ``zero_copy``: the kernel reads and writes the pinned arena itself, over
+  PCIe. One launch per call, no device memory.
+* ``staging``: the kernel moves the KV to or from a buffer in device memory
+  (``staging_bytes``, allocated at the first copy, freed by :meth:`CudaDevice.close`)
+  and the copy engines move each chunk between that buffer and its arena
+  slot (one ``cudaMemcpyAsync`` per chunk). Calls with more chunks than the
+  buffer holds run in batches on the one stream, whose order keeps a batch
+  from reusing the buffer before the previous one left it. The ordering
+  contract above is the same. A call whose single chunk is larger than the
+  buffer runs zero-copy instead, with a warning once per device: the
+  buffer size is a speed setting, and refusing REGISTER_KV over it would
+  send the worker to host mode, slower than either path.
 """
 
 from __future__ import annotations
@@ -31,7 +49,7 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from kvstrata.sidecar.transfer import kernels
 from kvstrata.sidecar.transfer.kernels import KernelError, TransferLibrary
@@ -41,6 +59,24 @@ if TYPE_CHECKING:
     from kvstrata.sidecar.transfer.plan import CopyPlan
 
 logger = logging.getLogger(__name__)
+
+CopyPath = Literal["zero_copy", "staging"]
+COPY_PATHS: tuple[CopyPath, ...] = ("zero_copy", "staging")
+DEFAULT_STAGING_BYTES = 256 << 20
+
+# Each staged chunk starts on a 256-byte boundary, so a chunk size that is not a
+# multiple of 16 does not push the kernel's accesses of every later chunk below
+# 16 bytes (the width is chosen once per launch from every address).
+_STAGING_ALIGN = 256
+
+
+def check_copy_path(copy_path: str, staging_bytes: int) -> None:
+    """ValueError naming the argument unless ``copy_path`` is one of
+    :data:`COPY_PATHS` and ``staging_bytes`` is >= 1."""
+    if copy_path not in COPY_PATHS:
+        raise ValueError(f"copy_path must be one of {', '.join(COPY_PATHS)}, not {copy_path!r}")
+    if not isinstance(staging_bytes, int) or staging_bytes < 1:
+        raise ValueError(f"staging_bytes must be an int >= 1, not {staging_bytes!r}")
 
 
 class CudaDeviceError(OSError):
@@ -57,6 +93,10 @@ class CudaDeviceError(OSError):
 
 def _failed(what: str, exc: KernelError) -> CudaDeviceError:
     return CudaDeviceError(f"{what}: {exc}", exc.name)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _STAGING_ALIGN) * _STAGING_ALIGN
 
 
 class ArenaRegistration:
@@ -110,9 +150,13 @@ class CudaDevice:
     process (:class:`CudaDevices` passes it); without one, the device
     registers the arena itself and unregisters it in :meth:`close`.
     ``max_ctas`` caps the thread blocks of a copy (0: fill the GPU).
+    ``copy_path`` and ``staging_bytes``: how copies reach the arena (see
+    the module docstring); ``fallbacks`` counts the staging calls that ran
+    zero-copy because one chunk did not fit the buffer.
 
-    Raises :class:`CudaDeviceError` when the UUID is malformed, no visible
-    device has it, or the stream or the arena mapping cannot be made.
+    Raises ValueError for a copy path or staging size :func:`check_copy_path`
+    refuses, and :class:`CudaDeviceError` when the UUID is malformed, no
+    visible device has it, or the stream or the arena mapping cannot be made.
     """
 
     def __init__(
@@ -122,9 +166,16 @@ class CudaDevice:
         arena: Arena,
         registration: ArenaRegistration | None = None,
         max_ctas: int = 0,
+        copy_path: CopyPath = "zero_copy",
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
     ) -> None:
+        check_copy_path(copy_path, staging_bytes)
         self.uuid = uuid
         self.max_ctas = max_ctas
+        self.copy_path = copy_path
+        self.staging_bytes = staging_bytes
+        self.fallbacks = 0
+        self._staging = 0  # device address of the staging buffer; 0 until the first copy
         self._lib = lib
         self._lock = threading.Lock()
         self._opened: Counter[int] = Counter()  # IPC allocations: address -> opens
@@ -155,7 +206,7 @@ class CudaDevice:
             raise
 
     def __repr__(self) -> str:
-        return f"CudaDevice({self.uuid!r}, index={self.index})"
+        return f"CudaDevice({self.uuid!r}, index={self.index}, copy_path={self.copy_path!r})"
 
     # -- TransferDevice -------------------------------------------------------
 
@@ -199,18 +250,28 @@ class CudaDevice:
         blocks_per_chunk: int,
         after_event: bytes | None,
     ) -> None:
-        """Paged KV -> arena chunks, after the peer's event; done when it returns."""
+        """Paged KV -> arena chunks, after the peer's event; done when it returns.
+
+        Raises ValueError for inputs the kernels' binding refuses and
+        :class:`CudaDeviceError` naming the CUDA error of a failed step.
+        """
         with self._lock:
             self._check_open()
             try:
                 self._lib.set_device(self.index)
                 if after_event is not None:
                     self._lib.stream_wait_ipc_event(self.index, self.stream, after_event)
-                self._lib.gather(
-                    plan, block_ids, chunk_addresses, blocks_per_chunk,
-                    stream=self.stream, max_ctas=self.max_ctas,
-                )  # fmt: skip
-                self._lib.synchronize(self.stream)
+                batch = self._batch_chunks(plan, blocks_per_chunk)
+                if batch:
+                    self._staged(
+                        "gather", batch, plan, block_ids, chunk_addresses, blocks_per_chunk
+                    )
+                else:
+                    self._lib.gather(
+                        plan, block_ids, chunk_addresses, blocks_per_chunk,
+                        stream=self.stream, max_ctas=self.max_ctas,
+                    )  # fmt: skip
+                    self._lib.synchronize(self.stream)
             except KernelError as exc:
                 raise _failed(f"gather on device {self.index}", exc) from None
 
@@ -221,18 +282,100 @@ class CudaDevice:
         chunk_addresses: Sequence[int],
         blocks_per_chunk: int,
     ) -> None:
-        """Arena chunks -> paged KV; done when it returns."""
+        """Arena chunks -> paged KV; done when it returns (errors as :meth:`gather`)."""
         with self._lock:
             self._check_open()
             try:
                 self._lib.set_device(self.index)
-                self._lib.scatter(
-                    plan, block_ids, chunk_addresses, blocks_per_chunk,
-                    stream=self.stream, max_ctas=self.max_ctas,
-                )  # fmt: skip
-                self._lib.synchronize(self.stream)
+                batch = self._batch_chunks(plan, blocks_per_chunk)
+                if batch:
+                    self._staged(
+                        "scatter", batch, plan, block_ids, chunk_addresses, blocks_per_chunk
+                    )
+                else:
+                    self._lib.scatter(
+                        plan, block_ids, chunk_addresses, blocks_per_chunk,
+                        stream=self.stream, max_ctas=self.max_ctas,
+                    )  # fmt: skip
+                    self._lib.synchronize(self.stream)
             except KernelError as exc:
                 raise _failed(f"scatter on device {self.index}", exc) from None
+
+    # -- the staging path (under self._lock) ----------------------------------
+
+    def _batch_chunks(self, plan: CopyPlan, blocks_per_chunk: int) -> int:
+        """Chunks per staged batch; 0 to copy zero-copy (the path, or a chunk too big)."""
+        if self.copy_path != "staging":
+            return 0
+        nbytes = plan.chunk_nbytes(blocks_per_chunk)
+        if nbytes > self.staging_bytes:
+            if self.fallbacks == 0:
+                logger.warning(
+                    "device %d: a chunk of %d bytes exceeds ipc.staging_bytes (%d); "
+                    "such copies run zero-copy",
+                    self.index, nbytes, self.staging_bytes,
+                )  # fmt: skip
+            self.fallbacks += 1
+            return 0
+        # The last chunk of a batch need not be followed by alignment padding.
+        return (self.staging_bytes - nbytes) // _aligned(nbytes) + 1
+
+    def _staged(
+        self,
+        kind: Literal["gather", "scatter"],
+        batch: int,
+        plan: CopyPlan,
+        block_ids: Sequence[int],
+        chunk_addresses: Sequence[int],
+        blocks_per_chunk: int,
+    ) -> None:
+        """The copy through the staging buffer, ``batch`` chunks at a time; synchronised
+        on return."""
+        per_chunk = blocks_per_chunk
+        if len(block_ids) != len(chunk_addresses) * per_chunk:
+            # Checked here, not only by the binding: batches slice both lists by it.
+            raise ValueError(
+                f"{len(block_ids)} block ids for {len(chunk_addresses)} chunks of "
+                f"{per_chunk} blocks (expected {len(chunk_addresses) * per_chunk})"
+            )
+        nbytes = plan.chunk_nbytes(per_chunk)
+        stride = _aligned(nbytes)
+        staging = self._staging_buffer()
+        copy = self._lib.gather if kind == "gather" else self._lib.scatter
+        try:
+            for first in range(0, len(chunk_addresses), batch):
+                arena = list(chunk_addresses[first : first + batch])
+                ids = list(block_ids[first * per_chunk : (first + len(arena)) * per_chunk])
+                staged = [staging + i * stride for i in range(len(arena))]
+                for i, (stage, slot) in enumerate(zip(staged, arena, strict=True)):
+                    # A skipped position (negative id) keeps the arena's bytes in a
+                    # gather, as zero-copy does: fetch them so the copy back returns them.
+                    skips = any(b < 0 for b in ids[i * per_chunk : (i + 1) * per_chunk])
+                    if kind == "scatter" or skips:
+                        self._lib.memcpy_async(stage, slot, nbytes, self.stream)
+                copy(plan, ids, staged, per_chunk, stream=self.stream, max_ctas=self.max_ctas)
+                if kind == "gather":
+                    for stage, slot in zip(staged, arena, strict=True):
+                        self._lib.memcpy_async(slot, stage, nbytes, self.stream)
+        finally:
+            # Also when a later batch is refused: nothing queued may outlive the call
+            # (the caller frees the slots of a failed save).
+            self._lib.synchronize(self.stream)
+
+    def _staging_buffer(self) -> int:
+        if not self._staging:
+            try:
+                self._staging = self._lib.malloc(self.index, self.staging_bytes)
+            except KernelError as exc:
+                raise _failed(
+                    f"allocating the {self.staging_bytes}-byte staging buffer on device "
+                    f"{self.index} (ipc.staging_bytes)",
+                    exc,
+                ) from None
+            logger.info(
+                "device %d: %d-byte staging buffer allocated", self.index, self.staging_bytes
+            )
+        return self._staging
 
     def arena_address(self, offset: int) -> int:
         """The address this device's kernels use for arena byte ``offset``."""
@@ -249,8 +392,9 @@ class CudaDevice:
             return sum(self._opened.values())
 
     def close(self) -> None:
-        """Close what is still open, destroy the stream and, if this device registered
-        the arena itself, unregister it. Idempotent; errors are logged, not raised."""
+        """Close what is still open, free the staging buffer, destroy the stream and,
+        if this device registered the arena itself, unregister it. Idempotent; errors
+        are logged, not raised."""
         with self._lock:
             if self._closed:
                 return
@@ -264,6 +408,9 @@ class CudaDevice:
             for address in leftover:
                 self._quietly("cudaIpcCloseMemHandle", self._lib.ipc_close, self.index, address)
             self._quietly("cudaStreamSynchronize", self._lib.synchronize, self.stream)
+            if self._staging:
+                self._quietly("cudaFree", self._lib.free, self.index, self._staging)
+                self._staging = 0
             self._quietly("cudaStreamDestroy", self._lib.stream_destroy, self.index, self.stream)
         if self._own_registration:
             self.registration.close()
@@ -285,21 +432,39 @@ class CudaDevices:
     Every device shares one :class:`ArenaRegistration`. :meth:`close`
     closes every device opened through it, then unregisters the arena:
     call it before the arena is unmapped (before the engine closes).
+    ``copy_path`` / ``staging_bytes`` apply to every device (ValueError, before
+    anything is registered, for values :func:`check_copy_path` refuses).
     """
 
-    def __init__(self, lib: TransferLibrary, arena: Arena, max_ctas: int = 0) -> None:
+    def __init__(
+        self,
+        lib: TransferLibrary,
+        arena: Arena,
+        max_ctas: int = 0,
+        copy_path: CopyPath = "zero_copy",
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+    ) -> None:
+        check_copy_path(copy_path, staging_bytes)
         self._lib = lib
         self._arena = arena
         self.max_ctas = max_ctas
+        self.copy_path = copy_path
+        self.staging_bytes = staging_bytes
         self.registration = ArenaRegistration(lib, arena)
         self._devices: list[CudaDevice] = []
         self._lock = threading.Lock()
 
     def __call__(self, uuid: str) -> CudaDevice:
-        device = CudaDevice(self._lib, uuid, self._arena, self.registration, self.max_ctas)
+        device = CudaDevice(
+            self._lib, uuid, self._arena, self.registration, self.max_ctas,
+            self.copy_path, self.staging_bytes,
+        )  # fmt: skip
         with self._lock:
             self._devices.append(device)
-        logger.info("GPU %s is device %d here; arena mapped for it", uuid, device.index)
+        logger.info(
+            "GPU %s is device %d here; arena mapped for it; copy path %s",
+            uuid, device.index, self.copy_path,
+        )  # fmt: skip
         return device
 
     def close(self) -> None:
@@ -310,18 +475,26 @@ class CudaDevices:
         self.registration.close()
 
 
-def open_cuda_devices(arena: Arena, max_ctas: int = 0) -> tuple[CudaDevices | None, str]:
+def open_cuda_devices(
+    arena: Arena,
+    max_ctas: int = 0,
+    copy_path: CopyPath = "zero_copy",
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+) -> tuple[CudaDevices | None, str]:
     """The GPU factory for ipc mode, or None and why this sidecar cannot serve it.
 
     The reason names what is missing: the CUDA library (not built, disabled
     by ``KVSTRATA_CUDA_KERNELS=0``), a driver, a visible device, or the
     arena's registration. On success the arena is registered with CUDA
-    before this returns, and the reason is "".
+    before this returns, and the reason is "". Every device copies by
+    ``copy_path`` (``staging``: through ``staging_bytes`` of device memory
+    each); ValueError for values :func:`check_copy_path` refuses.
     """
+    check_copy_path(copy_path, staging_bytes)
     lib = kernels.load_cuda()
     if lib is None:
         return None, f"CUDA kernels unavailable: {kernels.cuda_unavailable_reason()}"
     try:
-        return CudaDevices(lib, arena, max_ctas), ""
+        return CudaDevices(lib, arena, max_ctas, copy_path, staging_bytes), ""
     except CudaDeviceError as exc:
         return None, str(exc)

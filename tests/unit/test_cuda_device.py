@@ -2,14 +2,16 @@
 
 The CUDA library is replaced by :class:`RecordingCuda`, a stand-in that
 records every runtime call (device, stream, order) and runs the copies with
-the host build of the csrc kernels, so the bytes a CudaDevice moves are real
-and the order of its calls (event wait, copy, synchronise) is checked. UUID
+the host build of the csrc kernels, and "device memory" (the staging buffer)
+with host tensors and memmove, so the bytes a CudaDevice moves are real and
+the order of its calls (event wait, copy, synchronise) is checked. UUID
 parsing runs in the real libraries. What only a GPU shows (CUDA IPC,
 events, pinned mappings) is in tests/gpu/test_selftest_gpu.py.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -24,7 +26,7 @@ import torch
 
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.arena import Arena
-from kvstrata.sidecar.config import config_from_dict
+from kvstrata.sidecar.config import ConfigError, config_from_dict
 from kvstrata.sidecar.engine import StorageManager
 from kvstrata.sidecar.keys import ChunkKey, Namespace
 from kvstrata.sidecar.transfer import csrc_build, kernels
@@ -42,6 +44,8 @@ from kvstrata.testing.kvlayouts import vllm_layers
 GPU0 = "GPU-0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9"
 GPU1 = "GPU-11111111-2222-3333-4444-555555555555"
 ARENA_DELTA = 1 << 44  # the stand-in maps the arena at host address + this for "kernels"
+DEVICE_DELTA = 1 << 45  # and "device memory" at the host address of a tensor + this
+GARBAGE = 0x5C  # what fresh "device memory" holds
 
 
 class RecordingCuda:
@@ -64,6 +68,7 @@ class RecordingCuda:
         self.exports: dict[bytes, torch.Tensor] = {}
         self.open: dict[int, int] = {}
         self.arena_range = (0, 0)
+        self.allocations: dict[int, torch.Tensor] = {}  # device address -> host tensor
 
     def _fail(self, fn: str, name: str) -> KernelError:
         return KernelError(fn, 1, name, "stand-in failure")
@@ -115,18 +120,48 @@ class RecordingCuda:
         self.calls.append(("host_unregister",))
         self.registered.remove(address)
 
-    def _to_host(self, addresses: list[int]) -> list[int]:
+    def malloc(self, device: int, nbytes: int) -> int:
+        self.calls.append(("malloc", device, nbytes))
+        memory = torch.full((nbytes,), GARBAGE, dtype=torch.uint8)
+        address = memory.data_ptr() + DEVICE_DELTA
+        self.allocations[address] = memory
+        return address
+
+    def free(self, device: int, address: int) -> None:
+        self.calls.append(("free", device, address))
+        del self.allocations[address]
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self.calls.append(("memcpy", self.where(dst), self.where(src), nbytes, stream))
+        ctypes.memmove(self._host(dst, nbytes), self._host(src, nbytes), nbytes)
+
+    def where(self, address: int) -> str:
+        """``arena`` or ``device`` (a staging buffer) for a device address."""
+        return "arena" if self.arena_range[0] <= address < self.arena_range[1] else "device"
+
+    def _host(self, address: int, nbytes: int) -> int:
+        """The host address behind ``nbytes`` at a device address (arena or allocation)."""
         low, high = self.arena_range
-        assert all(low <= a < high for a in addresses), "chunk addresses must be device addresses"
-        return [a - ARENA_DELTA for a in addresses]
+        if low <= address and address + nbytes <= high:
+            return address - ARENA_DELTA
+        for base, memory in self.allocations.items():
+            if base <= address and address + nbytes <= base + memory.numel():
+                return address - DEVICE_DELTA
+        raise AssertionError(f"{nbytes} bytes at {address:#x} are no device memory of this GPU")
+
+    def _to_host(self, addresses: list[int], nbytes: int) -> list[int]:
+        return [self._host(a, nbytes) for a in addresses]
 
     def gather(self, plan: CopyPlan, ids: Any, chunks: Any, per_chunk: int, **kw: Any) -> None:
-        self.calls.append(("gather", self.current, kw["stream"]))
-        self.host.gather(plan, ids, self._to_host(list(chunks)), per_chunk)
+        chunks = list(chunks)
+        self.calls.append(("gather", self.current, kw["stream"], [self.where(c) for c in chunks]))
+        self.host.gather(plan, ids, self._to_host(chunks, plan.chunk_nbytes(per_chunk)), per_chunk)
 
     def scatter(self, plan: CopyPlan, ids: Any, chunks: Any, per_chunk: int, **kw: Any) -> None:
-        self.calls.append(("scatter", self.current, kw["stream"]))
-        self.host.scatter(plan, ids, self._to_host(list(chunks)), per_chunk)
+        chunks = list(chunks)
+        self.calls.append(("scatter", self.current, kw["stream"], [self.where(c) for c in chunks]))
+        host = self._to_host(chunks, plan.chunk_nbytes(per_chunk))
+        self.host.scatter(plan, ids, host, per_chunk)
 
     def synchronize(self, stream: int) -> None:
         self.calls.append(("synchronize", stream))
@@ -259,7 +294,7 @@ def test_gather_waits_for_the_peer_event_on_its_stream_before_copying_and_syncs_
     assert lib.calls == [
         ("set_device", 1),
         ("wait_event", 1, device.stream, event),
-        ("gather", 1, device.stream),
+        ("gather", 1, device.stream, ["arena"]),
         ("synchronize", device.stream),
     ]
     got = torch.frombuffer(arena.buffer, dtype=torch.uint8)[64 : 64 + plan.chunk_nbytes(2)]
@@ -327,6 +362,267 @@ def test_a_handle_opened_twice_must_be_closed_twice_and_close_releases_what_is_l
         device.open_memory(handle)
     device.close()  # a second close does nothing
     assert names(lib.calls).count("stream_destroy") == 1
+
+
+# -- the staging copy path ----------------------------------------------------------
+
+CHUNK_2 = 49152  # plan.chunk_nbytes(2) of vllm_layers' default shape
+TWO_CHUNKS = 2 * CHUNK_2 + 1000  # a staging buffer that holds two such chunks, not three
+
+
+def staging_pair(
+    lib: RecordingCuda, arena: Arena, staging_bytes: int = TWO_CHUNKS
+) -> tuple[CudaDevice, CudaDevice]:
+    """A zero-copy device and a staging device (another GPU) over one arena registration."""
+    zero = CudaDevice(lib, GPU0, arena)  # type: ignore[arg-type]
+    staged = CudaDevice(
+        lib, GPU1, arena, zero.registration, copy_path="staging",  # type: ignore[arg-type]
+        staging_bytes=staging_bytes,
+    )  # fmt: skip
+    return zero, staged
+
+
+def arena_bytes(arena: Arena, offset: int, nbytes: int) -> torch.Tensor:
+    return torch.frombuffer(arena.buffer, dtype=torch.uint8)[offset : offset + nbytes].clone()
+
+
+def plan_of(layout: str, seed: int) -> tuple[Any, CopyPlan]:
+    case = vllm_layers(layout, seed=seed)
+    plan = plan_from_geometry([TensorGeometry.of(t) for t in case.layers.values()], 0).coalesced()
+    assert plan.chunk_nbytes(2) == CHUNK_2
+    return case, plan
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
+def test_a_staged_gather_larger_than_the_buffer_runs_in_batches_and_matches_zero_copy(
+    arena: Arena, layout: str
+) -> None:
+    lib = RecordingCuda({GPU0: 0, GPU1: 1})
+    zero, staged = staging_pair(lib, arena)
+    case, plan = plan_of(layout, seed=5)
+    # Five chunks, one with a skipped position: its arena bytes must come through unchanged.
+    ids = [3, 7, 0, 11, -1, 5, 2, 2, 9, 1]
+    region = 5 * CHUNK_2
+    torch.frombuffer(arena.buffer, dtype=torch.uint8)[: 2 * region] = chunkref.POISON
+    lib.calls.clear()
+
+    zero.gather(plan, ids, [zero.arena_address(i * CHUNK_2) for i in range(5)], 2, None)
+    staged.gather(
+        plan, ids, [staged.arena_address(region + i * CHUNK_2) for i in range(5)], 2, None
+    )
+
+    assert torch.equal(arena_bytes(arena, region, region), arena_bytes(arena, 0, region))
+    assert torch.equal(
+        arena_bytes(arena, region + 2 * CHUNK_2, CHUNK_2),
+        chunkref.chunk_bytes(case, [-1, 5], chunkref.POISON),
+    )
+    staged_calls = lib.calls[names(lib.calls).index("malloc") :]
+    kernels_run = [c for c in staged_calls if c[0] == "gather"]
+    assert [len(c[3]) for c in kernels_run] == [2, 2, 1]  # 5 chunks, 2 per batch
+    assert all(c[3] == ["device"] * len(c[3]) for c in kernels_run)
+    back = [c for c in staged_calls if c[0] == "memcpy" and c[1:3] == ("arena", "device")]
+    fetched = [c for c in staged_calls if c[0] == "memcpy" and c[1:3] == ("device", "arena")]
+    assert len(back) == 5 and all(c[3] == CHUNK_2 for c in back)
+    assert len(fetched) == 1  # only the chunk with a skipped position
+    assert names(staged_calls).count("synchronize") == 1
+    assert names(staged_calls)[-1] == "synchronize"
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
+def test_a_staged_scatter_larger_than_the_buffer_writes_the_same_kv_as_zero_copy(
+    arena: Arena, layout: str
+) -> None:
+    lib = RecordingCuda({GPU0: 0, GPU1: 1})
+    zero, staged = staging_pair(lib, arena)
+    case_zero, plan_zero = plan_of(layout, seed=6)
+    case_staged, plan_staged = plan_of(layout, seed=6)
+    chunks = torch.randint(0, 256, (5 * CHUNK_2,), dtype=torch.uint8, generator=torch.Generator())
+    torch.frombuffer(arena.buffer, dtype=torch.uint8)[: chunks.numel()] = chunks
+    ids = [4, -1, 8, 10, 0, 1, -1, 6, 3, 2]
+    addresses = [staged.arena_address(i * CHUNK_2) for i in range(5)]
+    lib.calls.clear()
+
+    zero.scatter(plan_zero, ids, addresses, 2)
+    staged.scatter(plan_staged, ids, addresses, 2)
+
+    written_zero = chunkref.storage_bytes(list(case_zero.layers.values()))
+    written_staged = chunkref.storage_bytes(list(case_staged.layers.values()))
+    for a, b in zip(written_zero, written_staged, strict=True):  # bytes: random bf16 has NaNs
+        assert torch.equal(a, b)
+    for c, pair in ((1, [8, 10]), (2, [0, 1]), (4, [3, 2])):  # the chunks with no skip
+        written = chunkref.chunk_bytes(case_staged, pair, 0)
+        assert torch.equal(written, chunks[c * CHUNK_2 : (c + 1) * CHUNK_2])
+    staged_calls = lib.calls[names(lib.calls).index("malloc") :]
+    fetched = [c for c in staged_calls if c[0] == "memcpy"]
+    assert [c[1:3] for c in fetched] == [("device", "arena")] * 5
+    kernels_run = [c for c in staged_calls if c[0] == "scatter"]
+    assert [len(c[3]) for c in kernels_run] == [2, 2, 1]
+    assert names(staged_calls)[-1] == "synchronize"
+
+
+def test_a_staged_gather_waits_for_the_peer_event_before_its_first_copy(arena: Arena) -> None:
+    lib = RecordingCuda({GPU0: 0, GPU1: 1})
+    _, staged = staging_pair(lib, arena)
+    _, plan = plan_of("LBNHC", seed=7)
+    event = b"\x33" * 64
+    lib.calls.clear()
+
+    staged.gather(plan, [1, 2, 3, 4, 5, 6], [staged.arena_address(0)] * 3, 2, event)
+
+    order = names(lib.calls)
+    assert order[:2] == ["set_device", "wait_event"]
+    assert order.index("wait_event") < order.index("gather") < order.index("memcpy")
+    assert order[-1] == "synchronize"
+    assert all(c[1] == 1 for c in lib.calls if c[0] == "gather")  # on the staging device
+
+
+def test_the_staging_buffer_is_allocated_once_at_the_first_copy_and_freed_at_close(
+    arena: Arena,
+) -> None:
+    lib = RecordingCuda({GPU0: 0, GPU1: 1})
+    zero, staged = staging_pair(lib, arena)
+    _, plan = plan_of("LBNHC", seed=8)
+    assert "malloc" not in names(lib.calls)  # nothing allocated for a device that never copies
+
+    staged.gather(plan, [1, 2], [staged.arena_address(0)], 2, None)
+    staged.scatter(plan, [3, 4], [staged.arena_address(0)], 2)
+    zero.gather(plan, [1, 2], [zero.arena_address(0)], 2, None)
+
+    assert [c for c in lib.calls if c[0] == "malloc"] == [("malloc", 1, TWO_CHUNKS)]
+    address = next(iter(lib.allocations))
+    lib.calls.clear()
+    staged.close()
+    zero.close()
+    assert lib.allocations == {}
+    order = names(lib.calls)
+    assert order.count("free") == 1 and ("free", 1, address) in lib.calls
+    assert order.index("synchronize") < order.index("free") < order.index("stream_destroy")
+
+
+def test_a_chunk_larger_than_the_staging_buffer_is_copied_zero_copy_and_counted(
+    arena: Arena, caplog: pytest.LogCaptureFixture
+) -> None:
+    lib = RecordingCuda({GPU0: 0, GPU1: 1})
+    _, staged = staging_pair(lib, arena, staging_bytes=CHUNK_2 - 1)
+    case, plan = plan_of("LBNHC", seed=9)
+    lib.calls.clear()
+
+    staged.gather(plan, [5, 6], [staged.arena_address(0)], 2, None)
+    staged.gather(plan, [7, 8], [staged.arena_address(CHUNK_2)], 2, None)
+
+    assert "malloc" not in names(lib.calls) and "memcpy" not in names(lib.calls)
+    assert [c[3] for c in lib.calls if c[0] == "gather"] == [["arena"], ["arena"]]
+    assert staged.fallbacks == 2
+    assert caplog.text.count("exceeds ipc.staging_bytes") == 1  # warned once per device
+    assert torch.equal(arena_bytes(arena, 0, CHUNK_2), chunkref.chunk_bytes(case, [5, 6], 0))
+
+
+def test_a_staged_copy_with_mismatched_block_ids_is_refused_before_anything_runs(
+    arena: Arena,
+) -> None:
+    lib = RecordingCuda({GPU0: 0, GPU1: 1})
+    _, staged = staging_pair(lib, arena)
+    _, plan = plan_of("LBNHC", seed=10)
+    lib.calls.clear()
+    with pytest.raises(ValueError, match="3 block ids for 2 chunks of 2 blocks"):
+        staged.scatter(plan, [1, 2, 3], [staged.arena_address(0)] * 2, 2)
+    assert not {"gather", "scatter", "memcpy"} & set(names(lib.calls))
+
+
+def test_a_staging_buffer_the_gpu_cannot_allocate_is_an_os_error_naming_the_setting(
+    arena: Arena,
+) -> None:
+    lib = RecordingCuda({GPU0: 0, GPU1: 1})
+    _, staged = staging_pair(lib, arena)
+    _, plan = plan_of("LBNHC", seed=11)
+
+    def full(device: int, nbytes: int) -> int:
+        raise KernelError("kvs_cuda_malloc", 2, "cudaErrorMemoryAllocation", "out of memory")
+
+    lib.malloc = full  # type: ignore[method-assign]
+    with pytest.raises(CudaDeviceError, match=r"ipc\.staging_bytes.*cudaErrorMemoryAllocation"):
+        staged.gather(plan, [1, 2], [staged.arena_address(0)], 2, None)
+
+
+@pytest.mark.parametrize(
+    ("copy_path", "staging_bytes", "refused"),
+    [("dma", 1 << 20, "copy_path"), ("staging", 0, "staging_bytes")],
+)
+def test_a_device_refuses_an_unknown_copy_path_or_an_empty_staging_buffer(
+    arena: Arena, copy_path: str, staging_bytes: int, refused: str
+) -> None:
+    lib = RecordingCuda({GPU0: 0})
+    with pytest.raises(ValueError, match=refused):
+        CudaDevice(
+            lib, GPU0, arena, copy_path=copy_path, staging_bytes=staging_bytes,  # type: ignore[arg-type]
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=refused):
+        CudaDevices(lib, arena, 0, copy_path, staging_bytes)  # type: ignore[arg-type]
+    assert lib.registered == set()
+
+
+def test_the_factory_gives_every_device_its_copy_path(arena: Arena) -> None:
+    lib = RecordingCuda({GPU0: 0, GPU1: 1})
+    devices = CudaDevices(lib, arena, copy_path="staging", staging_bytes=4 << 20)  # type: ignore[arg-type]
+    try:
+        for device in (devices(GPU0), devices(GPU1)):
+            assert (device.copy_path, device.staging_bytes) == ("staging", 4 << 20)
+    finally:
+        devices.close()
+
+
+# -- the copy path in the sidecar's config ------------------------------------------
+
+
+def test_the_ipc_copy_path_defaults_to_zero_copy_with_a_256mi_staging_buffer() -> None:
+    config = config_from_dict({})
+    assert config.ipc.copy_path == "zero_copy"
+    assert config.ipc.staging_bytes == 256 << 20
+    assert config_from_dict({"ipc": {"copy_path": "staging", "staging_bytes": "64Mi"}}).ipc == (
+        type(config.ipc)(copy_path="staging", staging_bytes=64 << 20)
+    )
+
+
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [
+        ({"copy_path": "dma"}, "ipc.copy_path"),
+        ({"staging_bytes": "512k"}, "ipc.staging_bytes"),
+        ({"staging_bytes": "lots"}, "ipc.staging_bytes"),
+        ({"stage_bytes": "1Mi"}, "ipc.stage_bytes"),
+    ],
+)
+def test_a_bad_ipc_section_is_refused_naming_the_field(section: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        config_from_dict({"ipc": section})
+
+
+def test_the_sidecar_opens_its_gpus_with_the_configured_copy_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvstrata.sidecar import main
+    from kvstrata.sidecar.transfer import cuda_device
+
+    asked: dict[str, Any] = {}
+
+    def fake_open(arena: Arena, **kwargs: Any) -> tuple[None, str]:
+        asked.update(kwargs)
+        return None, "no GPU in this test"
+
+    monkeypatch.setattr(cuda_device, "open_cuda_devices", fake_open)
+    config = config_from_dict(
+        {
+            "l1": {"size_bytes": "1Mi", "pin_memory": False},
+            "l2": {"path": str(tmp_path / "l2"), "size_bytes": "1Mi"},
+            "ipc": {"copy_path": "staging", "staging_bytes": "32Mi"},
+        }
+    )
+    engine = StorageManager(config)
+    try:
+        assert main._open_ipc(config, engine) == (None, None, "no GPU in this test")
+    finally:
+        engine.close()
+    assert asked == {"copy_path": "staging", "staging_bytes": 32 << 20}
 
 
 # -- through IpcTransfers, the sidecar's ipc ops ------------------------------------
