@@ -9,8 +9,9 @@ never hangs. The connector only decides what to load and store.
 Connection life cycle (all inside calls, nothing in the background):
 
 * lazily on the first call: HELLO, then ``mmap`` of ``/dev/shm/<arena>``;
-* a reply ``no_session`` (the sidecar restarted or reaped us) makes the
-  client say HELLO again, re-map the arena and bump :attr:`epoch`; ops whose
+* a reply ``no_session`` (the sidecar restarted or reaped us), or a sidecar
+  that cannot be reached, drops the session and unmaps its arena; the
+  client says HELLO again, maps the arena it names and bumps :attr:`epoch`; ops whose
   arguments do not refer to leases (LOOKUP, PREPARE_*, PING, STATS) are
   then retried once within the same deadline;
 * while the sidecar cannot be reached, HELLO attempts back off
@@ -462,8 +463,15 @@ class SidecarClient:
         self._backoff_s = min(BACKOFF_MAX_S, self._backoff_s * 2)
 
     def _lost_session(self) -> None:
+        """The session is gone (sidecar down, restarted or reaping us): so is the
+        arena it named. Unmap it now rather than at the next HELLO, so a
+        restarted sidecar finds the old segment's memory free in ``/dev/shm``
+        (a copy still running on a view of it keeps it mapped until it ends)."""
         self._session_id = ""
         self._connected = False
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
 
     def _socket(self) -> zmq.Socket[Any]:
         if self._sock is None:

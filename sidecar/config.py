@@ -105,7 +105,14 @@ class L1Config(_Section):
         True, description="within one prefix chain, evict the tail before the head"
     )
     shm_name: str | None = Field(
-        None, description="shared-memory segment name; generated when unset"
+        None,
+        description="shared-memory segment name; generated under a prefix owned by "
+        "server.endpoint when unset (stale segments of that prefix are removed at start)",
+    )
+    fit_to_shm: bool = Field(
+        False,
+        description="when /dev/shm has less room than size_bytes, shrink the arena to fit "
+        "(leaving 10% to others) instead of refusing to start",
     )
     pin_memory: bool = Field(True, description="register the arena as pinned when CUDA is present")
 

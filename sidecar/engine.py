@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from kvstrata.sidecar.arena import Arena
+from kvstrata.sidecar.arena import Arena, owner_prefix
 from kvstrata.sidecar.config import SidecarConfig
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.l1 import READY, Entry, L1Store
@@ -87,7 +87,13 @@ class StorageManager:
 
     def __init__(self, config: SidecarConfig, shared_tier: Tier | None = None) -> None:
         self.config = config
-        self.arena = Arena(config.l1.size_bytes, config.l1.shm_name, config.l1.pin_memory)
+        self.arena = Arena(
+            config.l1.size_bytes,
+            config.l1.shm_name,
+            config.l1.pin_memory,
+            prefix=owner_prefix(config.server.endpoint),
+            fit_to_shm=config.l1.fit_to_shm,
+        )
         self._buf = self.arena.buffer
         self._store = L1Store(self.arena.size, config.l1.policy, config.l1.prefix_aware)
         self._lock = threading.Lock()
