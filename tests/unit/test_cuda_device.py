@@ -597,34 +597,6 @@ def test_a_bad_ipc_section_is_refused_naming_the_field(section: dict[str, Any], 
         config_from_dict({"ipc": section})
 
 
-def test_the_sidecar_opens_its_gpus_with_the_configured_copy_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from kvstrata.sidecar import main
-    from kvstrata.sidecar.transfer import cuda_device
-
-    asked: dict[str, Any] = {}
-
-    def fake_open(arena: Arena, **kwargs: Any) -> tuple[None, str]:
-        asked.update(kwargs)
-        return None, "no GPU in this test"
-
-    monkeypatch.setattr(cuda_device, "open_cuda_devices", fake_open)
-    config = config_from_dict(
-        {
-            "l1": {"size_bytes": "1Mi", "pin_memory": False},
-            "l2": {"path": str(tmp_path / "l2"), "size_bytes": "1Mi"},
-            "ipc": {"copy_path": "staging", "staging_bytes": "32Mi"},
-        }
-    )
-    engine = StorageManager(config)
-    try:
-        assert main._open_ipc(config, engine) == (None, None, "no GPU in this test")
-    finally:
-        engine.close()
-    assert asked == {"copy_path": "staging", "staging_bytes": 32 << 20}
-
-
 # -- through IpcTransfers, the sidecar's ipc ops ------------------------------------
 
 NAMESPACE = Namespace(model="cuda-device-test", block_size=16, chunk_size=32)

@@ -38,14 +38,14 @@ def config_with(mode: str) -> Any:
     return config_from_dict({"transfer_mode": mode})
 
 
-def no_gpu(arena: Any) -> tuple[None, str]:
+def no_gpu(arena: Any, **_: Any) -> tuple[None, str]:
     return None, "CUDA kernels unavailable: no CUDA device (test)"
 
 
 def test_transfer_mode_host_never_opens_a_gpu(
     engine: StorageManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def must_not_be_called(arena: Any) -> Any:
+    def must_not_be_called(arena: Any, **_: Any) -> Any:
         raise AssertionError("host mode opened the GPU")
 
     monkeypatch.setattr(cuda_device, "open_cuda_devices", must_not_be_called)
@@ -78,7 +78,7 @@ def test_with_a_gpu_the_sidecar_serves_ipc_through_the_factory(
     factory = object()
     seen: list[Any] = []
 
-    def with_gpu(arena: Any) -> tuple[Any, str]:
+    def with_gpu(arena: Any, **_: Any) -> tuple[Any, str]:
         seen.append(arena)
         return factory, ""
 
@@ -88,3 +88,18 @@ def test_with_a_gpu_the_sidecar_serves_ipc_through_the_factory(
     assert isinstance(ipc, IpcTransfers)
     assert seen == [engine.arena]
     assert reason == ""
+
+
+def test_the_gpus_are_opened_with_the_configured_copy_path_and_staging_size(
+    engine: StorageManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[dict[str, Any]] = []
+
+    def staging(arena: Any, **kwargs: Any) -> tuple[None, str]:
+        asked.append(kwargs)
+        return None, "no GPU (test)"
+
+    monkeypatch.setattr(cuda_device, "open_cuda_devices", staging)
+    config = config_from_dict({"ipc": {"copy_path": "staging", "staging_bytes": "32Mi"}})
+    main._open_ipc(config, engine)
+    assert asked == [{"copy_path": "staging", "staging_bytes": 32 << 20}]
