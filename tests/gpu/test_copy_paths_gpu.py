@@ -49,6 +49,9 @@ def arena() -> Iterator[Arena]:
 
 def case_and_plan(layout: str, seed: int) -> tuple[KVLayoutCase, CopyPlan]:
     case = vllm_layers(layout, device="cuda", seed=seed)
+    # The sidecar's stream does not wait for torch's: the KV must be written first
+    # (in ipc mode vLLM's event says so).
+    torch.cuda.synchronize()
     plan = plan_from_geometry([TensorGeometry.of(t) for t in case.layers.values()], 0).coalesced()
     return case, plan
 
