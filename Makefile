@@ -57,10 +57,10 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-# The whole suite but the image tests (tests/images), which `make image-test`
-# runs: they take minutes more than the rest (CI runs both).
+# The whole suite but the image tests (tests/images, deselected by pyproject's
+# addopts), which `make image-test` runs: minutes more than the rest (CI runs both).
 test: system-deps dev lint
-	$(BIN)/python -m pytest -m "not image" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: dev
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

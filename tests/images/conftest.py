@@ -51,15 +51,6 @@ BUILD_TIMEOUT_S = 1200
 STORAGE_ENV = ("CONTAINERS_STORAGE_CONF", "STORAGE_DRIVER", "BUILDAH_ISOLATION")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
-            item.add_marker(pytest.mark.image)
-            item.add_marker(pytest.mark.slow)
-            # The first test also waits for the session's image build.
-            item.add_marker(pytest.mark.timeout(BUILD_TIMEOUT_S + 600))
-
-
 class Buildah:
     """``buildah`` on the suite's own storage (``CONTAINERS_STORAGE_CONF``)."""
 

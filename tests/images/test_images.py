@@ -27,6 +27,9 @@ from kvstrata.connector.client import SidecarClient
 from kvstrata.localstack import VLLM_ENV
 from kvstrata.sidecar.keys import ChunkKey, Namespace
 
+# The first test also waits for the session's image build.
+pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.timeout(1800)]
+
 SIDECARS = ("sidecar", "sidecar-cuda")
 NBYTES = 8192
 HIT_L1 = re.compile(r'^kvstrata_hit_tokens_total\{tier="l1"\}\s+(\S+)', re.M)
