@@ -187,7 +187,19 @@ class ServerConfig(_Section):
     )
     http_host: str = "0.0.0.0"
     http_port: int = Field(9464, ge=0, le=65535, description="/metrics /healthz /readyz /status")
-    lease_seconds: float = Field(30.0, gt=0, description="a lease not released by then expires")
+    lease_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="a lease not released by then expires (a copy takes milliseconds; "
+        "this bounds how long a client that never commits holds arena space)",
+    )
+    session_write_fraction: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="uncommitted write bytes one session may hold, as a fraction of L1 "
+        "(one chunk is always allowed); a PREPARE_STORE beyond it gets nil slots",
+    )
     client_timeout_seconds: float = Field(
         60.0, gt=0, description="a client silent this long has its leases reclaimed"
     )

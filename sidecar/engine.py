@@ -19,7 +19,8 @@ Data flow:
 * ``acquire``: a read lease on the L1 object; an L2 or shared hit is
   promoted into L1 first (L2 reads straight into the reserved slot).
 * ``prefetch``: the same promotion on background threads; the chunks stay
-  pinned under leases of ``owner``.
+  pinned under leases of ``owner`` until ``release_owner`` (which also ends
+  the leases of prefetches still on their way when it is called).
 
 Leases: every slot handed out is a lease (read or write) with an id that
 is never reused. A leased object is never evicted or freed. Leases end by
@@ -134,6 +135,8 @@ class StorageManager:
         self._l2_index = self.l2.index if self.l2 is not None else {}
         self._pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="kvstrata-prefetch")
         self._pending: set[Future[object]] = set()
+        self._prefetching: dict[str, int] = {}  # owner -> prefetch jobs not yet finished
+        self._owners_ended: set[str] = set()  # owners released while prefetches ran
         self._closed = False
 
     # -- counters -----------------------------------------------------------
@@ -499,11 +502,14 @@ class StorageManager:
             return True
 
     def release_owner(self, owner: str) -> int:
-        """End every lease of ``owner``; the number ended."""
+        """End every lease of ``owner``; the number ended. Prefetches of
+        ``owner`` still running end their leases as soon as they land."""
         with self._lock:
             leases = self._leases.pop_owner(owner)
             for lease in leases:
                 self._end_lease(lease)
+            if owner in self._prefetching:
+                self._owners_ended.add(owner)
             return len(leases)
 
     def expire_leases(self, now: float | None = None) -> int:
@@ -550,6 +556,10 @@ class StorageManager:
                     break
                 scheduled += 1
             self._count("prefetch_chunks_total", scheduled)
+            # Counted under the lock before the jobs exist: a release_owner
+            # from now on knows to end the leases they will take.
+            if to_fetch:
+                self._prefetching[owner] = self._prefetching.get(owner, 0) + len(to_fetch)
         self._submit(jobs)
         for key in to_fetch:
             future = self._pool.submit(self._prefetch_one, key, owner)
@@ -559,10 +569,24 @@ class StorageManager:
         return scheduled
 
     def _prefetch_one(self, key: ChunkKey, owner: str) -> None:
+        slot = None
         try:
-            self.acquire(key, owner)
+            slot = self.acquire(key, owner)
         except Exception:
             logger.exception("prefetch of a chunk failed")
+        with self._lock:
+            ended = owner in self._owners_ended
+            left = self._prefetching.get(owner, 1) - 1
+            if left > 0:
+                self._prefetching[owner] = left
+            else:
+                self._prefetching.pop(owner, None)
+                self._owners_ended.discard(owner)
+            # The request ended while this chunk was on its way: its lease
+            # would otherwise pin the chunk until it expires.
+            lease = self._leases.pop(slot.lease_id) if ended and slot is not None else None
+            if lease is not None:
+                self._end_lease(lease)
 
     def _prefetch_done(self, future: Future[object]) -> None:
         with self._lock:

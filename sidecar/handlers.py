@@ -70,6 +70,7 @@ class Handlers:
         self.ipc = ipc
         self.ipc_unavailable = ipc_unavailable
         self.transfer_modes = frozenset({"host", "ipc"} if ipc is not None else {"host"})
+        self.write_budget = int(engine.arena.size * config.server.session_write_fraction)
         self._table = {
             p.LOOKUP: self._lookup,
             p.PREPARE_STORE: self._prepare_store,
@@ -166,13 +167,24 @@ class Handlers:
         meta = ChunkMeta(dtype=body.dtype, shape=tuple(body.shape))
         owner_key = session.owner_key(body.owner)
         slots: list[p.SlotInfo | None] = []
+        over_budget = 0
         for key in body.keys or []:
+            # One session's uncommitted writes may hold only its share of L1:
+            # a client that reserves and never commits (or asks for the whole
+            # arena at once) must not evict or starve everyone else. One chunk
+            # is always allowed, so a small arena still takes stores.
+            if session.write_bytes and session.write_bytes + body.nbytes > self.write_budget:
+                over_budget += 1
+                slots.append(None)
+                continue
             slot = self.engine.reserve(key, body.nbytes, meta, owner_key)
             if slot is None:
                 slots.append(None)
                 continue
             self.sessions.add_lease(session, owner_key, "write", slot)
             slots.append(_slot_info(slot))
+        if over_budget:
+            self.metrics.errors.labels(kind="write_budget").inc(over_budget)
         return p.SlotsReply(slots=slots)
 
     def _commit_store(self, body: p.CommitStoreRequest, session: Session) -> p.CommitStoreReply:

@@ -8,7 +8,7 @@ one client cannot commit or release another client's leases.
 State (in memory only, lost on restart; a restarted sidecar answers
 ``no_session`` and clients say HELLO again)::
 
-    sessions:  session_id -> Session(client_id, role, pid, last_seen, owners)
+    sessions:  session_id -> Session(client_id, role, pid, last_seen, owners, write_bytes)
     leases:    lease_id   -> Lease(session_id, owner_key, kind, slot, created)
 
 Owner strings from the wire (vLLM request ids) are made unique per session
@@ -44,6 +44,7 @@ class Session:
     last_seen: float
     owners: set[str] = field(default_factory=set)
     requests: int = 0
+    write_bytes: int = 0  # arena bytes under this session's uncommitted write leases
 
     def owner_key(self, owner: str) -> str:
         return f"{self.session_id}/{owner}"
@@ -146,6 +147,17 @@ class SessionTable:
             self._leases[slot.lease_id] = Lease(
                 session.session_id, owner_key, kind, slot, time.monotonic()
             )
+            if kind == "write":
+                session.write_bytes += slot.length
+
+    def _forget(self, lease_id: int) -> Lease:
+        """Caller holds the lock: drop one lease record, keeping write_bytes in step."""
+        lease = self._leases.pop(lease_id)
+        if lease.kind == "write":
+            session = self._sessions.get(lease.session_id)
+            if session is not None:
+                session.write_bytes -= lease.slot.length
+        return lease
 
     def note_owner(self, session: Session, owner_key: str) -> None:
         """Remember an owner the engine may hold leases for (prefetch)."""
@@ -158,15 +170,14 @@ class SessionTable:
             lease = self._leases.get(lease_id)
             if lease is None or lease.session_id != session.session_id or lease.kind != kind:
                 return None
-            del self._leases[lease_id]
-            return lease
+            return self._forget(lease_id)
 
     def drop_owner(self, owner_key: str) -> int:
         """Forget the leases of one owner (after the engine released them)."""
         with self._lock:
             ids = [i for i, lease in self._leases.items() if lease.owner_key == owner_key]
             for lease_id in ids:
-                del self._leases[lease_id]
+                self._forget(lease_id)
             for session in self._sessions.values():
                 session.owners.discard(owner_key)
             return len(ids)
@@ -174,7 +185,7 @@ class SessionTable:
     def drop_session_leases(self, session: Session) -> list[Lease]:
         with self._lock:
             ids = [i for i, lease in self._leases.items() if lease.session_id == session.session_id]
-            return [self._leases.pop(i) for i in ids]
+            return [self._forget(i) for i in ids]
 
     def expire(self, now: float | None = None) -> int:
         """Forget lease records older than the lease time (the engine expires
@@ -185,7 +196,7 @@ class SessionTable:
                 i for i, lease in self._leases.items() if now - lease.created > self.lease_seconds
             ]
             for lease_id in ids:
-                del self._leases[lease_id]
+                self._forget(lease_id)
             return len(ids)
 
     def lease_counts(self) -> dict[str, int]:
