@@ -30,7 +30,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 ENV_PREFIX = "KVSTRATA_"
 ENV_NESTING = "__"
@@ -178,10 +186,31 @@ class SharedConfig(_Section):
     breaker_reset_seconds: float = Field(10.0, gt=0, description="how long an open breaker skips")
 
 
+def check_endpoint(value: str) -> str:
+    """A ZeroMQ endpoint the sidecar can bind: ``ipc://PATH`` or ``tcp://HOST:PORT``.
+
+    Refused here rather than by ZeroMQ, which binds a random port for an
+    out-of-range one and reports other mistakes as a bare errno.
+    """
+    scheme, sep, rest = value.partition("://")
+    if not sep or scheme not in ("ipc", "tcp"):
+        raise ValueError(f"{value!r} is not ipc://PATH or tcp://HOST:PORT")
+    if scheme == "ipc":
+        if not rest:
+            raise ValueError(f"{value!r} names no socket path")
+        return value
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host:
+        raise ValueError(f"{value!r} names no host and port (tcp://HOST:PORT)")
+    if port != "*" and not (port.isdigit() and 0 <= int(port) <= 65535):
+        raise ValueError(f"{value!r}: port {port!r} is not 0..65535 (or *)")
+    return value
+
+
 class ServerConfig(_Section):
     """The sidecar's endpoints."""
 
-    endpoint: str = Field(
+    endpoint: Annotated[str, AfterValidator(check_endpoint)] = Field(
         default_factory=lambda: f"ipc://{tempfile.gettempdir()}/kvstrata/sidecar.sock",
         description="ZeroMQ endpoint: ipc://PATH or tcp://HOST:PORT",
     )

@@ -119,6 +119,13 @@ def _serve(config: SidecarConfig) -> int:
         )
         try:
             server.bind()
+        except (zmq.ZMQError, OSError) as exc:
+            print(
+                f"kvstrata sidecar: server.endpoint: cannot bind {config.server.endpoint}: {exc}",
+                file=sys.stderr,
+            )
+            return 1
+        try:
             http = HttpEndpoints(
                 config.server.http_host,
                 config.server.http_port,
@@ -126,8 +133,12 @@ def _serve(config: SidecarConfig) -> int:
                 ready=lambda: server is not None and server.ready,
                 status=server.status,
             )
-        except (zmq.ZMQError, OSError) as exc:
-            print(f"kvstrata sidecar: cannot listen: {exc}", file=sys.stderr)
+        except OSError as exc:
+            where = f"{config.server.http_host}:{config.server.http_port}"
+            print(
+                f"kvstrata sidecar: server.http_port: cannot listen on {where}: {exc}",
+                file=sys.stderr,
+            )
             return 1
         http.start()
 
