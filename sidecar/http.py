@@ -1,8 +1,24 @@
 """The sidecar's HTTP endpoints, on one port (``server.http_port``).
 
-Why stdlib: four small read-only endpoints do not justify a web framework
-in the sidecar image. A ``ThreadingHTTPServer`` runs in a daemon thread so
-a slow scraper never touches the ZeroMQ loop.
+Why stdlib asyncio and not a thread per connection: Prometheus, probes and
+people with curl all hit this port, sometimes hundreds at once, and some
+connect and never send. One event loop thread holds any number of idle
+connections for the cost of a buffer each; a small thread pool computes
+the answers, so a scrape storm never touches the ZeroMQ loop and never
+grows the thread count. Limits:
+
+* listen backlog :data:`LISTEN_BACKLOG`: a burst of connects is queued by
+  the kernel, not dropped;
+* at most :data:`MAX_CONNECTIONS` open at once (more are closed at once);
+* a request head must arrive within :data:`READ_TIMEOUT_S` and fit
+  :data:`MAX_HEAD_BYTES`, a reply must be taken within
+  :data:`WRITE_TIMEOUT_S`; otherwise the connection is closed;
+* :data:`WORKERS` threads compute answers (``/metrics`` and ``/status``
+  take the engine's lock briefly), the rest wait their turn.
+
+A client that goes away (reset, timeout, half a request) is closed and
+logged as nothing: it is no error of ours. One reply per connection
+(``Connection: close``); scrapers reconnect, which the backlog absorbs.
 
 * ``GET /metrics``  Prometheus text format, from the server's own registry
 * ``GET /healthz``  200 while the process runs (liveness)
@@ -14,20 +30,38 @@ a slow scraper never touches the ZeroMQ loop.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+import socket
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 logger = logging.getLogger(__name__)
 
+LISTEN_BACKLOG = 1024
+MAX_CONNECTIONS = 1024
+MAX_HEAD_BYTES = 8192
+READ_TIMEOUT_S = 5.0
+WRITE_TIMEOUT_S = 10.0
+WORKERS = 4
+
+Route = Callable[[], tuple[int, str, bytes]]
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+            500: "Internal Server Error", 503: "Service Unavailable"}  # fmt: skip
+
 
 class HttpEndpoints:
-    """Serve the endpoints above until :meth:`close`."""
+    """Serve the endpoints above from :meth:`start` until :meth:`close`.
+
+    The constructor binds the port (raising ``OSError`` when it is taken),
+    so a caller can name the setting before anything is served.
+    """
 
     def __init__(
         self,
@@ -37,7 +71,7 @@ class HttpEndpoints:
         ready: Callable[[], bool],
         status: Callable[[], dict[str, Any]],
     ) -> None:
-        routes: dict[str, Callable[[], tuple[int, str, bytes]]] = {
+        self._routes: dict[str, Route] = {
             "/metrics": lambda: (200, CONTENT_TYPE_LATEST, generate_latest(registry)),
             "/healthz": lambda: (200, "text/plain", b"ok\n"),
             "/readyz": lambda: (
@@ -49,42 +83,105 @@ class HttpEndpoints:
                 json.dumps(status(), default=str).encode(),
             ),
         }
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                route = routes.get(self.path.split("?", 1)[0])
-                if route is None:
-                    code, ctype, body = 404, "text/plain", b"not found\n"
-                else:
-                    try:
-                        code, ctype, body = route()
-                    except Exception:  # one broken endpoint must not kill the thread
-                        logger.exception("GET %s failed", self.path)
-                        code, ctype, body = 500, "text/plain", b"internal error\n"
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                logger.debug("http: " + format, *args)
-
-        self._httpd = ThreadingHTTPServer((host, port), Handler)
-        self._httpd.daemon_threads = True
-        self.port = self._httpd.server_address[1]
-        # A short poll interval keeps shutdown (SIGTERM) quick.
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever,
-            kwargs={"poll_interval": 0.1},
-            name="kvstrata-http",
-            daemon=True,
-        )
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+        self.port: int = self._sock.getsockname()[1]
+        self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kvstrata-http")
+        self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(_quiet_exception_handler)
+        self._stop: asyncio.Event | None = None
+        self._started = threading.Event()
+        self._open = 0
+        self._thread = threading.Thread(target=self._run, name="kvstrata-http", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+        self._started.wait(10)
         logger.info("HTTP endpoints on port %d", self.port)
 
     def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        if self._thread.is_alive():
+            stop = self._stop
+            if stop is not None:
+                self._loop.call_soon_threadsafe(stop.set)
+            self._thread.join(10)
+        else:
+            self._sock.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- the loop -------------------------------------------------------------
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve())
+        finally:
+            self._loop.close()
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()
+        server = await asyncio.start_server(
+            self._connection, sock=self._sock, backlog=LISTEN_BACKLOG, limit=MAX_HEAD_BYTES
+        )
+        self._started.set()
+        await self._stop.wait()
+        server.close()
+        # Connections still open (idle ones included) end now, not at their timeout.
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._open >= MAX_CONNECTIONS:
+            writer.transport.abort()
+            return
+        self._open += 1
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
+            code, ctype, body = await self._answer(head)
+            writer.write(
+                (
+                    f"HTTP/1.1 {code} {_REASONS.get(code, '')}\r\n"
+                    f"Content-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                    "Connection: close\r\n\r\n"
+                ).encode("latin-1")
+                + body
+            )
+            await asyncio.wait_for(writer.drain(), WRITE_TIMEOUT_S)
+        except (
+            asyncio.TimeoutError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ConnectionError,
+            OSError,
+        ):
+            pass  # the client went away, stalled or sent garbage: nothing to report
+        finally:
+            self._open -= 1
+            writer.close()
+
+    async def _answer(self, head: bytes) -> tuple[int, str, bytes]:
+        parts = head.split(b"\r\n", 1)[0].split()
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+            return 400, "text/plain", b"bad request\n"
+        if parts[0] != b"GET":
+            return 405, "text/plain", b"only GET\n"
+        path = parts[1].decode("latin-1").split("?", 1)[0]
+        route = self._routes.get(path)
+        if route is None:
+            return 404, "text/plain", b"not found\n"
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, route)
+        except Exception:  # one broken endpoint must not take the port down
+            logger.exception("GET %s failed", path)
+            return 500, "text/plain", b"internal error\n"
+
+
+def _quiet_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """Connection errors of clients that went away are no news; anything else is."""
+    exc = context.get("exception")
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return
+    with contextlib.suppress(Exception):
+        loop.default_exception_handler(context)
