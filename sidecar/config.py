@@ -214,7 +214,17 @@ class ServerConfig(_Section):
         default_factory=lambda: f"ipc://{tempfile.gettempdir()}/kvstrata/sidecar.sock",
         description="ZeroMQ endpoint: ipc://PATH or tcp://HOST:PORT",
     )
-    http_host: str = "0.0.0.0"
+    socket_group: str | None = Field(
+        None,
+        description="group (name or gid) of the ipc:// socket files, created 0660; "
+        "unset: the sidecar's own group",
+    )
+    http_host: str = Field(
+        "0.0.0.0", description="all addresses: Prometheus and the kubelet reach the pod IP"
+    )
+    status_detail: bool = Field(
+        False, description="/status lists each client (id, role, pid, leases); off: a count"
+    )
     http_port: int = Field(9464, ge=0, le=65535, description="/metrics /healthz /readyz /status")
     lease_seconds: float = Field(
         10.0,

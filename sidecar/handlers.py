@@ -20,6 +20,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.sidecar import protocol as p
+from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.sessions import Session, SessionTable
 
@@ -47,6 +48,24 @@ def _slot_info(slot: Slot) -> p.SlotInfo:
         dtype=slot.meta.dtype,
         shape=tuple(slot.meta.shape),
     )
+
+
+def _own_keys(keys: list[ChunkKey] | None, session: Session) -> list[ChunkKey]:
+    """``keys``, each checked to carry the session's namespace fingerprint.
+
+    Tenants are separated by their fingerprints; without this check a client
+    could name another namespace's key and read (or overwrite) its chunk.
+    """
+    fingerprint = session.fingerprint
+    n = len(fingerprint)
+    for i, key in enumerate(keys or []):
+        if key[:n] != fingerprint:
+            raise p.ProtocolError(
+                p.E_BAD_REQUEST,
+                f"field 'keys[{i}]': the key is not in this session's namespace "
+                "(its first 16 bytes must be HELLO's fingerprint)",
+            )
+    return keys or []
 
 
 class Handlers:
@@ -122,16 +141,12 @@ class Handlers:
                 f"field 'transfer_mode': {body.transfer_mode!r} is not served here "
                 f"(served: {sorted(self.transfer_modes)})",
             )
-        session, replaced = self.sessions.open(body.client_id, body.role, body.pid, mode, identity)
+        session, replaced = self.sessions.open(
+            body.client_id, body.role, body.pid, mode, identity, body.fingerprint
+        )
         for old in replaced:
             self.reclaim(old)
-        logger.info(
-            "HELLO from %s (role %s, pid %s): session %s",
-            body.client_id,
-            body.role,
-            body.pid,
-            session.session_id,
-        )
+        logger.info("HELLO from %s (role %s, pid %s)", body.client_id, body.role, body.pid)
         arena = self.engine.arena
         return p.HelloReply(
             session_id=session.session_id,
@@ -145,7 +160,7 @@ class Handlers:
         )
 
     def _lookup(self, body: p.LookupRequest, session: Session) -> p.LookupReply:
-        keys = body.keys or []
+        keys = _own_keys(body.keys, session)
         result = self.engine.lookup(keys)
         hit = max(0, min(result.hit_chunks, len(keys)))
         tiers = list(result.tiers[:hit])
@@ -168,7 +183,7 @@ class Handlers:
         owner_key = session.owner_key(body.owner)
         slots: list[p.SlotInfo | None] = []
         over_budget = 0
-        for key in body.keys or []:
+        for key in _own_keys(body.keys, session):
             # One session's uncommitted writes may hold only its share of L1:
             # a client that reserves and never commits (or asks for the whole
             # arena at once) must not evict or starve everyone else. One chunk
@@ -201,7 +216,7 @@ class Handlers:
         return p.CommitStoreReply(committed=committed)
 
     def _prepare_retrieve(self, body: p.PrepareRetrieveRequest, session: Session) -> p.SlotsReply:
-        keys = body.keys or []
+        keys = _own_keys(body.keys, session)
         owner_key = session.owner_key(body.owner)
         slots: list[p.SlotInfo | None] = []
         for key in keys:
@@ -247,10 +262,12 @@ class Handlers:
 
     def _save_blocks(self, body: p.SaveBlocksRequest, session: Session) -> p.CommitStoreReply:
         ipc = self._ipc_session(session)
+        _own_keys(body.keys, session)
         return ipc.save(session.session_id, body, session.owner_key(body.owner))
 
     def _load_blocks(self, body: p.LoadBlocksRequest, session: Session) -> p.LoadBlocksReply:
         ipc = self._ipc_session(session)
+        _own_keys(body.keys, session)
         return ipc.load(session.session_id, body, session.owner_key(body.owner))
 
     def _ping(self, body: p.PingRequest, session: Session | None) -> p.PingReply:

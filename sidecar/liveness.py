@@ -13,24 +13,48 @@ closed. A client that is alive but silent is still reaped by the idle
 timeout.
 
 The file sits next to the ZeroMQ socket, in the pod's own socket
-directory: it has the same access rule (one pod is one trust domain).
-Only ``ipc://`` endpoints have one.
+directory, with the same mode (0660, group ``server.socket_group``): the
+same access rule (one pod is one trust domain). Only ``ipc://`` endpoints
+have one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import grp
 import logging
 import os
 import selectors
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".live"
 MAX_LINE = 128  # a session id and a newline fit with room to spare
+
+
+SOCKET_MODE = 0o660
+
+
+@contextlib.contextmanager
+def socket_umask() -> Iterator[None]:
+    """Socket files created inside are at most :data:`SOCKET_MODE` (the umask is
+    process-wide: only used while the sidecar starts, before other threads)."""
+    old = os.umask(0o777 & ~SOCKET_MODE)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def restrict_socket_file(path: str, group: str | None) -> None:
+    """``chmod 0660`` and, when ``server.socket_group`` is set, hand the file to that group."""
+    if group is not None:
+        gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+        os.chown(path, -1, gid)
+    os.chmod(path, SOCKET_MODE)
 
 
 def liveness_path(ipc_socket_path: str) -> str:
@@ -43,8 +67,9 @@ class LivenessListener:
     ``on_gone`` runs on the listener's thread and must be thread-safe.
     """
 
-    def __init__(self, path: str, on_gone: Callable[[str], None]) -> None:
+    def __init__(self, path: str, on_gone: Callable[[str], None], group: str | None = None) -> None:
         self.path = path
+        self.group = group
         self.on_gone = on_gone
         self._sel = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
@@ -56,7 +81,13 @@ class LivenessListener:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(self.path)
+        try:
+            with socket_umask():
+                sock.bind(self.path)
+            restrict_socket_file(self.path, self.group)
+        except OSError:
+            sock.close()
+            raise
         sock.listen(128)
         sock.setblocking(False)
         self._listener = sock

@@ -16,8 +16,11 @@ and its reply::
 ``request_id`` is echoed so a client can discard late replies to requests
 it has given up on. ``session_id`` is what HELLO returned ("" for HELLO; PING
 may send "" too); a request naming a session the server does not know (it
-restarted, or reaped the client) is answered with the error code
-``no_session`` and the client says HELLO again. An error reply's body is
+restarted, or reaped the client) or one opened by another ZeroMQ peer (a
+session belongs to the connection that said HELLO) is answered with the
+error code ``no_session`` and the client says HELLO again. Every key a
+session names must start with its HELLO ``fingerprint``; any other key is
+``bad_request``. An error reply's body is
 ``{"code": str, "message": str}``; ``message`` names what was wrong.
 
 Ops (body fields; see the dataclasses below for the exact types):

@@ -30,7 +30,12 @@ import zmq
 
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.handlers import POOLED_OPS, POOLED_OPS_REMOTE, Handlers
-from kvstrata.sidecar.liveness import LivenessListener, liveness_path
+from kvstrata.sidecar.liveness import (
+    LivenessListener,
+    liveness_path,
+    restrict_socket_file,
+    socket_umask,
+)
 from kvstrata.sidecar.metrics import EngineCollector, ServerMetrics
 from kvstrata.sidecar.sessions import Session, SessionTable
 
@@ -107,6 +112,7 @@ class SidecarServer:
         path = ipc_path(self.endpoint)
         if path is not None:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        group = self.config.server.socket_group
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -114,14 +120,19 @@ class SidecarServer:
         sock.setsockopt(zmq.SNDHWM, 10_000)
         sock.setsockopt(zmq.RCVHWM, 10_000)
         try:
-            sock.bind(self.endpoint)
-        except zmq.ZMQError:
+            # Created 0660 (no moment of wider access): the socket file is the
+            # door to the arena, for this pod's vLLM and no one else.
+            with socket_umask():
+                sock.bind(self.endpoint)
+            if path is not None:
+                restrict_socket_file(path, group)
+        except (zmq.ZMQError, OSError):
             sock.close(0)
             raise
         self._sock = sock
         self._bound_path = path
         if path is not None:
-            self._liveness = LivenessListener(liveness_path(path), self._client_gone)
+            self._liveness = LivenessListener(liveness_path(path), self._client_gone, group)
             self._liveness.start()
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         logger.info("serving on %s", self.endpoint)
@@ -309,7 +320,8 @@ class SidecarServer:
         leases = self.sessions.lease_counts()
         now = time.monotonic()
         arena = self.engine.arena
-        return {
+        sessions = self.sessions.sessions()
+        status: dict[str, Any] = {
             "version": self.handlers.server_version,
             "protocol_version": p.PROTOCOL_VERSION,
             "ready": self.ready,
@@ -321,16 +333,20 @@ class SidecarServer:
             "tiers": stats["tiers"],
             "counters": stats["counters"],
             "leases_active": stats["leases_active"],
-            "clients": [
+            "clients_connected": len(sessions),
+        }
+        if self.config.server.status_detail:
+            # Who is connected, for an operator on the pod's own port; session
+            # ids are never shown (they are the key to a client's leases).
+            status["clients"] = [
                 {
                     "client_id": s.client_id,
                     "role": s.role,
                     "pid": s.pid,
-                    "session_id": s.session_id,
                     "idle_seconds": round(now - s.last_seen, 3),
                     "requests": s.requests,
                     "leases": leases.get(s.session_id, 0),
                 }
-                for s in self.sessions.sessions()
-            ],
-        }
+                for s in sessions
+            ]
+        return status

@@ -5,10 +5,17 @@ know *which client* holds them, so that a client that vanishes (no message
 for ``server.client_timeout_seconds``) has its leases reclaimed, and so that
 one client cannot commit or release another client's leases.
 
+A session belongs to the ZeroMQ peer that said HELLO (its ROUTER identity,
+one per connection): a request naming it from any other peer is answered
+as if the session did not exist, and a HELLO replaces only sessions of the
+same peer. Session ids are 128 random bits and are never published; a
+client whose connection was re-made (new identity) says HELLO again.
+
 State (in memory only, lost on restart; a restarted sidecar answers
 ``no_session`` and clients say HELLO again)::
 
-    sessions:  session_id -> Session(client_id, role, pid, last_seen, owners, write_bytes)
+    sessions:  session_id -> Session(client_id, role, pid, fingerprint, identity,
+                                     last_seen, owners, write_bytes)
     leases:    lease_id   -> Lease(session_id, owner_key, kind, slot, created)
 
 Owner strings from the wire (vLLM request ids) are made unique per session
@@ -20,9 +27,9 @@ Thread-safe: the server loop and its worker pool both use it.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -39,7 +46,8 @@ class Session:
     role: str
     pid: int
     transfer_mode: str
-    identity: bytes
+    identity: bytes  # the ZeroMQ peer that opened it; no other peer may use it
+    fingerprint: bytes  # the namespace every key of this session must carry
     created: float
     last_seen: float
     owners: set[str] = field(default_factory=set)
@@ -73,27 +81,37 @@ class SessionTable:
     # -- sessions ---------------------------------------------------------
 
     def open(
-        self, client_id: str, role: str, pid: int, transfer_mode: str, identity: bytes
+        self,
+        client_id: str,
+        role: str,
+        pid: int,
+        transfer_mode: str,
+        identity: bytes,
+        fingerprint: bytes,
     ) -> tuple[Session, list[Session]]:
-        """A new session; also returns the sessions it replaces: those of the
-        same client id, role and pid (the caller reclaims their leases: a
-        client says HELLO again only when it has given its old session up)."""
+        """A new session of peer ``identity``; also returns the sessions it
+        replaces: those of the same peer, client id, role and pid (the caller
+        reclaims their leases: a client says HELLO again only when it has
+        given its old session up). Another peer copying the client id, role
+        and pid replaces nothing."""
         now = time.monotonic()
         session = Session(
-            session_id=uuid.uuid4().hex,
+            session_id=secrets.token_hex(16),
             client_id=client_id,
             role=role,
             pid=pid,
             transfer_mode=transfer_mode,
             identity=identity,
+            fingerprint=fingerprint,
             created=now,
             last_seen=now,
         )
+        me = (client_id, role, pid, identity)
         with self._lock:
             replaced = [
                 s
                 for s in self._sessions.values()
-                if client_id and (s.client_id, s.role, s.pid) == (client_id, role, pid)
+                if client_id and (s.client_id, s.role, s.pid, s.identity) == me
             ]
             for old in replaced:
                 del self._sessions[old.session_id]
@@ -101,13 +119,14 @@ class SessionTable:
         return session, replaced
 
     def touch(self, session_id: str, identity: bytes) -> Session | None:
-        """The live session with this id (and mark it seen), or None."""
+        """The live session with this id opened by peer ``identity`` (marked
+        seen), or None: unknown, or another peer's."""
         with self._lock:
             session = self._sessions.get(session_id)
-            if session is not None:
-                session.last_seen = time.monotonic()
-                session.identity = identity
-                session.requests += 1
+            if session is None or not secrets.compare_digest(session.identity, identity):
+                return None
+            session.last_seen = time.monotonic()
+            session.requests += 1
             return session
 
     def idle(self, now: float | None = None) -> list[Session]:

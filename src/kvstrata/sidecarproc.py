@@ -97,6 +97,7 @@ class SidecarProcess:
                 "endpoint": self.endpoint,
                 "http_host": "127.0.0.1",
                 "http_port": self.http_port,
+                "status_detail": True,  # loopback only: tests and the demo read clients
             },
         }
         if log_level is not None:
