@@ -79,6 +79,26 @@ def _zmq_context() -> zmq.Context[Any]:
 
 
 @dataclass(frozen=True, slots=True)
+class CurveKeys:
+    """ZeroMQ CURVE keys of a client (z85): the server's public key and our pair."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def load(cls, server_cert: str, client_cert: str) -> CurveKeys:
+        """From certificate files as ``zmq.auth`` writes them (the client's with its secret)."""
+        import zmq.auth
+
+        server_public, _ = zmq.auth.load_certificate(server_cert)
+        public, secret = zmq.auth.load_certificate(client_cert)
+        if not secret:
+            raise ValueError(f"{client_cert} holds no secret key")
+        return cls(server_public, public, secret)
+
+
+@dataclass(frozen=True, slots=True)
 class ArenaSlot:
     lease_id: int
     offset: int  # byte offset into SidecarClient.arena (a writable memoryview)
@@ -134,8 +154,10 @@ class SidecarClient:
         call_timeout_s: float = 0.5,
         client_id: str | None = None,
         transfer_mode: str = "host",
+        curve: CurveKeys | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.curve = curve
         self.namespace = namespace
         self.role = role
         self.call_timeout_s = float(call_timeout_s)
@@ -483,6 +505,10 @@ class SidecarClient:
             sock.setsockopt(zmq.RECONNECT_IVL, 50)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
             sock.setsockopt(zmq.MAXMSGSIZE, 64 * p.MAX_MESSAGE_BYTES)
+            if self.curve is not None:
+                sock.curve_serverkey = self.curve.server_public
+                sock.curve_publickey = self.curve.public
+                sock.curve_secretkey = self.curve.secret
             sock.connect(self.endpoint)
             self._sock = sock
         return self._sock

@@ -20,6 +20,10 @@ Configuration (``kv_transfer_config.kv_connector_extra_config``):
                            else host), ``ipc`` or ``host``; see :mod:`kvstrata.connector.ipc`
 ``kv_cache_layout``        a vLLM KVCacheLayout to ask for (e.g. ``BLNHC``: cross-layer
                            blocks, one copy per block); vLLM uses it when its backends can
+``curve_server_certificate`` / ``curve_client_certificate``
+                           ZeroMQ CURVE certificate files (the sidecar's public one, ours
+                           with its secret key) for a sidecar on a tcp:// endpoint that
+                           authenticates its clients; both or neither
 
 The cache is never the source of truth: a sidecar that is down, slow or
 restarting costs misses and dropped saves, never an exception or a hang.
@@ -42,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvstrata.connector.client import CurveKeys
 from kvstrata.connector.layout import dtype_name, layout_id
 from kvstrata.connector.metadata import KVStrataMetadata
 from kvstrata.sidecar.keys import Namespace
@@ -78,6 +83,7 @@ class ConnectorSettings:
     layout: str | None  # namespace layout string; None: unknown layout (connector disabled)
     transfer_mode: str  # "auto" (ipc for CUDA KV where the sidecar can), "ipc" or "host"
     namespace: Namespace  # with tp_rank 0; the worker substitutes its own rank
+    curve: CurveKeys | None = None  # CURVE keys for an authenticated tcp:// sidecar
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -156,7 +162,17 @@ def settings_from_config(
         pp_rank=0,
         pp_size=int(parallel.pipeline_parallel_size),
     )
+    certificates = (extra.get("curve_server_certificate"), extra.get("curve_client_certificate"))
+    if (certificates[0] is None) != (certificates[1] is None):
+        raise ValueError(
+            "kv_connector_extra_config.curve_server_certificate and curve_client_certificate "
+            "go together"
+        )
+    curve = None
+    if certificates[0] is not None:
+        curve = CurveKeys.load(str(certificates[0]), str(certificates[1]))
     return ConnectorSettings(
+        curve=curve,
         endpoint=endpoint,
         call_timeout_s=_float(extra, "call_timeout_seconds", 0.5),
         load_timeout_s=_float(extra, "load_timeout_seconds", 5.0),

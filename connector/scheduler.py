@@ -78,6 +78,7 @@ class KVStrataScheduler:
             settings.namespace,
             role="scheduler",
             call_timeout_s=settings.call_timeout_s,
+            curve=settings.curve,
         )
         self.gate = RetryGate(self.client, settings.retry_interval_s)
         self.counters = SchedulerCounters()

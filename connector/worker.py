@@ -82,6 +82,7 @@ class KVStrataWorker:
             namespace,
             role="worker",
             call_timeout_s=settings.call_timeout_s,
+            curve=settings.curve,
         )
         self.gate = RetryGate(self.client, settings.retry_interval_s)
         self.layout: ChunkLayout | None = None

@@ -22,6 +22,7 @@ Sizes accept integers (bytes) or Kubernetes quantities (``512Mi``, ``4Gi``,
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import tempfile
@@ -207,6 +208,19 @@ def check_endpoint(value: str) -> str:
     return value
 
 
+def endpoint_is_local(endpoint: str) -> bool:
+    """True for ``ipc://`` and for ``tcp://`` on a loopback address."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a wildcard, an interface name or a host name
+
+
 class ServerConfig(_Section):
     """The sidecar's endpoints."""
 
@@ -225,6 +239,30 @@ class ServerConfig(_Section):
     status_detail: bool = Field(
         False, description="/status lists each client (id, role, pid, leases); off: a count"
     )
+    curve_secret_key_file: str | None = Field(
+        None,
+        description="ZeroMQ CURVE certificate of the server (public and secret key, as "
+        "zmq.auth writes it, from a Secret); required for a tcp:// endpoint off loopback",
+    )
+    curve_client_keys_dir: str | None = Field(
+        None, description="directory of the public certificates of the clients allowed in"
+    )
+
+    @model_validator(mode="after")
+    def _check_exposure(self) -> ServerConfig:
+        curve = (self.curve_secret_key_file, self.curve_client_keys_dir)
+        if (curve[0] is None) != (curve[1] is None):
+            raise ValueError(
+                "server.curve_secret_key_file and server.curve_client_keys_dir go together"
+            )
+        if curve[0] is None and not endpoint_is_local(self.endpoint):
+            raise ValueError(
+                f"server.endpoint: {self.endpoint!r} is reachable from other machines; "
+                "bind a loopback address or authenticate clients with "
+                "server.curve_secret_key_file and server.curve_client_keys_dir"
+            )
+        return self
+
     http_port: int = Field(9464, ge=0, le=65535, description="/metrics /healthz /readyz /status")
     lease_seconds: float = Field(
         10.0,

@@ -104,6 +104,7 @@ class SidecarServer:
         self._serving = threading.Event()
         self._bound_path: str | None = None
         self._liveness: LivenessListener | None = None
+        self._auth: Any = None  # the ZAP handler thread when CURVE is configured
 
     # -- life cycle ---------------------------------------------------------
 
@@ -119,6 +120,7 @@ class SidecarServer:
         sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.SNDHWM, 10_000)
         sock.setsockopt(zmq.RCVHWM, 10_000)
+        self._curve(sock)
         try:
             # Created 0660 (no moment of wider access): the socket file is the
             # door to the arena, for this pod's vLLM and no one else.
@@ -137,6 +139,27 @@ class SidecarServer:
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         logger.info("serving on %s", self.endpoint)
         return self.endpoint
+
+    def _curve(self, sock: zmq.Socket[Any]) -> None:
+        """Make ``sock`` a CURVE server admitting only the listed client keys."""
+        server = self.config.server
+        if server.curve_secret_key_file is None or server.curve_client_keys_dir is None:
+            return
+        import zmq.auth
+        from zmq.auth.thread import ThreadAuthenticator
+
+        public, secret = zmq.auth.load_certificate(server.curve_secret_key_file)
+        if not secret:
+            raise OSError(f"server.curve_secret_key_file: {server.curve_secret_key_file} "
+                          "holds no secret key")  # fmt: skip
+        assert self._ctx is not None  # bind() made it
+        self._auth = ThreadAuthenticator(self._ctx)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=server.curve_client_keys_dir)
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+        logger.info("CURVE: clients listed in %s only", server.curve_client_keys_dir)
 
     @property
     def ready(self) -> bool:
@@ -180,6 +203,9 @@ class SidecarServer:
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
