@@ -157,10 +157,18 @@ def _valkey_section(spec: Mapping[str, Any], name: str, namespace: str) -> dict[
         out["tls_insecure_skip_verify"] = bool(tls.get("insecureSkipVerify", False))
     elif ((valkey.get("managed") or {}).get("auth") or {}).get("enabled", True):
         out["password_file"] = VALKEY_PASSWORD_FILE
-    for src, dst in (("ttlSeconds", "ttl_seconds"), ("keyPrefix", "key_prefix")):
-        if valkey.get(src) is not None:
-            out[dst] = valkey[src]
+    if valkey.get("ttlSeconds") is not None:
+        out["ttl_seconds"] = valkey["ttlSeconds"]
+    # Each KVCache its own key space: two caches on one Valkey with one prefix
+    # would read each other's chunks. An ACL user limited to ~<prefix>* makes
+    # that a server-side rule (see the README's Security section).
+    out["key_prefix"] = valkey.get("keyPrefix") or default_key_prefix(name, namespace)
     return out
+
+
+def default_key_prefix(name: str, namespace: str) -> str:
+    """The Valkey key prefix of a KVCache that names none: unique per KVCache."""
+    return f"kvstrata:{namespace}/{name}:"
 
 
 def _s3_section(spec: Mapping[str, Any]) -> dict[str, Any]:
