@@ -124,6 +124,11 @@ class L1Config(_Section):
         "(leaving 10% to others) instead of refusing to start",
     )
     pin_memory: bool = Field(True, description="register the arena as pinned when CUDA is present")
+    namespace_quota_bytes: ByteSize | None = Field(
+        None,
+        description="most bytes one namespace (model/tenant fingerprint) may hold in L1; "
+        "a store beyond it evicts that namespace's own chunks first",
+    )
 
 
 class L2Config(_Section):

@@ -96,7 +96,12 @@ class StorageManager:
             fit_to_shm=config.l1.fit_to_shm,
         )
         self._buf = self.arena.buffer
-        self._store = L1Store(self.arena.size, config.l1.policy, config.l1.prefix_aware)
+        self._store = L1Store(
+            self.arena.size,
+            config.l1.policy,
+            config.l1.prefix_aware,
+            namespace_quota=config.l1.namespace_quota_bytes,
+        )
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._leases = LeaseTable()

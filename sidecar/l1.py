@@ -8,6 +8,12 @@ lock while copying bytes.
 State (process memory only; the arena itself has no header)::
 
     entries: ChunkKey -> Entry(offset, length, meta, state, pins, ...)
+    namespace_bytes: fingerprint -> bytes of its entries in the index
+
+With a ``namespace_quota`` each namespace (a key's first 16 bytes: one
+model, one tenant) holds at most that many bytes; a store beyond it evicts
+that namespace's own chunks first (in policy order), never another's, and
+is refused when they are all pinned.
 
 An entry is WRITING from ``reserve`` until ``publish`` (only its writer
 sees it), then READY. ``pins`` counts leases and internal holds
@@ -21,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstrata.sidecar.allocator import ExtentAllocator
-from kvstrata.sidecar.keys import ChunkKey
+from kvstrata.sidecar.keys import FINGERPRINT_BYTES, ChunkKey
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.policies import EvictionPolicy, make_policy
 
@@ -47,8 +53,15 @@ class L1Store:
     """Allocator + policy + index of one arena (not thread-safe)."""
 
     def __init__(
-        self, size: int, policy: str = "lru", prefix_aware: bool = False, alignment: int = 256
+        self,
+        size: int,
+        policy: str = "lru",
+        prefix_aware: bool = False,
+        alignment: int = 256,
+        namespace_quota: int | None = None,
     ) -> None:
+        self.namespace_quota = namespace_quota
+        self.namespace_bytes: dict[bytes, int] = {}
         self.allocator = ExtentAllocator(size, alignment)
         self.policy: EvictionPolicy = make_policy(policy, self.allocator.size, prefix_aware)
         self.entries: dict[ChunkKey, Entry] = {}
@@ -67,6 +80,9 @@ class L1Store:
         needed; None when the key exists or nothing more can be evicted."""
         if key in self.entries or nbytes > self.allocator.size:
             return None
+        namespace = key[:FINGERPRINT_BYTES]
+        if self.namespace_quota is not None and not self._within_quota(namespace, nbytes):
+            return None
         offset = self.allocator.alloc(nbytes)
         if offset is None:
             offset = self._evict_until_fits(nbytes)
@@ -74,7 +90,29 @@ class L1Store:
                 return None
         entry = Entry(key, offset, nbytes, meta, parent, pins=1)
         self.entries[key] = entry
+        self.namespace_bytes[namespace] = self.namespace_bytes.get(namespace, 0) + nbytes
         return entry
+
+    def _within_quota(self, namespace: bytes, nbytes: int) -> bool:
+        """Evict this namespace's own unpinned chunks until ``nbytes`` more fit its quota."""
+        quota = self.namespace_quota
+        assert quota is not None  # the caller checks
+        if nbytes > quota:
+            return False
+        if self.namespace_bytes.get(namespace, 0) + nbytes <= quota:
+            return True
+        for victim in self.policy.victims():
+            if victim[:FINGERPRINT_BYTES] != namespace:
+                continue
+            entry = self.entries.get(victim)
+            if entry is None or entry.pins or entry.state != READY:
+                continue
+            self._drop(entry)
+            self.evictions_total += 1
+            self.evicted_bytes_total += entry.length
+            if self.namespace_bytes.get(namespace, 0) + nbytes <= quota:
+                return True
+        return False
 
     def _evict_until_fits(self, nbytes: int) -> int | None:
         entries = self.entries
@@ -111,6 +149,12 @@ class L1Store:
 
     def _drop(self, entry: Entry) -> None:
         del self.entries[entry.key]
+        namespace = entry.key[:FINGERPRINT_BYTES]
+        left = self.namespace_bytes[namespace] - entry.length
+        if left:
+            self.namespace_bytes[namespace] = left
+        else:
+            del self.namespace_bytes[namespace]
         if entry.state == READY:
             self.ready_bytes -= entry.length
             self.policy.on_remove(entry.key)
