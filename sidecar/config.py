@@ -138,6 +138,11 @@ class L2Config(_Section):
     path: str = Field(default_factory=_default_l2_path, description="directory for chunk files")
     size_bytes: ByteSize = Field(4 << 30, description="bytes of chunk files kept on disk")
     write_queue_depth: int = Field(64, ge=1, description="pending writes before drops")
+    namespace_quota_bytes: ByteSize | None = Field(
+        None,
+        description="most file bytes one namespace (model/tenant fingerprint) may hold in L2; "
+        "a write beyond it evicts that namespace's own least recent files first",
+    )
     writer_threads: int = Field(2, ge=1, le=64)
 
 

@@ -120,7 +120,11 @@ class StorageManager:
         self._admit_all = config.shared.admission == "all"
         try:
             if config.l2.enabled:
-                self.l2 = DiskTier(config.l2.path, config.l2.size_bytes)
+                self.l2 = DiskTier(
+                    config.l2.path,
+                    config.l2.size_bytes,
+                    namespace_quota=config.l2.namespace_quota_bytes,
+                )
                 self._l2_queue = WriteBehindQueue(
                     self.l2,
                     config.l2.write_queue_depth,

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 import xxhash
 
-from kvstrata.sidecar.keys import ChunkKey, key_hex
+from kvstrata.sidecar.keys import FINGERPRINT_BYTES, ChunkKey, key_hex
 from kvstrata.sidecar.objformat import (
     ChunkMeta,
     CorruptObjectError,
@@ -69,9 +69,20 @@ class DiskTier(Tier):
 
     name = "l2"
 
-    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, fsync: bool = False):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        fsync: bool = False,
+        namespace_quota: int | None = None,
+    ):
         self.root = os.fspath(path)
         self.capacity_bytes = capacity_bytes
+        # Most file bytes one namespace (a key's first 16 bytes) may hold; a
+        # put beyond it evicts that namespace's own least recent files first.
+        # Writes in flight are not counted against it (a brief overshoot).
+        self.namespace_quota = namespace_quota
+        self._ns_usage: dict[bytes, int] = {}
         self.fsync = fsync
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, DiskEntry] = OrderedDict()  # LRU first
@@ -115,6 +126,7 @@ class DiskTier(Tier):
         for _, key, entry in found:
             self._index[key] = entry
             self._usage += entry.file_bytes
+            self._account(key, entry.file_bytes)
         self._evict_locked(0)
         logger.info(
             "L2 %s: %d objects, %d bytes re-indexed", self.root, len(self._index), self._usage
@@ -171,10 +183,11 @@ class DiskTier(Tier):
                 self._index.move_to_end(key)
                 self._stats.deduplicated_total += 1
                 return True
-            if total > self.capacity_bytes:
+            quota = self.namespace_quota
+            if total > self.capacity_bytes or (quota is not None and total > quota):
                 self._stats.dropped_total += 1
                 return False
-            doomed = self._evict_locked(total)
+            doomed = self._evict_namespace_locked(key, total) + self._evict_locked(total)
             self._reserved += total
         self._unlink_all(doomed)
         try:
@@ -189,8 +202,10 @@ class DiskTier(Tier):
             old = self._index.pop(key, None)
             if old is not None:
                 self._usage -= old.file_bytes
+                self._account(key, -old.file_bytes)
             self._index[key] = entry
             self._usage += total
+            self._account(key, total)
             self._stats.stored_bytes_total += len(stored)
         return True
 
@@ -308,6 +323,7 @@ class DiskTier(Tier):
             keys = list(self._index)
             self._index.clear()
             self._usage = 0
+            self._ns_usage.clear()
         self._unlink_all([self.path_of(k) for k in keys])
 
     def stats(self) -> TierStats:
@@ -339,8 +355,37 @@ class DiskTier(Tier):
         while self._index and self._usage + self._reserved + incoming > self.capacity_bytes:
             key, entry = self._index.popitem(last=False)
             self._usage -= entry.file_bytes
+            self._account(key, -entry.file_bytes)
             self._stats.evictions_total += 1
             doomed.append(self.path_of(key))
+        return doomed
+
+    def _account(self, key: bytes, delta: int) -> None:
+        """Caller holds the lock (or is the constructor): per-namespace usage."""
+        if self.namespace_quota is None:
+            return
+        namespace = key[:FINGERPRINT_BYTES]
+        left = self._ns_usage.get(namespace, 0) + delta
+        if left > 0:
+            self._ns_usage[namespace] = left
+        else:
+            self._ns_usage.pop(namespace, None)
+
+    def _evict_namespace_locked(self, key: bytes, incoming: int) -> list[str]:
+        """Evict ``key``'s namespace's least recent files until ``incoming`` fits its quota."""
+        quota = self.namespace_quota
+        namespace = key[:FINGERPRINT_BYTES]
+        if quota is None or self._ns_usage.get(namespace, 0) + incoming <= quota:
+            return []
+        doomed: list[str] = []
+        for victim in [k for k in self._index if k[:FINGERPRINT_BYTES] == namespace]:
+            if self._ns_usage.get(namespace, 0) + incoming <= quota:
+                break
+            entry = self._index.pop(victim)
+            self._usage -= entry.file_bytes
+            self._account(victim, -entry.file_bytes)
+            self._stats.evictions_total += 1
+            doomed.append(self.path_of(victim))
         return doomed
 
     def _forget(self, key: bytes, missing: bool = False) -> bool:
@@ -349,6 +394,7 @@ class DiskTier(Tier):
             if entry is None:
                 return False
             self._usage -= entry.file_bytes
+            self._account(key, -entry.file_bytes)
             if missing:
                 self._stats.misses_total += 1
                 self._stats.count_error("file_vanished")

@@ -35,3 +35,17 @@ def test_a_chunk_larger_than_the_quota_is_refused(make_engine: Any):
         l1={"size_bytes": "8Mi", "namespace_quota_bytes": "128Ki"}, l2={"enabled": False}
     )
     assert not engine.put(_keys("t", 1)[0], b"\x01" * CHUNK, META)
+
+
+def test_a_tenant_over_its_l2_quota_evicts_its_own_files_and_nobody_elses(tmp_path: Any):
+    from kvstrata.sidecar.tiers.disk import DiskTier
+
+    tier = DiskTier(tmp_path / "l2", 64 << 20, namespace_quota=2 << 20)
+    quiet, busy = _keys("quiet", 4), _keys("busy", 24)
+    for key in quiet + busy:
+        assert tier.put(key, b"\x02" * CHUNK, META)
+    assert tier.contains_many(quiet) == [True] * 4
+    held = tier.contains_many(busy)
+    assert 6 <= sum(held) < 8  # 2 MiB less the files' headers
+    assert all(held[-6:]) and not any(held[:16])
+    tier.close()
