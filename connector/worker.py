@@ -181,12 +181,12 @@ class KVStrataWorker:
         if meta is None or not meta.loads:
             return
         started = time.perf_counter()
-        work: list[tuple[ChunkTransfer, torch.Tensor]] = []
         if self.layout is not None and self.client.transfer_mode == "ipc":
             for req in meta.loads:
                 self._load_by_sidecar(req)
             self.counters.load_seconds += time.perf_counter() - started
             return
+        work: list[tuple[ChunkTransfer, torch.Tensor]] = []
         for req in meta.loads:
             try:
                 ready = self._leased_sources(req) if self.layout is not None else []
@@ -194,18 +194,14 @@ class KVStrataWorker:
                 logger.exception("kvstrata: load of %s failed; vLLM recomputes it", req.req_id)
                 ready = []
             work.extend(ready)
-            for chunk in req.chunks[len(ready) :]:
-                self._load_errors.update(chunk.block_ids[chunk.first_block :])
-            self.counters.failed_chunks += len(req.chunks) - len(ready)
+            self._failed_loads(req.chunks[len(ready) :])
         if work:
             try:
                 self._copy_in(work)
                 self.counters.loaded_chunks += len(work)
             except Exception:
                 logger.exception("kvstrata: copy into vLLM's KV failed; vLLM recomputes it")
-                for chunk, _ in work:
-                    self._load_errors.update(chunk.block_ids[chunk.first_block :])
-                self.counters.failed_chunks += len(work)
+                self._failed_loads([chunk for chunk, _ in work])
         if not self.copies.asynchronous:
             self._finish_loads()
         self.counters.load_seconds += time.perf_counter() - started
@@ -216,10 +212,14 @@ class KVStrataWorker:
         keys = [make_key(fp, c.chunk_hash) for c in req.chunks]
         blocks = [ipc.load_block_ids(c) for c in req.chunks]
         loaded = self.client.load_blocks(keys, blocks, req.req_id) or 0
-        for chunk in req.chunks[loaded:]:
-            self._load_errors.update(chunk.block_ids[chunk.first_block :])
         self.counters.loaded_chunks += loaded
-        self.counters.failed_chunks += len(req.chunks) - loaded
+        self._failed_loads(req.chunks[loaded:])
+
+    def _failed_loads(self, chunks: list[ChunkTransfer]) -> None:
+        """Report chunks not loaded: vLLM recomputes their blocks."""
+        for chunk in chunks:
+            self._load_errors.update(chunk.block_ids[chunk.first_block :])
+        self.counters.failed_chunks += len(chunks)
 
     def _leased_sources(self, req: RequestTransfer) -> list[tuple[ChunkTransfer, torch.Tensor]]:
         """Lease the request's chunks; the arena bytes of the leading ones that fit.
@@ -253,9 +253,19 @@ class KVStrataWorker:
         return ready
 
     def _copy_in(self, work: list[tuple[ChunkTransfer, torch.Tensor]]) -> None:
-        """Scatter every chunk into vLLM's KV, layer by layer (one event per layer)."""
+        """Scatter every chunk into vLLM's KV.
+
+        Asynchronous copies (CUDA) go layer by layer, one event per layer, so
+        ``wait_for_layer_load`` waits for its layer only; inline ones (CPU) go
+        a chunk at a time through :meth:`ChunkLayout.scatter`, which uses the
+        csrc host library for all layers at once.
+        """
         layout = self.layout
         assert layout is not None  # checked by the caller
+        if not self.copies.asynchronous:
+            for chunk, src in work:
+                layout.scatter(src, chunk.block_ids, chunk.first_block)
+            return
         with self.copies.loading():
             for layer in range(layout.plan.num_layers):
                 for chunk, src in work:

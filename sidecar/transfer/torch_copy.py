@@ -96,18 +96,14 @@ class TorchCopier:
 
     def scatter(self, src: torch.Tensor, block_ids: Sequence[int], first_block: int = 0) -> None:
         """Copy chunk buffer ``src`` into the blocks ``block_ids[first_block:]``."""
-        self.plan.check_block_ids(block_ids)
-        chunk = self.chunk_view(src, len(block_ids))
-        for pos, start, n in runs(block_ids, first_block):
-            for i, view in enumerate(self.views):
-                view[start : start + n].copy_(
-                    self._layer_slice(chunk, i, pos, n), non_blocking=True
-                )
+        for layer in range(self.plan.num_layers):
+            self.scatter_layer(layer, src, block_ids, first_block)
 
     def scatter_layer(
         self, layer: int, src: torch.Tensor, block_ids: Sequence[int], first_block: int = 0
     ) -> None:
         """:meth:`scatter` for one plan layer only (layer-by-layer loads)."""
+        self.plan.check_block_ids(block_ids)
         chunk = self.chunk_view(src, len(block_ids))
         view = self.views[layer]
         for pos, start, n in runs(block_ids, first_block):
