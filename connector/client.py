@@ -468,10 +468,9 @@ class SidecarClient:
     def _open_live(self, session_id: str) -> None:
         """Hold the sidecar's liveness connection for this session (ipc:// only)."""
         self._close_live()
-        if self.endpoint.startswith("ipc://"):
-            self._live = liveness.connect(
-                liveness.liveness_path(self.endpoint[len("ipc://") :]), session_id
-            )
+        path = liveness.ipc_path(self.endpoint)
+        if path is not None:
+            self._live = liveness.connect(liveness.liveness_path(path), session_id)
 
     def _close_live(self) -> None:
         if self._live is not None:

@@ -32,6 +32,7 @@ from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.handlers import POOLED_OPS, POOLED_OPS_REMOTE, Handlers
 from kvstrata.sidecar.liveness import (
     LivenessListener,
+    ipc_path,
     liveness_path,
     restrict_socket_file,
     socket_umask,
@@ -49,14 +50,6 @@ logger = logging.getLogger(__name__)
 HOUSEKEEPING_SECONDS = 0.5
 MAX_BATCH = 256  # messages read per loop turn before replies of the pool are sent
 MAX_POOL_BACKLOG = 1024  # pooled requests waiting; beyond it requests get E_BUSY
-
-
-def ipc_path(endpoint: str) -> str | None:
-    """The socket file of an ``ipc://`` endpoint (None for tcp or abstract sockets)."""
-    if not endpoint.startswith("ipc://"):
-        return None
-    path = endpoint[len("ipc://") :]
-    return None if path.startswith("@") else path
 
 
 class SidecarServer:
