@@ -28,6 +28,7 @@ import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -49,17 +50,15 @@ logger = logging.getLogger(__name__)
 # Bump when the chunk byte order changes: old entries become misses, never garbage.
 LAYOUT_VERSION = "v2"
 
-# Physical order of the per-layer view's logical dims [B, H, N, C] for each
-# vLLM KVCacheLayout (vllm/v1/kv_cache_layout.py: layer_view_order, the
-# stride permutation with the layer axis dropped).
-_VIEW_ORDER = {
-    "LBHNC": (0, 1, 2, 3),
-    "LBNHC": (0, 2, 1, 3),
-    "LHBNC": (1, 0, 2, 3),
-    "BLHNC": (0, 1, 2, 3),
-    "BLNHC": (0, 2, 1, 3),
-    "BHLNC": (0, 1, 2, 3),
-}
+
+def _vllm_layout(kv_cache_layout: str) -> Any:
+    """vLLM's own ``KVCacheLayout`` of that name: its stride order is the truth."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    try:
+        return KVCacheLayout[kv_cache_layout]
+    except KeyError:
+        raise UnsupportedLayoutError(f"unknown vLLM KV cache layout {kv_cache_layout!r}") from None
 
 
 def layout_id(device_type: str, kv_cache_layout: str | None, backend: str | None) -> str | None:
@@ -142,9 +141,8 @@ class ChunkLayout:
 
 
 def _check_view_order(name: str, kv: torch.Tensor, kv_cache_layout: str) -> None:
-    order = _VIEW_ORDER.get(kv_cache_layout)
-    if order is None:
-        raise UnsupportedLayoutError(f"unknown vLLM KV cache layout {kv_cache_layout!r}")
+    # Physical order of the view's logical dims [B, H, N, C].
+    order = _vllm_layout(kv_cache_layout).layer_view_order
     if kv.dim() != 4:
         raise UnsupportedLayoutError(
             f"layer {name}: a {kv.dim()}-D KV tensor {tuple(kv.shape)}, expected the "
@@ -221,7 +219,7 @@ def detect_layout(
         block_dim = 0 if kv_cache_layout is not None else _legacy_block_dim(first, num_blocks)
     plan = plan_from_geometry([TensorGeometry.of(t) for t in tensors], block_dim)
     # Block-outermost layouts (BL.., BH..) interleave the layers inside each block.
-    interleaved = kv_cache_layout is not None and kv_cache_layout.startswith("B")
+    interleaved = kv_cache_layout is not None and _vllm_layout(kv_cache_layout).is_block_outermost
     if kv_cache_layout is not None and len(tensors) > 1 and plan.block_outer != interleaved:
         raise UnsupportedLayoutError(
             f"layers are {'' if plan.block_outer else 'not '}interleaved in blocks: "

@@ -1,5 +1,5 @@
 """Chunk layouts of the vLLM connector: every vLLM KV layout x dtype, on CPU tensors
-built with the shapes and strides vLLM uses on GPUs (no vLLM, no GPU needed).
+built with the shapes and strides vLLM uses on GPUs (no vLLM engine, no GPU needed).
 
 The expected bytes come from plain indexing of each tensor (``tensor.select``
 along its block dimension), never from the copy plan under test.
