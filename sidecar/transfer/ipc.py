@@ -222,8 +222,8 @@ class IpcTransfers:
                 mapping.copies -= 1
                 self._idle.notify_all()
 
-    def _check_blocks(self, mapping: IpcMapping, block_ids: list[list[int]]) -> list[int]:
-        flat: list[int] = []
+    def _check_blocks(self, mapping: IpcMapping, block_ids: list[list[int]]) -> None:
+        """Refuse a wrong block count or a block past the KV (the kernels trust ids)."""
         for i, ids in enumerate(block_ids):
             if len(ids) != mapping.blocks_per_chunk:
                 raise p.ProtocolError(
@@ -237,8 +237,6 @@ class IpcTransfers:
                         p.E_BAD_REQUEST,
                         f"field 'block_ids[{i}]': block {b} >= {mapping.plan.num_blocks}",
                     )
-            flat.extend(ids)
-        return flat
 
     # -- copies ---------------------------------------------------------------
 
