@@ -16,6 +16,7 @@ engine, ZeroMQ and prometheus are imported in :func:`run`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvstrata.sidecar.config import SidecarConfig
     from kvstrata.sidecar.engine import StorageManager
+    from kvstrata.sidecar.http import HttpEndpoints
+    from kvstrata.sidecar.server import SidecarServer
     from kvstrata.sidecar.transfer.cuda_device import CudaDevices
     from kvstrata.sidecar.transfer.ipc import IpcTransfers
 
@@ -76,10 +79,35 @@ def run(args: argparse.Namespace) -> int:
     return _serve(config)
 
 
-def _serve(config: SidecarConfig) -> int:
-    import signal
-    import threading
+class _StartError(Exception):
+    """A start-up failure: the message for stderr and the process's exit code."""
 
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _serve(config: SidecarConfig) -> int:
+    """Start every part, serve until SIGTERM/SIGINT, tear down in reverse order.
+
+    The ExitStack closes what was started, newest first: HTTP, server, CUDA
+    devices (IPC handles and the arena's registration must go before the arena
+    is unmapped), engine (stops writers, unlinks the segment), shared tier.
+    """
+    try:
+        with contextlib.ExitStack() as stack:
+            server, http, engine = _start(config, stack)
+            _serve_until_signalled(server, http, engine)
+            return 0
+    except _StartError as exc:
+        print(f"kvstrata sidecar: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def _start(
+    config: SidecarConfig, stack: contextlib.ExitStack
+) -> tuple[SidecarServer, HttpEndpoints, StorageManager]:
+    """Engine, ZMQ server and HTTP endpoints, each registered on ``stack`` for teardown."""
     import zmq
 
     from kvstrata import __version__
@@ -94,82 +122,72 @@ def _serve(config: SidecarConfig) -> int:
         try:
             shared = build_shared_tier(config.shared)
         except ValueError as exc:
-            print(f"kvstrata sidecar: {exc}", file=sys.stderr)
-            return 2
+            raise _StartError(str(exc), 2) from exc
+        stack.callback(shared.close)
     try:
         engine = StorageManager(config, shared_tier=shared)
     except (OSError, ValueError) as exc:  # no room in /dev/shm, unwritable L2 path, ...
-        print(f"kvstrata sidecar: cannot start the engine: {exc}", file=sys.stderr)
-        if shared is not None:
-            shared.close()
-        return 1
-    server: SidecarServer | None = None
-    http: HttpEndpoints | None = None
-    stop = threading.Event()
-    devices: CudaDevices | None = None
+        raise _StartError(f"cannot start the engine: {exc}", 1) from exc
+    stack.callback(engine.close)
+    devices, ipc, ipc_unavailable = _open_ipc(config, engine)
+    if devices is not None:
+        stack.callback(devices.close)
+    server = SidecarServer(
+        config,
+        engine,
+        server_version=__version__,
+        remote_lookups=shared is not None,
+        ipc=ipc,
+        ipc_unavailable=ipc_unavailable,
+    )
+    stack.callback(server.close)
     try:
-        devices, ipc, ipc_unavailable = _open_ipc(config, engine)
-        server = SidecarServer(
-            config,
-            engine,
-            server_version=__version__,
-            remote_lookups=shared is not None,
-            ipc=ipc,
-            ipc_unavailable=ipc_unavailable,
+        server.bind()
+    except (zmq.ZMQError, OSError) as exc:
+        where = config.server.endpoint
+        raise _StartError(f"server.endpoint: cannot bind {where}: {exc}", 1) from exc
+    try:
+        http = HttpEndpoints(
+            config.server.http_host,
+            config.server.http_port,
+            server.metrics.registry,
+            ready=lambda: server.ready,
+            status=server.status,
         )
-        try:
-            server.bind()
-        except (zmq.ZMQError, OSError) as exc:
-            print(
-                f"kvstrata sidecar: server.endpoint: cannot bind {config.server.endpoint}: {exc}",
-                file=sys.stderr,
-            )
-            return 1
-        try:
-            http = HttpEndpoints(
-                config.server.http_host,
-                config.server.http_port,
-                server.metrics.registry,
-                ready=lambda: server is not None and server.ready,
-                status=server.status,
-            )
-        except OSError as exc:
-            where = f"{config.server.http_host}:{config.server.http_port}"
-            print(
-                f"kvstrata sidecar: server.http_port: cannot listen on {where}: {exc}",
-                file=sys.stderr,
-            )
-            return 1
-        http.start()
+    except OSError as exc:
+        where = f"{config.server.http_host}:{config.server.http_port}"
+        raise _StartError(f"server.http_port: cannot listen on {where}: {exc}", 1) from exc
+    stack.callback(http.close)
+    http.start()
+    return server, http, engine
 
-        def on_signal(signum: int, _frame: object) -> None:
-            logger.info("signal %d: shutting down", signum)
-            stop.set()
-            if server is not None:
-                server.wake()
 
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        logger.info(
-            "kvstrata sidecar %s ready: zmq %s, http :%d, arena %s (%d bytes)",
-            __version__,
-            server.endpoint,
-            http.port,
-            engine.arena.name,
-            engine.arena.size,
-        )
-        server.serve(stop)
-        return 0
-    finally:
-        if http is not None:
-            http.close()
-        if server is not None:
-            server.close()
-        if devices is not None:
-            devices.close()  # IPC handles and the arena's CUDA registration, before unmapping
-        engine.close()  # stops writers and unlinks the shared-memory segment
-        if shared is not None:
-            shared.close()
+def _serve_until_signalled(
+    server: SidecarServer, http: HttpEndpoints, engine: StorageManager
+) -> None:
+    import signal
+    import threading
+
+    from kvstrata import __version__
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        logger.info("signal %d: shutting down", signum)
+        stop.set()
+        server.wake()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    logger.info(
+        "kvstrata sidecar %s ready: zmq %s, http :%d, arena %s (%d bytes)",
+        __version__,
+        server.endpoint,
+        http.port,
+        engine.arena.name,
+        engine.arena.size,
+    )
+    server.serve(stop)
 
 
 def _open_ipc(
