@@ -44,13 +44,13 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvstrata.sidecar.transfer import csrc_build
+from kvstrata.sidecar.transfer import abi, csrc_build
+from kvstrata.sidecar.transfer.abi import IntArray
 from kvstrata.sidecar.transfer.csrc_build import CSrcBuildError, Library
 
 if TYPE_CHECKING:
@@ -58,50 +58,6 @@ if TYPE_CHECKING:
 
 # Must equal KVS_ABI_VERSION in csrc/kvs_abi.h.
 ABI_VERSION = 3
-
-IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t, cudaIpcEventHandle_t
-
-IntArray = Sequence[int] | np.ndarray
-
-_I32_MAX = 2**31 - 1
-_I64_MAX = 2**63 - 1
-_U64_MAX = 2**64 - 1
-
-_COPY_ARGTYPES = [
-    ctypes.c_void_p,  # layer_addresses
-    ctypes.c_int32,  # num_layers
-    ctypes.c_int64,  # block_stride
-    ctypes.c_int32,  # num_segments
-    ctypes.c_int64,  # segment_stride
-    ctypes.c_int64,  # segment_bytes
-    ctypes.c_int32,  # block_outer
-    ctypes.c_void_p,  # block_ids
-    ctypes.c_int32,  # blocks_per_chunk
-    ctypes.c_void_p,  # chunk_addresses
-    ctypes.c_int64,  # num_chunks
-    ctypes.c_int32,  # max_ctas
-    ctypes.c_uint64,  # stream
-]
-
-_I32P = ctypes.POINTER(ctypes.c_int32)
-_U64P = ctypes.POINTER(ctypes.c_uint64)
-# The runtime calls of ipc mode (csrc/kvs_ipc.cu); every one returns a cudaError_t.
-_CUDA_IPC_ARGTYPES: dict[str, list[Any]] = {
-    "kvs_cuda_device_by_uuid": [ctypes.c_char_p, _I32P],
-    "kvs_cuda_set_device": [ctypes.c_int32],
-    # Handles go as c_char_p: a pointer to the bytes object's own 64 bytes (NULs and all).
-    "kvs_cuda_ipc_open": [ctypes.c_int32, ctypes.c_char_p, _U64P],
-    "kvs_cuda_ipc_close": [ctypes.c_int32, ctypes.c_uint64],
-    "kvs_cuda_stream_create": [ctypes.c_int32, _U64P],
-    "kvs_cuda_stream_destroy": [ctypes.c_int32, ctypes.c_uint64],
-    "kvs_cuda_stream_wait_ipc_event": [ctypes.c_int32, ctypes.c_uint64, ctypes.c_char_p],
-    "kvs_cuda_host_register": [ctypes.c_void_p, ctypes.c_uint64, _U64P, _I32P],
-    "kvs_cuda_host_unregister": [ctypes.c_void_p],
-    "kvs_cuda_mem_get_info": [ctypes.c_int32, _U64P, _U64P],
-    "kvs_cuda_malloc": [ctypes.c_int32, ctypes.c_uint64, _U64P],
-    "kvs_cuda_free": [ctypes.c_int32, ctypes.c_uint64],
-    "kvs_cuda_memcpy_async": [ctypes.c_uint64] * 4,
-}
 
 
 class _Unavailable(Exception):
@@ -178,8 +134,8 @@ class TransferLibrary:
 
     def vector_width(self, plan: CopyPlan, chunk_addresses: IntArray) -> int:
         """The access width in bytes (16, 8, 4, 2 or 1) a copy of these inputs uses."""
-        layers = _plan_layers(plan)
-        chunks = _int_array(chunk_addresses, "chunk_addresses", np.uint64, 1, _U64_MAX)
+        layers = abi.plan_layers(plan)
+        chunks = abi.int_array(chunk_addresses, "chunk_addresses", np.uint64, 1, abi.U64_MAX)
         return int(
             self._lib.kvs_vector_width(
                 layers.ctypes.data, len(layers), plan.block_stride, plan.segment_stride,
@@ -194,7 +150,8 @@ class TransferLibrary:
         """
         if self.backend == "cuda":
             self._check(
-                "cudaStreamSynchronize", self._lib.kvs_cuda_stream_synchronize(_stream(stream))
+                "cudaStreamSynchronize",
+                self._lib.kvs_cuda_stream_synchronize(abi.stream_handle(stream)),
             )
 
     def _copy(
@@ -207,19 +164,19 @@ class TransferLibrary:
         stream: Any,
         max_ctas: int,
     ) -> None:
-        layers = _plan_layers(plan)
-        chunks = _int_array(chunk_addresses, "chunk_addresses", np.uint64, 1, _U64_MAX)
-        if not 1 <= blocks_per_chunk <= _I32_MAX:
+        layers = abi.plan_layers(plan)
+        chunks = abi.int_array(chunk_addresses, "chunk_addresses", np.uint64, 1, abi.U64_MAX)
+        if not 1 <= blocks_per_chunk <= abi.I32_MAX:
             raise ValueError(f"blocks_per_chunk must be >= 1, not {blocks_per_chunk}")
-        ids = _int_array(block_ids, "block_ids", np.int64, -(2**63), plan.num_blocks - 1)
+        ids = abi.int_array(block_ids, "block_ids", np.int64, -(2**63), plan.num_blocks - 1)
         if len(ids) != len(chunks) * blocks_per_chunk:
             raise ValueError(
                 f"{len(ids)} block ids for {len(chunks)} chunks of {blocks_per_chunk} blocks "
                 f"(expected {len(chunks) * blocks_per_chunk})"
             )
-        if not 0 <= max_ctas <= _I32_MAX:
+        if not 0 <= max_ctas <= abi.I32_MAX:
             raise ValueError(f"max_ctas must be >= 0, not {max_ctas}")
-        handle = _stream(stream)
+        handle = abi.stream_handle(stream)
         if len(chunks) == 0:
             return
         code = getattr(self._lib, fn)(
@@ -237,7 +194,7 @@ class TransferLibrary:
         ValueError when ``text`` is not one. The rule :meth:`device_by_uuid` matches by.
         """
         out = ctypes.create_string_buffer(16)
-        if self._lib.kvs_uuid_parse(_ascii(text, "uuid"), out) != 0:
+        if self._lib.kvs_uuid_parse(abi.ascii_arg(text, "uuid"), out) != 0:
             raise ValueError(f"{text!r} is not a GPU UUID (like GPU-<8-4-4-4-12 hex digits>)")
         return out.raw
 
@@ -251,13 +208,15 @@ class TransferLibrary:
         """
         self.parse_uuid(uuid)
         device = ctypes.c_int32(-1)
-        self._cuda_call("kvs_cuda_device_by_uuid", _ascii(uuid, "uuid"), ctypes.byref(device))
+        self._cuda_call(
+            "kvs_cuda_device_by_uuid", abi.ascii_arg(uuid, "uuid"), ctypes.byref(device)
+        )
         return device.value
 
     def set_device(self, device: int) -> None:
         """Make ``device`` the calling thread's current device (the one
         :meth:`gather` / :meth:`scatter` launch on)."""
-        self._cuda_call("kvs_cuda_set_device", _device(device))
+        self._cuda_call("kvs_cuda_set_device", abi.device_index(device))
 
     def ipc_open(self, device: int, handle: bytes) -> int:
         """Map another process's allocation (its 64-byte ``cudaIpcMemHandle_t``) on
@@ -265,33 +224,39 @@ class TransferLibrary:
         """
         address = ctypes.c_uint64(0)
         self._cuda_call(
-            "kvs_cuda_ipc_open", _device(device), _handle(handle, "handle"),
+            "kvs_cuda_ipc_open", abi.device_index(device), abi.ipc_handle_arg(handle, "handle"),
             ctypes.byref(address),
         )  # fmt: skip
         return address.value
 
     def ipc_close(self, device: int, address: int) -> None:
         """Unmap an allocation :meth:`ipc_open` mapped (once per open)."""
-        self._cuda_call("kvs_cuda_ipc_close", _device(device), _address(address, "address"))
+        self._cuda_call(
+            "kvs_cuda_ipc_close", abi.device_index(device), abi.address_arg(address, "address")
+        )
 
     def stream_create(self, device: int) -> int:
         """A new non-blocking stream of ``device`` (a ``cudaStream_t`` as an integer)."""
         stream = ctypes.c_uint64(0)
-        self._cuda_call("kvs_cuda_stream_create", _device(device), ctypes.byref(stream))
+        self._cuda_call("kvs_cuda_stream_create", abi.device_index(device), ctypes.byref(stream))
         return stream.value
 
     def stream_destroy(self, device: int, stream: int) -> None:
         """Destroy a stream :meth:`stream_create` made (queued work still completes)."""
-        self._cuda_call("kvs_cuda_stream_destroy", _device(device), _address(stream, "stream"))
+        self._cuda_call(
+            "kvs_cuda_stream_destroy", abi.device_index(device), abi.address_arg(stream, "stream")
+        )
 
     def stream_wait_ipc_event(self, device: int, stream: int, event_handle: bytes) -> None:
         """Queue on ``stream`` a wait for another process's interprocess event (its
         64-byte ``cudaIpcEventHandle_t``): later work on the stream runs after the
         event's last record completes. The host does not block."""
         self._cuda_call(
-            "kvs_cuda_stream_wait_ipc_event", _device(device), _address(stream, "stream"),
-            _handle(event_handle, "event_handle"),
-        )  # fmt: skip
+            "kvs_cuda_stream_wait_ipc_event",
+            abi.device_index(device),
+            abi.address_arg(stream, "stream"),
+            abi.ipc_handle_arg(event_handle, "event_handle"),
+        )
 
     def host_register(self, address: int, nbytes: int) -> tuple[int, bool]:
         """Page-lock and map ``nbytes`` of host memory at ``address`` for the GPUs, on
@@ -300,25 +265,28 @@ class TransferLibrary:
         Memory already registered (torch pinned it) is left so, and only its device
         address is returned with ``False``: unregister only what this call registered.
         """
-        if not 1 <= nbytes <= _U64_MAX:
+        if not 1 <= nbytes <= abi.U64_MAX:
             raise ValueError(f"nbytes must be >= 1, not {nbytes}")
         device_address = ctypes.c_uint64(0)
         registered = ctypes.c_int32(0)
         self._cuda_call(
-            "kvs_cuda_host_register", _address(address, "address"), nbytes,
+            "kvs_cuda_host_register", abi.address_arg(address, "address"), nbytes,
             ctypes.byref(device_address), ctypes.byref(registered),
         )  # fmt: skip
         return device_address.value, bool(registered.value)
 
     def host_unregister(self, address: int) -> None:
         """Undo :meth:`host_register` (before the memory is unmapped)."""
-        self._cuda_call("kvs_cuda_host_unregister", _address(address, "address"))
+        self._cuda_call("kvs_cuda_host_unregister", abi.address_arg(address, "address"))
 
     def mem_get_info(self, device: int) -> tuple[int, int]:
         """``(free, total)`` bytes of ``device``'s memory (device-wide, all processes)."""
         free, total = ctypes.c_uint64(0), ctypes.c_uint64(0)
         self._cuda_call(
-            "kvs_cuda_mem_get_info", _device(device), ctypes.byref(free), ctypes.byref(total)
+            "kvs_cuda_mem_get_info",
+            abi.device_index(device),
+            ctypes.byref(free),
+            ctypes.byref(total),
         )
         return free.value, total.value
 
@@ -328,15 +296,17 @@ class TransferLibrary:
         Give it back with :meth:`free`. Raises :class:`KernelError` (named
         ``cudaErrorMemoryAllocation`` when the device is full).
         """
-        if not 1 <= nbytes <= _U64_MAX:
+        if not 1 <= nbytes <= abi.U64_MAX:
             raise ValueError(f"nbytes must be >= 1, not {nbytes}")
         address = ctypes.c_uint64(0)
-        self._cuda_call("kvs_cuda_malloc", _device(device), nbytes, ctypes.byref(address))
+        self._cuda_call("kvs_cuda_malloc", abi.device_index(device), nbytes, ctypes.byref(address))
         return address.value
 
     def free(self, device: int, address: int) -> None:
         """Give back memory :meth:`malloc` allocated (waits for the device's queued work)."""
-        self._cuda_call("kvs_cuda_free", _device(device), _address(address, "address"))
+        self._cuda_call(
+            "kvs_cuda_free", abi.device_index(device), abi.address_arg(address, "address")
+        )
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: Any = 0) -> None:
         """Queue a copy of ``nbytes`` from ``src`` to ``dst`` on ``stream`` and return.
@@ -346,12 +316,15 @@ class TransferLibrary:
         from them. Like :meth:`gather`, it runs on the current device, and both
         ranges must stay valid until the stream passes the copy.
         """
-        if not 0 <= nbytes <= _U64_MAX:
+        if not 0 <= nbytes <= abi.U64_MAX:
             raise ValueError(f"nbytes must be >= 0, not {nbytes}")
         self._cuda_call(
-            "kvs_cuda_memcpy_async", _address(dst, "dst"), _address(src, "src"), nbytes,
-            _stream(stream),
-        )  # fmt: skip
+            "kvs_cuda_memcpy_async",
+            abi.address_arg(dst, "dst"),
+            abi.address_arg(src, "src"),
+            nbytes,
+            abi.stream_handle(stream),
+        )
 
     def _cuda_call(self, fn: str, *args: Any) -> None:
         if self.backend != "cuda":
@@ -369,102 +342,6 @@ class TransferLibrary:
         raise KernelError(what, code, name, text)
 
 
-def _stream(stream: Any) -> int:
-    handle = getattr(stream, "cuda_stream", stream)
-    if not isinstance(handle, int) or not 0 <= handle <= _U64_MAX:
-        raise ValueError(f"stream must be a cudaStream_t handle (int >= 0), not {stream!r}")
-    return handle
-
-
-def _device(device: int) -> int:
-    if not isinstance(device, int) or not 0 <= device <= _I32_MAX:
-        raise ValueError(f"device must be a CUDA device index (int >= 0), not {device!r}")
-    return device
-
-
-def _address(value: int, name: str) -> int:
-    if not isinstance(value, int) or not 1 <= value <= _U64_MAX:
-        raise ValueError(f"{name} must be a non-null address, not {value!r}")
-    return value
-
-
-def _handle(value: bytes, name: str) -> bytes:
-    if not isinstance(value, bytes) or len(value) != IPC_HANDLE_BYTES:
-        raise ValueError(f"{name} must be {IPC_HANDLE_BYTES} bytes (a CUDA IPC handle)")
-    return value
-
-
-def _ascii(text: str, name: str) -> bytes:
-    try:
-        return text.encode("ascii")
-    except (AttributeError, UnicodeEncodeError):
-        raise ValueError(f"{name} must be an ASCII string, not {text!r}") from None
-
-
-def _int_array(values: IntArray, name: str, dtype: type, low: int, high: int) -> np.ndarray:
-    """``values`` as a contiguous 1-D array of ``dtype``; ValueError unless all in [low, high]."""
-    try:
-        arr = np.asarray(values)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ValueError(f"{name} must be a sequence of integers: {exc}") from None
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be one-dimensional, not of shape {arr.shape}")
-    if arr.size == 0:
-        return np.zeros(0, dtype=dtype)
-    if arr.dtype.kind not in "iu":
-        raise ValueError(f"{name} must be integers, not {arr.dtype}")
-    bad = (arr < low) | (arr > high)
-    if bad.any():
-        value = int(arr[int(np.argmax(bad))])
-        if name == "block_ids" and value > high:
-            raise ValueError(f"block id {value} >= num_blocks {high + 1}")
-        raise ValueError(f"{name}: {value} is outside [{low}, {high}]")
-    return np.ascontiguousarray(arr, dtype=dtype)
-
-
-def _plan_layers(plan: CopyPlan) -> np.ndarray:
-    """The plan's layer addresses after checking every scalar fits the ABI."""
-    checks = (
-        ("num_layers", plan.num_layers, 1, _I32_MAX),
-        ("num_blocks", plan.num_blocks, 0, _I64_MAX),
-        ("block_stride", plan.block_stride, 0, _I64_MAX),
-        ("num_segments", plan.num_segments, 1, _I32_MAX),
-        ("segment_stride", plan.segment_stride, 0, _I64_MAX),
-        ("segment_bytes", plan.segment_bytes, 1, _I64_MAX),
-    )
-    for field, value, low, high in checks:
-        if not low <= value <= high:
-            raise ValueError(f"plan.{field} = {value} is outside [{low}, {high}]")
-    return _int_array(plan.layer_addresses, "plan.layer_addresses", np.uint64, 1, _U64_MAX)
-
-
-def _declare(cdll: ctypes.CDLL) -> None:
-    """Set argument and result types (ctypes would otherwise pass ints as C int)."""
-    for fn in ("kvs_gather", "kvs_scatter"):
-        getattr(cdll, fn).argtypes = _COPY_ARGTYPES
-        getattr(cdll, fn).restype = ctypes.c_int
-    cdll.kvs_vector_width.argtypes = [
-        ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-        ctypes.c_void_p, ctypes.c_int64,
-    ]  # fmt: skip
-    cdll.kvs_vector_width.restype = ctypes.c_int
-    cdll.kvs_abi_version.restype = ctypes.c_int
-    cdll.kvs_source_hash.restype = ctypes.c_char_p
-    cdll.kvs_backend.restype = ctypes.c_char_p
-    cdll.kvs_uuid_parse.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
-    cdll.kvs_uuid_parse.restype = ctypes.c_int
-    if cdll.kvs_backend() == b"cuda":
-        cdll.kvs_cuda_device_count.argtypes = [ctypes.POINTER(ctypes.c_int32)]
-        cdll.kvs_cuda_versions.argtypes = [ctypes.POINTER(ctypes.c_int32)] * 2
-        for fn in ("kvs_cuda_error_name", "kvs_cuda_error_string"):
-            getattr(cdll, fn).argtypes = [ctypes.c_int32]
-            getattr(cdll, fn).restype = ctypes.c_char_p
-        cdll.kvs_cuda_stream_synchronize.argtypes = [ctypes.c_uint64]
-        for fn, argtypes in _CUDA_IPC_ARGTYPES.items():
-            getattr(cdll, fn).argtypes = argtypes
-            getattr(cdll, fn).restype = ctypes.c_int
-
-
 def _open(path: Path) -> TransferLibrary:
     """dlopen ``path`` and check it speaks this ABI (OSError / CSrcBuildError otherwise)."""
     cdll = ctypes.CDLL(str(path))
@@ -472,7 +349,7 @@ def _open(path: Path) -> TransferLibrary:
     version = cdll.kvs_abi_version()
     if version != ABI_VERSION:
         raise CSrcBuildError(f"{path} speaks ABI {version}, this binding {ABI_VERSION}")
-    _declare(cdll)
+    abi.declare(cdll)
     return TransferLibrary(path, cdll)
 
 

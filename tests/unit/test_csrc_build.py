@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvstrata.sidecar.transfer import csrc_build, kernels
+from kvstrata.sidecar.transfer import abi, csrc_build, kernels
 from kvstrata.sidecar.transfer.csrc_build import HOST, CSrcBuildError, build, source_hash
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
@@ -191,7 +191,7 @@ def test_the_header_declares_the_functions_the_binding_calls() -> None:
     assert functions["kvs_cuda_malloc"] == ["int32_t", "uint64_t", "uint64_t*"]
     assert functions["kvs_cuda_free"] == ["int32_t", "uint64_t"]
     assert functions["kvs_cuda_memcpy_async"] == ["uint64_t"] * 4
-    assert set(kernels._CUDA_IPC_ARGTYPES) <= set(functions)
+    assert set(abi.CUDA_IPC_ARGTYPES) <= set(functions)
 
 
 def test_the_host_library_exports_every_function_but_the_cuda_ones_as_declared() -> None:
