@@ -28,6 +28,7 @@ processes playing vLLM workers (torch, KV tensors in vLLM's layouts):
 Messages between the processes are tuples over a multiprocessing pipe:
 ``("ready", payload)``, ``("check", src_ids, dst_ids)`` ->
 ``("checked", problem_or_empty)``, ``("exit",)``, ``("error", traceback)``.
+The workers' side is :mod:`kvstrata.testing.gpuworker`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import os
 import signal
 import tempfile
 import time
-import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -141,78 +141,6 @@ def _expected_target(layout: str, dtype_name: str, src: list[int], dst: list[int
     return chunkref.storage_bytes(target)
 
 
-def worker_main(
-    conn: Connection,
-    role: str,
-    cases: list[tuple[str, str]],
-    nbytes: int,
-    shape: dict[str, int] | None = None,
-) -> None:
-    """A spawned worker. ``role``: ``source`` (KV written late, behind an exported
-    event), ``target`` (poisoned KV, checked on request), ``export`` (KV of ``shape``
-    and an event recorded after it, for benchmarks) or ``hog`` (one allocation of
-    ``nbytes``, then waits to be killed)."""
-    try:
-        import torch
-
-        from kvstrata.testing import chunkref
-
-        torch.cuda.init()
-        keep: list[Any] = []
-        if role == "hog":
-            hog = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-            keep.append(hog)
-            fake = type("Case", (), {"layers": {"hog": hog}})()
-            torch.cuda.synchronize()
-            conn.send(("ready", [_export(fake, "hog", "uint8")]))
-            conn.recv()  # never answered: the parent kills this process
-            return
-        built = [(_build(layout, dtype, "cuda", shape), layout, dtype) for layout, dtype in cases]
-        payload = [_export(case, layout, dtype) for case, layout, dtype in built]
-        raws = [
-            r for case, _, _ in built for r in chunkref.storage_bytes(list(case.layers.values()))
-        ]
-        event = None
-        if role == "source":
-            truth = [r.clone() for r in raws]
-            for r in raws:
-                r.fill_(POISON_SOURCE)
-            torch.cuda.synchronize()
-            if hasattr(torch.cuda, "_sleep"):  # hold the real bytes back on the GPU
-                torch.cuda._sleep(SLEEP_CYCLES)
-            for r, t in zip(raws, truth, strict=True):
-                r.copy_(t)
-            event = torch.cuda.Event(interprocess=True)
-            event.record()
-            keep += [truth, event]
-        elif role == "export":
-            event = torch.cuda.Event(interprocess=True)
-            event.record()
-            keep.append(event)
-        else:
-            for r in raws:
-                r.fill_(POISON_TARGET)
-            torch.cuda.synchronize()
-        conn.send(("ready", (payload, None if event is None else bytes(event.ipc_handle()))))
-        while True:
-            message = conn.recv()
-            if message[0] == "exit":
-                return
-            if message[0] == "check":
-                _, src, dst = message
-                problems = []
-                for case, layout, dtype in built:
-                    got = chunkref.storage_bytes(list(case.layers.values()))
-                    want = _expected_target(layout, dtype, src, dst)
-                    for g, w in zip(got, want, strict=True):
-                        if not torch.equal(g.cpu(), w):
-                            bad = int((g.cpu() != w).sum())
-                            problems.append(f"{layout}/{dtype}: {bad} bytes differ")
-                conn.send(("checked", "; ".join(problems)))
-    except Exception:
-        conn.send(("error", traceback.format_exc()))
-
-
 @contextmanager
 def _worker(
     role: str,
@@ -221,6 +149,8 @@ def _worker(
     shape: dict[str, int] | None = None,
 ) -> Iterator[tuple[Any, Connection]]:
     """A spawned worker and its pipe; killed on the way out if it is still there."""
+    from kvstrata.testing.gpuworker import worker_main
+
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     args = (child, role, list(cases), nbytes, shape)
@@ -315,7 +245,6 @@ def check_ipc_round_trip(lib: Any) -> str:
     """See the module docstring. ``lib``: the loaded CUDA library. Raises CheckFailed."""
     import torch
 
-    from kvstrata.sidecar import protocol as p
     from kvstrata.sidecar.config import config_from_dict
     from kvstrata.sidecar.engine import StorageManager
     from kvstrata.sidecar.transfer.cuda_device import CudaDevices
@@ -342,39 +271,8 @@ def check_ipc_round_trip(lib: Any) -> str:
             f"registered here: {devices.registration.owned}"
         ]
         try:
-            with _worker("source", cases) as (_, conn), _sessions(ipc) as sessions:
-                exported, event = _receive(conn, "exporting the source KV")
-                if event is None:
-                    raise CheckFailed("the source worker sent no event")
-                for i, kv in enumerate(exported):
-                    sessions.append(f"source-{i}")
-                    ipc.register(sessions[-1], _registration(kv))
-                    body = p.SaveBlocksRequest(_keys(kv), _per_chunk(src), event)
-                    committed = ipc.save(sessions[-1], body, "selftest").committed
-                    if committed != [True] * CHUNKS:
-                        raise CheckFailed(
-                            f"{kv.layout}/{kv.dtype}: SAVE_BLOCKS committed {committed} "
-                            "(the log above says why)"
-                        )
-                    _check_arena(engine, arena, kv, src)
-                notes.append(_check_own_registration(lib, exported[0], event, src))
-            with _worker("target", cases) as (_, conn):
-                with _sessions(ipc) as sessions:
-                    exported, _ = _receive(conn, "exporting the target KV")
-                    for i, kv in enumerate(exported):
-                        sessions.append(f"target-{i}")
-                        ipc.register(sessions[-1], _registration(kv))
-                        body = p.LoadBlocksRequest(_keys(kv), _per_chunk(dst))
-                        loaded = ipc.load(sessions[-1], body, "selftest").loaded
-                        if loaded != CHUNKS:
-                            raise CheckFailed(
-                                f"{kv.layout}/{kv.dtype}: LOAD_BLOCKS loaded {loaded} of {CHUNKS}"
-                            )
-                # Handles closed: the worker reads its KV as vLLM would after the reply.
-                conn.send(("check", src, dst))
-                problem = _receive(conn, "checking the loaded KV")
-                if problem:
-                    raise CheckFailed(f"the loading worker's KV is wrong: {problem}")
+            notes.append(_save_from_source_worker(lib, ipc, engine, arena, cases, src))
+            _load_into_target_worker(ipc, cases, src, dst)
         finally:
             del arena
             devices.close()  # unregisters before the engine unmaps the arena
@@ -382,6 +280,53 @@ def check_ipc_round_trip(lib: Any) -> str:
     return f"{len(cases)} layouts x dtypes stored from one process, loaded into another; " + (
         "; ".join(notes)
     )
+
+
+def _save_from_source_worker(
+    lib: Any, ipc: Any, engine: Any, arena: Any, cases: list[tuple[str, str]], src: Any
+) -> str:
+    """SAVE_BLOCKS from a source worker's KV for every case; checks the arena's bytes."""
+    from kvstrata.sidecar import protocol as p
+
+    with _worker("source", cases) as (_, conn), _sessions(ipc) as sessions:
+        exported, event = _receive(conn, "exporting the source KV")
+        if event is None:
+            raise CheckFailed("the source worker sent no event")
+        for i, kv in enumerate(exported):
+            sessions.append(f"source-{i}")
+            ipc.register(sessions[-1], _registration(kv))
+            body = p.SaveBlocksRequest(_keys(kv), _per_chunk(src), event)
+            committed = ipc.save(sessions[-1], body, "selftest").committed
+            if committed != [True] * CHUNKS:
+                raise CheckFailed(
+                    f"{kv.layout}/{kv.dtype}: SAVE_BLOCKS committed {committed} "
+                    "(the log above says why)"
+                )
+            _check_arena(engine, arena, kv, src)
+        return _check_own_registration(lib, exported[0], event, src)
+
+
+def _load_into_target_worker(ipc: Any, cases: list[tuple[str, str]], src: Any, dst: Any) -> None:
+    """LOAD_BLOCKS into a target worker's poisoned KV; the worker checks its bytes."""
+    from kvstrata.sidecar import protocol as p
+
+    with _worker("target", cases) as (_, conn):
+        with _sessions(ipc) as sessions:
+            exported, _ = _receive(conn, "exporting the target KV")
+            for i, kv in enumerate(exported):
+                sessions.append(f"target-{i}")
+                ipc.register(sessions[-1], _registration(kv))
+                body = p.LoadBlocksRequest(_keys(kv), _per_chunk(dst))
+                loaded = ipc.load(sessions[-1], body, "selftest").loaded
+                if loaded != CHUNKS:
+                    raise CheckFailed(
+                        f"{kv.layout}/{kv.dtype}: LOAD_BLOCKS loaded {loaded} of {CHUNKS}"
+                    )
+        # Handles closed: the worker reads its KV as vLLM would after the reply.
+        conn.send(("check", src, dst))
+        problem = _receive(conn, "checking the loaded KV")
+        if problem:
+            raise CheckFailed(f"the loading worker's KV is wrong: {problem}")
 
 
 @contextmanager
