@@ -86,7 +86,7 @@ def _engine(model: Path, max_len: int, **kwargs: Any) -> Any:
 
 def _baseline(model: Path, work: _Workload, max_len: int) -> dict[str, list[float]]:
     """vLLM alone: cold prefill, then its own prefix cache."""
-    from kvstrata.localstack import shutdown_engine
+    from kvstrata.testing.localstack import shutdown_engine
 
     llm = _engine(model, max_len, enable_prefix_caching=True)
     try:
@@ -99,7 +99,7 @@ def _baseline(model: Path, work: _Workload, max_len: int) -> dict[str, list[floa
 
 
 def _with_connector(model: Path, work: _Workload, max_len: int, root: Path) -> dict[str, Any]:
-    from kvstrata.localstack import (
+    from kvstrata.testing.localstack import (
         LocalSidecar,
         connector_counters,
         shutdown_engine,
@@ -154,8 +154,8 @@ def _reconnect(llm: Any, sched: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kvstrata.localstack import set_vllm_env
-    from kvstrata.tinymodel import build_tiny_llama
+    from kvstrata.testing.localstack import set_vllm_env
+    from kvstrata.testing.tinymodel import build_tiny_llama
 
     set_vllm_env()
     quick = bool(getattr(args, "quick", False))

@@ -1,7 +1,7 @@
 """``kvstrata bench remote``: the shared tiers against their raw clients.
 
 Starts its own loopback ``valkey-server``/``redis-server`` and moto S3
-server (:mod:`kvstrata.bench.servers`), then for each chunk size measures
+server (:mod:`kvstrata.testing.servers`), then for each chunk size measures
 put and get throughput of
 
 * ``tier``: :class:`ValkeyTier` / :class:`S3Tier` (object header, xxh3
@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from kvstrata.bench.kvdata import bf16_kv_like
-from kvstrata.bench.servers import MotoS3Server, RedisServer, redis_server_binary
 from kvstrata.sidecar.codecs import compress, decompress
 from kvstrata.sidecar.config import SharedConfig
 from kvstrata.sidecar.keys import ChunkKey, Namespace, make_key
@@ -41,6 +40,7 @@ from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.tiers import s3 as s3_tier
 from kvstrata.sidecar.tiers import valkey as valkey_tier
 from kvstrata.sidecar.tiers.base import Tier
+from kvstrata.testing.servers import MotoS3Server, RedisServer, redis_server_binary
 
 MiB = 1 << 20
 BATCH = 8

@@ -78,7 +78,7 @@ def ensure_vllm() -> str:
 
 
 def shared_prefix(words: int) -> str:
-    from kvstrata.tinymodel import generated_sentences
+    from kvstrata.testing.tinymodel import generated_sentences
 
     system = (
         "You are the kvstrata assistant. Answer from the document below, briefly and "
@@ -111,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
     version = ensure_vllm()
     _done(started, f" (vllm {version})")
 
-    from kvstrata.localstack import LocalSidecar, set_vllm_env
-    from kvstrata.tinymodel import build_tiny_llama
+    from kvstrata.testing.localstack import LocalSidecar, set_vllm_env
+    from kvstrata.testing.tinymodel import build_tiny_llama
 
     set_vllm_env()
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, sidecar: Any, model: Path, total: int) -> int:
-    from kvstrata.localstack import connector_counters, transfer_config
+    from kvstrata.testing.localstack import connector_counters, transfer_config
 
     started = _step(4, total, "starting vLLM-CPU with the kvstrata connector")
     log = sidecar.root / "vllm.log"

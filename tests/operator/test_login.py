@@ -39,7 +39,7 @@ from kopf._cogs.structs import credentials
 from kopf._core.engines import activities, indexing
 
 from kvstrata.operator import handlers, kube
-from kvstrata.sidecarproc import wait_until
+from kvstrata.testing.poll import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 USER = "kvstrata-operator"  # the client certificate's CommonName

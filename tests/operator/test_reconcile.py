@@ -9,10 +9,10 @@ import boto3
 import kopf
 import pytest
 
-from kvstrata.bench.servers import MotoS3Server, RedisServer, ServerError, redis_server_binary
 from kvstrata.operator import handlers
 from kvstrata.operator import reconcile as rec
 from kvstrata.operator import spec as S
+from kvstrata.testing.servers import MotoS3Server, RedisServer, ServerError, redis_server_binary
 
 MANAGED = {"backend": "valkey", "valkey": {"managed": {"replicas": 2}}}
 NOW = "2026-01-01T00:00:00Z"

@@ -6,7 +6,7 @@
   ``redis-cli --cluster create`` (session-wide).
 * ``moto_s3``: moto's standalone S3 server in a child process (session-wide).
 
-Launch code lives in :mod:`kvstrata.bench.servers`, shared with
+Launch code lives in :mod:`kvstrata.testing.servers`, shared with
 ``kvstrata bench remote``. Each test gets its own key prefix, so tests on
 the shared servers never see each other's objects.
 """
@@ -28,7 +28,12 @@ import pytest
 import redis
 import redis.cluster
 
-from kvstrata.bench.servers import (
+from kvstrata.sidecar.config import SharedConfig
+from kvstrata.sidecar.keys import ChunkKey, key_hex
+from kvstrata.sidecar.tiers.base import Tier
+from kvstrata.sidecar.tiers.disk import DiskTier
+from kvstrata.sidecar.tiers.factory import build_shared_tier
+from kvstrata.testing.servers import (
     LOOPBACK,
     MotoS3Server,
     RedisClusterServers,
@@ -36,11 +41,6 @@ from kvstrata.bench.servers import (
     ServerError,
     redis_server_binary,
 )
-from kvstrata.sidecar.config import SharedConfig
-from kvstrata.sidecar.keys import ChunkKey, key_hex
-from kvstrata.sidecar.tiers.base import Tier
-from kvstrata.sidecar.tiers.disk import DiskTier
-from kvstrata.sidecar.tiers.factory import build_shared_tier
 
 BACKENDS = ["valkey", "valkey-cluster", "s3"]
 

@@ -12,12 +12,12 @@ import os
 
 import pytest
 
-from kvstrata.bench.servers import RedisServer, wait_for
 from kvstrata.sidecar.config import config_from_dict
 from kvstrata.sidecar.engine import StorageManager
 from kvstrata.sidecar.keys import Namespace, make_key
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.tiers.factory import build_shared_tier
+from kvstrata.testing.servers import RedisServer, wait_for
 
 NS = Namespace(model="engine-faults").fingerprint()
 META = ChunkMeta(dtype="uint8", shape=(4096,))

@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from kvstrata.bench.servers import MotoS3Server, wait_for
 from kvstrata.sidecar.keys import Namespace, key_hex, make_key
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.tiers.factory import build_shared_tier
 from kvstrata.sidecar.tiers.s3 import S3Tier
+from kvstrata.testing.servers import MotoS3Server, wait_for
 
 NS = Namespace(model="s3-faults").fingerprint()
 META = ChunkMeta(dtype="uint8", shape=(4096,))

@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from kvstrata.bench.servers import RedisClusterServers, RedisServer, free_port, wait_for
 from kvstrata.sidecar.keys import Namespace, make_key
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.tiers.factory import build_shared_tier
 from kvstrata.sidecar.tiers.valkey import ValkeyTier
+from kvstrata.testing.servers import RedisClusterServers, RedisServer, free_port, wait_for
 
 NS = Namespace(model="valkey-faults").fingerprint()
 META = ChunkMeta(dtype="uint8", shape=(4096,))

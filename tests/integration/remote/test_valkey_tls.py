@@ -17,10 +17,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from kvstrata.bench.servers import RedisServer, free_port
 from kvstrata.sidecar.keys import Namespace, make_key
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.tiers.factory import build_shared_tier
+from kvstrata.testing.servers import RedisServer, free_port
 
 KEY = make_key(Namespace(model="tls").fingerprint(), b"\x07" * 32)
 META = ChunkMeta(dtype="uint8", shape=(5,))

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from kvstrata.bench.servers import free_port as free_port
 from kvstrata.connector.client import SidecarClient
 from kvstrata.sidecar.keys import ChunkKey, Namespace
-from kvstrata.sidecarproc import SIDECAR_COMMAND as SIDECAR_COMMAND
-from kvstrata.sidecarproc import SidecarProcess
-from kvstrata.sidecarproc import wait_until as wait_until
+from kvstrata.testing.poll import wait_until as wait_until
+from kvstrata.testing.servers import free_port as free_port
+from kvstrata.testing.sidecarproc import SIDECAR_COMMAND as SIDECAR_COMMAND
+from kvstrata.testing.sidecarproc import SidecarProcess
 
 START_TIMEOUT_S = 30.0
 

@@ -14,7 +14,7 @@ NBYTES = 4096
 def test_a_chunk_stored_through_one_sidecar_is_a_shared_hit_for_another(
     sidecar_factory: Any, kit: Any, tmp_path: Path
 ):
-    from kvstrata.bench.servers import RedisServer, ServerError, redis_server_binary
+    from kvstrata.testing.servers import RedisServer, ServerError, redis_server_binary
 
     try:
         redis_server_binary()

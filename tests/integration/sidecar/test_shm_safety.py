@@ -121,7 +121,8 @@ _CRASH_CYCLES = textwrap.dedent(
     from pathlib import Path
     from kvstrata.connector.client import SidecarClient
     from kvstrata.sidecar.keys import ChunkKey, Namespace
-    from kvstrata.sidecarproc import SidecarProcess, wait_until
+    from kvstrata.testing.poll import wait_until
+    from kvstrata.testing.sidecarproc import SidecarProcess
 
     root, cycles, l1 = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     MIB = 1 << 20

@@ -12,8 +12,9 @@ setup the tests check:
 * :class:`MotoS3Server`: moto's standalone S3 endpoint (``moto_server``) in a
   child process, so the client's GIL is not shared with the server's.
 
-Readiness is polled with a deadline (:func:`wait_for`); nothing sleeps a
-fixed time. Every process started here is stopped by ``stop()``, which the
+Readiness is polled with a deadline (:func:`wait_for`, the shared poller
+:func:`kvstrata.testing.poll.wait_until` set up for server probes); nothing
+sleeps a fixed time. Every process started here is stopped by ``stop()``, which the
 context-manager exit calls too.
 """
 
@@ -26,13 +27,14 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
+
+from kvstrata.testing.poll import wait_until
 
 LOOPBACK = "127.0.0.1"
 
@@ -71,19 +73,10 @@ def free_cluster_port() -> int:
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, what: str, step: float = 0.02) -> None:
-    """Poll ``condition`` until it is true; raise :class:`ServerError` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if condition():
-                return
-        except ServerError:  # the thing waited for is gone for good
-            raise
-        except Exception:  # a probe that fails is just "not yet"
-            pass
-        if time.monotonic() >= deadline:
-            raise ServerError(f"timed out after {timeout:.1f}s waiting for {what}")
-        time.sleep(step)
+    """:func:`~kvstrata.testing.poll.wait_until` for server probes: a probe that
+    raises is "not yet" (the server is still coming up), :class:`ServerError`
+    means gone for good and is what the deadline raises."""
+    wait_until(condition, timeout, what, step=step, error=ServerError, retry_on=(Exception,))
 
 
 def _valkey_or_redis(tool: str) -> str:

@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kvstrata.sidecarproc import SidecarProcess
+from kvstrata.testing.sidecarproc import SidecarProcess
 
 # vLLM on CPU, offline, quiet, with the engine in this process (starts in
 # seconds instead of tens of seconds).

@@ -23,40 +23,18 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvstrata.bench.servers import free_port
+from kvstrata.testing.poll import wait_until
+from kvstrata.testing.servers import free_port
 
 SIDECAR_COMMAND = [sys.executable, "-m", "kvstrata", "sidecar"]
 
 _P = TypeVar("_P", bound="SidecarProcess")
-
-
-def wait_until(
-    condition: Callable[[], Any],
-    timeout: float,
-    what: str,
-    step: float = 0.02,
-    error: Callable[[str], BaseException] = AssertionError,
-) -> Any:
-    """Poll ``condition`` until it returns something truthy and return that.
-
-    An exception ``condition`` raises propagates; at the deadline
-    ``error(message)`` is raised, the message naming ``what``.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise error(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(step)
 
 
 class SidecarProcess:
