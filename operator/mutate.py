@@ -53,6 +53,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvstrata.connector.transfer_config import kv_transfer_config
 from kvstrata.operator import spec as S
 from kvstrata.sidecar.config import SidecarConfig
 
@@ -78,13 +79,13 @@ class MutationResult:
 
 
 def transfer_config(timeout_s: float = 0.5) -> dict[str, Any]:
-    """The ``--kv-transfer-config`` value the vLLM container is given."""
-    return {
-        "kv_connector": "KVStrataConnector",
-        "kv_connector_module_path": "kvstrata.connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"endpoint": S.ENDPOINT, "call_timeout_seconds": timeout_s},
-    }
+    """The ``--kv-transfer-config`` value the vLLM container is given.
+
+    Without ``kv_load_failure_policy``: the pod's vLLM image may predate that
+    field, which its config would reject; the connector sets ``recompute``
+    itself when it starts.
+    """
+    return kv_transfer_config(S.ENDPOINT, load_failure_policy=None, call_timeout_seconds=timeout_s)
 
 
 def mebibytes(nbytes: int) -> str:

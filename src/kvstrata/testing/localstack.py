@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from kvstrata.connector.transfer_config import kv_transfer_config
 from kvstrata.testing.sidecarproc import SidecarProcess
 
 # vLLM on CPU, offline, quiet, with the engine in this process (starts in
@@ -80,13 +81,7 @@ def transfer_config(endpoint: str, chunk_size: int, **extra: Any) -> Any:
     """vLLM's ``KVTransferConfig`` selecting the kvstrata connector."""
     from vllm.config import KVTransferConfig
 
-    return KVTransferConfig(
-        kv_connector="KVStrataConnector",
-        kv_connector_module_path="kvstrata.connector",
-        kv_role="kv_both",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"endpoint": endpoint, "chunk_size": chunk_size, **extra},
-    )
+    return KVTransferConfig(**kv_transfer_config(endpoint, chunk_size=chunk_size, **extra))
 
 
 def shutdown_engine(llm: Any) -> None:
