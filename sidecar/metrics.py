@@ -15,7 +15,7 @@ table in the module-level ``METRICS`` list.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -93,6 +93,12 @@ class ServerMetrics:
         # Pre-create the common error kinds so dashboards see zeros, not gaps.
         for kind in ("bad_frame", "bad_request", "no_session", "internal"):
             self.errors.labels(kind=kind)
+
+    def expect_tiers(self, tiers: Iterable[str]) -> None:
+        """Zero hit counters for every tier the engine has, so a hit rate reads 0
+        before the first hit instead of "no data" (a ratio over an absent series)."""
+        for tier in tiers:
+            self.hit_tokens.labels(tier=tier)
 
     def count_lookup(self, asked_chunks: int, tiers: list[str], chunk_size: int) -> None:
         self.lookups.inc()

@@ -82,6 +82,7 @@ class SidecarServer:
         self.metrics.attach(
             EngineCollector(engine.stats, lambda: len(self.sessions), self._count_error)
         )
+        self.metrics.expect_tiers(engine.stats().tiers)
         self.pooled_ops = POOLED_OPS_REMOTE if remote_lookups else POOLED_OPS
         self.endpoint = config.server.endpoint
         self.started = time.time()
@@ -288,7 +289,9 @@ class SidecarServer:
             reply = p.encode_error(
                 request.request_id, p.E_INTERNAL, f"{request.op}: {type(exc).__name__}"
             )
-        self.metrics.duration.labels(op=request.op).observe(time.perf_counter() - started)
+        # Label values in lower case, as the dashboard queries them (op="lookup").
+        op = request.op.lower()
+        self.metrics.duration.labels(op=op).observe(time.perf_counter() - started)
         return reply
 
     def _send_done(self) -> None:
