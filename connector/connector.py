@@ -7,23 +7,8 @@ per role; the scheduler role delegates to :class:`KVStrataScheduler`
 paged KV tensors). Each role talks to the sidecar through its own
 :class:`~kvstrata.connector.client.SidecarClient`.
 
-Configuration (``kv_transfer_config.kv_connector_extra_config``):
-
-``endpoint``               sidecar ZeroMQ endpoint (default ``ipc://$TMPDIR/kvstrata/sidecar.sock``)
-``call_timeout_seconds``   deadline of one sidecar call (default 0.5)
-``load_timeout_seconds``   deadline of the whole load of one request (default 5.0)
-``chunk_size``             tokens per chunk, a multiple of the block size (default 256;
-                           should equal the sidecar's ``chunk_size``)
-``retry_interval_seconds`` while the sidecar does not answer, one call per this interval
-                           (doubling, up to 8x) probes it; the others are misses (default 1.0)
-``transfer_mode``          ``auto`` (default: ipc when the KV is on a GPU the sidecar sees,
-                           else host), ``ipc`` or ``host``; see :mod:`kvstrata.connector.ipc`
-``kv_cache_layout``        a vLLM KVCacheLayout to ask for (e.g. ``BLNHC``: cross-layer
-                           blocks, one copy per block); vLLM uses it when its backends can
-``curve_server_certificate`` / ``curve_client_certificate``
-                           ZeroMQ CURVE certificate files (the sidecar's public one, ours
-                           with its secret key) for a sidecar on a tcp:// endpoint that
-                           authenticates its clients; both or neither
+Configuration: the ``kv_connector_extra_config`` keys, read and checked by
+:mod:`kvstrata.connector.settings`.
 
 The cache is never the source of truth: a sidecar that is down, slow or
 restarting costs misses and dropped saves, never an exception or a hang.
@@ -35,8 +20,6 @@ that the connector sets ``kv_load_failure_policy`` to ``"recompute"``.
 from __future__ import annotations
 
 import logging
-import tempfile
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,10 +29,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvstrata.connector.client import CurveKeys
-from kvstrata.connector.layout import dtype_name, layout_id
 from kvstrata.connector.metadata import KVStrataMetadata
-from kvstrata.sidecar.keys import Namespace
+from kvstrata.connector.settings import settings_from_config
+from kvstrata.connector.transfer_config import LOAD_FAILURE_POLICY
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -64,127 +46,6 @@ if TYPE_CHECKING:
     from kvstrata.connector.worker import KVStrataWorker, WorkerCounters
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CHUNK_SIZE = 256
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectorSettings:
-    """The connector's settings, read once from vLLM's config."""
-
-    endpoint: str
-    call_timeout_s: float
-    load_timeout_s: float
-    retry_interval_s: float
-    chunk_size: int
-    block_size: int
-    num_blocks: int  # vLLM's KV cache blocks (its kernels may split them further)
-    kv_cache_layout: str | None  # vLLM's resolved KVCacheLayout name
-    layout: str | None  # namespace layout string; None: unknown layout (connector disabled)
-    transfer_mode: str  # "auto" (ipc for CUDA KV where the sidecar can), "ipc" or "host"
-    namespace: Namespace  # with tp_rank 0; the worker substitutes its own rank
-    curve: CurveKeys | None = None  # CURVE keys for an authenticated tcp:// sidecar
-
-    @property
-    def blocks_per_chunk(self) -> int:
-        return self.chunk_size // self.block_size
-
-
-def _float(extra: dict[str, Any], key: str, default: float) -> float:
-    value = extra.get(key, default)
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"kv_connector_extra_config.{key} must be a number, not {value!r}"
-        ) from None
-    if out <= 0:
-        raise ValueError(f"kv_connector_extra_config.{key} must be > 0, not {value!r}")
-    return out
-
-
-def settings_from_config(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
-) -> ConnectorSettings:
-    """Read and check the connector's settings; ValueError names a bad key."""
-    from vllm.platforms import current_platform
-
-    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    endpoint = str(extra.get("endpoint") or f"ipc://{tempfile.gettempdir()}/kvstrata/sidecar.sock")
-    groups = kv_cache_config.kv_cache_groups
-    kv_cache_layout = getattr(kv_cache_config, "kv_cache_layout", None)
-    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    layout = layout_id(
-        current_platform.device_type,
-        kv_cache_layout,
-        getattr(backend, "name", None) if backend is not None else None,
-    )
-    if layout is None:
-        logger.warning("kvstrata: vLLM names no KV cache layout: connector disabled")
-    if len(groups) != 1:
-        logger.warning(
-            "kvstrata: %d KV cache groups (hybrid model): connector disabled", len(groups)
-        )
-        layout = None
-    spec = groups[0].kv_cache_spec if groups else None
-    block_size = int(getattr(spec, "block_size", vllm_config.cache_config.block_size))
-    transfer_mode = str(extra.get("transfer_mode", "auto"))
-    if transfer_mode not in ("auto", "ipc", "host"):
-        raise ValueError(
-            "kv_connector_extra_config.transfer_mode must be auto, ipc or host, "
-            f"not {transfer_mode!r}"
-        )
-    chunk_size = int(extra.get("chunk_size", DEFAULT_CHUNK_SIZE))
-    if chunk_size < 1:
-        raise ValueError(f"kv_connector_extra_config.chunk_size must be >= 1, not {chunk_size}")
-    if chunk_size % block_size:
-        rounded = -(-chunk_size // block_size) * block_size
-        logger.warning(
-            "kvstrata: chunk_size %d is not a multiple of the block size %d; using %d",
-            chunk_size,
-            block_size,
-            rounded,
-        )
-        chunk_size = rounded
-    model = vllm_config.model_config
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    kv_dtype = dtype_name(model.dtype) if cache_dtype == "auto" else str(cache_dtype)
-    parallel = vllm_config.parallel_config
-    namespace = Namespace(
-        model=str(model.model),
-        revision=str(model.revision or ""),
-        kv_dtype=kv_dtype,
-        layout=layout or "unsupported",
-        block_size=block_size,
-        chunk_size=chunk_size,
-        tp_rank=0,
-        tp_size=int(parallel.tensor_parallel_size),
-        pp_rank=0,
-        pp_size=int(parallel.pipeline_parallel_size),
-    )
-    certificates = (extra.get("curve_server_certificate"), extra.get("curve_client_certificate"))
-    if (certificates[0] is None) != (certificates[1] is None):
-        raise ValueError(
-            "kv_connector_extra_config.curve_server_certificate and curve_client_certificate "
-            "go together"
-        )
-    curve = None
-    if certificates[0] is not None:
-        curve = CurveKeys.load(str(certificates[0]), str(certificates[1]))
-    return ConnectorSettings(
-        curve=curve,
-        endpoint=endpoint,
-        call_timeout_s=_float(extra, "call_timeout_seconds", 0.5),
-        load_timeout_s=_float(extra, "load_timeout_seconds", 5.0),
-        retry_interval_s=_float(extra, "retry_interval_seconds", 1.0),
-        transfer_mode=transfer_mode,
-        chunk_size=chunk_size,
-        block_size=block_size,
-        num_blocks=int(kv_cache_config.num_blocks),
-        kv_cache_layout=kv_cache_layout,
-        layout=layout,
-        namespace=namespace,
-    )
 
 
 class KVStrataConnector(KVConnectorBase_V1):
@@ -207,11 +68,11 @@ class KVStrataConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
-        if transfer.kv_load_failure_policy != "recompute":
+        if transfer.kv_load_failure_policy != LOAD_FAILURE_POLICY:
             # A failed load (sidecar gone between lookup and load) must cost a
             # recompute, never a failed request.
-            logger.info("kvstrata: setting kv_load_failure_policy=recompute")
-            transfer.kv_load_failure_policy = "recompute"
+            logger.info("kvstrata: setting kv_load_failure_policy=%s", LOAD_FAILURE_POLICY)
+            transfer.kv_load_failure_policy = LOAD_FAILURE_POLICY
         self.settings = settings_from_config(vllm_config, kv_cache_config)
         self._scheduler: KVStrataScheduler | None = None
         self._worker: KVStrataWorker | None = None

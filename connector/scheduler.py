@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-    from kvstrata.connector.connector import ConnectorSettings
+    from kvstrata.connector.settings import ConnectorSettings
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ from kvstrata.sidecar.keys import make_key
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from kvstrata.connector.connector import ConnectorSettings
+    from kvstrata.connector.settings import ConnectorSettings
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from kvstrata.connector.connector import ConnectorSettings
 from kvstrata.connector.layout import layout_id
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, RequestTransfer
+from kvstrata.connector.settings import ConnectorSettings
 from kvstrata.connector.worker import KVStrataWorker
 from kvstrata.sidecar.keys import Namespace
 from kvstrata.testing.kvlayouts import DTYPES, KVLayoutCase, every_case

@@ -1,0 +1,197 @@
+"""The connector's settings, read once from vLLM's config and checked.
+
+Kept apart from the connector as vLLM keeps its connectors' configs apart:
+the scheduler and worker roles take a :class:`ConnectorSettings` and never
+read vLLM's config for these values themselves.
+
+Configuration (``kv_transfer_config.kv_connector_extra_config``):
+
+``endpoint``               sidecar ZeroMQ endpoint (default ``ipc://$TMPDIR/kvstrata/sidecar.sock``)
+``call_timeout_seconds``   deadline of one sidecar call (default 0.5)
+``load_timeout_seconds``   deadline of the whole load of one request (default 5.0)
+``chunk_size``             tokens per chunk, a multiple of the block size (default 256;
+                           should equal the sidecar's ``chunk_size``)
+``retry_interval_seconds`` while the sidecar does not answer, one call per this interval
+                           (doubling, up to 8x) probes it; the others are misses (default 1.0)
+``transfer_mode``          ``auto`` (default: ipc when the KV is on a GPU the sidecar sees,
+                           else host), ``ipc`` or ``host``; see :mod:`kvstrata.connector.ipc`
+``kv_cache_layout``        a vLLM KVCacheLayout to ask for (e.g. ``BLNHC``: cross-layer
+                           blocks, one copy per block); vLLM uses it when its backends can
+``curve_server_certificate`` / ``curve_client_certificate``
+                           ZeroMQ CURVE certificate files (the sidecar's public one, ours
+                           with its secret key) for a sidecar on a tcp:// endpoint that
+                           authenticates its clients; both or neither
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvstrata.connector.client import CurveKeys
+from kvstrata.connector.layout import dtype_name, layout_id
+from kvstrata.sidecar.keys import Namespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_SIZE = 256
+TRANSFER_MODES = ("auto", "ipc", "host")
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """The connector's settings, read once from vLLM's config."""
+
+    endpoint: str
+    call_timeout_s: float
+    load_timeout_s: float
+    retry_interval_s: float
+    chunk_size: int
+    block_size: int
+    num_blocks: int  # vLLM's KV cache blocks (its kernels may split them further)
+    kv_cache_layout: str | None  # vLLM's resolved KVCacheLayout name
+    layout: str | None  # namespace layout string; None: unknown layout (connector disabled)
+    transfer_mode: str  # "auto" (ipc for CUDA KV where the sidecar can), "ipc" or "host"
+    namespace: Namespace  # with tp_rank 0; the worker substitutes its own rank
+    curve: CurveKeys | None = None  # CURVE keys for an authenticated tcp:// sidecar
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_size // self.block_size
+
+
+def settings_from_config(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> ConnectorSettings:
+    """Read and check the connector's settings; ValueError names a bad key."""
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    endpoint = str(extra.get("endpoint") or f"ipc://{tempfile.gettempdir()}/kvstrata/sidecar.sock")
+    kv_cache_layout = getattr(kv_cache_config, "kv_cache_layout", None)
+    layout = _layout(vllm_config, kv_cache_config, kv_cache_layout)
+    groups = kv_cache_config.kv_cache_groups
+    spec = groups[0].kv_cache_spec if groups else None
+    block_size = int(getattr(spec, "block_size", vllm_config.cache_config.block_size))
+    transfer_mode = _transfer_mode(extra)
+    chunk_size = _chunk_size(extra, block_size)
+    namespace = _namespace(vllm_config, layout, block_size, chunk_size)
+    curve = _curve(extra)
+    return ConnectorSettings(
+        curve=curve,
+        endpoint=endpoint,
+        call_timeout_s=_float(extra, "call_timeout_seconds", 0.5),
+        load_timeout_s=_float(extra, "load_timeout_seconds", 5.0),
+        retry_interval_s=_float(extra, "retry_interval_seconds", 1.0),
+        transfer_mode=transfer_mode,
+        chunk_size=chunk_size,
+        block_size=block_size,
+        num_blocks=int(kv_cache_config.num_blocks),
+        kv_cache_layout=kv_cache_layout,
+        layout=layout,
+        namespace=namespace,
+    )
+
+
+def _layout(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_cache_layout: str | None
+) -> str | None:
+    """The namespace layout string, or None (connector disabled, with a warning)
+    for a layout vLLM does not name and for hybrid models (several KV groups)."""
+    from vllm.platforms import current_platform
+
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    layout = layout_id(
+        current_platform.device_type,
+        kv_cache_layout,
+        getattr(backend, "name", None) if backend is not None else None,
+    )
+    if layout is None:
+        logger.warning("kvstrata: vLLM names no KV cache layout: connector disabled")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        logger.warning(
+            "kvstrata: %d KV cache groups (hybrid model): connector disabled", len(groups)
+        )
+        layout = None
+    return layout
+
+
+def _transfer_mode(extra: dict[str, Any]) -> str:
+    transfer_mode = str(extra.get("transfer_mode", "auto"))
+    if transfer_mode not in TRANSFER_MODES:
+        raise ValueError(
+            "kv_connector_extra_config.transfer_mode must be auto, ipc or host, "
+            f"not {transfer_mode!r}"
+        )
+    return transfer_mode
+
+
+def _chunk_size(extra: dict[str, Any], block_size: int) -> int:
+    """``chunk_size``, rounded up to a multiple of the block size (with a warning)."""
+    chunk_size = int(extra.get("chunk_size", DEFAULT_CHUNK_SIZE))
+    if chunk_size < 1:
+        raise ValueError(f"kv_connector_extra_config.chunk_size must be >= 1, not {chunk_size}")
+    if chunk_size % block_size:
+        rounded = -(-chunk_size // block_size) * block_size
+        logger.warning(
+            "kvstrata: chunk_size %d is not a multiple of the block size %d; using %d",
+            chunk_size,
+            block_size,
+            rounded,
+        )
+        chunk_size = rounded
+    return chunk_size
+
+
+def _namespace(
+    vllm_config: VllmConfig, layout: str | None, block_size: int, chunk_size: int
+) -> Namespace:
+    """The key namespace of this model and KV format, with rank 0 (see ConnectorSettings)."""
+    model = vllm_config.model_config
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    kv_dtype = dtype_name(model.dtype) if cache_dtype == "auto" else str(cache_dtype)
+    parallel = vllm_config.parallel_config
+    return Namespace(
+        model=str(model.model),
+        revision=str(model.revision or ""),
+        kv_dtype=kv_dtype,
+        layout=layout or "unsupported",
+        block_size=block_size,
+        chunk_size=chunk_size,
+        tp_rank=0,
+        tp_size=int(parallel.tensor_parallel_size),
+        pp_rank=0,
+        pp_size=int(parallel.pipeline_parallel_size),
+    )
+
+
+def _curve(extra: dict[str, Any]) -> CurveKeys | None:
+    """The CURVE keys from their two certificate files, or None when neither is set."""
+    certificates = (extra.get("curve_server_certificate"), extra.get("curve_client_certificate"))
+    if (certificates[0] is None) != (certificates[1] is None):
+        raise ValueError(
+            "kv_connector_extra_config.curve_server_certificate and curve_client_certificate "
+            "go together"
+        )
+    if certificates[0] is None:
+        return None
+    return CurveKeys.load(str(certificates[0]), str(certificates[1]))
+
+
+def _float(extra: dict[str, Any], key: str, default: float) -> float:
+    """A positive number from the extra config; ValueError names the key."""
+    value = extra.get(key, default)
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"kv_connector_extra_config.{key} must be a number, not {value!r}"
+        ) from None
+    if out <= 0:
+        raise ValueError(f"kv_connector_extra_config.{key} must be > 0, not {value!r}")
+    return out
