@@ -222,54 +222,21 @@ def _disk_read(paths: list[str], into: Any) -> None:
 def _l2_row(p: dict[str, Any], root: str) -> dict[str, Any]:
     import torch
 
-    from kvstrata.sidecar.engine import StorageManager
-
     chunk = _chunk_bytes(SHAPES["8b"])
     n = p["tokens"] // CHUNK_TOKENS
     total = n * chunk
-    meta = ChunkMeta("bfloat16", (chunk // 2,))
-    l2_dir = os.path.join(root, "l2")
     plain_dir = os.path.join(root, "plain")
     os.makedirs(plain_dir)
     src = torch.randint(0, 255, (total,), dtype=torch.uint8)
     keys = _keys(n, "l2")
-    config = _config(total + 4 * MiB, l2_dir)
-    with StorageManager(config) as engine:
-        for i, key in enumerate(keys):
-            engine.put(key, memoryview(src[i * chunk : (i + 1) * chunk].numpy()), meta)
-        if not engine.flush(120):
-            raise RuntimeError("L2 writes did not finish within 120 s")
-        file_sizes = [os.path.getsize(engine.l2.path_of(k)) for k in keys]
-    paths = []
-    for i, size in enumerate(file_sizes):
-        path = os.path.join(plain_dir, f"{i}.bin")
-        with open(path, "wb") as fh:
-            fh.write(os.urandom(size))
-        paths.append(path)
+    config = _config(total + 4 * MiB, os.path.join(root, "l2"))
+    file_sizes = _fill_l2(config, keys, src, chunk)
+    paths = _plain_files(plain_dir, file_sizes)
     out = torch.empty(total, dtype=torch.uint8)
     disk_buf = torch.empty(sum(file_sizes), dtype=torch.uint8)
-    times_disk: list[float] = []
-    times_engine: list[float] = []
-    times_promote: list[float] = []
-    for i in range(p["reps"] + 1):  # baseline and engine alternate, paired
-        t0 = time.perf_counter()
-        _disk_read(paths, disk_buf)
-        t_disk = time.perf_counter() - t0
-        with StorageManager(config) as engine:  # a restart: L1 empty, L2 re-indexed
-            arena = torch.frombuffer(engine.arena.buffer, dtype=torch.uint8)
-            arena.zero_()  # pre-touched, like the baseline's buffer
-            t0 = time.perf_counter()
-            slots = [engine.acquire(key, "bench") for key in keys]
-            t1 = time.perf_counter()
-            for j, slot in enumerate(slots):
-                out[j * chunk : (j + 1) * chunk].copy_(arena[slot.offset : slot.offset + chunk])
-                engine.release(slot)
-            t2 = time.perf_counter()
-            del arena
-        if i:
-            times_disk.append(t_disk)
-            times_promote.append(t1 - t0)
-            times_engine.append(t2 - t0)
+    times_disk, times_promote, times_engine = _timed_l2_reads(
+        config, keys, paths, disk_buf, out, chunk, p["reps"]
+    )
     t_disk = statistics.median(times_disk)
     t_engine = statistics.median(times_engine)
     t_promote = statistics.median(times_promote)
@@ -291,6 +258,72 @@ def _l2_row(p: dict[str, Any], root: str) -> dict[str, Any]:
         "retrieved_bytes_intact": bool(torch.equal(out, src)),
         "directory_filesystem": _filesystem_of(root),
     }
+
+
+def _fill_l2(config: SidecarConfig, keys: list[ChunkKey], src: Any, chunk: int) -> list[int]:
+    """Store ``src`` chunk by chunk and wait until L2 holds every chunk; the
+    sizes of their L2 files (the baseline reads files of the same sizes)."""
+    from kvstrata.sidecar.engine import StorageManager
+
+    meta = ChunkMeta("bfloat16", (chunk // 2,))
+    with StorageManager(config) as engine:
+        for i, key in enumerate(keys):
+            engine.put(key, memoryview(src[i * chunk : (i + 1) * chunk].numpy()), meta)
+        if not engine.flush(120):
+            raise RuntimeError("L2 writes did not finish within 120 s")
+        return [os.path.getsize(engine.l2.path_of(k)) for k in keys]
+
+
+def _plain_files(directory: str, sizes: list[int]) -> list[str]:
+    """One file of random bytes per size, for the plain disk-read baseline."""
+    paths = []
+    for i, size in enumerate(sizes):
+        path = os.path.join(directory, f"{i}.bin")
+        with open(path, "wb") as fh:
+            fh.write(os.urandom(size))
+        paths.append(path)
+    return paths
+
+
+def _timed_l2_reads(
+    config: SidecarConfig,
+    keys: list[ChunkKey],
+    paths: list[str],
+    disk_buf: Any,
+    out: Any,
+    chunk: int,
+    reps: int,
+) -> tuple[list[float], list[float], list[float]]:
+    """``reps`` paired rounds (after one warm-up) of the plain disk read and of
+    a restarted engine's promotion from L2 then copy out into ``out``; the
+    seconds (disk read, promotion, promotion + copy out) of each round."""
+    import torch
+
+    from kvstrata.sidecar.engine import StorageManager
+
+    times_disk: list[float] = []
+    times_engine: list[float] = []
+    times_promote: list[float] = []
+    for i in range(reps + 1):  # baseline and engine alternate, paired
+        t0 = time.perf_counter()
+        _disk_read(paths, disk_buf)
+        t_disk = time.perf_counter() - t0
+        with StorageManager(config) as engine:  # a restart: L1 empty, L2 re-indexed
+            arena = torch.frombuffer(engine.arena.buffer, dtype=torch.uint8)
+            arena.zero_()  # pre-touched, like the baseline's buffer
+            t0 = time.perf_counter()
+            slots = [engine.acquire(key, "bench") for key in keys]
+            t1 = time.perf_counter()
+            for j, slot in enumerate(slots):
+                out[j * chunk : (j + 1) * chunk].copy_(arena[slot.offset : slot.offset + chunk])
+                engine.release(slot)
+            t2 = time.perf_counter()
+            del arena
+        if i:
+            times_disk.append(t_disk)
+            times_promote.append(t1 - t0)
+            times_engine.append(t2 - t0)
+    return times_disk, times_promote, times_engine
 
 
 def _filesystem_of(path: str) -> str:

@@ -34,6 +34,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
@@ -79,88 +80,83 @@ def _case(layout: str, num_blocks: int, device: str) -> Any:
     )
 
 
-def _measure_layout(layout_name: str, params: dict[str, Any], device: str) -> dict[str, Any]:
+@dataclass
+class _LayoutRun:
+    """One layout's paged KV, the chunks to move and their pinned host buffers."""
+
+    layout: Any  # the connector's ChunkLayout: copier, transfer plan, chunk size
+    device: str
+    num_blocks: int
+    store_ids: list[int]  # shuffled block ids, ``per_chunk`` for each chunk
+    host: Any  # pinned (on CUDA) host memory of every chunk, one after the other
+    chunk_bufs: list[Any]  # ``host`` cut into the chunks
+    reps: int
+    sync: Callable[[], None]  # waits for the device (a no-op on the CPU)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    @property
+    def per_chunk(self) -> int:
+        return CHUNK_TOKENS // BLOCK
+
+    @property
+    def total(self) -> int:
+        return int(self.layout.chunk_nbytes * len(self.chunk_bufs))
+
+    def gbps(self, fn: Callable[[], None]) -> float:
+        """GB/s of moving every chunk once with ``fn`` (median of ``reps``)."""
+        return self.total / _timed(fn, self.sync, self.reps) / 1e9
+
+    def addresses(self) -> list[int]:
+        # Pinned host memory from cudaHostAlloc is mapped at the same address
+        # for the device (unified virtual addressing on every 64-bit platform).
+        return [b.data_ptr() for b in self.chunk_bufs]
+
+
+def _layout_run(layout_name: str, params: dict[str, Any], device: str) -> _LayoutRun:
     import torch
 
-    from kvstrata.sidecar.transfer import kernels
-
-    cuda = device == "cuda"
     per_chunk = CHUNK_TOKENS // BLOCK
     chunks = params["chunks"]
     num_blocks = chunks * per_chunk * 2  # room to load into other blocks
     layout = _case(layout_name, num_blocks, device)
     nbytes = layout.chunk_nbytes
-    total = nbytes * chunks
     ids = list(range(num_blocks))
     random.Random(0).shuffle(ids)
-    store_ids = ids[: chunks * per_chunk]
-    host = torch.empty(total, dtype=torch.uint8, pin_memory=cuda)
-    chunk_bufs = [host[c * nbytes : (c + 1) * nbytes] for c in range(chunks)]
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    reps = params["reps"]
-    rows: dict[str, dict[str, float]] = {}
+    host = torch.empty(nbytes * chunks, dtype=torch.uint8, pin_memory=device == "cuda")
+    return _LayoutRun(
+        layout=layout,
+        device=device,
+        num_blocks=num_blocks,
+        store_ids=ids[: chunks * per_chunk],
+        host=host,
+        chunk_bufs=[host[c * nbytes : (c + 1) * nbytes] for c in range(chunks)],
+        reps=params["reps"],
+        sync=torch.cuda.synchronize if device == "cuda" else (lambda: None),
+    )
 
-    # Baseline: one plain copy of the same bytes, device buffer <-> pinned host.
-    flat = torch.empty(total, dtype=torch.uint8, device=device)
-    base_store = _timed(lambda: host.copy_(flat, non_blocking=True), sync, reps)
-    base_load = _timed(lambda: flat.copy_(host, non_blocking=True), sync, reps)
-    rows["baseline"] = {
-        "store_gbps": total / base_store / 1e9,
-        "load_gbps": total / base_load / 1e9,
-    }
 
-    def by_chunk(op: Callable[[list[int], torch.Tensor], None]) -> Callable[[], None]:
-        def run() -> None:
-            for c, buf in enumerate(chunk_bufs):
-                op(store_ids[c * per_chunk : (c + 1) * per_chunk], buf)
+def _measure_layout(layout_name: str, params: dict[str, Any], device: str) -> dict[str, Any]:
+    from kvstrata.sidecar.transfer import kernels
 
-        return run
-
-    rows["torch"] = {
-        "store_gbps": total
-        / _timed(by_chunk(lambda b, buf: layout.copier.gather(b, buf)), sync, reps)
-        / 1e9,
-        "load_gbps": total
-        / _timed(by_chunk(lambda b, buf: layout.copier.scatter(buf, b)), sync, reps)
-        / 1e9,
-    }
-
-    lib = kernels.load_cuda() if cuda else kernels.load_host()
+    run = _layout_run(layout_name, params, device)
+    rows = {"baseline": _baseline_row(run), "torch": _torch_row(run)}
+    lib = kernels.load_cuda() if run.cuda else kernels.load_host()
     if lib is not None:
-        plan = layout.plan
-        # Pinned host memory from cudaHostAlloc is mapped at the same address
-        # for the device (unified virtual addressing on every 64-bit platform).
-        addresses = [b.data_ptr() for b in chunk_bufs]
-        stream = torch.cuda.current_stream() if cuda else 0
-        rows["kernel"] = {
-            "store_gbps": total
-            / _timed(lambda: lib.gather(plan, store_ids, addresses, per_chunk, stream), sync, reps)
-            / 1e9,
-            "load_gbps": total
-            / _timed(lambda: lib.scatter(plan, store_ids, addresses, per_chunk, stream), sync, reps)
-            / 1e9,
-        }
-        if cuda:
-            staging = torch.empty(total, dtype=torch.uint8, device=device)
-            stage_addr = [staging.data_ptr() + c * nbytes for c in range(chunks)]
-
-            def staged_store() -> None:
-                lib.gather(plan, store_ids, stage_addr, per_chunk, stream)
-                host.copy_(staging, non_blocking=True)
-
-            def staged_load() -> None:
-                staging.copy_(host, non_blocking=True)
-                lib.scatter(plan, store_ids, stage_addr, per_chunk, stream)
-
-            rows["kernel-staging"] = {
-                "store_gbps": total / _timed(staged_store, sync, reps) / 1e9,
-                "load_gbps": total / _timed(staged_load, sync, reps) / 1e9,
-            }
+        rows.update(_kernel_rows(run, lib))
     ipc_error: str | None = None
-    if cuda and lib is not None:
+    if run.cuda and lib is not None:
         try:
             rows["ipc"] = _measure_ipc(
-                lib, layout_name, num_blocks, store_ids, nbytes, chunks, reps
+                lib,
+                layout_name,
+                run.num_blocks,
+                run.store_ids,
+                run.layout.chunk_nbytes,
+                len(run.chunk_bufs),
+                run.reps,
             )
         except Exception as exc:  # reported beside the figures, not fatal to them
             ipc_error = f"{type(exc).__name__}: {exc}"
@@ -168,18 +164,92 @@ def _measure_layout(layout_name: str, params: dict[str, Any], device: str) -> di
         if name != "baseline":
             row["store_vs_baseline"] = row["store_gbps"] / rows["baseline"]["store_gbps"]
             row["load_vs_baseline"] = row["load_gbps"] / rows["baseline"]["load_gbps"]
-    out: dict[str, Any] = {"chunk_bytes": nbytes, "chunks": chunks, "paths": rows}
+    out: dict[str, Any] = {
+        "chunk_bytes": run.layout.chunk_nbytes,
+        "chunks": len(run.chunk_bufs),
+        "paths": rows,
+    }
     if ipc_error is not None:
         out["ipc_error"] = ipc_error
-    if cuda and lib is not None:
-
-        def transfer() -> None:  # on the caller's (side) stream
-            side = torch.cuda.current_stream()
-            lib.gather(layout.plan, store_ids, addresses, per_chunk, side)
-            lib.scatter(layout.plan, store_ids, addresses, per_chunk, side)
-
-        out["matmul_slowdown"] = _matmul_slowdown(transfer, reps)
+    if run.cuda and lib is not None:
+        out["matmul_slowdown"] = _matmul_slowdown(_side_transfer(run, lib), run.reps)
     return out
+
+
+def _baseline_row(run: _LayoutRun) -> dict[str, float]:
+    """One plain copy of the same bytes, device buffer <-> pinned host."""
+    import torch
+
+    flat = torch.empty(run.total, dtype=torch.uint8, device=run.device)
+    return {
+        "store_gbps": run.gbps(lambda: run.host.copy_(flat, non_blocking=True)),
+        "load_gbps": run.gbps(lambda: flat.copy_(run.host, non_blocking=True)),
+    }
+
+
+def _torch_row(run: _LayoutRun) -> dict[str, float]:
+    """The connector's torch copier, chunk by chunk."""
+    per_chunk, copier = run.per_chunk, run.layout.copier
+
+    def by_chunk(op: Callable[[list[int], Any], None]) -> Callable[[], None]:
+        def each() -> None:
+            for c, buf in enumerate(run.chunk_bufs):
+                op(run.store_ids[c * per_chunk : (c + 1) * per_chunk], buf)
+
+        return each
+
+    return {
+        "store_gbps": run.gbps(by_chunk(lambda b, buf: copier.gather(b, buf))),
+        "load_gbps": run.gbps(by_chunk(lambda b, buf: copier.scatter(buf, b))),
+    }
+
+
+def _kernel_rows(run: _LayoutRun, lib: Any) -> dict[str, dict[str, float]]:
+    """The csrc kernels straight into the host buffers and, on CUDA, through a
+    device staging buffer and one copy."""
+    import torch
+
+    plan, ids, per_chunk = run.layout.plan, run.store_ids, run.per_chunk
+    addresses = run.addresses()
+    stream = torch.cuda.current_stream() if run.cuda else 0
+    rows = {
+        "kernel": {
+            "store_gbps": run.gbps(lambda: lib.gather(plan, ids, addresses, per_chunk, stream)),
+            "load_gbps": run.gbps(lambda: lib.scatter(plan, ids, addresses, per_chunk, stream)),
+        }
+    }
+    if run.cuda:
+        nbytes = run.layout.chunk_nbytes
+        staging = torch.empty(run.total, dtype=torch.uint8, device=run.device)
+        stage_addr = [staging.data_ptr() + c * nbytes for c in range(len(run.chunk_bufs))]
+
+        def staged_store() -> None:
+            lib.gather(plan, ids, stage_addr, per_chunk, stream)
+            run.host.copy_(staging, non_blocking=True)
+
+        def staged_load() -> None:
+            staging.copy_(run.host, non_blocking=True)
+            lib.scatter(plan, ids, stage_addr, per_chunk, stream)
+
+        rows["kernel-staging"] = {
+            "store_gbps": run.gbps(staged_store),
+            "load_gbps": run.gbps(staged_load),
+        }
+    return rows
+
+
+def _side_transfer(run: _LayoutRun, lib: Any) -> Callable[[], None]:
+    """A store and a load of every chunk on the caller's (side) stream."""
+    import torch
+
+    addresses = run.addresses()
+
+    def transfer() -> None:
+        side = torch.cuda.current_stream()
+        lib.gather(run.layout.plan, run.store_ids, addresses, run.per_chunk, side)
+        lib.scatter(run.layout.plan, run.store_ids, addresses, run.per_chunk, side)
+
+    return transfer
 
 
 def _measure_ipc(
