@@ -289,9 +289,7 @@ class SidecarServer:
             reply = p.encode_error(
                 request.request_id, p.E_INTERNAL, f"{request.op}: {type(exc).__name__}"
             )
-        # Label values in lower case, as the dashboard queries them (op="lookup").
-        op = request.op.lower()
-        self.metrics.duration.labels(op=op).observe(time.perf_counter() - started)
+        self.metrics.duration.labels(op=request.op).observe(time.perf_counter() - started)
         return reply
 
     def _send_done(self) -> None:

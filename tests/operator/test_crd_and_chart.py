@@ -233,6 +233,7 @@ METRICS = [
     "kvstrata_operation_duration_seconds_bucket",
     "kvstrata_write_queue_dropped_total",
     "kvstrata_errors_total",
+    "kvstrata_tier_degraded",
 ]
 
 
