@@ -14,7 +14,6 @@ import json
 import shutil
 import socket
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -24,6 +23,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from kvstrata.testing.poll import wait_until
 
 SCRAPE_INTERVAL_S = 1
 START_TIMEOUT_S = 30.0
@@ -93,18 +94,23 @@ class Prometheus:
 
     def wait_ready(self, jobs: int) -> None:
         """Until Prometheus answers and ``jobs`` targets have been scraped up."""
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
+
+        def scraped() -> bool:
             if self._proc.poll() is not None:
                 pytest.fail(f"prometheus exited: {self.log_tail()}")
             try:
                 up = self.query("sum(up)")
             except OSError:
                 up = []
-            if up and float(up[0]["value"][1]) >= jobs:
-                return
-            time.sleep(0.2)
-        pytest.fail(f"prometheus did not scrape {jobs} targets in {START_TIMEOUT_S} s")
+            return bool(up) and float(up[0]["value"][1]) >= jobs
+
+        wait_until(
+            scraped,
+            START_TIMEOUT_S,
+            f"prometheus to scrape {jobs} targets",
+            step=0.2,
+            error=pytest.fail.Exception,
+        )
 
     def _api(self, path: str, params: dict[str, str]) -> Any:
         url = f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}"
