@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.kvstrata-deps
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_PACKAGES := redis-server prometheus
 
-.PHONY: help demo test test-fast bench lint format dev venv system-deps clean
+.PHONY: help demo test test-fast bench lint format dev venv system-deps clean docs
 .PHONY: images push-images image-names image-deps image-test
 
 help:
@@ -18,6 +18,7 @@ help:
 	@echo "make bench  - every benchmark, JSON into bench/results/"
 	@echo "make lint   - ruff check + ruff format --check"
 	@echo "make dev    - re-link the editable install (after adding a module)"
+	@echo "make docs   - regenerate docs/metrics.md from the code"
 	@echo "make images - the operator, sidecar and sidecar-cuda images (REGISTRY=, IMAGE_TAG=)"
 	@echo "make push-images - push them;  make image-test - build and run them here"
 
@@ -64,6 +65,10 @@ format: $(STAMP)
 # exists, well inside CI's budget.
 test: system-deps image-deps dev lint
 	$(BIN)/python -m pytest -m "" $(PYTEST_ARGS)
+
+# Pages generated from the code (a test checks they are current).
+docs: dev
+	$(BIN)/python -c "from kvstrata.sidecar.metrics import render_catalogue as r; print(r(), end='')" > docs/metrics.md
 
 test-fast: dev
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -108,6 +108,7 @@ def _start(
     config: SidecarConfig, stack: contextlib.ExitStack
 ) -> tuple[SidecarServer, HttpEndpoints, StorageManager]:
     """Engine, ZMQ server and HTTP endpoints, each registered on ``stack`` for teardown."""
+    import prometheus_client
     import zmq
 
     from kvstrata import __version__
@@ -115,6 +116,8 @@ def _start(
     from kvstrata.sidecar.http import HttpEndpoints
     from kvstrata.sidecar.server import SidecarServer
 
+    # No *_created series: /metrics serves exactly the catalogue (docs/metrics.md).
+    prometheus_client.disable_created_metrics()
     shared = None
     if config.shared.backend != "none":
         from kvstrata.sidecar.tiers.factory import build_shared_tier

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -27,26 +28,112 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# (name, type, labels, help) of every metric the sidecar exposes.
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric as ``/metrics`` exposes it: the catalogue's row."""
+
+    name: str  # the exposed name (counters end in _total)
+    type: Literal["counter", "gauge", "histogram"]
+    labels: tuple[str, ...]
+    unit: str  # what one unit of the value is (base units: bytes, seconds)
+    help: str
+    # False where label values are only known when they happen (an exception's
+    # kind, a promotion's source tier): the series appear with their first event.
+    from_start: bool = True
+
+
+# Every metric the sidecar exposes. The help texts on /metrics come from here,
+# and docs/metrics.md is rendered from it (render_catalogue); a test checks a
+# live /metrics against it, so a metric cannot be added or renamed silently.
+CATALOGUE: tuple[MetricSpec, ...] = (
+    MetricSpec("kvstrata_lookups_total", "counter", (), "requests", "LOOKUP requests answered"),
+    MetricSpec("kvstrata_lookup_tokens_total", "counter", (), "tokens",
+               "tokens asked for in lookups (the hit rate's denominator)"),
+    MetricSpec("kvstrata_hit_tokens_total", "counter", ("tier",), "tokens",
+               "tokens found, by the tier holding them"),
+    MetricSpec("kvstrata_operation_duration_seconds", "histogram", ("op",), "seconds",
+               "time to answer a request, by protocol op (HELLO, LOOKUP, ...)"),
+    MetricSpec("kvstrata_errors_total", "counter", ("kind",), "requests",
+               "request errors by kind (protocol error codes, recv, send, stats)"),
+    MetricSpec("kvstrata_clients", "gauge", (), "sessions", "connected client sessions"),
+    MetricSpec("kvstrata_stored_bytes_total", "counter", ("tier",), "bytes",
+               "bytes written into a tier"),
+    MetricSpec("kvstrata_retrieved_bytes_total", "counter", ("tier",), "bytes",
+               "bytes read from a tier"),
+    MetricSpec("kvstrata_evictions_total", "counter", ("tier",), "objects", "objects evicted"),
+    MetricSpec("kvstrata_tier_usage_bytes", "gauge", ("tier",), "bytes", "bytes held"),
+    MetricSpec("kvstrata_tier_capacity_bytes", "gauge", ("tier",), "bytes",
+               "bytes a tier may hold (0: unbounded, as a shared tier)"),
+    MetricSpec("kvstrata_tier_objects", "gauge", ("tier",), "objects", "objects held"),
+    MetricSpec("kvstrata_write_queue_depth", "gauge", ("tier",), "writes",
+               "writes waiting for a tier"),
+    MetricSpec("kvstrata_write_queue_dropped_total", "counter", ("tier",), "writes",
+               "writes dropped (queue full)"),
+    MetricSpec("kvstrata_tier_degraded", "gauge", ("tier",), "boolean",
+               "1 while a tier is failing (a shared tier's circuit breaker is not closed)"),
+    MetricSpec("kvstrata_corrupt_objects_total", "counter", ("tier",), "objects",
+               "objects refused by their checksum"),
+    MetricSpec("kvstrata_tier_errors_total", "counter", ("tier", "kind"), "operations",
+               "tier operation failures by kind", from_start=False),
+    MetricSpec("kvstrata_leases_active", "gauge", (), "leases", "arena leases held by clients"),
+    MetricSpec("kvstrata_writeback_pinned_bytes", "gauge", (), "bytes",
+               "L1 bytes pinned until their write-behind ends"),
+    MetricSpec("kvstrata_prefetch_chunks_total", "counter", (), "chunks",
+               "chunks scheduled for prefetch"),
+    MetricSpec("kvstrata_leases_expired_total", "counter", (), "leases",
+               "leases dropped after lease_seconds"),
+    MetricSpec("kvstrata_store_rejected_total", "counter", (), "chunks",
+               "chunks refused at PREPARE_STORE"),
+    MetricSpec("kvstrata_store_deduplicated_total", "counter", (), "chunks",
+               "chunks not stored again because L1 already held them"),
+    MetricSpec("kvstrata_promotion_failures_total", "counter", (), "chunks",
+               "promotions into L1 that failed"),
+    MetricSpec("kvstrata_writeback_skipped_total", "counter", (), "chunks",
+               "chunks not written below L1 (evicted before their write-behind)"),
+    MetricSpec("kvstrata_promotions_total", "counter", ("tier",), "chunks",
+               "chunks promoted into L1, by source tier", from_start=False),
+)  # fmt: skip
+
+SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOGUE}
+
+# (name, type, labels, help) of every metric with series from the start.
 METRICS: list[tuple[str, str, str, str]] = [
-    ("kvstrata_lookups_total", "counter", "", "LOOKUP requests answered"),
-    ("kvstrata_lookup_tokens_total", "counter", "", "tokens asked for in lookups"),
-    ("kvstrata_hit_tokens_total", "counter", "tier", "tokens found, by the tier holding them"),
-    ("kvstrata_stored_bytes_total", "counter", "tier", "bytes written into a tier"),
-    ("kvstrata_retrieved_bytes_total", "counter", "tier", "bytes read from a tier"),
-    ("kvstrata_operation_duration_seconds", "histogram", "op", "time to answer a request"),
-    ("kvstrata_evictions_total", "counter", "tier", "objects evicted"),
-    ("kvstrata_tier_usage_bytes", "gauge", "tier", "bytes held"),
-    ("kvstrata_tier_capacity_bytes", "gauge", "tier", "bytes a tier may hold"),
-    ("kvstrata_tier_objects", "gauge", "tier", "objects held"),
-    ("kvstrata_write_queue_depth", "gauge", "tier", "writes waiting for a tier"),
-    ("kvstrata_write_queue_dropped_total", "counter", "tier", "writes dropped (queue full)"),
-    ("kvstrata_tier_degraded", "gauge", "tier", "1 while a tier is failing"),
-    ("kvstrata_corrupt_objects_total", "counter", "tier", "objects refused by their checksum"),
-    ("kvstrata_errors_total", "counter", "kind", "request errors by kind"),
-    ("kvstrata_clients", "gauge", "", "connected client sessions"),
-    ("kvstrata_leases_active", "gauge", "", "arena leases held by clients"),
+    (m.name, m.type, ",".join(m.labels), m.help) for m in CATALOGUE if m.from_start
 ]
+
+
+def render_catalogue() -> str:
+    """The catalogue as the Markdown of docs/metrics.md."""
+    lines = [
+        "# Metrics",
+        "",
+        "Every metric a kvstrata sidecar serves on `/metrics` (port 9464 in a pod).",
+        "Generated from `kvstrata.sidecar.metrics.CATALOGUE` by `make docs`; a test",
+        "checks this page against the code and the code against a live `/metrics`.",
+        "",
+        "A series marked * appears with its first event (its label values are not",
+        "known before); every other series is served from the start, at 0.",
+        "",
+        "| name | type | labels | unit | meaning |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for m in CATALOGUE:
+        labels = ", ".join(f"`{label}`" for label in m.labels) or "-"
+        mark = "" if m.from_start else " *"
+        lines.append(f"| `{m.name}`{mark} | {m.type} | {labels} | {m.unit} | {m.help} |")
+    return "\n".join(lines) + "\n"
+
+
+def _counter(name: str) -> CounterMetricFamily:
+    spec = SPECS[name]
+    return CounterMetricFamily(name, spec.help, labels=list(spec.labels))
+
+
+def _gauge(name: str) -> GaugeMetricFamily:
+    spec = SPECS[name]
+    return GaugeMetricFamily(name, spec.help, labels=list(spec.labels))
+
 
 # Latency buckets from 50 us (an L1 lookup) to 10 s (a stalled remote tier).
 _BUCKETS = (
@@ -75,21 +162,14 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.lookups = Counter("kvstrata_lookups", "LOOKUP requests answered", registry=r)
-        self.lookup_tokens = Counter(
-            "kvstrata_lookup_tokens", "tokens asked for in lookups", registry=r
-        )
-        self.hit_tokens = Counter(
-            "kvstrata_hit_tokens", "tokens found, by the tier holding them", ["tier"], registry=r
-        )
+        self.lookups = _request_counter("kvstrata_lookups_total", r)
+        self.lookup_tokens = _request_counter("kvstrata_lookup_tokens_total", r)
+        self.hit_tokens = _request_counter("kvstrata_hit_tokens_total", r)
+        spec = SPECS["kvstrata_operation_duration_seconds"]
         self.duration = Histogram(
-            "kvstrata_operation_duration_seconds",
-            "time to answer a request, by op",
-            ["op"],
-            buckets=_BUCKETS,
-            registry=r,
+            spec.name, spec.help, list(spec.labels), buckets=_BUCKETS, registry=r
         )
-        self.errors = Counter("kvstrata_errors", "request errors by kind", ["kind"], registry=r)
+        self.errors = _request_counter("kvstrata_errors_total", r)
         # Pre-create the common error kinds so dashboards see zeros, not gaps.
         for kind in ("bad_frame", "bad_request", "no_session", "internal"):
             self.errors.labels(kind=kind)
@@ -130,7 +210,7 @@ class EngineCollector(Collector):
         return iter(())  # names are fixed; skip a scrape at registration
 
     def collect(self) -> Iterator[Metric]:
-        clients = GaugeMetricFamily("kvstrata_clients", "connected client sessions")
+        clients = _gauge("kvstrata_clients")
         clients.add_metric([], self._clients())
         yield clients
         try:
@@ -144,82 +224,66 @@ class EngineCollector(Collector):
         yield from _counter_metrics(stats.counters)
 
 
+# Per-tier families read from each TierSnapshot: metric name -> the value.
+_TIER_VALUES: dict[str, Callable[[Any], float]] = {
+    "kvstrata_stored_bytes_total": lambda t: t.stored_bytes_total,
+    "kvstrata_retrieved_bytes_total": lambda t: t.retrieved_bytes_total,
+    "kvstrata_evictions_total": lambda t: t.evictions_total,
+    "kvstrata_tier_usage_bytes": lambda t: t.usage_bytes,
+    "kvstrata_tier_capacity_bytes": lambda t: t.capacity_bytes,
+    "kvstrata_tier_objects": lambda t: t.objects,
+    "kvstrata_write_queue_depth": lambda t: t.queue_depth,
+    "kvstrata_write_queue_dropped_total": lambda t: t.dropped_total,
+    "kvstrata_tier_degraded": lambda t: 1 if t.degraded else 0,
+    "kvstrata_corrupt_objects_total": lambda t: t.corrupt_total,
+}
+
+
 def _tier_metrics(stats: EngineStats) -> Iterator[Metric]:
-    def counter(name: str, doc: str) -> CounterMetricFamily:
-        return CounterMetricFamily(name, doc, labels=["tier"])
-
-    def gauge(name: str, doc: str) -> GaugeMetricFamily:
-        return GaugeMetricFamily(name, doc, labels=["tier"])
-
-    families: dict[str, tuple[Metric, Callable]] = {
-        "stored": (counter("kvstrata_stored_bytes", "bytes written into a tier"),
-                   lambda t: t.stored_bytes_total),
-        "retrieved": (counter("kvstrata_retrieved_bytes", "bytes read from a tier"),
-                      lambda t: t.retrieved_bytes_total),
-        "evictions": (counter("kvstrata_evictions", "objects evicted"),
-                      lambda t: t.evictions_total),
-        "usage": (gauge("kvstrata_tier_usage_bytes", "bytes held"), lambda t: t.usage_bytes),
-        "capacity": (gauge("kvstrata_tier_capacity_bytes", "bytes a tier may hold"),
-                     lambda t: t.capacity_bytes),
-        "objects": (gauge("kvstrata_tier_objects", "objects held"), lambda t: t.objects),
-        "depth": (gauge("kvstrata_write_queue_depth", "writes waiting for a tier"),
-                  lambda t: t.queue_depth),
-        "dropped": (counter("kvstrata_write_queue_dropped", "writes dropped (queue full)"),
-                    lambda t: t.dropped_total),
-        "degraded": (gauge("kvstrata_tier_degraded", "1 while a tier is failing"),
-                     lambda t: 1 if t.degraded else 0),
-        "corrupt": (counter("kvstrata_corrupt_objects", "objects refused by their checksum"),
-                    lambda t: t.corrupt_total),
-    }  # fmt: skip
-    tier_errors = CounterMetricFamily(
-        "kvstrata_tier_errors", "tier operation failures by kind", labels=["tier", "kind"]
-    )
-    for name, tier in stats.tiers.items():
-        for family, value in families.values():
-            family.add_metric([name], value(tier))
+    families = {
+        name: (_counter(name) if SPECS[name].type == "counter" else _gauge(name))
+        for name in _TIER_VALUES
+    }
+    tier_errors = _counter("kvstrata_tier_errors_total")
+    for tier_name, tier in stats.tiers.items():
+        for name, value in _TIER_VALUES.items():
+            families[name].add_metric([tier_name], value(tier))
         for kind, n in tier.errors_total.items():
-            tier_errors.add_metric([name, kind], n)
-    for family, _ in families.values():
-        yield family
+            tier_errors.add_metric([tier_name, kind], n)
+    yield from families.values()
     yield tier_errors
 
 
-# Engine counters exposed as metrics of their own: counter -> (metric, help).
+# Engine counters exposed as metrics of their own: engine counter -> metric name.
+# Always exposed (0 before the first event), so rates and alerts never see gaps.
 _ENGINE_COUNTERS = {
-    "prefetch_chunks_total": ("kvstrata_prefetch_chunks", "chunks scheduled for prefetch"),
-    "leases_expired_total": ("kvstrata_leases_expired", "leases dropped after lease_seconds"),
-    "store_rejected_total": ("kvstrata_store_rejected", "chunks refused at PREPARE_STORE"),
-    "store_deduplicated_total": (
-        "kvstrata_store_deduplicated",
-        "chunks not stored again because L1 already held them",
-    ),
-    "promotion_failed_total": ("kvstrata_promotion_failures", "promotions into L1 that failed"),
-    "writeback_skipped_total": (
-        "kvstrata_writeback_skipped",
-        "chunks not written below L1 (evicted before their write-behind)",
-    ),
+    "prefetch_chunks_total": "kvstrata_prefetch_chunks_total",
+    "leases_expired_total": "kvstrata_leases_expired_total",
+    "store_rejected_total": "kvstrata_store_rejected_total",
+    "store_deduplicated_total": "kvstrata_store_deduplicated_total",
+    "promotion_failed_total": "kvstrata_promotion_failures_total",
+    "writeback_skipped_total": "kvstrata_writeback_skipped_total",
 }
 
 
 def _counter_metrics(counters: dict[str, int]) -> Iterator[Metric]:
-    leases = GaugeMetricFamily("kvstrata_leases_active", "arena leases held by clients")
+    leases = _gauge("kvstrata_leases_active")
     leases.add_metric([], counters.get("leases_active", 0))
     yield leases
-    if "writeback_pinned_bytes" in counters:
-        pinned = GaugeMetricFamily(
-            "kvstrata_writeback_pinned_bytes", "L1 bytes pinned until their write-behind ends"
-        )
-        pinned.add_metric([], counters["writeback_pinned_bytes"])
-        yield pinned
-    for key, (name, doc) in _ENGINE_COUNTERS.items():
-        if key in counters:
-            family = CounterMetricFamily(name, doc)
-            family.add_metric([], counters[key])
-            yield family
-    promotions = CounterMetricFamily(
-        "kvstrata_promotions", "chunks promoted into L1, by source tier", labels=["tier"]
-    )
+    pinned = _gauge("kvstrata_writeback_pinned_bytes")
+    pinned.add_metric([], counters.get("writeback_pinned_bytes", 0))
+    yield pinned
+    for key, name in _ENGINE_COUNTERS.items():
+        family = _counter(name)
+        family.add_metric([], counters.get(key, 0))
+        yield family
+    promotions = _counter("kvstrata_promotions_total")
     for key, value in counters.items():
         if key.startswith("promotions_total_"):
             promotions.add_metric([key[len("promotions_total_") :]], value)
     yield promotions
+
+
+def _request_counter(name: str, registry: CollectorRegistry) -> Counter:
+    spec = SPECS[name]
+    return Counter(name, spec.help, list(spec.labels), registry=registry)
