@@ -314,6 +314,9 @@ class SidecarConfig(_Section):
     chunk_size: int = Field(256, ge=1, description="tokens per chunk; a multiple of the block size")
     transfer_mode: Literal["auto", "ipc", "host"] = "auto"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["text", "json"] = Field(
+        "text", description="text, or json: one object per line with the request id"
+    )
     l1: L1Config = Field(default_factory=L1Config)
     l2: L2Config = Field(default_factory=L2Config)
     shared: SharedConfig = Field(default_factory=SharedConfig)

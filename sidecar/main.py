@@ -73,9 +73,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"kvstrata sidecar: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from kvstrata.sidecar.logs import configure_logging
+
+    configure_logging(config.log_level, config.log_format)
     return _serve(config)
 
 

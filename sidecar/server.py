@@ -37,6 +37,7 @@ from kvstrata.sidecar.liveness import (
     restrict_socket_file,
     socket_umask,
 )
+from kvstrata.sidecar.logs import request_context
 from kvstrata.sidecar.metrics import EngineCollector, ServerMetrics
 from kvstrata.sidecar.sessions import Session, SessionTable
 
@@ -276,19 +277,23 @@ class SidecarServer:
     def _answer(
         self, request: p.Request, session: Session | None, identity: bytes, started: float
     ) -> bytes:
-        """Run one request to its reply frame; never raises."""
-        try:
-            body = self.handlers.handle(request, session, identity)
-            reply = p.encode_reply(request.request_id, body)
-        except p.ProtocolError as exc:
-            self._count_error(exc.code)
-            reply = p.encode_error(request.request_id, exc.code, f"{request.op}: {exc}")
-        except Exception as exc:  # a bug must cost one request, never the server
-            logger.exception("%s failed", request.op)
-            self._count_error(p.E_INTERNAL)
-            reply = p.encode_error(
-                request.request_id, p.E_INTERNAL, f"{request.op}: {type(exc).__name__}"
-            )
+        """Run one request to its reply frame; never raises. What it logs carries
+        the request's id, op and client (:mod:`kvstrata.sidecar.logs`)."""
+        client = session.client_id if session is not None else "-"
+        with request_context(request.request_id, request.op, client):
+            try:
+                body = self.handlers.handle(request, session, identity)
+                reply = p.encode_reply(request.request_id, body)
+            except p.ProtocolError as exc:
+                logger.debug("refused (%s): %s", exc.code, exc)
+                self._count_error(exc.code)
+                reply = p.encode_error(request.request_id, exc.code, f"{request.op}: {exc}")
+            except Exception as exc:  # a bug must cost one request, never the server
+                logger.exception("%s failed", request.op)
+                self._count_error(p.E_INTERNAL)
+                reply = p.encode_error(
+                    request.request_id, p.E_INTERNAL, f"{request.op}: {type(exc).__name__}"
+                )
         self.metrics.duration.labels(op=request.op).observe(time.perf_counter() - started)
         return reply
 
