@@ -72,6 +72,11 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "writes dropped (queue full)"),
     MetricSpec("kvstrata_tier_degraded", "gauge", ("tier",), "boolean",
                "1 while a tier is failing (a shared tier's circuit breaker is not closed)"),
+    MetricSpec("kvstrata_tier_breaker_state", "gauge", ("tier", "state"), "boolean",
+               "a shared tier's circuit breaker: 1 for its current state (closed, open, "
+               "half_open), 0 for the others", from_start=False),
+    MetricSpec("kvstrata_tier_breaker_opened_total", "counter", ("tier",), "events",
+               "times a shared tier's circuit breaker opened", from_start=False),
     MetricSpec("kvstrata_corrupt_objects_total", "counter", ("tier",), "objects",
                "objects refused by their checksum"),
     MetricSpec("kvstrata_tier_errors_total", "counter", ("tier", "kind"), "operations",
@@ -112,8 +117,9 @@ def render_catalogue() -> str:
         "Generated from `kvstrata.sidecar.metrics.CATALOGUE` by `make docs`; a test",
         "checks this page against the code and the code against a live `/metrics`.",
         "",
-        "A series marked * appears with its first event (its label values are not",
-        "known before); every other series is served from the start, at 0.",
+        "A metric marked * has series only where it applies (the breaker's, for a",
+        "shared tier) or from its first event (label values not known before);",
+        "every other series is served from the start, at 0.",
         "",
         "| name | type | labels | unit | meaning |",
         "| --- | --- | --- | --- | --- |",
@@ -252,6 +258,25 @@ def _tier_metrics(stats: EngineStats) -> Iterator[Metric]:
             tier_errors.add_metric([tier_name, kind], n)
     yield from families.values()
     yield tier_errors
+    yield from _breaker_metrics(stats)
+
+
+BREAKER_STATES = ("closed", "open", "half_open")
+
+
+def _breaker_metrics(stats: EngineStats) -> Iterator[Metric]:
+    """Enum-style state (one series per state, 1 for the current) and opens, for the
+    tiers that have a breaker (the shared ones)."""
+    state = _gauge("kvstrata_tier_breaker_state")
+    opened = _counter("kvstrata_tier_breaker_opened_total")
+    for tier_name, tier in stats.tiers.items():
+        if not tier.breaker_state:
+            continue
+        for name in BREAKER_STATES:
+            state.add_metric([tier_name, name], 1 if tier.breaker_state == name else 0)
+        opened.add_metric([tier_name], tier.breaker_opened_total)
+    yield state
+    yield opened
 
 
 # Engine counters exposed as metrics of their own: engine counter -> metric name.

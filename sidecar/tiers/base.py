@@ -52,6 +52,9 @@ class TierStats:
     deduplicated_total: int = 0
     degraded: bool = False
     errors_total: dict[str, int] = field(default_factory=dict)
+    # A shared tier's circuit breaker ("" for tiers without one).
+    breaker_state: str = ""  # closed | open | half_open
+    breaker_opened_total: int = 0
 
     def count_error(self, kind: str) -> None:
         self.errors_total[kind] = self.errors_total.get(kind, 0) + 1

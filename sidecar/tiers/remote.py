@@ -140,7 +140,9 @@ class RemoteTier(Tier):
             snap = TierStats(
                 **{**vars(self._stats), "errors_total": dict(self._stats.errors_total)}
             )
-        snap.degraded = self._breaker.state != "closed"
+        snap.breaker_state = self._breaker.state
+        snap.breaker_opened_total = self._breaker.opened_total
+        snap.degraded = snap.breaker_state != "closed"
         return snap
 
     # -- helpers ----------------------------------------------------------

@@ -203,6 +203,13 @@ def test_every_dashboard_query_returns_plausible_data(observed: Any) -> None:
     after = per_series(prom.query_range(health, end - 2, end), "tier")
     assert all(v == 0.0 for _, v in after["valkey"]), f"the recovery did not show: {after}"
 
+    # The breaker behind the panel: it opened during the outage and is closed again.
+    selector = f'tier="valkey", namespace="{NAMESPACE}", pod="{POD}"'
+    opened = prom.query(f"kvstrata_tier_breaker_opened_total{{{selector}}}", at=end)
+    assert float(opened[0]["value"][1]) >= 1, opened
+    state = prom.query(f"kvstrata_tier_breaker_state{{{selector}}} == 1", at=end)
+    assert [s["metric"]["state"] for s in state] == ["closed"], state
+
 
 def panel_targets(panels: list[dict[str, Any]], title: str) -> list[dict[str, Any]]:
     for panel in panels:
