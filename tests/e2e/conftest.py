@@ -73,6 +73,7 @@ def _workloads() -> dict[str, list[list[int]]]:
         "killed": [tokens(320, 100 + i) for i in range(10)],
         "corrupted": [tokens(300, 11)],
         "stalled": [tokens(200, 12), tokens(150, 13)],
+        "warm_start": [tokens(384, 14), tokens(300, 15)],
     }
 
 
@@ -89,8 +90,10 @@ class SidecarProcess(sidecarproc.SidecarProcess):
     start_timeout_s = START_TIMEOUT_S
     stop_timeout_s = 20.0
 
-    def __init__(self, root: Path) -> None:
-        super().__init__(root, chunk_size=CHUNK, l1_size="64Mi", l2_size="256Mi")
+    def __init__(self, root: Path, overrides: dict[str, Any] | None = None) -> None:
+        super().__init__(
+            root, chunk_size=CHUNK, l1_size="64Mi", l2_size="256Mi", overrides=overrides
+        )
 
 
 # -- engines ----------------------------------------------------------------------------
@@ -199,6 +202,9 @@ class Counters:
             "hit_tokens": s.hit_tokens,
             "hit_tokens_l1": s.hit_tokens_by_tier.get("l1", 0),
             "hit_tokens_l2": s.hit_tokens_by_tier.get("l2", 0),
+            "hit_tokens_shared": sum(
+                n for tier, n in s.hit_tokens_by_tier.items() if tier not in ("l1", "l2")
+            ),
             "lookup_failures": s.lookup_failures,
             "loaded_chunks": w.loaded_chunks,
             "failed_chunks": w.failed_chunks,
@@ -222,6 +228,7 @@ def kit() -> SimpleNamespace:
     """The helpers tests use (conftest modules are not importable by name)."""
     return SimpleNamespace(
         CHUNK=CHUNK,
+        SidecarProcess=SidecarProcess,
         WORKLOADS=WORKLOADS,
         generate=generate,
         delta=delta,
