@@ -10,6 +10,8 @@ a short fresh question:
 * ``l1_hit``                     kvstrata, prefix in L1 (shared memory)
 * ``l2_hit``                     kvstrata after a sidecar restart: L1 empty, prefix on disk
 * ``vllm_prefix_cache_hit``      vLLM's own prefix cache (the reference; no connector)
+* ``warm_start_valkey|s3``       a brand-new vLLM with a fresh sidecar (empty L1 and L2) on
+                                 a shared tier another replica filled: its first request
 
 TTFT is the latency of a one-token generation (vLLM in this process, no
 HTTP). Each figure is the median of ``reps`` requests on distinct
@@ -28,10 +30,12 @@ Targets: ``l1_hit <= 0.25 x cold``, save overhead ``<= 10 %`` of cold.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +44,8 @@ SUFFIX_TOKENS = 32
 MODEL = {"hidden_size": 1024, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "head_dim": 128}
 TARGET_L1_RATIO = 0.25
 TARGET_SAVE_OVERHEAD = 0.10
+# Shared tiers a brand-new replica warms from (two sidecars on one real server).
+WARM_START_BACKENDS = ("valkey", "s3")
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -55,13 +61,18 @@ class _Workload:
         return self.prefixes[rep] + _tokens(SUFFIX_TOKENS, 5000 + 100 * rep + question)
 
 
-def _ttft(llm: Any, prompt: list[int]) -> float:
+def _generate(llm: Any, prompt: list[int]) -> tuple[float, list[int]]:
+    """TTFT (a one-token greedy generation) and the token it produced."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=1)
     started = time.perf_counter()
-    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    return time.perf_counter() - started
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    return time.perf_counter() - started, list(out.outputs[0].token_ids)
+
+
+def _ttft(llm: Any, prompt: list[int]) -> float:
+    return _generate(llm, prompt)[0]
 
 
 def _engine(model: Path, max_len: int, **kwargs: Any) -> Any:
@@ -91,11 +102,15 @@ def _baseline(model: Path, work: _Workload, max_len: int) -> dict[str, list[floa
     llm = _engine(model, max_len, enable_prefix_caching=True)
     try:
         reps = range(len(work.prefixes))
-        cold = [_ttft(llm, work.prompt(r, 0)) for r in reps]
+        cold_runs = [_generate(llm, work.prompt(r, 0)) for r in reps]
         cached = [_ttft(llm, work.prompt(r, 1)) for r in reps]
     finally:
         shutdown_engine(llm)
-    return {"cold": cold, "vllm_prefix_cache_hit": cached}
+    return {
+        "cold": [t for t, _ in cold_runs],
+        "cold_outputs": [out for _, out in cold_runs],
+        "vllm_prefix_cache_hit": cached,
+    }
 
 
 def _with_connector(model: Path, work: _Workload, max_len: int, root: Path) -> dict[str, Any]:
@@ -143,6 +158,72 @@ def _with_connector(model: Path, work: _Workload, max_len: int, root: Path) -> d
     }
 
 
+@contextlib.contextmanager
+def _shared_tier(backend: str, root: Path) -> Iterator[dict[str, Any]]:
+    """A real shared-tier server on loopback, and the sidecar's ``shared`` config for it."""
+    from kvstrata.testing.servers import MotoS3Server, RedisServer
+
+    if backend == "valkey":
+        with RedisServer(root / "valkey") as valkey:
+            yield {"backend": "valkey", "valkey": {"url": valkey.url}}
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "s3-id").write_text("bench")
+    (root / "s3-secret").write_text("bench-secret")
+    with MotoS3Server() as s3:
+        yield {
+            "backend": "s3",
+            "lookup_timeout_seconds": 1.0,
+            "s3": {
+                "endpoint_url": s3.endpoint_url,
+                "bucket": "kvstrata-warm-start",
+                "create_bucket": True,
+                "access_key_id_file": str(root / "s3-id"),
+                "secret_access_key_file": str(root / "s3-secret"),
+            },
+        }
+
+
+def _replica(
+    model: Path, work: _Workload, max_len: int, root: Path, shared: dict[str, Any]
+) -> tuple[list[tuple[float, list[int]]], dict[str, int]]:
+    """A new vLLM with a new sidecar (empty L1 and L2) on ``shared``: each prefix's
+    first request (TTFT, token), and the sidecar's hit tokens by tier for them."""
+    from kvstrata.testing.localstack import LocalSidecar, shutdown_engine, transfer_config
+
+    sidecar = LocalSidecar(
+        root, chunk_size=CHUNK_SIZE, l1_size="1536Mi", l2_size="8Gi", overrides={"shared": shared}
+    )
+    sidecar.start()
+    llm = None
+    try:
+        transfer = transfer_config(sidecar.endpoint, CHUNK_SIZE, call_timeout_seconds=2.0)
+        llm = _engine(model, max_len, enable_prefix_caching=False, kv_transfer_config=transfer)
+        before = sidecar.hit_tokens_by_tier()
+        runs = [_generate(llm, work.prompt(r, 0)) for r in range(len(work.prefixes))]
+        after = sidecar.hit_tokens_by_tier()
+    finally:
+        if llm is not None:
+            shutdown_engine(llm)
+        sidecar.stop()  # SIGTERM flushes the write-behind into the shared tier
+    return runs, {tier: n - before.get(tier, 0) for tier, n in after.items()}
+
+
+def _warm_start(
+    model: Path, work: _Workload, max_len: int, root: Path, backend: str
+) -> dict[str, Any]:
+    """Replica A serves the prompts (computes, publishes to the shared tier) and
+    goes away; a brand-new replica B serves the same prompts."""
+    with _shared_tier(backend, root) as shared:
+        _replica(model, work, max_len, root / "replica-a", shared)
+        runs, hits = _replica(model, work, max_len, root / "replica-b", shared)
+    return {
+        f"warm_start_{backend}": [t for t, _ in runs],
+        f"warm_start_{backend}_outputs": [out for _, out in runs],
+        f"warm_start_{backend}_hit_tokens": hits,
+    }
+
+
 def _reconnect(llm: Any, sched: Any) -> None:
     """Throwaway one-chunk requests until the connector reaches the new sidecar."""
     for attempt in range(50):
@@ -167,11 +248,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     samples: dict[str, Any] = _baseline(model, work, max_len)
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-e2e-") as tmp:
         samples.update(_with_connector(model, work, max_len, Path(tmp)))
+        for backend in WARM_START_BACKENDS:
+            samples.update(_warm_start(model, work, max_len, Path(tmp) / backend, backend))
     return _result(samples, prefix_tokens, reps)
 
 
 def _result(samples: dict[str, Any], prefix_tokens: int, reps: int) -> dict[str, Any]:
-    keys = ("cold", "cold_with_connector", "l1_hit", "l2_hit", "vllm_prefix_cache_hit")
+    warm_keys = tuple(f"warm_start_{b}" for b in WARM_START_BACKENDS)
+    keys = ("cold", "cold_with_connector", "l1_hit", "l2_hit", "vllm_prefix_cache_hit", *warm_keys)
     ttft = {k: round(statistics.median(samples[k]), 4) for k in keys}
     cold = ttft["cold"]
     ratios = {
@@ -180,6 +264,14 @@ def _result(samples: dict[str, Any], prefix_tokens: int, reps: int) -> dict[str,
         "vllm_prefix_cache_hit_vs_cold": round(ttft["vllm_prefix_cache_hit"] / cold, 4),
         "save_overhead_vs_cold": round(samples["save_seconds_per_cold_request"] / cold, 4),
         "cold_with_connector_vs_cold": round(ttft["cold_with_connector"] / cold, 4),
+        **{f"{k}_vs_cold": round(ttft[k] / cold, 4) for k in warm_keys},
+    }
+    warm_start = {
+        k: {
+            "hit_tokens_by_tier": samples[f"{k}_hit_tokens"],
+            "outputs_equal_no_cache": samples[f"{k}_outputs"] == samples["cold_outputs"],
+        }
+        for k in warm_keys
     }
     return {
         "model": {**MODEL, "dtype": "float32", "random_weights": True},
@@ -195,6 +287,7 @@ def _result(samples: dict[str, Any], prefix_tokens: int, reps: int) -> dict[str,
             "hit_tokens_l1": samples["hit_tokens_l1"],
             "hit_tokens_l2": samples["hit_tokens_l2"],
         },
+        "warm_start": warm_start,
         "targets": {
             "l1_hit_vs_cold_max": TARGET_L1_RATIO,
             "save_overhead_max": TARGET_SAVE_OVERHEAD,
@@ -214,18 +307,23 @@ def format_table(result: dict[str, Any]) -> str:
         ("kvstrata hit from L1", "l1_hit"),
         ("kvstrata hit from L2 (after restart)", "l2_hit"),
         ("vLLM prefix cache hit (reference)", "vllm_prefix_cache_hit"),
-    ]
+        *((f"new replica, warm from {b} (1st request)", f"warm_start_{b}")
+          for b in WARM_START_BACKENDS),
+    ]  # fmt: skip
     lines = [
         f"TTFT, {result['prefix_tokens']}-token shared prefix + {result['suffix_tokens']} new "
         f"tokens, median of {result['reps']}",
-        f"{'case':<40}{'TTFT':>10}{'x cold':>9}",
+        f"{'case':<46}{'TTFT':>10}{'x cold':>9}",
     ]
-    lines += [f"{name:<40}{t[k] * 1e3:>8.0f}ms{t[k] / cold:>9.3f}" for name, k in rows]
+    lines += [f"{name:<46}{t[k] * 1e3:>8.0f}ms{t[k] / cold:>9.3f}" for name, k in rows]
     lines.append(
         f"connector time: save {c['save_seconds_per_cold_request'] * 1e3:.0f} ms per cold "
         f"request ({r['save_overhead_vs_cold']:.1%} of cold TTFT), load "
         f"{c['load_seconds_per_l1_hit'] * 1e3:.0f} ms per L1 hit"
     )
+    for key, warm in result["warm_start"].items():
+        same = "equal" if warm["outputs_equal_no_cache"] else "DIFFERENT"
+        lines.append(f"{key}: hit tokens {warm['hit_tokens_by_tier']}, outputs {same} to no cache")
     targets = result["targets"]
     l1_met = "met" if targets["l1_hit_met"] else "MISSED"
     save_met = "met" if targets["save_overhead_met"] else "MISSED"

@@ -54,10 +54,21 @@ class LocalSidecar(SidecarProcess):
     """
 
     def __init__(
-        self, root: Path, *, chunk_size: int, l1_size: str = "512Mi", l2_size: str = "4Gi"
+        self,
+        root: Path,
+        *,
+        chunk_size: int,
+        l1_size: str = "512Mi",
+        l2_size: str = "4Gi",
+        overrides: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(
-            root, chunk_size=chunk_size, l1_size=l1_size, l2_size=l2_size, log_level="WARNING"
+            root,
+            chunk_size=chunk_size,
+            l1_size=l1_size,
+            l2_size=l2_size,
+            log_level="WARNING",
+            overrides=overrides,
         )
 
     @property
