@@ -68,7 +68,7 @@ test: system-deps image-deps dev lint
 
 # Pages generated from the code (a test checks they are current).
 docs: dev
-	$(BIN)/python -c "from kvstrata.sidecar.metrics import render_catalogue as r; print(r(), end='')" > docs/metrics.md
+	$(BIN)/python -m kvstrata.metricsdoc > docs/metrics.md
 
 test-fast: dev
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

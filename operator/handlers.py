@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ import kopf
 
 from kvstrata.operator import kube
 from kvstrata.operator import spec as S
+from kvstrata.operator.metrics import observe_outcome
 from kvstrata.operator.mutate import mutate_pod
 from kvstrata.operator.reconcile import Outcome, reconcile
 from kvstrata.operator.webhook_tls import WebhookTLSOptions, ensure_serving_tls
@@ -168,11 +170,26 @@ def _report(body: kopf.Body, patch: kopf.Patch, memo: Any, outcome: Outcome) -> 
         raise kopf.TemporaryError(ready["message"], delay=outcome.retry_after)
 
 
+def _reconcile_measured(body: kopf.Body, memo: Any) -> Outcome:
+    """One reconcile pass, counted and timed in the operator's metrics (when it has them)."""
+    metrics = getattr(memo, "metrics", None)
+    started = time.perf_counter()
+    try:
+        outcome = reconcile(_raw(body), memo.cluster)
+    except Exception:
+        if metrics is not None:
+            metrics.record_reconcile("error", time.perf_counter() - started)
+        raise
+    if metrics is not None:
+        observe_outcome(metrics, dict(body.get("metadata") or {}), outcome, started)
+    return outcome
+
+
 def reconcile_kvcache(
     body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any
 ) -> None:
     """Create/update/resume: render, apply, check, report (see reconcile's docstring)."""
-    outcome = reconcile(_raw(body), memo.cluster)
+    outcome = _reconcile_measured(body, memo)
     logger.debug("reconciled: %s", outcome.status.get("conditions"))
     _report(body, patch, memo, outcome)
 
@@ -181,17 +198,26 @@ def recheck_kvcache(
     body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any
 ) -> None:
     """Timer: the same pass, so status follows pods and shared tiers, and drift is undone."""
-    outcome = reconcile(_raw(body), memo.cluster)
+    outcome = _reconcile_measured(body, memo)
     if outcome.permanent:  # already reported by the change handler
         patch.status.update(outcome.status)
         return
     _report(body, patch, memo, outcome)
 
 
+def forget_kvcache(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Delete: drop the KVCache's per-object metric series (owned objects go by GC)."""
+    metrics = getattr(memo, "metrics", None)
+    if metrics is not None:
+        meta = body.get("metadata") or {}
+        metrics.set_valkey_ready(meta.get("namespace") or "default", meta.get("name") or "", None)
+
+
 def inject_sidecar(
     body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any
 ) -> None:
     """Mutating webhook for Pod CREATE; never refuses a pod (skips with a reason)."""
+    started = time.perf_counter()
     pod = _raw(body)
     meta = pod.get("metadata") or {}
     name = (meta.get("annotations") or {}).get(S.CACHE_ANNOTATION)
@@ -212,6 +238,10 @@ def inject_sidecar(
         _post_event(memo, body, "Warning", "InjectionSkipped", result.skipped)
     elif result.injected:
         logger.info("sidecar injected for KVCache %s/%s", namespace, name)
+    metrics = getattr(memo, "metrics", None)
+    if metrics is not None and (result.injected or result.skipped):
+        what = "injected" if result.injected else "skipped"
+        metrics.record_admission(what, result.skip_code or "", time.perf_counter() - started)
 
 
 def _apply_ops(ops: list[dict[str, Any]], raw: dict[str, Any]) -> None:
@@ -230,6 +260,8 @@ def register(registry: kopf.OperatorRegistry, webhook: bool = True) -> None:
     kopf.on.startup(registry=registry)(manage_certificate)
     for on in (kopf.on.create, kopf.on.update, kopf.on.resume):
         on(**kvcaches, id="reconcile")(reconcile_kvcache)
+    # optional: no finalizer; the KVCache never waits on the operator to go away.
+    kopf.on.delete(**kvcaches, id="forget", optional=True)(forget_kvcache)
     kopf.timer(
         **kvcaches, id="recheck", interval=RECHECK_INTERVAL_S, initial_delay=RECHECK_INTERVAL_S
     )(recheck_kvcache)

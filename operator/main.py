@@ -55,6 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--liveness", default=_env("LIVENESS", "http://0.0.0.0:8080/healthz"), help="kopf probe URL"
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(_env("METRICS_PORT", "9465")),
+        help="port of the operator's Prometheus /metrics; 0 disables it",
+    )
     parser.add_argument("--verbose", action="store_true", help="debug logging")
 
 
@@ -64,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
 
     from kvstrata.operator import handlers
     from kvstrata.operator.kube import KubeCluster
+    from kvstrata.operator.metrics import OperatorMetrics
+    from kvstrata.operator.metrics import serve as serve_metrics
 
     try:
         cluster = KubeCluster()
@@ -75,7 +83,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     registry = kopf.OperatorRegistry()
     handlers.register(registry, webhook=args.webhook_port > 0)
-    memo = kopf.Memo(options=args, cluster=cluster)
+    metrics = OperatorMetrics()
+    if args.metrics_port:
+        try:
+            serve_metrics(metrics, "0.0.0.0", args.metrics_port)
+        except OSError as exc:
+            print(f"kvstrata operator: --metrics-port {args.metrics_port}: {exc}", file=sys.stderr)
+            return 1
+    memo = kopf.Memo(options=args, cluster=cluster, metrics=metrics)
     namespaces = args.watch_namespace or ()
     kopf.configure(verbose=args.verbose)
     kopf.run(

@@ -70,12 +70,14 @@ class MutationResult:
     """``patch``: RFC 6902 ops against the submitted pod ([] = leave it as it is).
 
     ``injected`` says the sidecar was added; ``skipped`` carries the reason
-    when the pod asked for a cache but was left without one.
+    when the pod asked for a cache but was left without one, and
+    ``skip_code`` the same as a short code (a metric label).
     """
 
     patch: list[dict[str, Any]]
     injected: bool = False
     skipped: str | None = None
+    skip_code: str | None = None
 
 
 def transfer_config(timeout_s: float = 0.5) -> dict[str, Any]:
@@ -98,10 +100,10 @@ def _diff(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[dict[str,
     return list(jsonpatch.JsonPatch.from_diff(dict(before), dict(after)).patch)
 
 
-def _skip(pod: Mapping[str, Any], reason: str) -> MutationResult:
+def _skip(pod: Mapping[str, Any], code: str, reason: str) -> MutationResult:
     after = copy.deepcopy(dict(pod))
     after.setdefault("metadata", {}).setdefault("annotations", {})[S.SKIPPED_ANNOTATION] = reason
-    return MutationResult(patch=_diff(pod, after), skipped=reason)
+    return MutationResult(patch=_diff(pod, after), skipped=reason, skip_code=code)
 
 
 def find_vllm_container(pod: Mapping[str, Any]) -> tuple[int | None, str | None]:
@@ -157,20 +159,24 @@ def mutate_pod(
     if S.SKIPPED_ANNOTATION in annotations:
         return MutationResult(patch=[])
     if not isinstance(name, str) or len(name) > 253 or not _DNS_SUBDOMAIN.match(name):
-        return _skip(pod, f"bad annotation {S.CACHE_ANNOTATION}={name!r}: not a KVCache name")
+        reason = f"bad annotation {S.CACHE_ANNOTATION}={name!r}: not a KVCache name"
+        return _skip(pod, "bad_annotation", reason)
     ns = namespace or meta.get("namespace") or "default"
     if kvcache is None:
-        return _skip(pod, missing_reason or f"KVCache {ns}/{name} not found")
+        if missing_reason:
+            return _skip(pod, "api_error", missing_reason)
+        return _skip(pod, "kvcache_not_found", f"KVCache {ns}/{name} not found")
     try:
         config, text = S.render_sidecar_config(kvcache)
     except S.SpecError as exc:
-        return _skip(pod, f"KVCache {ns}/{name} has an invalid spec: {exc}")
+        return _skip(pod, "invalid_spec", f"KVCache {ns}/{name} has an invalid spec: {exc}")
     index, why = find_vllm_container(pod)
     if index is None:
-        return _skip(pod, str(why))
+        return _skip(pod, "no_vllm_container", str(why))
     vllm = pod["spec"]["containers"][index]
     if _already_configured(vllm):
-        return _skip(pod, f"container {vllm.get('name')!r} already sets --kv-transfer-config")
+        reason = f"container {vllm.get('name')!r} already sets --kv-transfer-config"
+        return _skip(pod, "already_configured", reason)
     inject_package = annotations.get(S.INJECT_PACKAGE_ANNOTATION, "true").lower() != "false"
     after = copy.deepcopy(dict(pod))
     digest = S.config_hash(kvcache, text)

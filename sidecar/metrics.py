@@ -44,7 +44,7 @@ class MetricSpec:
 
 
 # Every metric the sidecar exposes. The help texts on /metrics come from here,
-# and docs/metrics.md is rendered from it (render_catalogue); a test checks a
+# and docs/metrics.md is rendered from it (kvstrata.metricsdoc); a test checks a
 # live /metrics against it, so a metric cannot be added or renamed silently.
 CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("kvstrata_lookups_total", "counter", (), "requests", "LOOKUP requests answered"),
@@ -108,27 +108,14 @@ METRICS: list[tuple[str, str, str, str]] = [
 ]
 
 
-def render_catalogue() -> str:
-    """The catalogue as the Markdown of docs/metrics.md."""
-    lines = [
-        "# Metrics",
-        "",
-        "Every metric a kvstrata sidecar serves on `/metrics` (port 9464 in a pod).",
-        "Generated from `kvstrata.sidecar.metrics.CATALOGUE` by `make docs`; a test",
-        "checks this page against the code and the code against a live `/metrics`.",
-        "",
-        "A metric marked * has series only where it applies (the breaker's, for a",
-        "shared tier) or from its first event (label values not known before);",
-        "every other series is served from the start, at 0.",
-        "",
-        "| name | type | labels | unit | meaning |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for m in CATALOGUE:
+def catalogue_table(catalogue: Iterable[MetricSpec]) -> list[str]:
+    """Markdown table rows of a catalogue (the sidecar's, or another's in this shape)."""
+    lines = ["| name | type | labels | unit | meaning |", "| --- | --- | --- | --- | --- |"]
+    for m in catalogue:
         labels = ", ".join(f"`{label}`" for label in m.labels) or "-"
         mark = "" if m.from_start else " *"
         lines.append(f"| `{m.name}`{mark} | {m.type} | {labels} | {m.unit} | {m.help} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _counter(name: str) -> CounterMetricFamily:

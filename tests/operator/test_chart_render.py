@@ -221,3 +221,27 @@ def test_every_rendered_rbac_rule_says_why_in_a_comment(values):
     for i in rules:
         assert lines[i - 1].lstrip().startswith("#"), f"rule without a reason:\n{lines[i]}"
     assert "'*'" not in text and '"*"' not in text
+
+
+def test_the_operator_metrics_port_is_served_by_a_service_its_servicemonitor_selects():
+    docs = render(
+        {"monitoring": {"serviceMonitor": {"enabled": True}}, "operator": {"metricsPort": 9777}}
+    )
+    container = operator_container(docs)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["metrics"] == 9777
+    assert operator_env(docs)["KVSTRATA_OPERATOR_METRICS_PORT"] == "9777"
+    services = [d for d in docs if d["kind"] == "Service"]
+    (service,) = [s for s in services if any(p["name"] == "metrics" for p in s["spec"]["ports"])]
+    assert service["spec"]["ports"][0]["targetPort"] == "metrics"
+    pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    selects = [
+        m for m in monitors
+        if m["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    ]  # fmt: skip
+    assert len(selects) == 1, "exactly one ServiceMonitor scrapes the operator"
+    assert selects[0]["spec"]["endpoints"][0]["port"] == "metrics"
+    # ... and the sidecars' ServiceMonitor does not pick the operator's Service up.
+    assert len(monitors) == 2

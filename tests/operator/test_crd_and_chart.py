@@ -234,12 +234,17 @@ METRICS = [
     "kvstrata_write_queue_dropped_total",
     "kvstrata_errors_total",
     "kvstrata_tier_degraded",
+    "kvstrata_operator_reconciles_total",
+    "kvstrata_operator_reconcile_duration_seconds_bucket",
+    "kvstrata_operator_admissions_total",
+    "kvstrata_operator_admission_duration_seconds_bucket",
+    "kvstrata_operator_managed_valkey_ready",
 ]
 
 
 def test_the_dashboard_is_grafana_json_over_the_sidecar_metrics():
     dashboard = json.loads((CHART / "dashboards" / "kvstrata.json").read_text())
-    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))
     for metric in METRICS:
         assert metric in exprs, metric
     titles = {p["title"] for p in dashboard["panels"]}

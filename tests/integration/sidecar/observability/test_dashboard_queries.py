@@ -14,7 +14,9 @@ outage and the recovery).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -129,9 +131,45 @@ def observed(sidecar_factory: Any, kit: Any, tmp_path: Path, prometheus_factory:
         sidecar = sidecar_factory(
             "obs", {"shared": shared, "l1": {"size_bytes": L1_CHUNKS * CHUNK_BYTES}}
         ).start()
-        jobs = {"kvstrata-sidecar": f"127.0.0.1:{sidecar.http_port}"}
-        prom = prometheus_factory(jobs, namespace=NAMESPACE, pod=POD)
-        yield Workload(sidecar, kit, valkey), prom
+        with operator_activity() as operator_port:
+            jobs = {
+                "kvstrata-sidecar": f"127.0.0.1:{sidecar.http_port}",
+                "kvstrata-operator": f"127.0.0.1:{operator_port}",
+            }
+            prom = prometheus_factory(jobs, namespace=NAMESPACE, pod=POD)
+            yield Workload(sidecar, kit, valkey), prom
+
+
+@contextlib.contextmanager
+def operator_activity() -> Iterator[int]:
+    """The operator's /metrics on a real port, recording what its handlers record
+    (reconciles of each outcome, admissions, a managed Valkey that becomes ready)
+    every 0.2 s while the test runs; the handlers' own counting is tested in
+    tests/operator/test_operator_metrics.py."""
+    from kvstrata.operator.metrics import OperatorMetrics, serve
+    from kvstrata.testing.servers import free_port
+
+    metrics, port = OperatorMetrics(), free_port()
+    stop_serving = serve(metrics, "127.0.0.1", port)
+    done = threading.Event()
+
+    def record() -> None:
+        ticks = 0
+        while not done.wait(0.2):
+            ticks += 1
+            metrics.record_reconcile("ready" if ticks % 3 else "progressing", 0.01 * (ticks % 5))
+            metrics.record_admission("injected" if ticks % 4 else "skipped", "kvcache_not_found",
+                                     0.002)  # fmt: skip
+            metrics.set_valkey_ready("ml", "demo", ticks > 10)
+
+    thread = threading.Thread(target=record, daemon=True)
+    thread.start()
+    try:
+        yield port
+    finally:
+        done.set()
+        thread.join(5)
+        stop_serving()
 
 
 def check_ratio(panel: str, series: list[dict[str, Any]]) -> None:
@@ -172,6 +210,7 @@ def test_every_dashboard_query_returns_plausible_data(observed: Any) -> None:
         "Hit rate (all tiers)": check_ratio,
         "Hit rate per tier": check_ratio,
         "L1 / L2 usage": check_ratio,
+        "Managed Valkey ready": check_ratio,
         "Bytes stored per tier": lambda p, s: check_flowed(p, s, ("l1", "l2", "valkey")),
         "Bytes retrieved per tier": lambda p, s: check_flowed(p, s, ("l1", "l2")),
     }
