@@ -73,6 +73,10 @@ class LookupResult:
 
     hit_chunks: int  # longest contiguous prefix present in any tier
     tiers: list[str]  # per hit chunk: "l1" | "l2" | the shared tier's name
+    # Chunks each tier was consulted for: those the prefix walk reached it with
+    # (not found in a faster tier, before the first chunk no tier holds). A
+    # tier's hit rate is its hits over this, exactly.
+    asked: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -159,11 +163,16 @@ class StorageManager:
         """Longest contiguous prefix of ``keys`` present in any tier."""
         entries = self._store.entries
         l2 = self._l2_index
+        asked = {"l1": 0} if self.l2 is None else {"l1": 0, "l2": 0}
 
-        def local_tier(key: ChunkKey) -> str | None:
+        def local_tier(key: ChunkKey, count: bool = True) -> str | None:
+            if count:
+                asked["l1"] += 1
             entry = entries.get(key)
             if entry is not None and entry.state == READY:
                 return "l1"
+            if count and "l2" in asked:
+                asked["l2"] += 1
             return "l2" if key in l2 else None
 
         tiers: list[str] = []
@@ -181,10 +190,14 @@ class StorageManager:
                 logger.exception("shared tier %s raised from contains_many", self.shared.name)
                 remote = []
             name = self.shared.name
+            asked[name] = 0
             # Re-check the local indexes: a chunk may have landed while the
-            # remote round trip ran.
-            for key, there in zip(rest, remote, strict=False):
-                tier = local_tier(key) or (name if there else None)
+            # remote round trip ran (the first was counted by the local walk).
+            for i, (key, there) in enumerate(zip(rest, remote, strict=False)):
+                tier = local_tier(key, count=i > 0)
+                if tier is None:
+                    asked[name] += 1
+                    tier = name if there else None
                 if tier is None:
                     break
                 tiers.append(tier)
@@ -193,7 +206,7 @@ class StorageManager:
             self._count("lookup_chunks_total", len(keys))
             for tier in set(tiers):
                 self._count(f"hit_chunks_total_{tier}", tiers.count(tier))
-        return LookupResult(len(tiers), tiers)
+        return LookupResult(len(tiers), tiers, asked)
 
     # -- leases -------------------------------------------------------------
 

@@ -168,7 +168,7 @@ class Handlers:
             owner_key = session.owner_key(body.owner)
             self.sessions.note_owner(session, owner_key)
             self.engine.prefetch(keys[:hit], owner_key)
-        self.metrics.count_lookup(len(keys), tiers, self.config.chunk_size)
+        self.metrics.count_lookup(len(keys), tiers, self.config.chunk_size, result.asked)
         return p.LookupReply(hit_chunks=hit, tiers=tiers)
 
     def _prepare_store(self, body: p.PrepareStoreRequest, session: Session) -> p.SlotsReply:

@@ -52,6 +52,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "tokens asked for in lookups (the hit rate's denominator)"),
     MetricSpec("kvstrata_hit_tokens_total", "counter", ("tier",), "tokens",
                "tokens found, by the tier holding them"),
+    MetricSpec("kvstrata_tier_lookup_tokens_total", "counter", ("tier",), "tokens",
+               "tokens a lookup consulted a tier for (not in a faster tier, before the first "
+               "chunk no tier holds): a tier's hit rate is its hit tokens over this"),
     MetricSpec("kvstrata_operation_duration_seconds", "histogram", ("op",), "seconds",
                "time to answer a request, by protocol op (HELLO, LOOKUP, ...)"),
     MetricSpec("kvstrata_errors_total", "counter", ("kind",), "requests",
@@ -158,6 +161,7 @@ class ServerMetrics:
         self.lookups = _request_counter("kvstrata_lookups_total", r)
         self.lookup_tokens = _request_counter("kvstrata_lookup_tokens_total", r)
         self.hit_tokens = _request_counter("kvstrata_hit_tokens_total", r)
+        self.tier_lookup_tokens = _request_counter("kvstrata_tier_lookup_tokens_total", r)
         spec = SPECS["kvstrata_operation_duration_seconds"]
         self.duration = Histogram(
             spec.name, spec.help, list(spec.labels), buckets=_BUCKETS, registry=r
@@ -172,8 +176,17 @@ class ServerMetrics:
         before the first hit instead of "no data" (a ratio over an absent series)."""
         for tier in tiers:
             self.hit_tokens.labels(tier=tier)
+            self.tier_lookup_tokens.labels(tier=tier)
 
-    def count_lookup(self, asked_chunks: int, tiers: list[str], chunk_size: int) -> None:
+    def count_lookup(
+        self,
+        asked_chunks: int,
+        tiers: list[str],
+        chunk_size: int,
+        asked_by_tier: dict[str, int] | None = None,
+    ) -> None:
+        """One LOOKUP: chunks asked, the tier of each hit chunk, and the chunks each
+        tier was consulted for (the per-tier denominators)."""
         self.lookups.inc()
         self.lookup_tokens.inc(asked_chunks * chunk_size)
         per_tier: dict[str, int] = {}
@@ -181,6 +194,9 @@ class ServerMetrics:
             per_tier[tier] = per_tier.get(tier, 0) + 1
         for tier, n in per_tier.items():
             self.hit_tokens.labels(tier=tier).inc(n * chunk_size)
+        for tier, n in (asked_by_tier or {}).items():
+            if n:
+                self.tier_lookup_tokens.labels(tier=tier).inc(n * chunk_size)
 
     def attach(self, collector: Collector) -> None:
         self.registry.register(collector)

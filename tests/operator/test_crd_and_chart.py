@@ -234,6 +234,7 @@ METRICS = [
     "kvstrata_write_queue_dropped_total",
     "kvstrata_errors_total",
     "kvstrata_tier_degraded",
+    "kvstrata_tier_lookup_tokens_total",
     "kvstrata_operator_reconciles_total",
     "kvstrata_operator_reconcile_duration_seconds_bucket",
     "kvstrata_operator_admissions_total",
