@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstrata.connector.metadata import KVStrataMetadata
 from kvstrata.connector.settings import settings_from_config
+from kvstrata.connector.stats import KVStrataPromMetrics, KVStrataStats, StatsDelta
 from kvstrata.connector.transfer_config import LOAD_FAILURE_POLICY
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ class KVStrataConnector(KVConnectorBase_V1):
         self.settings = settings_from_config(vllm_config, kv_cache_config)
         self._scheduler: KVStrataScheduler | None = None
         self._worker: KVStrataWorker | None = None
+        self._stats = StatsDelta()
         if role == KVConnectorRole.SCHEDULER:
             from kvstrata.connector.scheduler import KVStrataScheduler
 
@@ -101,6 +103,51 @@ class KVStrataConnector(KVConnectorBase_V1):
             return self._scheduler.counters
         assert self._worker is not None  # one role is always built
         return self._worker.counters
+
+    # -- vLLM's metrics (both roles) ---------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVStrataStats | None:
+        """What this role did since the last call (None if nothing): vLLM sums the
+        roles' and workers' reports and passes them to :meth:`build_prom_metrics`'s
+        object and its log line."""
+        return self._stats.take(self._figures())
+
+    def _figures(self) -> dict[str, Any]:
+        if self._scheduler is not None:
+            c = self._scheduler.counters
+            return {
+                "lookups": c.lookups,
+                "lookup_failures": c.lookup_failures,
+                "hit_tokens": dict(c.hit_tokens_by_tier),
+            }
+        assert self._worker is not None
+        w = self._worker.counters
+        layout = self._worker.layout
+        chunk_bytes = layout.chunk_nbytes if layout is not None else 0
+        return {
+            "loaded_chunks": w.loaded_chunks,
+            "load_failed_chunks": w.failed_chunks,
+            "saved_chunks": w.saved_chunks,
+            "save_dropped_chunks": w.save_dropped_chunks,
+            "loaded_bytes": w.loaded_chunks * chunk_bytes,
+            "saved_bytes": w.saved_chunks * chunk_bytes,
+            "load_seconds": w.load_seconds,
+            "save_seconds": w.save_seconds,
+        }
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStrataStats:
+        return KVStrataStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVStrataPromMetrics:
+        return KVStrataPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -74,6 +74,8 @@ def _workloads() -> dict[str, list[list[int]]]:
         "corrupted": [tokens(300, 11)],
         "stalled": [tokens(200, 12), tokens(150, 13)],
         "warm_start": [tokens(384, 14), tokens(300, 15)],
+        "metrics": [tokens(330, 16), tokens(200, 17)],
+        "load_failure": [tokens(330, 18)],
     }
 
 
@@ -173,7 +175,8 @@ def cached_llm(
     transfer = transfer_config(
         sidecar.endpoint, CHUNK, call_timeout_seconds=2.0, load_timeout_seconds=10.0
     )
-    llm = LLM(**engine_args(tiny_model), kv_transfer_config=transfer)
+    # Stats on: vLLM's own metrics carry the connector's (test_vllm_metrics).
+    llm = LLM(**engine_args(tiny_model), kv_transfer_config=transfer, disable_log_stats=False)
     try:
         yield llm
     finally:
