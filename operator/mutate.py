@@ -55,6 +55,16 @@ from typing import Any
 
 from kvstrata.connector.transfer_config import kv_transfer_config
 from kvstrata.operator import spec as S
+from kvstrata.operator.model import (
+    ACCESS_KEY_ID_KEY,
+    CA_KEY,
+    PASSWORD_KEY,
+    SECRET_ACCESS_KEY_KEY,
+    KVCache,
+    KVCacheLike,
+    L2Volume,
+    SidecarSpec,
+)
 from kvstrata.sidecar.config import SidecarConfig
 
 SIDECAR = "kvstrata-sidecar"
@@ -137,7 +147,7 @@ def _already_configured(container: Mapping[str, Any]) -> bool:
 
 def mutate_pod(
     pod: Mapping[str, Any],
-    kvcache: Mapping[str, Any] | None,
+    kvcache: KVCacheLike | None,
     namespace: str | None = None,
     missing_reason: str | None = None,
     images: S.Images | None = None,
@@ -167,6 +177,7 @@ def mutate_pod(
             return _skip(pod, "api_error", missing_reason)
         return _skip(pod, "kvcache_not_found", f"KVCache {ns}/{name} not found")
     try:
+        kvcache = KVCache.parse(kvcache)
         config, text = S.render_sidecar_config(kvcache)
     except S.SpecError as exc:
         return _skip(pod, "invalid_spec", f"KVCache {ns}/{name} has an invalid spec: {exc}")
@@ -187,14 +198,14 @@ def mutate_pod(
 def _inject(
     pod: dict[str, Any],
     index: int,
-    kvcache: Mapping[str, Any],
+    kvcache: KVCache,
     config: SidecarConfig,
     digest: str,
     inject_package: bool,
     images: S.Images,
 ) -> None:
-    spec = kvcache.get("spec") or {}
-    name = kvcache["metadata"]["name"]
+    spec = kvcache.spec
+    name = kvcache.name
     meta = pod.setdefault("metadata", {})
     meta.setdefault("annotations", {})[S.INJECTED_ANNOTATION] = digest
     if len(name) <= 63 and "." not in name:  # label values are at most 63 chars, no dots needed
@@ -217,9 +228,9 @@ def _inject(
         {"name": "kvstrata-config", "mountPath": S.CONFIG_DIR, "readOnly": True},
     ]
     if config.l2.enabled:
-        volumes.append(_l2_volume(spec.get("l2") or {}, config.l2.size_bytes))
+        volumes.append(_l2_volume(spec.l2.volume, config.l2.size_bytes))
         sidecar_mounts.append({"name": "kvstrata-l2", "mountPath": S.L2_DIR})
-    for volume, mount in _secret_volumes(spec, name):
+    for volume, mount in _secret_volumes(kvcache):
         volumes.append(volume)
         sidecar_mounts.append(mount)
     vllm.setdefault("volumeMounts", []).append(
@@ -228,14 +239,14 @@ def _inject(
     init = pod_spec.setdefault("initContainers", [])
     if inject_package:
         volumes.append({"name": "kvstrata-python", "emptyDir": {}})
-        init.append(_installer(spec, images.installer))
+        init.append(_installer(spec.sidecar, images.installer))
         vllm["volumeMounts"].append(
             {"name": "kvstrata-python", "mountPath": S.PYTHON_DIR, "readOnly": True}
         )
     gpu_env = _gpu_env(vllm, config.transfer_mode)
     # A sidecar that sees a GPU gets the CUDA image (its kernels); else the slim one.
     image = images.sidecar_cuda if gpu_env else images.sidecar
-    init.append(_sidecar(spec, config, sidecar_mounts, gpu_env, vllm, pod_spec, image))
+    init.append(_sidecar(spec.sidecar, config, sidecar_mounts, gpu_env, vllm, pod_spec, image))
     _configure_vllm(vllm, inject_package)
 
 
@@ -246,82 +257,72 @@ def _shm_volume_of(container: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _l2_volume(l2: Mapping[str, Any], size_bytes: int) -> dict[str, Any]:
-    volume = l2.get("volume") or {}
-    kind = volume.get("type", "emptyDir")
+def _l2_volume(volume: L2Volume, size_bytes: int) -> dict[str, Any]:
     size = mebibytes(size_bytes + size_bytes // 20)  # files + a little for directories
-    if kind == "existingClaim":
-        return {"name": "kvstrata-l2", "persistentVolumeClaim": {"claimName": volume["claimName"]}}
-    if kind == "ephemeral":
+    if volume.type == "existingClaim":
+        return {"name": "kvstrata-l2", "persistentVolumeClaim": {"claimName": volume.claim_name}}
+    if volume.type == "ephemeral":
         claim: dict[str, Any] = {
             "accessModes": ["ReadWriteOnce"],
             "resources": {"requests": {"storage": size}},
         }
-        if volume.get("storageClassName"):
-            claim["storageClassName"] = volume["storageClassName"]
+        if volume.storage_class_name:
+            claim["storageClassName"] = volume.storage_class_name
         return {"name": "kvstrata-l2", "ephemeral": {"volumeClaimTemplate": {"spec": claim}}}
     empty: dict[str, Any] = {"sizeLimit": size}
-    if volume.get("medium"):
-        empty["medium"] = volume["medium"]
+    if volume.medium:
+        empty["medium"] = volume.medium
     return {"name": "kvstrata-l2", "emptyDir": empty}
 
 
-def _secret_volumes(spec: Mapping[str, Any], name: str) -> list[tuple[dict, dict]]:
-    """(volume, sidecar mount) for each Secret the rendered config names a file in."""
+def _secret_volume(
+    volume: str, secret: str | None, items: list[tuple[str, str]], subdir: str
+) -> tuple[dict, dict]:
+    """A Secret volume projecting ``items`` (key, file name), and its sidecar mount."""
+    entry = {
+        "name": volume,
+        "secret": {
+            "secretName": secret,
+            "items": [{"key": k, "path": p} for k, p in items],
+            # Readable by the sidecar's non-root user without an fsGroup;
+            # the volume is mounted in the sidecar only.
+            "defaultMode": 0o444,
+        },
+    }
+    mount = {"name": volume, "mountPath": f"{S.SECRETS_DIR}/{subdir}", "readOnly": True}
+    return entry, mount
+
+
+def _secret_volumes(kvcache: KVCache) -> list[tuple[dict, dict]]:
+    """(volume, sidecar mount) for each Secret the rendered config names a file in.
+
+    Each key is projected to the file name the config points at (the key's
+    default name), whatever key the KVCache names.
+    """
+    shared = kvcache.spec.shared
+    kind = shared.kind
+    if kind == "valkey-managed" and shared.managed_valkey.auth_enabled:
+        secret = S.valkey_auth_secret_name(kvcache.name)
+        items = [(PASSWORD_KEY, PASSWORD_KEY)]
+        return [_secret_volume("kvstrata-valkey-auth", secret, items, "valkey")]
     out: list[tuple[dict, dict]] = []
-
-    def add(vol: str, secret: str, items: list[tuple[str, str]], subdir: str) -> None:
-        volume = {
-            "name": vol,
-            "secret": {
-                "secretName": secret,
-                "items": [{"key": k, "path": p} for k, p in items],
-                # Readable by the sidecar's non-root user without an fsGroup;
-                # the volume is mounted in the sidecar only.
-                "defaultMode": 0o444,
-            },
-        }
-        mount = {"name": vol, "mountPath": f"{S.SECRETS_DIR}/{subdir}", "readOnly": True}
-        out.append((volume, mount))
-
-    shared = spec.get("shared") or {}
-    kind = S.shared_tier_kind(spec)
-    valkey = shared.get("valkey") or {}
-    if kind == "valkey-managed" and ((valkey.get("managed") or {}).get("auth") or {}).get(
-        "enabled", True
-    ):
-        add(
-            "kvstrata-valkey-auth",
-            S.valkey_auth_secret_name(name),
-            [("password", "password")],
-            "valkey",
-        )
-    elif kind == "valkey-external":
-        external = valkey.get("external") or {}
-        ref = external.get("passwordSecretRef")
-        if ref:
-            add(
-                "kvstrata-valkey-auth",
-                ref["name"],
-                [(ref.get("key", "password"), "password")],
-                "valkey",
-            )
-        ca = (external.get("tls") or {}).get("caSecretRef")
-        if ca:
-            add(
-                "kvstrata-valkey-tls",
-                ca["name"],
-                [(ca.get("key", "ca.crt"), "ca.crt")],
-                "valkey-tls",
-            )
-    elif kind == "s3":
-        ref = (shared.get("s3") or {}).get("credentialsSecretRef")
-        if ref:
-            items = [
-                (ref.get("accessKeyIdKey", "access-key-id"), "access-key-id"),
-                (ref.get("secretAccessKeyKey", "secret-access-key"), "secret-access-key"),
-            ]
-            add("kvstrata-s3", ref["name"], items, "s3")
+    external = shared.valkey_or_default.external
+    if kind == "valkey-external" and external is not None:
+        ref = external.password_secret_ref
+        if ref is not None:
+            items = [(ref.key, PASSWORD_KEY)]
+            out.append(_secret_volume("kvstrata-valkey-auth", ref.name, items, "valkey"))
+        ca = external.tls.ca_secret_ref if external.tls is not None else None
+        if ca is not None:
+            items = [(ca.key, CA_KEY)]
+            out.append(_secret_volume("kvstrata-valkey-tls", ca.name, items, "valkey-tls"))
+    elif kind == "s3" and shared.s3_or_default.credentials_secret_ref is not None:
+        creds = shared.s3_or_default.credentials_secret_ref
+        items = [
+            (creds.access_key_id_key, ACCESS_KEY_ID_KEY),
+            (creds.secret_access_key_key, SECRET_ACCESS_KEY_KEY),
+        ]
+        out.append(_secret_volume("kvstrata-s3", creds.name, items, "s3"))
     return out
 
 
@@ -336,18 +337,25 @@ def _security_context(overrides: Mapping[str, Any] | None) -> dict[str, Any]:
     return ctx
 
 
-def _installer(spec: Mapping[str, Any], image: S.Image) -> dict[str, Any]:
-    sidecar = spec.get("sidecar") or {}
+def _image_of(sidecar: SidecarSpec, default: S.Image) -> tuple[str, str]:
+    """The image and pull policy the KVCache names, each else the operator's default."""
+    ref = sidecar.image if sidecar.image is not None else default.ref
+    policy = sidecar.image_pull_policy
+    return ref, policy if policy is not None else default.pull_policy
+
+
+def _installer(sidecar: SidecarSpec, image: S.Image) -> dict[str, Any]:
+    ref, policy = _image_of(sidecar, image)
     return {
         "name": INSTALLER,
-        "image": sidecar.get("image", image.ref),
-        "imagePullPolicy": sidecar.get("imagePullPolicy", image.pull_policy),
+        "image": ref,
+        "imagePullPolicy": policy,
         "command": ["python", "-m", "kvstrata.operator.install", S.PYTHON_DIR],
         "resources": {
             "requests": {"cpu": "50m", "memory": "64Mi"},
             "limits": {"memory": "128Mi"},
         },
-        "securityContext": _security_context(sidecar.get("securityContext")),
+        "securityContext": _security_context(sidecar.security_context),
         "volumeMounts": [{"name": "kvstrata-python", "mountPath": S.PYTHON_DIR}],
     }
 
@@ -371,17 +379,17 @@ def _gpu_env(vllm: Mapping[str, Any], mode: str) -> list[dict[str, Any]]:
     ]
 
 
-def _sidecar_resources(spec: Mapping[str, Any], l1_bytes: int) -> dict[str, Any]:
+def _sidecar_resources(sidecar: SidecarSpec, l1_bytes: int) -> dict[str, Any]:
     memory = mebibytes(l1_bytes + SIDECAR_OVERHEAD_BYTES)
     resources = {"requests": {"cpu": "500m", "memory": memory}, "limits": {"memory": memory}}
-    custom = (spec.get("sidecar") or {}).get("resources") or {}
+    custom = sidecar.resources or {}
     for section in ("requests", "limits"):
         resources[section].update(custom.get(section) or {})
     return resources
 
 
 def _sidecar(
-    spec: Mapping[str, Any],
+    sidecar: SidecarSpec,
     config: SidecarConfig,
     mounts: list[dict[str, Any]],
     gpu_env: list[dict[str, Any]],
@@ -389,13 +397,12 @@ def _sidecar(
     pod_spec: Mapping[str, Any],
     image: S.Image,
 ) -> dict[str, Any]:
-    sidecar = spec.get("sidecar") or {}
     port = config.server.http_port
 
     def ready(period: int) -> dict[str, Any]:
         return {"httpGet": {"path": "/readyz", "port": "kvstrata-metrics"}, "periodSeconds": period}
 
-    overrides = dict(sidecar.get("securityContext") or {})
+    overrides = dict(sidecar.security_context or {})
     # Run as the vLLM container's user, so both can use the socket and the arena.
     for source in ((vllm.get("securityContext") or {}), (pod_spec.get("securityContext") or {})):
         for key in ("runAsUser", "runAsGroup"):
@@ -408,12 +415,13 @@ def _sidecar(
         {"name": "PYTHONHASHSEED", "value": "0"},
         {"name": "TMPDIR", "value": S.SOCKET_DIR},
         *gpu_env,
-        *(sidecar.get("env") or []),
+        *copy.deepcopy(sidecar.env or []),
     ]
+    ref, policy = _image_of(sidecar, image)
     return {
         "name": SIDECAR,
-        "image": sidecar.get("image", image.ref),
-        "imagePullPolicy": sidecar.get("imagePullPolicy", image.pull_policy),
+        "image": ref,
+        "imagePullPolicy": policy,
         "restartPolicy": "Always",
         "command": ["kvstrata", "sidecar", "--config", S.CONFIG_PATH],
         "env": env,
@@ -425,7 +433,7 @@ def _sidecar(
             "periodSeconds": 10,
             "failureThreshold": 3,
         },
-        "resources": _sidecar_resources(spec, config.l1.size_bytes),
+        "resources": _sidecar_resources(sidecar, config.l1.size_bytes),
         "securityContext": ctx,
         "volumeMounts": mounts,
     }

@@ -51,6 +51,7 @@ from typing import Any, Protocol
 from kvstrata.operator import resources as R
 from kvstrata.operator import sharedtier
 from kvstrata.operator import spec as S
+from kvstrata.operator.model import PASSWORD_KEY, KVCache, KVCacheLike
 
 logger = logging.getLogger(__name__)
 
@@ -135,13 +136,6 @@ def set_condition(
     )
 
 
-# Default keys inside the Secrets a KVCache refers to.
-PASSWORD_KEY = "password"
-CA_KEY = "ca.crt"
-ACCESS_KEY_ID_KEY = "access-key-id"
-SECRET_ACCESS_KEY_KEY = "secret-access-key"
-
-
 def secret_value(cluster: Cluster, namespace: str, name: str | None, key: str) -> str | None:
     """Decode one key of a Secret; None when the Secret or the key is absent."""
     if not name:
@@ -151,35 +145,33 @@ def secret_value(cluster: Cluster, namespace: str, name: str | None, key: str) -
     return base64.b64decode(raw).decode() if raw else None
 
 
-def desired_objects(kvcache: Mapping[str, Any], cluster: Cluster) -> tuple[list[dict], str, str]:
+def desired_objects(kvcache: KVCacheLike, cluster: Cluster) -> tuple[list[dict], str, str]:
     """Every object this KVCache owns, the config hash, and the sidecar.yaml text.
 
     Raises :class:`~kvstrata.operator.spec.SpecError` for a spec the sidecar refuses.
     """
+    kvcache = KVCache.parse(kvcache)
     _, text = S.render_sidecar_config(kvcache)
     digest = S.config_hash(kvcache, text)
     objects = [R.render_configmap(kvcache, text, digest)]
-    spec = kvcache.get("spec") or {}
-    if S.shared_tier_kind(spec) == "valkey-managed":
-        managed = spec["shared"].get("valkey", {}).get("managed") or {}
-        if (managed.get("auth") or {}).get("enabled", True):
+    shared = kvcache.spec.shared
+    if shared.kind == "valkey-managed":
+        if shared.managed_valkey.auth_enabled:
             objects.append(R.render_valkey_secret(kvcache, _stable_password(kvcache, cluster)))
         objects += R.render_valkey_services(kvcache)
         objects.append(R.render_valkey_statefulset(kvcache))
     service, monitor = R.render_metrics_objects(kvcache)
     objects.append(service)  # scraped by this ServiceMonitor or the chart's cluster-wide one
-    if ((spec.get("metrics") or {}).get("serviceMonitor") or {}).get("enabled"):
+    if kvcache.spec.metrics.service_monitor_enabled:
         objects.append(monitor)
     return objects, digest, text
 
 
-def _stable_password(kvcache: Mapping[str, Any], cluster: Cluster) -> str:
+def _stable_password(kvcache: KVCache, cluster: Cluster) -> str:
     """The password already stored in the auth Secret, else a new one (kept from then on)."""
-    meta = kvcache["metadata"]
-    name = S.valkey_auth_secret_name(meta["name"])
-    existing = cluster.get("v1", "Secret", meta.get("namespace", "default"), name)
-    raw = ((existing or {}).get("data") or {}).get("password")
-    return base64.b64decode(raw).decode() if raw else R.new_password()
+    name = S.valkey_auth_secret_name(kvcache.name)
+    stored = secret_value(cluster, kvcache.namespace, name, PASSWORD_KEY)
+    return stored or R.new_password()
 
 
 def apply_objects(cluster: Cluster, objects: list[dict], events: list[Event]) -> None:
@@ -249,49 +241,51 @@ def _pods_current(
 
 
 def check_shared_tier(
-    kvcache: Mapping[str, Any], cluster: Cluster, probes: Probes
+    kvcache: KVCacheLike, cluster: Cluster, probes: Probes
 ) -> tuple[sharedtier.Probe, dict[str, str]]:
     """Is the shared tier usable? Also the endpoints to report in status."""
-    meta = kvcache["metadata"]
-    name, namespace = meta["name"], meta.get("namespace", "default")
-    spec = kvcache.get("spec") or {}
-    kind = S.shared_tier_kind(spec)
-    shared = spec.get("shared") or {}
+    kvcache = KVCache.parse(kvcache)
+    shared = kvcache.spec.shared
+    kind = shared.kind
     endpoints: dict[str, str] = {"sidecar": S.ENDPOINT}
     if kind == "none":
         return sharedtier.Probe(True, "NoSharedTier", "no shared tier configured"), endpoints
     if kind == "s3":
-        s3 = shared.get("s3") or {}
-        endpoints["s3"] = f"s3://{s3['bucket']}/{s3.get('prefix', 'kvstrata/')}"
-        creds = s3.get("credentialsSecretRef") or {}
-        target = sharedtier.S3Target(
-            bucket=s3["bucket"],
-            prefix=s3.get("prefix", "kvstrata/"),
-            region=s3.get("region", "us-east-1"),
-            endpoint=s3.get("endpoint") or None,
-            access_key_id=secret_value(
-                cluster,
-                namespace,
-                creds.get("name"),
-                creds.get("accessKeyIdKey", ACCESS_KEY_ID_KEY),
-            ),
-            secret_access_key=secret_value(
-                cluster,
-                namespace,
-                creds.get("name"),
-                creds.get("secretAccessKeyKey", SECRET_ACCESS_KEY_KEY),
-            ),
-            create_bucket=bool(s3.get("createBucket", False)),
-        )
-        return probes.ensure_s3(target, f"{namespace}/{name}"), endpoints
-    url = S.valkey_url(spec, name, namespace)
+        target = _s3_target(kvcache, cluster)
+        endpoints["s3"] = f"s3://{target.bucket}/{target.prefix}"
+        return probes.ensure_s3(target, f"{kvcache.namespace}/{kvcache.name}"), endpoints
+    url = S.valkey_url(kvcache)
     endpoints["valkey"] = url
     if kind == "valkey-managed":
-        return _managed_valkey_ready(cluster, namespace, name), endpoints
-    external = shared["valkey"]["external"]
-    ref = external.get("passwordSecretRef") or {}
-    password = secret_value(cluster, namespace, ref.get("name"), ref.get("key", PASSWORD_KEY))
+        return _managed_valkey_ready(cluster, kvcache.namespace, kvcache.name), endpoints
+    ref = shared.valkey_or_default.external.password_secret_ref  # type: ignore[union-attr]
+    password = (
+        secret_value(cluster, kvcache.namespace, ref.name, ref.key) if ref is not None else None
+    )
     return probes.ping_valkey(url, password), endpoints
+
+
+def _s3_target(kvcache: KVCache, cluster: Cluster) -> sharedtier.S3Target:
+    """The bucket as the operator reaches it, with the credentials the KVCache names."""
+    s3 = kvcache.spec.shared.s3_or_default
+    creds = s3.credentials_secret_ref
+    access_key_id = secret_access_key = None
+    if creds is not None:
+        access_key_id = secret_value(
+            cluster, kvcache.namespace, creds.name, creds.access_key_id_key
+        )
+        secret_access_key = secret_value(
+            cluster, kvcache.namespace, creds.name, creds.secret_access_key_key
+        )
+    return sharedtier.S3Target(
+        bucket=str(s3.bucket),
+        prefix=s3.prefix,
+        region=s3.region,
+        endpoint=s3.endpoint or None,
+        access_key_id=access_key_id,
+        secret_access_key=secret_access_key,
+        create_bucket=s3.create_bucket,
+    )
 
 
 def _managed_valkey_ready(cluster: Cluster, namespace: str, name: str) -> sharedtier.Probe:
@@ -303,6 +297,83 @@ def _managed_valkey_ready(cluster: Cluster, namespace: str, name: str) -> shared
     return sharedtier.Probe(False, "ValkeyStarting", f"{ready}/{want} Valkey pods ready")
 
 
+@dataclass(slots=True)
+class StatusReport:
+    """The ``status`` one pass writes: recomputed whole, conditions upserted in place.
+
+    Starts from the stored conditions so that ``lastTransitionTime`` survives
+    a pass that does not flip a condition.
+    """
+
+    generation: int
+    now: str
+    status: dict[str, Any]
+
+    @classmethod
+    def start(cls, kvcache: Mapping[str, Any], now: str) -> StatusReport:
+        generation = int((kvcache.get("metadata") or {}).get("generation", 1))
+        old = kvcache.get("status") or {}
+        conditions = [dict(c) for c in old.get("conditions") or []]
+        return cls(generation, now, {"observedGeneration": generation, "conditions": conditions})
+
+    def set(self, ctype: str, ok: bool, reason: str, message: str) -> None:
+        set_condition(
+            self.status["conditions"], ctype, ok, reason, message, self.generation, self.now
+        )
+
+    def reason(self, ctype: str) -> str | None:
+        """The reason the condition ``ctype`` has now (None when it is not set)."""
+        found = next((c for c in self.status["conditions"] if c.get("type") == ctype), {})
+        return found.get("reason")
+
+    def invalid_spec(self, message: str) -> None:
+        self.set("Ready", False, "InvalidSpec", message)
+        self.set("Degraded", True, "InvalidSpec", message)
+
+    def shared_tier(self, probe: sharedtier.Probe, digest: str, tier: str) -> None:
+        """SharedTierReady from the probe; Ready and Degraded from it and the applied config."""
+        self.set("SharedTierReady", probe.ok, probe.reason, probe.message)
+        if probe.ok:
+            msg = f"config {digest} applied; shared tier {tier} ready"
+            self.set("Ready", True, "Reconciled", msg)
+            self.set("Degraded", False, "AllTiersReady", msg)
+            return
+        msg = f"config {digest} applied; shared tier {tier}: {probe.message}"
+        self.set("Ready", False, probe.reason, msg)
+        # A starting Valkey is converging, not degraded.
+        self.set("Degraded", not _converging(probe), probe.reason, msg)
+
+
+def _converging(probe: sharedtier.Probe) -> bool:
+    return probe.reason == "ValkeyStarting"
+
+
+def retry_delay(probe: sharedtier.Probe) -> float | None:
+    """Seconds until the next try: None for a usable tier, soon while Valkey starts, else later."""
+    if probe.ok:
+        return None
+    return CONVERGE_DELAY_S if _converging(probe) else UNREACHABLE_DELAY_S
+
+
+def shared_tier_event(before_reason: str | None, probe: sharedtier.Probe) -> Event | None:
+    """The Event for a shared tier that is not usable: once per new reason, not every retry."""
+    if probe.ok or before_reason == probe.reason:
+        return None
+    return Event("Normal" if _converging(probe) else "Warning", probe.reason, probe.message)
+
+
+def _servable(objects: list[dict], cluster: Cluster, events: list[Event]) -> list[dict]:
+    """The objects whose kinds the cluster serves (a ServiceMonitor needs its CRD)."""
+    if any(o["kind"] == "ServiceMonitor" for o in objects) and not cluster.has_kind(
+        *SERVICEMONITOR_API
+    ):
+        events.append(
+            Event("Warning", "ServiceMonitorSkipped", "the ServiceMonitor CRD is not installed")
+        )
+        return [o for o in objects if o["kind"] != "ServiceMonitor"]
+    return objects
+
+
 def reconcile(
     kvcache: Mapping[str, Any],
     cluster: Cluster,
@@ -310,56 +381,30 @@ def reconcile(
     now: str | None = None,
 ) -> Outcome:
     """One reconcile pass; safe to repeat (apply is idempotent, status is recomputed)."""
-    probes = probes or Probes()
-    now = now or now_iso()
-    meta = kvcache["metadata"]
-    name, namespace = meta["name"], meta.get("namespace", "default")
-    generation = int(meta.get("generation", 1))
-    old = kvcache.get("status") or {}
-    conditions = [dict(c) for c in old.get("conditions") or []]
-    status: dict[str, Any] = {"observedGeneration": generation, "conditions": conditions}
+    report = StatusReport.start(kvcache, now or now_iso())
     events: list[Event] = []
     try:
-        objects, digest, _ = desired_objects(kvcache, cluster)
+        parsed = KVCache.parse(kvcache)
+        objects, digest, _ = desired_objects(parsed, cluster)
     except S.SpecError as exc:
-        set_condition(conditions, "Ready", False, "InvalidSpec", str(exc), generation, now)
-        set_condition(conditions, "Degraded", True, "InvalidSpec", str(exc), generation, now)
+        report.invalid_spec(str(exc))
         events.append(Event("Warning", "InvalidSpec", str(exc)))
-        return Outcome(status=status, events=events, permanent=str(exc))
-    spec = kvcache.get("spec") or {}
-    monitor = ((spec.get("metrics") or {}).get("serviceMonitor") or {}).get("enabled")
-    if monitor and not cluster.has_kind(*SERVICEMONITOR_API):
-        objects = [o for o in objects if o["kind"] != "ServiceMonitor"]
-        events.append(
-            Event("Warning", "ServiceMonitorSkipped", "the ServiceMonitor CRD is not installed")
-        )
-    apply_objects(cluster, objects, events)
-    probe, endpoints = check_shared_tier(kvcache, cluster, probes)
-    roll_workloads(cluster, namespace, name, digest, events)
-    pods = cluster.list("v1", "Pod", namespace, f"{S.CACHE_LABEL}={name}")
-    status.update(
+        return Outcome(status=report.status, events=events, permanent=str(exc))
+    apply_objects(cluster, _servable(objects, cluster, events), events)
+    probe, endpoints = check_shared_tier(parsed, cluster, probes or Probes())
+    roll_workloads(cluster, parsed.namespace, parsed.name, digest, events)
+    pods = cluster.list("v1", "Pod", parsed.namespace, f"{S.CACHE_LABEL}={parsed.name}")
+    tier = parsed.spec.shared.kind
+    report.status.update(
         configHash=digest,
-        configMap=S.configmap_name(name),
-        sharedTier=S.shared_tier_kind(spec),
+        configMap=S.configmap_name(parsed.name),
+        sharedTier=tier,
         endpoints=endpoints,
         injectedPods=len(pods),
     )
-    tier = status["sharedTier"]
-    before = dict(next((c for c in conditions if c.get("type") == "SharedTierReady"), {}))
-    set_condition(
-        conditions, "SharedTierReady", probe.ok, probe.reason, probe.message, generation, now
-    )
-    if probe.ok:
-        msg = f"config {digest} applied; shared tier {tier} ready"
-        set_condition(conditions, "Ready", True, "Reconciled", msg, generation, now)
-        set_condition(conditions, "Degraded", False, "AllTiersReady", msg, generation, now)
-        return Outcome(status=status, events=events)
-    msg = f"config {digest} applied; shared tier {tier}: {probe.message}"
-    set_condition(conditions, "Ready", False, probe.reason, msg, generation, now)
-    starting = probe.reason == "ValkeyStarting"  # converging, not degraded
-    set_condition(conditions, "Degraded", not starting, probe.reason, msg, generation, now)
-    delay = CONVERGE_DELAY_S if starting else UNREACHABLE_DELAY_S
-    if before.get("reason") != probe.reason:  # say it once, not on every retry
-        severity = "Normal" if probe.reason == "ValkeyStarting" else "Warning"
-        events.append(Event(severity, probe.reason, probe.message))
-    return Outcome(status=status, events=events, retry_after=delay)
+    before = report.reason("SharedTierReady")
+    report.shared_tier(probe, digest, tier)
+    event = shared_tier_event(before, probe)
+    if event is not None:
+        events.append(event)
+    return Outcome(status=report.status, events=events, retry_after=retry_delay(probe))

@@ -21,11 +21,18 @@ Objects, for a KVCache ``NAME``:
 from __future__ import annotations
 
 import base64
+import copy
 import secrets
-from collections.abc import Mapping
 from typing import Any
 
 from kvstrata.operator import spec as S
+from kvstrata.operator.model import (
+    PASSWORD_KEY,
+    KVCache,
+    KVCacheLike,
+    ManagedValkey,
+    ServiceMonitorSpec,
+)
 from kvstrata.sidecar.config import parse_quantity
 
 MANAGED_BY = "kvstrata-operator"
@@ -40,30 +47,29 @@ def labels(name: str, component: str) -> dict[str, str]:
     }
 
 
-def owner_reference(kvcache: Mapping[str, Any]) -> dict[str, Any]:
-    meta = kvcache["metadata"]
+def owner_reference(kvcache: KVCache) -> dict[str, Any]:
     return {
         "apiVersion": S.API_VERSION,
         "kind": S.KIND,
-        "name": meta["name"],
-        "uid": meta.get("uid", ""),
+        "name": kvcache.name,
+        "uid": kvcache.uid,
         "controller": True,
         "blockOwnerDeletion": True,
     }
 
 
-def _metadata(kvcache: Mapping[str, Any], name: str, component: str) -> dict[str, Any]:
-    meta = kvcache["metadata"]
+def _metadata(kvcache: KVCache, name: str, component: str) -> dict[str, Any]:
     return {
         "name": name,
-        "namespace": meta.get("namespace", "default"),
-        "labels": labels(meta["name"], component),
+        "namespace": kvcache.namespace,
+        "labels": labels(kvcache.name, component),
         "ownerReferences": [owner_reference(kvcache)],
     }
 
 
-def render_configmap(kvcache: Mapping[str, Any], config_text: str, digest: str) -> dict[str, Any]:
-    meta = _metadata(kvcache, S.configmap_name(kvcache["metadata"]["name"]), "sidecar-config")
+def render_configmap(kvcache: KVCacheLike, config_text: str, digest: str) -> dict[str, Any]:
+    kvcache = KVCache.parse(kvcache)
+    meta = _metadata(kvcache, S.configmap_name(kvcache.name), "sidecar-config")
     meta["annotations"] = {S.CONFIG_HASH_ANNOTATION: digest}
     return {
         "apiVersion": "v1",
@@ -78,14 +84,15 @@ def new_password() -> str:
     return secrets.token_urlsafe(32)
 
 
-def render_valkey_secret(kvcache: Mapping[str, Any], password: str) -> dict[str, Any]:
-    name = S.valkey_auth_secret_name(kvcache["metadata"]["name"])
+def render_valkey_secret(kvcache: KVCacheLike, password: str) -> dict[str, Any]:
+    kvcache = KVCache.parse(kvcache)
+    name = S.valkey_auth_secret_name(kvcache.name)
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": _metadata(kvcache, name, "valkey"),
         "type": "Opaque",
-        "data": {"password": base64.b64encode(password.encode()).decode()},
+        "data": {PASSWORD_KEY: base64.b64encode(password.encode()).decode()},
     }
 
 
@@ -93,8 +100,9 @@ def _valkey_selector(name: str) -> dict[str, str]:
     return {"app.kubernetes.io/instance": name, "app.kubernetes.io/component": "valkey"}
 
 
-def render_valkey_services(kvcache: Mapping[str, Any]) -> list[dict[str, Any]]:
-    name = kvcache["metadata"]["name"]
+def render_valkey_services(kvcache: KVCacheLike) -> list[dict[str, Any]]:
+    kvcache = KVCache.parse(kvcache)
+    name = kvcache.name
     base = S.valkey_name(name)
     port = {"name": "valkey", "port": S.VALKEY_PORT, "targetPort": "valkey", "protocol": "TCP"}
     headless = {
@@ -119,18 +127,18 @@ def render_valkey_services(kvcache: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [headless, client]
 
 
-def _valkey_args(managed: Mapping[str, Any], auth: bool, base: str, namespace: str) -> str:
-    persistence = managed.get("persistence") or {}
+def _valkey_args(managed: ManagedValkey, base: str, namespace: str) -> str:
+    persistent = managed.persistence_or_default.enabled
     parts = [
         "exec valkey-server --port 6379 --dir /data --protected-mode no",
         # A cache: when full, evict the least recently used key, never refuse writes.
         "--maxmemory-policy allkeys-lru",
-        "--appendonly " + ("yes" if persistence.get("enabled") else "no"),
-        '--save ""' if not persistence.get("enabled") else "--save 900 1",
+        "--appendonly " + ("yes" if persistent else "no"),
+        '--save ""' if not persistent else "--save 900 1",
     ]
-    if managed.get("maxMemory"):
-        parts.append(f"--maxmemory {parse_quantity(managed['maxMemory'])}")
-    if auth:
+    if managed.max_memory:
+        parts.append(f"--maxmemory {parse_quantity(managed.max_memory)}")
+    if managed.auth_enabled:
         parts.append('--requirepass "$VALKEY_PASSWORD" --masterauth "$VALKEY_PASSWORD"')
     primary = f"{base}-0.{base}-headless.{namespace}.svc"
     # Pod 0 is the primary; any other ordinal replicates it.
@@ -141,18 +149,15 @@ def _valkey_args(managed: Mapping[str, Any], auth: bool, base: str, namespace: s
     )
 
 
-def _valkey_container(
-    kvcache: Mapping[str, Any], managed: Mapping[str, Any], auth: bool
-) -> dict[str, Any]:
-    meta = kvcache["metadata"]
-    base = S.valkey_name(meta["name"])
+def _valkey_container(kvcache: KVCache, managed: ManagedValkey) -> dict[str, Any]:
+    base = S.valkey_name(kvcache.name)
     image = S.Images.from_env().valkey
     container: dict[str, Any] = {
         "name": "valkey",
-        "image": managed.get("image", image.ref),
+        "image": managed.image if managed.image is not None else image.ref,
         "imagePullPolicy": image.pull_policy,
         "command": ["/bin/sh", "-c"],
-        "args": [_valkey_args(managed, auth, base, meta.get("namespace", "default"))],
+        "args": [_valkey_args(managed, base, kvcache.namespace)],
         "ports": [{"name": "valkey", "containerPort": S.VALKEY_PORT, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": "valkey"}, "periodSeconds": 5},
         "livenessProbe": {
@@ -160,7 +165,7 @@ def _valkey_container(
             "periodSeconds": 10,
             "failureThreshold": 6,
         },
-        "resources": managed.get("resources")
+        "resources": copy.deepcopy(managed.resources)
         or {"requests": {"cpu": "250m", "memory": "1Gi"}, "limits": {"memory": "1Gi"}},
         "securityContext": {
             "runAsNonRoot": True,
@@ -171,48 +176,45 @@ def _valkey_container(
         },
         "volumeMounts": [{"name": "data", "mountPath": "/data"}],
     }
-    if auth:
-        secret = S.valkey_auth_secret_name(meta["name"])
+    if managed.auth_enabled:
+        secret = S.valkey_auth_secret_name(kvcache.name)
         container["env"] = [
             {
                 "name": "VALKEY_PASSWORD",
-                "valueFrom": {"secretKeyRef": {"name": secret, "key": "password"}},
+                "valueFrom": {"secretKeyRef": {"name": secret, "key": PASSWORD_KEY}},
             }
         ]
     return container
 
 
-def render_valkey_statefulset(kvcache: Mapping[str, Any]) -> dict[str, Any]:
-    meta = kvcache["metadata"]
-    name = meta["name"]
+def render_valkey_statefulset(kvcache: KVCacheLike) -> dict[str, Any]:
+    kvcache = KVCache.parse(kvcache)
+    name = kvcache.name
     base = S.valkey_name(name)
-    managed = ((kvcache.get("spec") or {}).get("shared") or {}).get("valkey", {}).get(
-        "managed"
-    ) or {}
-    auth = bool((managed.get("auth") or {}).get("enabled", True))
-    persistence = managed.get("persistence") or {}
+    managed = kvcache.spec.shared.managed_valkey
+    persistence = managed.persistence_or_default
     pod_spec: dict[str, Any] = {
         "securityContext": {"fsGroup": 999, "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [_valkey_container(kvcache, managed, auth)],
+        "containers": [_valkey_container(kvcache, managed)],
         "enableServiceLinks": False,
     }
     sts_spec: dict[str, Any] = {
         "serviceName": f"{base}-headless",
-        "replicas": int(managed.get("replicas", 1)),
+        "replicas": managed.replicas,
         "podManagementPolicy": "OrderedReady",
         "selector": {"matchLabels": _valkey_selector(name)},
         "template": {"metadata": {"labels": labels(name, "valkey")}, "spec": pod_spec},
     }
-    if persistence.get("enabled"):
+    if persistence.enabled:
         claim: dict[str, Any] = {
             "metadata": {"name": "data", "labels": labels(name, "valkey")},
             "spec": {
                 "accessModes": ["ReadWriteOnce"],
-                "resources": {"requests": {"storage": persistence.get("size", "8Gi")}},
+                "resources": {"requests": {"storage": persistence.size}},
             },
         }
-        if persistence.get("storageClassName"):
-            claim["spec"]["storageClassName"] = persistence["storageClassName"]
+        if persistence.storage_class_name:
+            claim["spec"]["storageClassName"] = persistence.storage_class_name
         sts_spec["volumeClaimTemplates"] = [claim]
     else:
         pod_spec["volumes"] = [{"name": "data", "emptyDir": {}}]
@@ -224,15 +226,16 @@ def render_valkey_statefulset(kvcache: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def render_metrics_objects(kvcache: Mapping[str, Any]) -> list[dict[str, Any]]:
+def render_metrics_objects(kvcache: KVCacheLike) -> list[dict[str, Any]]:
     """A headless Service over the injected pods' metrics port, and its ServiceMonitor.
 
     Injected pods carry the ``kvstrata.io/cache: NAME`` label (the webhook
     adds it), which is what the Service selects.
     """
-    name = kvcache["metadata"]["name"]
-    port = ((kvcache.get("spec") or {}).get("metrics") or {}).get("port", S.DEFAULT_METRICS_PORT)
-    monitor = ((kvcache.get("spec") or {}).get("metrics") or {}).get("serviceMonitor") or {}
+    kvcache = KVCache.parse(kvcache)
+    name = kvcache.name
+    metrics = kvcache.spec.metrics
+    monitor = metrics.service_monitor or ServiceMonitorSpec()
     service = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -240,19 +243,19 @@ def render_metrics_objects(kvcache: Mapping[str, Any]) -> list[dict[str, Any]]:
         "spec": {
             "clusterIP": "None",
             "selector": {S.CACHE_LABEL: name},
-            "ports": [{"name": "metrics", "port": port, "targetPort": "kvstrata-metrics"}],
+            "ports": [{"name": "metrics", "port": metrics.port, "targetPort": "kvstrata-metrics"}],
         },
     }
     meta = _metadata(kvcache, name, "metrics")
-    meta["labels"].update(monitor.get("labels") or {})
-    endpoint = {"port": "metrics", "path": "/metrics", "interval": monitor.get("interval", "30s")}
+    meta["labels"].update(monitor.labels or {})
+    endpoint = {"port": "metrics", "path": "/metrics", "interval": monitor.interval}
     service_monitor = {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
         "metadata": meta,
         "spec": {
             "selector": {"matchLabels": labels(name, "metrics")},
-            "namespaceSelector": {"matchNames": [kvcache["metadata"].get("namespace", "default")]},
+            "namespaceSelector": {"matchNames": [kvcache.namespace]},
             "endpoints": [endpoint],
         },
     }

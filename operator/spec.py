@@ -20,6 +20,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstrata import __version__
+from kvstrata.operator.model import (
+    ACCESS_KEY_ID_KEY,
+    CA_KEY,
+    PASSWORD_KEY,
+    SECRET_ACCESS_KEY_KEY,
+    KVCache,
+    KVCacheLike,
+    KVCacheSpec,
+    S3Spec,
+    SpecError,
+)
 from kvstrata.sidecar.config import ConfigError, SidecarConfig, config_from_dict, dump_config
 
 GROUP = "kvstrata.io"
@@ -44,10 +55,15 @@ CONFIG_DIR = "/etc/kvstrata"
 CONFIG_FILE = "sidecar.yaml"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_FILE}"
 SECRETS_DIR = "/etc/kvstrata-secrets"
-VALKEY_PASSWORD_FILE = f"{SECRETS_DIR}/valkey/password"
-VALKEY_CA_FILE = f"{SECRETS_DIR}/valkey-tls/ca.crt"
-S3_ACCESS_KEY_FILE = f"{SECRETS_DIR}/s3/access-key-id"
-S3_SECRET_KEY_FILE = f"{SECRETS_DIR}/s3/secret-access-key"
+# Each Secret is mounted in its own directory, its key projected to a file of
+# the same name as the key's default (whatever key the KVCache names).
+VALKEY_SECRET_DIR = f"{SECRETS_DIR}/valkey"
+VALKEY_TLS_SECRET_DIR = f"{SECRETS_DIR}/valkey-tls"
+S3_SECRET_DIR = f"{SECRETS_DIR}/s3"
+VALKEY_PASSWORD_FILE = f"{VALKEY_SECRET_DIR}/{PASSWORD_KEY}"
+VALKEY_CA_FILE = f"{VALKEY_TLS_SECRET_DIR}/{CA_KEY}"
+S3_ACCESS_KEY_FILE = f"{S3_SECRET_DIR}/{ACCESS_KEY_ID_KEY}"
+S3_SECRET_KEY_FILE = f"{S3_SECRET_DIR}/{SECRET_ACCESS_KEY_KEY}"
 L2_DIR = "/var/cache/kvstrata/l2"
 PYTHON_DIR = "/opt/kvstrata/python"
 
@@ -102,10 +118,6 @@ class Images:
         return cls(**images)
 
 
-class SpecError(ValueError):
-    """A KVCache spec that cannot be rendered; the message names the field."""
-
-
 def configmap_name(name: str) -> str:
     return f"{name}-sidecar"
 
@@ -118,51 +130,46 @@ def valkey_auth_secret_name(name: str) -> str:
     return f"{name}-valkey-auth"
 
 
-def shared_tier_kind(spec: Mapping[str, Any]) -> str:
+def shared_tier_kind(spec: KVCacheSpec | Mapping[str, Any]) -> str:
     """``none`` | ``valkey-managed`` | ``valkey-external`` | ``s3`` (status.sharedTier)."""
-    shared = spec.get("shared") or {}
-    backend = shared.get("backend", "none")
-    if backend == "valkey":
-        return (
-            "valkey-external" if (shared.get("valkey") or {}).get("external") else "valkey-managed"
-        )
-    return str(backend)
+    if not isinstance(spec, KVCacheSpec):
+        spec = KVCache.parse({"spec": spec}).spec
+    return spec.shared.kind
 
 
-def valkey_url(spec: Mapping[str, Any], name: str, namespace: str) -> str:
+def valkey_url(kvcache: KVCache) -> str:
     """The URL the sidecars use: the managed client Service, or the external URL."""
-    valkey = (spec.get("shared") or {}).get("valkey") or {}
-    external = valkey.get("external")
+    external = kvcache.spec.shared.valkey_or_default.external
     if external is not None:
-        url = external.get("url")
-        if not url:
+        if not external.url:
             raise SpecError("spec.shared.valkey.external.url: required for an external Valkey")
-        return str(url)
-    return f"redis://{valkey_name(name)}.{namespace}.svc:{VALKEY_PORT}/0"
+        return external.url
+    return f"redis://{valkey_name(kvcache.name)}.{kvcache.namespace}.svc:{VALKEY_PORT}/0"
 
 
-def _valkey_section(spec: Mapping[str, Any], name: str, namespace: str) -> dict[str, Any]:
-    valkey = (spec.get("shared") or {}).get("valkey") or {}
-    external = valkey.get("external")
-    out: dict[str, Any] = {"url": valkey_url(spec, name, namespace)}
+def _valkey_section(kvcache: KVCache) -> dict[str, Any]:
+    shared = kvcache.spec.shared
+    valkey = shared.valkey_or_default
+    external = valkey.external
+    out: dict[str, Any] = {"url": valkey_url(kvcache)}
     if external is not None:
-        out["cluster"] = bool(external.get("cluster", False))
-        if external.get("username"):
-            out["username"] = external["username"]
-        if external.get("passwordSecretRef"):
+        out["cluster"] = external.cluster
+        if external.username:
+            out["username"] = external.username
+        if external.password_secret_ref is not None:
             out["password_file"] = VALKEY_PASSWORD_FILE
-        tls = external.get("tls") or {}
-        if tls.get("caSecretRef"):
+        tls = external.tls
+        if tls is not None and tls.ca_secret_ref is not None:
             out["tls_ca_file"] = VALKEY_CA_FILE
-        out["tls_insecure_skip_verify"] = bool(tls.get("insecureSkipVerify", False))
-    elif ((valkey.get("managed") or {}).get("auth") or {}).get("enabled", True):
+        out["tls_insecure_skip_verify"] = tls is not None and tls.insecure_skip_verify
+    elif shared.managed_valkey.auth_enabled:
         out["password_file"] = VALKEY_PASSWORD_FILE
-    if valkey.get("ttlSeconds") is not None:
-        out["ttl_seconds"] = valkey["ttlSeconds"]
+    if valkey.ttl_seconds is not None:
+        out["ttl_seconds"] = valkey.ttl_seconds
     # Each KVCache its own key space: two caches on one Valkey with one prefix
     # would read each other's chunks. An ACL user limited to ~<prefix>* makes
     # that a server-side rule (see the README's Security section).
-    out["key_prefix"] = valkey.get("keyPrefix") or default_key_prefix(name, namespace)
+    out["key_prefix"] = valkey.key_prefix or default_key_prefix(kvcache.name, kvcache.namespace)
     return out
 
 
@@ -171,81 +178,71 @@ def default_key_prefix(name: str, namespace: str) -> str:
     return f"kvstrata:{namespace}/{name}:"
 
 
-def _s3_section(spec: Mapping[str, Any]) -> dict[str, Any]:
-    s3 = (spec.get("shared") or {}).get("s3") or {}
-    if not s3.get("bucket"):
+def _s3_section(s3: S3Spec) -> dict[str, Any]:
+    if not s3.bucket:
         raise SpecError("spec.shared.s3.bucket: required when spec.shared.backend is s3")
     out: dict[str, Any] = {
-        "endpoint_url": s3.get("endpoint") or None,
-        "region": s3.get("region", "us-east-1"),
-        "bucket": s3["bucket"],
-        "prefix": s3.get("prefix", "kvstrata/"),
+        "endpoint_url": s3.endpoint or None,
+        "region": s3.region,
+        "bucket": s3.bucket,
+        "prefix": s3.prefix,
         # The operator creates the bucket (spec.shared.s3.createBucket); the
         # sidecars then need no CreateBucket permission.
         "create_bucket": False,
     }
-    if s3.get("credentialsSecretRef"):
+    if s3.credentials_secret_ref is not None:
         out["access_key_id_file"] = S3_ACCESS_KEY_FILE
         out["secret_access_key_file"] = S3_SECRET_KEY_FILE
     return out
 
 
-def sidecar_config_dict(spec: Mapping[str, Any], name: str, namespace: str) -> dict[str, Any]:
+def sidecar_config_dict(kvcache: KVCache) -> dict[str, Any]:
     """Translate a KVCache spec into SidecarConfig fields (not yet validated)."""
-    l1 = spec.get("l1") or {}
-    l2 = spec.get("l2") or {}
-    shared = spec.get("shared") or {}
-    metrics = spec.get("metrics") or {}
-    backend = shared.get("backend", "none")
+    spec = kvcache.spec
+    shared = spec.shared
     out: dict[str, Any] = {
-        "chunk_size": spec.get("chunkSize", 256),
-        "transfer_mode": spec.get("transferMode", "auto"),
-        "log_level": spec.get("logLevel", "INFO"),
-        "l1": {"size_bytes": l1.get("size", "1Gi"), "policy": l1.get("policy", "lru")},
-        "l2": {
-            "enabled": bool(l2.get("enabled", True)),
-            "path": L2_DIR,
-            "size_bytes": l2.get("size", "4Gi"),
-        },
+        "chunk_size": spec.chunk_size,
+        "transfer_mode": spec.transfer_mode,
+        "log_level": spec.log_level,
+        "l1": {"size_bytes": spec.l1.size, "policy": spec.l1.policy},
+        "l2": {"enabled": spec.l2.enabled, "path": L2_DIR, "size_bytes": spec.l2.size},
         "shared": {
-            "backend": backend,
-            "codec": shared.get("codec", "none"),
-            "admission": shared.get("admission", "all"),
+            "backend": shared.backend,
+            "codec": shared.codec,
+            "admission": shared.admission,
         },
-        "server": {
-            "endpoint": ENDPOINT,
-            "http_port": metrics.get("port", DEFAULT_METRICS_PORT),
-        },
+        "server": {"endpoint": ENDPOINT, "http_port": spec.metrics.port},
     }
-    if backend == "valkey":
-        out["shared"]["valkey"] = _valkey_section(spec, name, namespace)
-    elif backend == "s3":
-        out["shared"]["s3"] = _s3_section(spec)
+    if shared.backend == "valkey":
+        out["shared"]["valkey"] = _valkey_section(kvcache)
+    elif shared.backend == "s3":
+        out["shared"]["s3"] = _s3_section(shared.s3_or_default)
     return out
 
 
-def render_sidecar_config(kvcache: Mapping[str, Any]) -> tuple[SidecarConfig, str]:
+def render_sidecar_config(kvcache: KVCacheLike) -> tuple[SidecarConfig, str]:
     """The validated config and the ``sidecar.yaml`` text for one KVCache.
 
     Raises :class:`SpecError` (a ``ValueError``) carrying the loader's
     field-naming message when the sidecar would refuse the result.
     """
-    meta = kvcache.get("metadata") or {}
-    name, namespace = meta.get("name", ""), meta.get("namespace", "default")
-    data = sidecar_config_dict(kvcache.get("spec") or {}, name, namespace)
+    kvcache = KVCache.parse(kvcache)
+    data = sidecar_config_dict(kvcache)
     try:
-        config = config_from_dict(data, source=f"KVCache {namespace}/{name}")
+        config = config_from_dict(data, source=f"KVCache {kvcache.namespace}/{kvcache.name}")
     except ConfigError as exc:
         raise SpecError(str(exc)) from None
     return config, dump_config(config)
 
 
-def config_hash(kvcache: Mapping[str, Any], config_text: str) -> str:
+def config_hash(kvcache: KVCacheLike, config_text: str) -> str:
     """A short digest of everything that shapes an injected pod.
 
-    Covers the rendered config and the spec (sidecar image, resources, volumes),
-    so any change that needs new pods changes the hash and rolls the workloads.
+    Covers the rendered config and the spec as written (sidecar image,
+    resources, volumes), so any change that needs new pods changes the hash
+    and rolls the workloads.
     """
+    raw_spec = kvcache.raw_spec if isinstance(kvcache, KVCache) else kvcache.get("spec") or {}
     digest = hashlib.sha256(config_text.encode())
-    digest.update(json.dumps(kvcache.get("spec") or {}, sort_keys=True).encode())
+    digest.update(json.dumps(raw_spec, sort_keys=True).encode())
     return digest.hexdigest()[:16]
