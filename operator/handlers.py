@@ -12,9 +12,9 @@ brings login handlers of its own on the registry it builds itself, and
 :func:`register` fills a fresh one.
 
 Shared state lives in kopf's ``memo`` (set up by :func:`configure`):
-``memo.cluster`` (a :class:`~kvstrata.operator.reconcile.Cluster`) and
-``memo.options`` (the parsed command line), and optionally
-``memo.post_event`` (replaces ``kopf.event``).
+``memo.cluster`` (a :class:`~kvstrata.operator.reconcile.Cluster`),
+``memo.options`` (the parsed command line) and optionally ``memo.metrics``.
+Events are posted with ``kopf.event``.
 """
 
 from __future__ import annotations
@@ -153,16 +153,11 @@ async def manage_certificate(memo: kopf.Memo, logger: logging.Logger, **_: Any) 
     memo.cert_task = asyncio.get_running_loop().create_task(recheck())
 
 
-def _post_event(memo: Any, body: Any, type: str, reason: str, message: str) -> None:
-    """kopf.event, or ``memo.post_event`` when set (tests record events that way)."""
-    post = getattr(memo, "post_event", None) or kopf.event
-    post(body, type=type, reason=reason, message=message)
-
-
-def _report(body: kopf.Body, patch: kopf.Patch, memo: Any, outcome: Outcome) -> None:
+def _report(body: kopf.Body, patch: kopf.Patch, outcome: Outcome) -> None:
+    """Status into the patch, Events posted, then kopf told whether and when to retry."""
     patch.status.update(outcome.status)
     for event in outcome.events:
-        _post_event(memo, body, event.type, event.reason, event.message)
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
     if outcome.permanent:
         raise kopf.PermanentError(outcome.permanent)
     if outcome.retry_after is not None:
@@ -191,18 +186,16 @@ def reconcile_kvcache(
     """Create/update/resume: render, apply, check, report (see reconcile's docstring)."""
     outcome = _reconcile_measured(body, memo)
     logger.debug("reconciled: %s", outcome.status.get("conditions"))
-    _report(body, patch, memo, outcome)
+    _report(body, patch, outcome)
 
 
-def recheck_kvcache(
-    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any
-) -> None:
+def recheck_kvcache(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
     """Timer: the same pass, so status follows pods and shared tiers, and drift is undone."""
     outcome = _reconcile_measured(body, memo)
     if outcome.permanent:  # already reported by the change handler
         patch.status.update(outcome.status)
         return
-    _report(body, patch, memo, outcome)
+    _report(body, patch, outcome)
 
 
 def forget_kvcache(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
@@ -235,7 +228,7 @@ def inject_sidecar(
         patch.fns.append(functools.partial(_apply_ops, result.patch))
     if result.skipped:
         logger.warning("sidecar not injected: %s", result.skipped)
-        _post_event(memo, body, "Warning", "InjectionSkipped", result.skipped)
+        kopf.event(body, type="Warning", reason="InjectionSkipped", message=result.skipped)
     elif result.injected:
         logger.info("sidecar injected for KVCache %s/%s", namespace, name)
     metrics = getattr(memo, "metrics", None)

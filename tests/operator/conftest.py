@@ -5,6 +5,8 @@
   for an API server on machines without one (the ``k8s`` suite runs the same
   code against a real one). ``apply`` keeps ``status`` and bumps
   ``resourceVersion`` only when the object changed, like server-side apply.
+* Events: ``kopf.event`` is replaced for every test by the recorder in
+  :mod:`events`; a test routes them to a list with ``record_events``.
 * ``k8s_valid``: validates a rendered object against the Kubernetes JSON
   schemas shipped inside ``kubernetes-validate`` (strict: unknown fields fail).
 """
@@ -108,6 +110,17 @@ class InMemoryCluster:
 @pytest.fixture
 def cluster() -> InMemoryCluster:
     return InMemoryCluster()
+
+
+@pytest.fixture(autouse=True)
+def _events_recorded_not_posted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kopf.event`` replaced by the suite's recorder, which starts each test dropping Events."""
+    import kopf
+
+    from .events import EVENTS, record_events
+
+    record_events(None)
+    monkeypatch.setattr(kopf, "event", EVENTS)
 
 
 def make_kvcache(name: str = "demo", namespace: str = "ml", **spec: Any) -> dict[str, Any]:

@@ -24,6 +24,8 @@ from kvstrata.operator import handlers
 from kvstrata.operator import spec as S
 from kvstrata.operator.mutate import mutate_pod
 
+from .events import record_events
+
 
 def review(pod: dict, operation: str = "CREATE") -> dict:
     return {
@@ -63,7 +65,8 @@ def serve(request: dict, memo: kopf.Memo) -> dict:
 def test_kopf_answers_an_annotated_pod_with_the_injection_patch(make_pod, make_kvcache, cluster):
     cluster.put(make_kvcache())
     events: list[dict] = []
-    memo = kopf.Memo(cluster=cluster, post_event=lambda *a, **k: events.append(k))
+    memo = kopf.Memo(cluster=cluster)
+    record_events(events)
     pod = make_pod({S.CACHE_ANNOTATION: "demo"})
     response = serve(review(pod), memo)
     assert response["allowed"] is True and response["uid"] == "req-1"
@@ -82,7 +85,8 @@ def test_kopf_admits_an_unannotated_pod_without_a_patch(make_pod, cluster):
 
 def test_kopf_admits_a_pod_whose_cache_is_missing_with_only_the_reason(make_pod, cluster):
     events: list[dict] = []
-    memo = kopf.Memo(cluster=cluster, post_event=lambda *a, **k: events.append(k))
+    memo = kopf.Memo(cluster=cluster)
+    record_events(events)
     pod = make_pod({S.CACHE_ANNOTATION: "absent"})
     response = serve(review(pod), memo)
     assert response["allowed"] is True

@@ -14,6 +14,8 @@ from kvstrata.operator import handlers
 from kvstrata.operator import spec as S
 from kvstrata.operator.mutate import INSTALLER, SIDECAR, mutate_pod, transfer_config
 
+from .events import record_events
+
 CACHE = {S.CACHE_ANNOTATION: "demo"}
 EXPECTED_FLAG = {
     "kv_connector": "KVStrataConnector",
@@ -255,7 +257,8 @@ def _admission_body(pod):
 def _run_webhook_handler(pod: dict, cluster) -> tuple[dict, list[dict]]:
     """Run our kopf admission handler on ``pod``: (the patched pod, the Events posted)."""
     events: list[dict] = []
-    memo = types.SimpleNamespace(cluster=cluster, post_event=lambda *a, **k: events.append(k))
+    memo = types.SimpleNamespace(cluster=cluster)
+    record_events(events)
     body = _admission_body(pod)
     patch = kopf.Patch(body=body)
     handlers.inject_sidecar(body=body, patch=patch, memo=memo, logger=handlers.logger)
@@ -291,7 +294,7 @@ class FaultInjectingCluster:
 
 
 def test_an_api_failure_in_the_webhook_still_admits_the_pod(make_pod):
-    memo = types.SimpleNamespace(cluster=FaultInjectingCluster(), post_event=lambda *a, **k: None)
+    memo = types.SimpleNamespace(cluster=FaultInjectingCluster())
     pod = make_pod(CACHE)
     body = _admission_body(pod)
     patch = kopf.Patch(body=body)

@@ -41,7 +41,7 @@ def served() -> tuple[OperatorMetrics, int]:
 
 def kwargs(kvcache: dict, cluster, metrics: OperatorMetrics) -> dict:
     body = kopf.Body(kvcache)
-    memo = types.SimpleNamespace(cluster=cluster, metrics=metrics, post_event=lambda *a, **k: None)
+    memo = types.SimpleNamespace(cluster=cluster, metrics=metrics)
     return {"body": body, "patch": kopf.Patch(body=body), "memo": memo, "logger": handlers.logger}
 
 

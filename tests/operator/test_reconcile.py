@@ -14,6 +14,8 @@ from kvstrata.operator import reconcile as rec
 from kvstrata.operator import spec as S
 from kvstrata.testing.servers import MotoS3Server, RedisServer, ServerError, redis_server_binary
 
+from .events import record_events
+
 MANAGED = {"backend": "valkey", "valkey": {"managed": {"replicas": 2}}}
 NOW = "2026-01-01T00:00:00Z"
 LATER = "2026-01-01T00:05:00Z"
@@ -232,7 +234,8 @@ def test_the_servicemonitor_is_created_only_when_its_crd_exists(make_kvcache, cl
 
 def _handler_kwargs(kvcache, cluster, events):
     body = kopf.Body(kvcache)
-    memo = types.SimpleNamespace(cluster=cluster, post_event=lambda *a, **k: events.append(k))
+    memo = types.SimpleNamespace(cluster=cluster)
+    record_events(events)
     return {"body": body, "patch": kopf.Patch(body=body), "memo": memo, "logger": handlers.logger}
 
 
