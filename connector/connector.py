@@ -13,8 +13,9 @@ Configuration: the ``kv_connector_extra_config`` keys, read and checked by
 The cache is never the source of truth: a sidecar that is down, slow or
 restarting costs misses and dropped saves, never an exception or a hang.
 A load that fails after the scheduler counted a hit is reported through
-``get_block_ids_with_load_errors`` and vLLM recomputes those tokens; for
-that the connector sets ``kv_load_failure_policy`` to ``"recompute"``.
+``get_block_ids_with_load_errors`` and vLLM recomputes those tokens, when
+the transfer config says ``kv_load_failure_policy: recompute`` (the webhook
+and ``kvstrata demo`` write it; the scheduler role warns once without it).
 """
 
 from __future__ import annotations
@@ -49,6 +50,25 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def load_failure_policy_warning(transfer: Any) -> str | None:
+    """Why the transfer config puts requests at risk, or None.
+
+    The connector does not change vLLM's config: it is the user's (the webhook
+    and ``kvstrata demo`` render ``kv_load_failure_policy: recompute``). With
+    vLLM's default (``fail``), a cache load that fails after a hit -- sidecar
+    restarted between lookup and load, a corrupt object -- fails the request
+    instead of costing a recompute.
+    """
+    policy = getattr(transfer, "kv_load_failure_policy", None)
+    if policy == LOAD_FAILURE_POLICY:
+        return None
+    return (
+        f"kvstrata: kv_load_failure_policy is {policy!r}: a failed cache load will fail its "
+        f'request. Add "kv_load_failure_policy": "{LOAD_FAILURE_POLICY}" to '
+        "--kv-transfer-config so that it costs a recompute instead."
+    )
+
+
 class KVStrataConnector(KVConnectorBase_V1):
     """Tiered KV cache through a local kvstrata sidecar (host transfer mode).
 
@@ -68,12 +88,10 @@ class KVStrataConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        transfer = vllm_config.kv_transfer_config
-        if transfer.kv_load_failure_policy != LOAD_FAILURE_POLICY:
-            # A failed load (sidecar gone between lookup and load) must cost a
-            # recompute, never a failed request.
-            logger.info("kvstrata: setting kv_load_failure_policy=%s", LOAD_FAILURE_POLICY)
-            transfer.kv_load_failure_policy = LOAD_FAILURE_POLICY
+        if role == KVConnectorRole.SCHEDULER:  # the scheduler applies the policy: warn once
+            warning = load_failure_policy_warning(vllm_config.kv_transfer_config)
+            if warning:
+                logger.warning(warning)
         self.settings = settings_from_config(vllm_config, kv_cache_config)
         self._scheduler: KVStrataScheduler | None = None
         self._worker: KVStrataWorker | None = None

@@ -14,7 +14,8 @@ from typing import Any
 CONNECTOR_CLASS = "KVStrataConnector"
 CONNECTOR_MODULE = "kvstrata.connector"
 # A failed load (sidecar gone between lookup and load) must cost a recompute,
-# never a failed request; the connector also enforces this when it starts.
+# never a failed request (vLLM's default is "fail"); the connector warns at
+# start when the config says otherwise.
 LOAD_FAILURE_POLICY = "recompute"
 
 
@@ -29,9 +30,9 @@ def kv_transfer_config(
     ``extra_config`` goes into ``kv_connector_extra_config`` after the
     endpoint (the keys the connector reads: ``chunk_size``,
     ``call_timeout_seconds`` ...). ``load_failure_policy=None`` leaves
-    ``kv_load_failure_policy`` out, for a vLLM whose config may predate the
-    field (vLLM rejects unknown fields). Keys keep a fixed order, so a
-    rendered flag is the same text each time.
+    ``kv_load_failure_policy`` out: vLLM then applies its default (``fail``)
+    and the connector warns at start. Keys keep a fixed order, so a rendered
+    flag is the same text each time.
     """
     config: dict[str, Any] = {
         "kv_connector": CONNECTOR_CLASS,
