@@ -32,6 +32,8 @@ CA_KEY = "ca.crt"
 ACCESS_KEY_ID_KEY = "access-key-id"
 SECRET_ACCESS_KEY_KEY = "secret-access-key"
 
+DEFAULT_METRICS_PORT = 9464  # the sidecar's /metrics, /healthz and /readyz
+
 # int-or-string in the CRD: bytes, or a quantity such as "1Gi".
 Quantity = int | str
 
@@ -190,7 +192,7 @@ class ServiceMonitorSpec(_Model):
 
 
 class MetricsSpec(_Model):
-    port: int = 9464
+    port: int = DEFAULT_METRICS_PORT
     service_monitor: ServiceMonitorSpec | None = None
 
     @property

@@ -93,11 +93,11 @@ class MutationResult:
 def transfer_config(timeout_s: float = 0.5) -> dict[str, Any]:
     """The ``--kv-transfer-config`` value the vLLM container is given.
 
-    Without ``kv_load_failure_policy``: the pod's vLLM image may predate that
-    field, which its config would reject; the connector sets ``recompute``
-    itself when it starts.
+    With ``kv_load_failure_policy: recompute``: vLLM's default (``fail``) would
+    turn a cache load that fails after a hit into a failed request. (The
+    field exists in every vLLM the connector supports.)
     """
-    return kv_transfer_config(S.ENDPOINT, load_failure_policy=None, call_timeout_seconds=timeout_s)
+    return kv_transfer_config(S.ENDPOINT, call_timeout_seconds=timeout_s)
 
 
 def mebibytes(nbytes: int) -> str:
@@ -276,9 +276,9 @@ def _l2_volume(volume: L2Volume, size_bytes: int) -> dict[str, Any]:
 
 
 def _secret_volume(
-    volume: str, secret: str | None, items: list[tuple[str, str]], subdir: str
+    volume: str, secret: str | None, items: list[tuple[str, str]], mount_dir: str
 ) -> tuple[dict, dict]:
-    """A Secret volume projecting ``items`` (key, file name), and its sidecar mount."""
+    """A Secret volume projecting ``items`` (key, file name); its sidecar mount at ``mount_dir``."""
     entry = {
         "name": volume,
         "secret": {
@@ -289,7 +289,7 @@ def _secret_volume(
             "defaultMode": 0o444,
         },
     }
-    mount = {"name": volume, "mountPath": f"{S.SECRETS_DIR}/{subdir}", "readOnly": True}
+    mount = {"name": volume, "mountPath": mount_dir, "readOnly": True}
     return entry, mount
 
 
@@ -304,25 +304,27 @@ def _secret_volumes(kvcache: KVCache) -> list[tuple[dict, dict]]:
     if kind == "valkey-managed" and shared.managed_valkey.auth_enabled:
         secret = S.valkey_auth_secret_name(kvcache.name)
         items = [(PASSWORD_KEY, PASSWORD_KEY)]
-        return [_secret_volume("kvstrata-valkey-auth", secret, items, "valkey")]
+        return [_secret_volume("kvstrata-valkey-auth", secret, items, S.VALKEY_SECRET_DIR)]
     out: list[tuple[dict, dict]] = []
     external = shared.valkey_or_default.external
     if kind == "valkey-external" and external is not None:
         ref = external.password_secret_ref
         if ref is not None:
             items = [(ref.key, PASSWORD_KEY)]
-            out.append(_secret_volume("kvstrata-valkey-auth", ref.name, items, "valkey"))
+            out.append(_secret_volume("kvstrata-valkey-auth", ref.name, items, S.VALKEY_SECRET_DIR))
         ca = external.tls.ca_secret_ref if external.tls is not None else None
         if ca is not None:
             items = [(ca.key, CA_KEY)]
-            out.append(_secret_volume("kvstrata-valkey-tls", ca.name, items, "valkey-tls"))
+            out.append(
+                _secret_volume("kvstrata-valkey-tls", ca.name, items, S.VALKEY_TLS_SECRET_DIR)
+            )
     elif kind == "s3" and shared.s3_or_default.credentials_secret_ref is not None:
         creds = shared.s3_or_default.credentials_secret_ref
         items = [
             (creds.access_key_id_key, ACCESS_KEY_ID_KEY),
             (creds.secret_access_key_key, SECRET_ACCESS_KEY_KEY),
         ]
-        out.append(_secret_volume("kvstrata-s3", creds.name, items, "s3"))
+        out.append(_secret_volume("kvstrata-s3", creds.name, items, S.S3_SECRET_DIR))
     return out
 
 

@@ -31,6 +31,7 @@ from kvstrata.operator.model import (
     S3Spec,
     SpecError,
 )
+from kvstrata.operator.model import DEFAULT_METRICS_PORT as DEFAULT_METRICS_PORT
 from kvstrata.sidecar.config import ConfigError, SidecarConfig, config_from_dict, dump_config
 
 GROUP = "kvstrata.io"
@@ -67,7 +68,6 @@ S3_SECRET_KEY_FILE = f"{S3_SECRET_DIR}/{SECRET_ACCESS_KEY_KEY}"
 L2_DIR = "/var/cache/kvstrata/l2"
 PYTHON_DIR = "/opt/kvstrata/python"
 
-DEFAULT_METRICS_PORT = 9464
 VALKEY_PORT = 6379
 
 
