@@ -21,6 +21,7 @@ EXPECTED_FLAG = {
     "kv_connector": "KVStrataConnector",
     "kv_connector_module_path": "kvstrata.connector",
     "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
     "kv_connector_extra_config": {
         "endpoint": "ipc:///var/run/kvstrata/sidecar.sock",
         "call_timeout_seconds": 0.5,
