@@ -258,7 +258,8 @@ def check_shared_tier(
     endpoints["valkey"] = url
     if kind == "valkey-managed":
         return _managed_valkey_ready(cluster, kvcache.namespace, kvcache.name), endpoints
-    ref = shared.valkey_or_default.external.password_secret_ref  # type: ignore[union-attr]
+    external = shared.valkey_or_default.external  # valkey-external: always set
+    ref = external.password_secret_ref if external is not None else None
     password = (
         secret_value(cluster, kvcache.namespace, ref.name, ref.key) if ref is not None else None
     )
