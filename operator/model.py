@@ -143,7 +143,7 @@ class S3Spec(_Model):
     endpoint: str | None = None
     region: str = "us-east-1"
     bucket: str | None = None  # required by the CRD; checked where it is rendered
-    prefix: str = "kvstrata/"
+    prefix: str | None = None  # default: one per KVCache (spec.s3_prefix)
     create_bucket: bool = False
     credentials_secret_ref: S3Credentials | None = None
 

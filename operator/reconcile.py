@@ -280,7 +280,7 @@ def _s3_target(kvcache: KVCache, cluster: Cluster) -> sharedtier.S3Target:
         )
     return sharedtier.S3Target(
         bucket=str(s3.bucket),
-        prefix=s3.prefix,
+        prefix=S.s3_prefix(kvcache),
         region=s3.region,
         endpoint=s3.endpoint or None,
         access_key_id=access_key_id,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import copy
 import secrets
+import shlex
 from typing import Any
 
 from kvstrata.operator import spec as S
@@ -127,7 +128,27 @@ def render_valkey_services(kvcache: KVCacheLike) -> list[dict[str, Any]]:
     return [headless, client]
 
 
-def _valkey_args(managed: ManagedValkey, base: str, namespace: str) -> str:
+def valkey_acl_args(key_prefix: str) -> str:
+    """valkey-server arguments (shell text; the password from ``$VALKEY_PASSWORD``)
+    for the managed Valkey's ACL users.
+
+    No anonymous access (``default`` off); the sidecars' user may run the data
+    commands (``+@all -@dangerous``: no FLUSHALL, KEYS, CONFIG, DEBUG ...) on
+    keys under the cache's prefix only; replicas authenticate as a user that
+    may only replicate.
+    """
+    keys = shlex.quote(f"~{key_prefix}*")
+    return " ".join(
+        [
+            "--user default off",
+            f'--user {S.MANAGED_VALKEY_USER} on ">$VALKEY_PASSWORD" {keys} +@all -@dangerous',
+            f'--user {S.MANAGED_VALKEY_REPLICA_USER} on ">$VALKEY_PASSWORD" +psync +replconf +ping',
+            f'--masteruser {S.MANAGED_VALKEY_REPLICA_USER} --masterauth "$VALKEY_PASSWORD"',
+        ]
+    )
+
+
+def _valkey_args(managed: ManagedValkey, base: str, namespace: str, key_prefix: str) -> str:
     persistent = managed.persistence_or_default.enabled
     parts = [
         "exec valkey-server --port 6379 --dir /data --protected-mode no",
@@ -139,7 +160,7 @@ def _valkey_args(managed: ManagedValkey, base: str, namespace: str) -> str:
     if managed.max_memory:
         parts.append(f"--maxmemory {parse_quantity(managed.max_memory)}")
     if managed.auth_enabled:
-        parts.append('--requirepass "$VALKEY_PASSWORD" --masterauth "$VALKEY_PASSWORD"')
+        parts.append(valkey_acl_args(key_prefix))
     primary = f"{base}-0.{base}-headless.{namespace}.svc"
     # Pod 0 is the primary; any other ordinal replicates it.
     script = " ".join(parts)
@@ -157,7 +178,7 @@ def _valkey_container(kvcache: KVCache, managed: ManagedValkey) -> dict[str, Any
         "image": managed.image if managed.image is not None else image.ref,
         "imagePullPolicy": image.pull_policy,
         "command": ["/bin/sh", "-c"],
-        "args": [_valkey_args(managed, base, kvcache.namespace)],
+        "args": [_valkey_args(managed, base, kvcache.namespace, S.valkey_key_prefix(kvcache))],
         "ports": [{"name": "valkey", "containerPort": S.VALKEY_PORT, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": "valkey"}, "periodSeconds": 5},
         "livenessProbe": {

@@ -28,7 +28,6 @@ from kvstrata.operator.model import (
     KVCache,
     KVCacheLike,
     KVCacheSpec,
-    S3Spec,
     SpecError,
 )
 from kvstrata.operator.model import DEFAULT_METRICS_PORT as DEFAULT_METRICS_PORT
@@ -68,6 +67,10 @@ S3_SECRET_KEY_FILE = f"{S3_SECRET_DIR}/{SECRET_ACCESS_KEY_KEY}"
 L2_DIR = "/var/cache/kvstrata/l2"
 PYTHON_DIR = "/opt/kvstrata/python"
 
+# The managed Valkey's users: the sidecars' (keys under the cache's prefix
+# only) and the replicas' (replication commands only); "default" is off.
+MANAGED_VALKEY_USER = "kvstrata"
+MANAGED_VALKEY_REPLICA_USER = "replica"
 VALKEY_PORT = 6379
 
 
@@ -163,14 +166,23 @@ def _valkey_section(kvcache: KVCache) -> dict[str, Any]:
             out["tls_ca_file"] = VALKEY_CA_FILE
         out["tls_insecure_skip_verify"] = tls is not None and tls.insecure_skip_verify
     elif shared.managed_valkey.auth_enabled:
+        # The managed Valkey's ACL user for the sidecars, limited to this
+        # cache's key prefix (resources.valkey_acl_args).
+        out["username"] = MANAGED_VALKEY_USER
         out["password_file"] = VALKEY_PASSWORD_FILE
     if valkey.ttl_seconds is not None:
         out["ttl_seconds"] = valkey.ttl_seconds
     # Each KVCache its own key space: two caches on one Valkey with one prefix
     # would read each other's chunks. An ACL user limited to ~<prefix>* makes
     # that a server-side rule (see the README's Security section).
-    out["key_prefix"] = valkey.key_prefix or default_key_prefix(kvcache.name, kvcache.namespace)
+    out["key_prefix"] = valkey_key_prefix(kvcache)
     return out
+
+
+def valkey_key_prefix(kvcache: KVCache) -> str:
+    """The key prefix of a KVCache's chunks: the spec's, else one unique to it."""
+    valkey = kvcache.spec.shared.valkey_or_default
+    return valkey.key_prefix or default_key_prefix(kvcache.name, kvcache.namespace)
 
 
 def default_key_prefix(name: str, namespace: str) -> str:
@@ -178,14 +190,23 @@ def default_key_prefix(name: str, namespace: str) -> str:
     return f"kvstrata:{namespace}/{name}:"
 
 
-def _s3_section(s3: S3Spec) -> dict[str, Any]:
+def s3_prefix(kvcache: KVCache) -> str:
+    """The object prefix of a KVCache's chunks: the spec's, else one unique to it,
+    so two KVCaches on one bucket never share objects (and a bucket policy can
+    confine each one's credentials to ``<prefix>*``)."""
+    prefix = kvcache.spec.shared.s3_or_default.prefix
+    return prefix if prefix else f"kvstrata/{kvcache.namespace}/{kvcache.name}/"
+
+
+def _s3_section(kvcache: KVCache) -> dict[str, Any]:
+    s3 = kvcache.spec.shared.s3_or_default
     if not s3.bucket:
         raise SpecError("spec.shared.s3.bucket: required when spec.shared.backend is s3")
     out: dict[str, Any] = {
         "endpoint_url": s3.endpoint or None,
         "region": s3.region,
         "bucket": s3.bucket,
-        "prefix": s3.prefix,
+        "prefix": s3_prefix(kvcache),
         # The operator creates the bucket (spec.shared.s3.createBucket); the
         # sidecars then need no CreateBucket permission.
         "create_bucket": False,
@@ -216,7 +237,7 @@ def sidecar_config_dict(kvcache: KVCache) -> dict[str, Any]:
     if shared.backend == "valkey":
         out["shared"]["valkey"] = _valkey_section(kvcache)
     elif shared.backend == "s3":
-        out["shared"]["s3"] = _s3_section(shared.s3_or_default)
+        out["shared"]["s3"] = _s3_section(kvcache)
     return out
 
 
