@@ -258,8 +258,20 @@ class ServerConfig(_Section):
         None, description="directory of the public certificates of the clients allowed in"
     )
 
+    client_uids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None,
+        description="uids whose processes may open a session (HELLO), as the kernel "
+        "reports them on the ipc:// socket; unset: the uid of the first client only "
+        "(one client per sidecar). Not for tcp:// endpoints, which carry no uid",
+    )
+
     @model_validator(mode="after")
     def _check_exposure(self) -> ServerConfig:
+        if self.client_uids is not None and not self.endpoint.startswith("ipc://"):
+            raise ValueError(
+                f"server.client_uids: {self.client_uids!r} needs an ipc:// endpoint "
+                f"(server.endpoint is {self.endpoint!r}; tcp carries no peer uid)"
+            )
         curve = (self.curve_secret_key_file, self.curve_client_keys_dir)
         if (curve[0] is None) != (curve[1] is None):
             raise ValueError(

@@ -168,7 +168,7 @@ class ServerMetrics:
         )
         self.errors = _request_counter("kvstrata_errors_total", r)
         # Pre-create the common error kinds so dashboards see zeros, not gaps.
-        for kind in ("bad_frame", "bad_request", "no_session", "internal"):
+        for kind in ("bad_frame", "bad_request", "no_session", "forbidden", "internal"):
             self.errors.labels(kind=kind)
 
     def expect_tiers(self, tiers: Iterable[str]) -> None:

@@ -107,6 +107,7 @@ E_NO_SESSION = "no_session"
 E_UNSUPPORTED = "unsupported"
 E_BUSY = "busy"  # the worker pool's backlog is full; retry later (the client treats it as a miss)
 E_INTERNAL = "internal"
+E_FORBIDDEN = "forbidden"  # HELLO from a process the sidecar does not admit (server.client_uids)
 
 ReqId = int
 SessionId = str

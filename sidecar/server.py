@@ -39,6 +39,7 @@ from kvstrata.sidecar.liveness import (
 )
 from kvstrata.sidecar.logs import request_context
 from kvstrata.sidecar.metrics import EngineCollector, ServerMetrics
+from kvstrata.sidecar.peers import ClientAdmission, credentials_from_peer_address
 from kvstrata.sidecar.sessions import Session, SessionTable
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ class SidecarServer:
         self.metrics.expect_tiers(engine.stats().tiers)
         self.pooled_ops = POOLED_OPS_REMOTE if remote_lookups else POOLED_OPS
         self.endpoint = config.server.endpoint
+        self.admission = ClientAdmission(config.server.client_uids)
         self.started = time.time()
         self._ctx: zmq.Context[Any] | None = None
         self._sock: zmq.Socket[Any] | None = None
@@ -219,16 +221,21 @@ class SidecarServer:
             if sock is None:
                 return
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                # The routing-id frame uncopied: it carries the connection's
+                # metadata (the peer's credentials, read for HELLO only).
+                first = sock.recv(zmq.NOBLOCK, copy=False)
+                frames = [first.bytes]
+                while sock.getsockopt(zmq.RCVMORE):
+                    frames.append(sock.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:
                 logger.warning("recv failed: %s", exc)
                 self._count_error("recv")
                 return
-            self._on_message(frames)
+            self._on_message(frames, first)
 
-    def _on_message(self, frames: list[bytes]) -> None:
+    def _on_message(self, frames: list[bytes], first: zmq.Frame | None = None) -> None:
         started = time.perf_counter()
         identity, payload = frames[0], frames[1:]
         try:
@@ -237,6 +244,10 @@ class SidecarServer:
             self._count_error(exc.code)
             logger.debug("refused a frame: %s", exc)
             self._send(identity, p.encode_error(exc.request_id, exc.code, str(exc)))
+            return
+        if request.op == p.HELLO and (why := self._refusal(first)) is not None:
+            self._count_error(p.E_FORBIDDEN)
+            self._send(identity, p.encode_error(request.request_id, p.E_FORBIDDEN, why))
             return
         session = None
         if request.session_id:
@@ -262,6 +273,16 @@ class SidecarServer:
             self._send(identity, p.encode_error(request.request_id, p.E_BUSY, message))
             return
         self._pool.submit(self._pooled, request, session, identity, started)
+
+    def _refusal(self, first: zmq.Frame | None) -> str | None:
+        """Why the process behind this HELLO may not open a session, or None."""
+        address = None
+        if first is not None and self.endpoint.startswith("ipc://"):
+            try:
+                address = first.get("Peer-Address")
+            except zmq.ZMQError:  # a libzmq without the property: no credentials
+                address = None
+        return self.admission.refusal(credentials_from_peer_address(address))
 
     def _pooled(
         self, request: p.Request, session: Session | None, identity: bytes, started: float
