@@ -57,7 +57,7 @@ BACKOFF_MAX_S = 1.0
 CONNECT_WAIT_S = 0.05
 
 # Ops retried once after a re-HELLO (their arguments hold no lease ids).
-_RETRYABLE = frozenset({p.LOOKUP, p.PREPARE_STORE, p.PREPARE_RETRIEVE, p.PING, p.STATS})
+_RETRYABLE = frozenset({p.LOOKUP, p.PREPARE_STORE, p.PREPARE_RETRIEVE, p.PING, p.STATS, p.EVENTS})
 
 _context_lock = threading.Lock()
 _context: zmq.Context[Any] | None = None
@@ -331,6 +331,11 @@ class SidecarClient:
     def stats(self) -> dict | None:
         reply = self._call(p.STATS, p.StatsRequest())
         return reply.stats if isinstance(reply, p.StatsReply) else None
+
+    def events(self, after: int, limit: int = p.MAX_EVENTS) -> p.EventsReply | None:
+        """The sidecar's tier changes of our namespace after ``after`` (KV events)."""
+        reply = self._call(p.EVENTS, p.EventsRequest(after=after, limit=limit))
+        return reply if isinstance(reply, p.EventsReply) else None
 
     def close(self) -> None:
         """Close the socket and unmap the arena; later calls return None/False."""

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field, replace
 
 from kvstrata.sidecar.arena import Arena, owner_prefix
 from kvstrata.sidecar.config import SidecarConfig
+from kvstrata.sidecar.journal import EventJournal
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.l1 import READY, Entry, L1Store
 from kvstrata.sidecar.leases import Lease, LeaseTable, Slot
@@ -146,11 +147,22 @@ class StorageManager:
             self.arena.close()
             raise
         self._l2_index = self.l2.index if self.l2 is not None else {}
+        self.journal = self._open_journal()
         self._pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="kvstrata-prefetch")
         self._pending: set[Future[object]] = set()
         self._prefetching: dict[str, int] = {}  # owner -> prefetch jobs not yet finished
         self._owners_ended: set[str] = set()  # owners released while prefetches ran
         self._closed = False
+
+    def _open_journal(self) -> EventJournal:
+        """Every tier tells one journal what arrives and leaves (KV events)."""
+        journal = EventJournal()
+        self._store.events = journal.for_tier("l1")
+        if self.l2 is not None:
+            self.l2.events = journal.for_tier(self.l2.name)
+        if self.shared is not None and self._shared_queue is not None:
+            self._shared_queue.events = journal.for_tier(self.shared.name)
+        return journal
 
     # -- counters -----------------------------------------------------------
 

@@ -98,6 +98,7 @@ class Handlers:
             p.RELEASE: self._release,
             p.END_REQUEST: self._end_request,
             p.STATS: self._stats,
+            p.EVENTS: self._events,
             p.REGISTER_KV: self._register_kv,
             p.SAVE_BLOCKS: self._save_blocks,
             p.LOAD_BLOCKS: self._load_blocks,
@@ -272,6 +273,19 @@ class Handlers:
 
     def _ping(self, body: p.PingRequest, session: Session | None) -> p.PingReply:
         return p.PingReply(server_version=self.server_version, session_valid=session is not None)
+
+    def _events(self, body: p.EventsRequest, session: Session) -> p.EventsReply:
+        """The journal's records of this session's namespace only: another
+        tenant's keys are neither shown nor counted."""
+        fingerprint = session.fingerprint
+        n = len(fingerprint)
+        read = self.engine.journal.read(
+            body.after, body.limit, keep=lambda key: key[:n] == fingerprint
+        )
+        events = [
+            p.TierEvent(seq, kind, tier, ChunkKey(key)) for seq, kind, tier, key in read.records
+        ]
+        return p.EventsReply(events=events, next_seq=read.next_seq, lost=read.lost)
 
     def _stats(self, body: p.StatsRequest, session: Session) -> p.StatsReply:
         return p.StatsReply(stats=self.stats_dict())

@@ -25,11 +25,15 @@ the index at once and its extent is freed when the last pin goes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvstrata.sidecar.allocator import ExtentAllocator
 from kvstrata.sidecar.keys import FINGERPRINT_BYTES, ChunkKey
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.policies import EvictionPolicy, make_policy
+
+if TYPE_CHECKING:
+    from kvstrata.sidecar.journal import TierEvents
 
 WRITING = 0
 READY = 1
@@ -68,6 +72,8 @@ class L1Store:
         self.evictions_total = 0
         self.evicted_bytes_total = 0
         self.ready_bytes = 0
+        # Told when a chunk becomes READY and when a READY chunk leaves (KV events).
+        self.events: TierEvents | None = None
 
     @property
     def capacity(self) -> int:
@@ -133,6 +139,8 @@ class L1Store:
         entry.state = READY
         self.ready_bytes += entry.length
         self.policy.on_insert(entry.key, entry.length, entry.parent)
+        if self.events is not None:
+            self.events.stored(entry.key)
 
     def unpin(self, entry: Entry) -> None:
         entry.pins -= 1
@@ -158,6 +166,8 @@ class L1Store:
         if entry.state == READY:
             self.ready_bytes -= entry.length
             self.policy.on_remove(entry.key)
+            if self.events is not None:
+                self.events.removed(entry.key)
         entry.dead = True
         if entry.pins <= 0:
             self.allocator.free(entry.offset)

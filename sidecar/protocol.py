@@ -39,6 +39,7 @@ RELEASE        lease_ids                                 released
 END_REQUEST    owner                                     released
 PING           (nothing)                                 server_version, session_valid
 STATS          (nothing)                                 stats
+EVENTS         after, limit                              events, next_seq, lost
 REGISTER_KV    device_uuid, kv_cache_layout, block_dim,  layers, chunk_nbytes
                blocks_per_chunk, dtype, layers
 SAVE_BLOCKS    keys, block_ids, after_event, owner       committed (one bool per key)
@@ -68,7 +69,7 @@ field): one frame of at most :data:`MAX_MESSAGE_BYTES`, at most
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
 import msgpack
@@ -94,6 +95,7 @@ RELEASE = "RELEASE"
 END_REQUEST = "END_REQUEST"
 PING = "PING"
 STATS = "STATS"
+EVENTS = "EVENTS"
 REGISTER_KV = "REGISTER_KV"
 SAVE_BLOCKS = "SAVE_BLOCKS"
 LOAD_BLOCKS = "LOAD_BLOCKS"
@@ -511,6 +513,76 @@ class ErrorReply(Message):
         )
 
 
+# -- KV events ----------------------------------------------------------------
+
+MAX_EVENTS = 4096  # records one EVENTS reply carries
+EVENT_KINDS = frozenset({"stored", "removed"})
+
+
+@dataclass(slots=True)
+class EventsRequest(Message):
+    """The session's tier changes after sequence number ``after``."""
+
+    op: ClassVar[str] = EVENTS
+    after: int = 0
+    limit: int = MAX_EVENTS
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> EventsRequest:
+        return cls(
+            after=read_int(_get(body, "after"), "after"),
+            limit=read_int(_get(body, "limit"), "limit", 1, MAX_EVENTS),
+        )
+
+
+@dataclass(slots=True)
+class TierEvent:
+    """One record of the sidecar's journal: ``key`` arrived in or left ``tier``."""
+
+    seq: int
+    kind: str  # "stored" | "removed"
+    tier: str  # "l1", "l2" or the shared tier's name
+    key: ChunkKey
+
+
+def _read_event(value: Any, name: str) -> TierEvent:
+    items = read_list(value, name, 4)
+    if len(items) != 4:
+        raise _bad(name, "[seq, kind, tier, key]", value)
+    kind = read_str(items[1], f"{name}[1]", 16)
+    if kind not in EVENT_KINDS:
+        raise ProtocolError(E_BAD_REQUEST, f"field '{name}[1]': unknown event kind {kind!r}")
+    return TierEvent(
+        seq=read_int(items[0], f"{name}[0]"),
+        kind=kind,
+        tier=read_str(items[2], f"{name}[2]", 32),
+        key=read_keys([items[3]], f"{name}[3]")[0],
+    )
+
+
+@dataclass(slots=True)
+class EventsReply(Message):
+    op: ClassVar[str] = EVENTS
+    events: list[TierEvent] = field(default_factory=list)
+    next_seq: int = 0  # ask for events after this next time
+    lost: int = 0  # records that fell out of the sidecar's ring before this read
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "events": [[e.seq, e.kind, e.tier, bytes(e.key)] for e in self.events],
+            "next_seq": self.next_seq,
+            "lost": self.lost,
+        }
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> EventsReply:
+        return cls(
+            events=read_items(_get(body, "events"), "events", _read_event, MAX_EVENTS),
+            next_seq=read_int(_get(body, "next_seq"), "next_seq"),
+            lost=read_int(_get(body, "lost"), "lost"),
+        )
+
+
 # -- ipc mode -----------------------------------------------------------------
 
 IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t / cudaIpcEventHandle_t
@@ -673,6 +745,7 @@ REQUESTS: dict[str, type[Message]] = {
     END_REQUEST: EndRequestRequest,
     PING: PingRequest,
     STATS: StatsRequest,
+    EVENTS: EventsRequest,
     REGISTER_KV: RegisterKVRequest,
     SAVE_BLOCKS: SaveBlocksRequest,
     LOAD_BLOCKS: LoadBlocksRequest,
@@ -689,6 +762,7 @@ REPLIES: dict[str, type[Message]] = {
     END_REQUEST: CountReply,
     PING: PingReply,
     STATS: StatsReply,
+    EVENTS: EventsReply,
     REGISTER_KV: RegisterKVReply,
     SAVE_BLOCKS: CommitStoreReply,
     LOAD_BLOCKS: LoadBlocksReply,

@@ -25,9 +25,13 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.objformat import ChunkMeta, DecodedObject
+
+if TYPE_CHECKING:
+    from kvstrata.sidecar.journal import TierEvents
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +135,8 @@ class WriteBehindQueue:
         name: str | None = None,
     ) -> None:
         self.tier = tier
+        # Told of every successful write (the KV event journal), when set.
+        self.events: TierEvents | None = None
         self.capacity = capacity
         self.dropped_total = 0
         self.deduplicated_total = 0
@@ -207,6 +213,8 @@ class WriteBehindQueue:
             except Exception:  # a tier must not raise; keep the writer alive if one does
                 logger.exception("tier %s raised from put", self.tier.name)
             finally:
+                if ok and self.events is not None:
+                    self.events.stored(job.key)
                 with self._lock:
                     self._pending.discard(job.key)
                     if ok:

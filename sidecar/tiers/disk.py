@@ -33,6 +33,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import xxhash
 
@@ -46,6 +47,9 @@ from kvstrata.sidecar.objformat import (
     encode,
 )
 from kvstrata.sidecar.tiers.base import Tier, TierStats
+
+if TYPE_CHECKING:
+    from kvstrata.sidecar.journal import TierEvents
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +89,8 @@ class DiskTier(Tier):
         self._ns_usage: dict[bytes, int] = {}
         self.fsync = fsync
         self._lock = threading.Lock()
+        # Told of each file stored and each one removed (the KV event journal), when set.
+        self.events: TierEvents | None = None
         self._index: OrderedDict[bytes, DiskEntry] = OrderedDict()  # LRU first
         self._usage = 0
         self._reserved = 0
@@ -207,6 +213,8 @@ class DiskTier(Tier):
             self._usage += total
             self._account(key, total)
             self._stats.stored_bytes_total += len(stored)
+            if old is None and self.events is not None:
+                self.events.stored(key)
         return True
 
     def _write_file(self, key: bytes, header: bytes, stored: bytes | memoryview) -> bool:
@@ -322,6 +330,8 @@ class DiskTier(Tier):
         with self._lock:
             keys = list(self._index)
             self._index.clear()
+            for key in keys:
+                self._note_removed(key)
             self._usage = 0
             self._ns_usage.clear()
         self._unlink_all([self.path_of(k) for k in keys])
@@ -357,8 +367,14 @@ class DiskTier(Tier):
             self._usage -= entry.file_bytes
             self._account(key, -entry.file_bytes)
             self._stats.evictions_total += 1
+            self._note_removed(key)
             doomed.append(self.path_of(key))
         return doomed
+
+    def _note_removed(self, key: bytes) -> None:
+        """Caller holds the lock: tell the KV event journal, when there is one."""
+        if self.events is not None:
+            self.events.removed(key)
 
     def _account(self, key: bytes, delta: int) -> None:
         """Caller holds the lock (or is the constructor): per-namespace usage."""
@@ -385,6 +401,7 @@ class DiskTier(Tier):
             self._usage -= entry.file_bytes
             self._account(victim, -entry.file_bytes)
             self._stats.evictions_total += 1
+            self._note_removed(victim)
             doomed.append(self.path_of(victim))
         return doomed
 
@@ -395,6 +412,7 @@ class DiskTier(Tier):
                 return False
             self._usage -= entry.file_bytes
             self._account(key, -entry.file_bytes)
+            self._note_removed(key)
             if missing:
                 self._stats.misses_total += 1
                 self._stats.count_error("file_vanished")
