@@ -30,13 +30,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvstrata.connector.events import events_enabled
 from kvstrata.connector.metadata import KVStrataMetadata
 from kvstrata.connector.settings import settings_from_config
 from kvstrata.connector.stats import KVStrataPromMetrics, KVStrataStats, StatsDelta
 from kvstrata.connector.transfer_config import LOAD_FAILURE_POLICY
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -99,7 +103,9 @@ class KVStrataConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from kvstrata.connector.scheduler import KVStrataScheduler
 
-            self._scheduler = KVStrataScheduler(self.settings)
+            self._scheduler = KVStrataScheduler(
+                self.settings, kv_events=events_enabled(vllm_config)
+            )
         else:
             from kvstrata.connector.worker import KVStrataWorker
 
@@ -241,6 +247,11 @@ class KVStrataConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             return KVStrataMetadata()
         return self._scheduler.build_connector_meta(scheduler_output)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The sidecar's tier changes as vLLM KV events (``--kv-events-config``):
+        BlockStored / BlockRemoved per tier (:mod:`kvstrata.connector.events`)."""
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstrata.connector.client import SidecarClient
+from kvstrata.connector.events import ChunkRegistry, KVEventFeed, describe_chunks
 from kvstrata.connector.gate import RetryGate
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, ReqId, RequestTransfer
 from kvstrata.sidecar.keys import chunk_keys_from_block_hashes
@@ -70,20 +71,35 @@ class SchedulerCounters:
 
 
 class KVStrataScheduler:
-    def __init__(self, settings: ConnectorSettings) -> None:
+    def __init__(self, settings: ConnectorSettings, kv_events: bool = False) -> None:
         self.settings = settings
         self.enabled = settings.layout is not None
-        self.client = SidecarClient(
-            settings.endpoint,
-            settings.namespace,
-            role="scheduler",
-            call_timeout_s=settings.call_timeout_s,
-            curve=settings.curve,
-        )
+        self.client = self._new_client()
+        # KV events (vLLM's --kv-events-config): the tiers' changes, read on a
+        # session of their own (kvstrata.connector.events).
+        self.events: KVEventFeed | None = None
+        self._described: ChunkRegistry | None = None
+        if kv_events and self.enabled:
+            self.events = KVEventFeed(self._new_client(), settings.block_size)
+            self._described = self.events.registry
         self.gate = RetryGate(self.client, settings.retry_interval_s)
         self.counters = SchedulerCounters()
         self._reqs: dict[ReqId, _RequestState] = {}
         self._warned_chunk_size = False
+
+    def _new_client(self) -> SidecarClient:
+        s = self.settings
+        return SidecarClient(
+            s.endpoint,
+            s.namespace,
+            role="scheduler",
+            call_timeout_s=s.call_timeout_s,
+            curve=s.curve,
+        )
+
+    def take_events(self) -> list:
+        """vLLM KV events of the sidecar's tiers since the last call (never waits)."""
+        return self.events.take_events() if self.events is not None else []
 
     # -- lookups --------------------------------------------------------------
 
@@ -136,6 +152,7 @@ class KVStrataScheduler:
             return 0
         state.hit_tokens = hit_end
         state.tiers = list(reply.tiers)
+        self._describe(request, range(hit_end // chunk))  # promotions into L1 become events
         logger.debug(
             "kvstrata: %s hits %d tokens (%d local) in %s",
             request.request_id,
@@ -265,6 +282,7 @@ class KVStrataScheduler:
             )
             for c in range(state.stored_chunks, n_chunks)
         ]
+        self._describe(request, range(state.stored_chunks, n_chunks))
         state.stored_chunks = n_chunks
         self.counters.chunks_to_save += len(chunks)
         return RequestTransfer(request.request_id, chunks)
@@ -277,5 +295,18 @@ class KVStrataScheduler:
         if state is not None and state.pinned and self.client.available():
             self.client.end_request(req_id)
 
+    def _describe(self, request: Request, chunks: range) -> None:
+        s = self.settings
+        describe_chunks(
+            self._described,
+            request,
+            self.client.fingerprint,
+            chunks,
+            s.block_size,
+            s.blocks_per_chunk,
+        )
+
     def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
         self.client.close()

@@ -76,6 +76,8 @@ def _workloads() -> dict[str, list[list[int]]]:
         "warm_start": [tokens(384, 14), tokens(300, 15)],
         "metrics": [tokens(330, 16), tokens(200, 17)],
         "load_failure": [tokens(330, 18)],
+        "events": [tokens(300, 19)],
+        "events_tiers": [tokens(200, 20), tokens(520, 21)],
     }
 
 
@@ -166,17 +168,39 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess
 
 
 @pytest.fixture(scope="session")
+def kv_events_endpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Where the connector engine's vLLM publishes KV events: an ipc:// endpoint,
+    which vLLM's publisher binds (a subscriber connects, as a router would)."""
+    return f"ipc://{tmp_path_factory.mktemp('kv-events')}/events.sock"
+
+
+@pytest.fixture(scope="session")
 def cached_llm(
-    reference: dict[str, list[list[int]]], sidecar: SidecarProcess, tiny_model: Path
+    reference: dict[str, list[list[int]]],
+    sidecar: SidecarProcess,
+    tiny_model: Path,
+    kv_events_endpoint: str,
 ) -> Iterator[Any]:
-    """The engine with the connector (built after the reference is done)."""
+    """The engine with the connector (built after the reference is done).
+
+    KV events are on, published by vLLM's own ZeroMQ publisher: every test of
+    the suite shows that outputs stay exact with them (test_kv_events reads them)."""
     from vllm import LLM
+    from vllm.config import KVEventsConfig
 
     transfer = transfer_config(
         sidecar.endpoint, CHUNK, call_timeout_seconds=2.0, load_timeout_seconds=10.0
     )
+    events = KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events_endpoint
+    )
     # Stats on: vLLM's own metrics carry the connector's (test_vllm_metrics).
-    llm = LLM(**engine_args(tiny_model), kv_transfer_config=transfer, disable_log_stats=False)
+    llm = LLM(
+        **engine_args(tiny_model),
+        kv_transfer_config=transfer,
+        kv_events_config=events,
+        disable_log_stats=False,
+    )
     try:
         yield llm
     finally:
@@ -231,6 +255,8 @@ def kit() -> SimpleNamespace:
     """The helpers tests use (conftest modules are not importable by name)."""
     return SimpleNamespace(
         CHUNK=CHUNK,
+        BLOCK=BLOCK,
+        tokens=tokens,
         SidecarProcess=SidecarProcess,
         WORKLOADS=WORKLOADS,
         generate=generate,
