@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, str] = {
     "remote": "Valkey and S3 tiers vs the raw clients",
     "e2e": "vLLM-CPU TTFT cold vs L1/L2 hits vs vLLM's own prefix cache",
     "transfer": "paged KV <-> chunk buffers (torch, csrc kernels) vs a plain copy",
+    "scheduler": "vLLM scheduler time per step: healthy, stopped, absent sidecar vs none",
 }
 
 
