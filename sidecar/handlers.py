@@ -285,7 +285,12 @@ class Handlers:
         events = [
             p.TierEvent(seq, kind, tier, ChunkKey(key)) for seq, kind, tier, key in read.records
         ]
-        return p.EventsReply(events=events, next_seq=read.next_seq, lost=read.lost)
+        return p.EventsReply(
+            events=events,
+            next_seq=read.next_seq,
+            lost=read.lost,
+            journal_id=self.engine.journal.journal_id,
+        )
 
     def _stats(self, body: p.StatsRequest, session: Session) -> p.StatsReply:
         return p.StatsReply(stats=self.stats_dict())

@@ -19,6 +19,7 @@ Only what this sidecar did is recorded: a shared tier's own evictions
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -51,6 +52,9 @@ class EventJournal:
         self._lock = threading.Lock()
         self._last_seq = 0
         self.recorded_total = 0
+        # Names this journal's numbering: a reader that sees another id (the
+        # sidecar restarted) starts again from 0.
+        self.journal_id = secrets.randbits(63)
 
     def record(self, kind: EventKind, tier: str, key: bytes) -> None:
         with self._lock:

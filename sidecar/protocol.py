@@ -39,7 +39,7 @@ RELEASE        lease_ids                                 released
 END_REQUEST    owner                                     released
 PING           (nothing)                                 server_version, session_valid
 STATS          (nothing)                                 stats
-EVENTS         after, limit                              events, next_seq, lost
+EVENTS         after, limit                              events, next_seq, lost, journal_id
 REGISTER_KV    device_uuid, kv_cache_layout, block_dim,  layers, chunk_nbytes
                blocks_per_chunk, dtype, layers
 SAVE_BLOCKS    keys, block_ids, after_event, owner       committed (one bool per key)
@@ -566,12 +566,14 @@ class EventsReply(Message):
     events: list[TierEvent] = field(default_factory=list)
     next_seq: int = 0  # ask for events after this next time
     lost: int = 0  # records that fell out of the sidecar's ring before this read
+    journal_id: int = 0  # changes when the sidecar restarts: numbering starts over
 
     def to_wire(self) -> dict[str, Any]:
         return {
             "events": [[e.seq, e.kind, e.tier, bytes(e.key)] for e in self.events],
             "next_seq": self.next_seq,
             "lost": self.lost,
+            "journal_id": self.journal_id,
         }
 
     @classmethod
@@ -580,6 +582,7 @@ class EventsReply(Message):
             events=read_items(_get(body, "events"), "events", _read_event, MAX_EVENTS),
             next_seq=read_int(_get(body, "next_seq"), "next_seq"),
             lost=read_int(_get(body, "lost"), "lost"),
+            journal_id=read_int(_get(body, "journal_id"), "journal_id"),
         )
 
 
