@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from kvstrata.connector.client import SidecarClient
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.journal import EventJournal
-from kvstrata.sidecar.keys import Namespace
+from kvstrata.sidecar.keys import ChunkKey, Namespace
 
 NBYTES = 64 * 1024
 OTHER_TENANT = Namespace(model="another-tenant", block_size=16, chunk_size=16)
@@ -94,3 +96,65 @@ def test_a_reader_that_falls_behind_the_ring_is_told_how_much_it_lost():
     assert read.next_seq == 10
     # A reader numbered by a previous sidecar (after > last) starts over.
     assert [r[0] for r in journal.read(after=99, limit=100).records] == [7, 8, 9, 10]
+
+
+class _Request:
+    """The few fields of a vLLM request the event feed reads (data only)."""
+
+    def __init__(self, tokens: list[int], block: int) -> None:
+        import hashlib
+
+        self.request_id = "r"
+        self.all_token_ids = tokens
+        self.lora_request = None
+        self.block_hashes, parent = [], b""
+        for start in range(0, len(tokens) - block + 1, block):
+            parent = hashlib.sha256(parent + repr(tokens[start : start + block]).encode()).digest()
+            self.block_hashes.append(parent)
+
+
+def test_the_feed_turns_records_into_vllm_events_and_follows_a_restarted_sidecar(
+    sidecar: Any, kit: Any
+):
+    """KVEventFeed over a real sidecar: described chunks become BlockStored
+    events of their blocks; after a restart (a new journal, numbered from 1
+    again) the feed reads the new journal from its start and misses nothing."""
+    pytest.importorskip("vllm", reason="the event classes are vLLM's")
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as as_vllm
+
+    from kvstrata.connector.events import KVEventFeed
+
+    block, bpc = 16, 1  # the test namespace: chunk_size 16 = one block
+    feed = KVEventFeed(sidecar.client(role="scheduler"), block, poll_interval_s=3600)
+    fingerprint = kit.NAMESPACE.fingerprint()
+    request = _Request(list(range(100, 164)), block)  # four blocks, four chunks
+    feed.registry.describe(request, fingerprint, range(4), block, bpc)
+    keys = [ChunkKey(fingerprint + h) for h in request.block_hashes]
+    writer = sidecar.client()
+
+    def stored_after_polls(expected: int) -> list[Any]:
+        got: list[Any] = []
+
+        def enough() -> bool:
+            while feed.poll_once():
+                pass
+            got.extend(e for e in feed.take_events() if type(e).__name__ == "BlockStored")
+            return len([e for e in got if e.medium == "CPU"]) >= expected
+
+        kit.wait_until(enough, timeout=10, what=f"{expected} L1 events")
+        return got
+
+    assert kit.store(writer, keys[:2], NBYTES, owner="a") == 2
+    first = [e for e in stored_after_polls(2) if e.medium == "CPU"]
+    assert [e.block_hashes for e in first] == [[as_vllm(h)] for h in request.block_hashes[:2]]
+    assert first[1].parent_block_hash == as_vllm(request.block_hashes[0])
+    assert first[0].token_ids == list(range(100, 116)) and first[0].block_size == block
+
+    writer.close()
+    sidecar.restart()  # a new journal; L2 keeps the first two chunks
+    writer = sidecar.client()
+    assert kit.store(writer, keys[2:], NBYTES, owner="b") == 2
+    after = [e for e in stored_after_polls(2) if e.medium == "CPU"]
+    assert [e.block_hashes for e in after] == [[as_vllm(h)] for h in request.block_hashes[2:]]
+    writer.close()
+    feed.close()
