@@ -11,9 +11,9 @@ segment), :mod:`~kvstrata.sidecar.l1` (index, allocator, policy),
 Data flow:
 
 * ``reserve`` -> client writes into the slot -> ``commit``: the chunk is
-  visible in L1 and queued (write-behind) into L2 and, per
-  ``shared.admission``, into the shared tier. Each queued write pins the
-  L1 object until the write finishes (``WriteJob.on_done``).
+  visible in L1 and handed to :mod:`~kvstrata.sidecar.writeback`, which
+  copies it into L2 and, per ``shared.admission``, into the shared tier,
+  pinning the L1 object until each write finishes.
 * ``lookup``: the longest prefix present in L1, then L2, then (one batched
   ``contains_many`` under the tier's deadline) the shared tier.
 * ``acquire``: a read lease on the L1 object; an L2 or shared hit is
@@ -26,8 +26,9 @@ Leases: every slot handed out is a lease (read or write) with an id that
 is never reused. A leased object is never evicted or freed. Leases end by
 ``release``/``commit``/``abort``, ``release_owner`` or ``expire_leases``.
 
-Locking: one lock guards the index, leases and counters; it is never held
-during a copy or any I/O.
+Locking: one lock guards the index, leases, counters and write-behind's
+state; it is never held during a copy or any I/O. L2 is asked through its
+tier interface (which takes L2's own lock, never the other way round).
 
 No state is persisted here; L2 persists its own files.
 """
@@ -37,10 +38,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from kvstrata.sidecar.arena import Arena, owner_prefix
 from kvstrata.sidecar.config import SidecarConfig
@@ -48,8 +48,9 @@ from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.l1 import READY, Entry, L1Store
 from kvstrata.sidecar.leases import Lease, LeaseTable, Slot
 from kvstrata.sidecar.objformat import ChunkMeta
-from kvstrata.sidecar.tiers.base import Tier, TierStats, WriteBehindQueue, WriteJob
+from kvstrata.sidecar.tiers.base import Tier, TierStats
 from kvstrata.sidecar.tiers.disk import DiskTier
+from kvstrata.sidecar.writeback import WriteBehind
 
 __all__ = ["EngineStats", "LookupResult", "Slot", "StorageManager"]
 
@@ -57,14 +58,7 @@ logger = logging.getLogger(__name__)
 
 ENGINE_OWNER = "engine"
 PREFETCH_THREADS = 4
-KNOWN_SHARED_MAX = 65536
 PROMOTION_WAIT_SECONDS = 5.0
-# Write-behind may pin at most this fraction of the arena; further writes
-# wait in a backlog (oldest first) and are lost -- counted in
-# writeback_skipped_total -- only if evicted before their turn. A slow disk
-# thus costs L2 copies, never L1 stores.
-WRITEBACK_PIN_FRACTION = 0.5
-WRITEBACK_BACKLOG_MAX = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,17 +105,8 @@ class StorageManager:
         self._leases = LeaseTable()
         self._counters: dict[str, int] = {}
         self._hits = self._misses = self._stored_bytes = self._retrieved_bytes = 0
-        self._wb_pinned = 0
-        self._wb_pin_limit = int(self.arena.size * WRITEBACK_PIN_FRACTION)
-        self._wb_backlog: OrderedDict[tuple[ChunkKey, bool], tuple[Entry, WriteBehindQueue]] = (
-            OrderedDict()
-        )
-        self._known_shared: OrderedDict[ChunkKey, None] = OrderedDict()
         self.l2: DiskTier | None = None
-        self._l2_queue: WriteBehindQueue | None = None
         self.shared = shared_tier
-        self._shared_queue: WriteBehindQueue | None = None
-        self._admit_all = config.shared.admission == "all"
         try:
             if config.l2.enabled:
                 self.l2 = DiskTier(
@@ -129,23 +114,12 @@ class StorageManager:
                     config.l2.size_bytes,
                     namespace_quota=config.l2.namespace_quota_bytes,
                 )
-                self._l2_queue = WriteBehindQueue(
-                    self.l2,
-                    config.l2.write_queue_depth,
-                    config.l2.writer_threads,
-                    already_stored=self.l2.contains,
-                )
-            if shared_tier is not None:
-                self._shared_queue = WriteBehindQueue(
-                    shared_tier,
-                    config.shared.write_queue_depth,
-                    config.shared.writer_threads,
-                    already_stored=self._known_shared.__contains__,
-                )
+            self._wb = WriteBehind(
+                config, self.arena, self._store, self._lock, self._count, self.l2, shared_tier
+            )
         except BaseException:
             self.arena.close()
             raise
-        self._l2_index = self.l2.index if self.l2 is not None else {}
         self._pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="kvstrata-prefetch")
         self._pending: set[Future[object]] = set()
         self._prefetching: dict[str, int] = {}  # owner -> prefetch jobs not yet finished
@@ -157,56 +131,69 @@ class StorageManager:
     def _count(self, name: str, n: int = 1) -> None:
         self._counters[name] = self._counters.get(name, 0) + n
 
+    def _in_l2(self, key: ChunkKey) -> bool:
+        return self.l2 is not None and self.l2.contains(key)
+
     # -- lookup -------------------------------------------------------------
 
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
-        """Longest contiguous prefix of ``keys`` present in any tier."""
-        entries = self._store.entries
-        l2 = self._l2_index
+        """Longest contiguous prefix of ``keys`` present in any tier.
+
+        The local indexes are read under the lock; the shared tier's batched
+        existence check runs without it."""
         asked = {"l1": 0} if self.l2 is None else {"l1": 0, "l2": 0}
-
-        def local_tier(key: ChunkKey, count: bool = True) -> str | None:
-            if count:
-                asked["l1"] += 1
-            entry = entries.get(key)
-            if entry is not None and entry.state == READY:
-                return "l1"
-            if count and "l2" in asked:
-                asked["l2"] += 1
-            return "l2" if key in l2 else None
-
         tiers: list[str] = []
-        for key in keys:
-            tier = local_tier(key)
-            if tier is None:
-                break
-            tiers.append(tier)
-        n_local = len(tiers)
-        if n_local < len(keys) and self.shared is not None:
-            rest = keys[n_local:]
-            try:
-                remote = self.shared.contains_many(rest)
-            except Exception:  # a tier must not raise; a failure is a miss
-                logger.exception("shared tier %s raised from contains_many", self.shared.name)
-                remote = []
-            name = self.shared.name
-            asked[name] = 0
+        with self._lock:
+            for key in keys:
+                tier = self._local_tier(key, asked)
+                if tier is None:
+                    break
+                tiers.append(tier)
+            if len(tiers) == len(keys) or self.shared is None:
+                self._count_lookup(keys, tiers)
+                return LookupResult(len(tiers), tiers, asked)
+        rest = keys[len(tiers) :]
+        try:
+            remote = self.shared.contains_many(rest)
+        except Exception:  # a tier must not raise; a failure is a miss
+            logger.exception("shared tier %s raised from contains_many", self.shared.name)
+            remote = []
+        name = self.shared.name
+        asked[name] = 0
+        with self._lock:
             # Re-check the local indexes: a chunk may have landed while the
             # remote round trip ran (the first was counted by the local walk).
             for i, (key, there) in enumerate(zip(rest, remote, strict=False)):
-                tier = local_tier(key, count=i > 0)
+                tier = self._local_tier(key, asked if i > 0 else None)
                 if tier is None:
                     asked[name] += 1
                     tier = name if there else None
                 if tier is None:
                     break
                 tiers.append(tier)
-        with self._lock:
-            self._count("lookups_total")
-            self._count("lookup_chunks_total", len(keys))
-            for tier in set(tiers):
-                self._count(f"hit_chunks_total_{tier}", tiers.count(tier))
+            self._count_lookup(keys, tiers)
         return LookupResult(len(tiers), tiers, asked)
+
+    def _local_tier(self, key: ChunkKey, asked: dict[str, int] | None) -> str | None:
+        """Caller holds the lock: "l1", "l2" or None for ``key``; counts the
+        tiers consulted into ``asked`` (unless None)."""
+        if asked is not None:
+            asked["l1"] += 1
+        entry = self._store.entries.get(key)
+        if entry is not None and entry.state == READY:
+            return "l1"
+        if self.l2 is None:
+            return None
+        if asked is not None:
+            asked["l2"] += 1
+        return "l2" if self.l2.contains(key) else None
+
+    def _count_lookup(self, keys: Sequence[ChunkKey], tiers: list[str]) -> None:
+        """Caller holds the lock."""
+        self._count("lookups_total")
+        self._count("lookup_chunks_total", len(keys))
+        for tier in set(tiers):
+            self._count(f"hit_chunks_total_{tier}", tiers.count(tier))
 
     # -- leases -------------------------------------------------------------
 
@@ -227,18 +214,14 @@ class StorageManager:
         self._store.unpin(entry)
         self._cond.notify_all()
 
-    def _read_lease(
-        self, entry: Entry, owner: str
-    ) -> tuple[Slot, list[tuple[WriteBehindQueue, WriteJob]]]:
+    def _read_lease(self, entry: Entry, owner: str) -> Slot:
+        """Caller holds the lock (and calls ``self._wb.submit()`` after it)."""
         entry.pins += 1
         self._store.policy.on_access(entry.key)
         self._hits += 1
         self._retrieved_bytes += entry.length
-        jobs: list[tuple[WriteBehindQueue, WriteJob]] = []
-        if entry.shared_pending:
-            entry.shared_pending = False
-            self._queue_shared(entry, jobs)
-        return self._leases.new(entry, owner, write=False), jobs
+        self._wb.read(entry)
+        return self._leases.new(entry, owner, write=False)
 
     # -- store --------------------------------------------------------------
 
@@ -270,7 +253,6 @@ class StorageManager:
 
     def commit(self, slot: Slot) -> bool:
         """The slot's bytes are written: publish the chunk and queue it below."""
-        jobs: list[tuple[WriteBehindQueue, WriteJob]] = []
         with self._lock:
             lease = self._leases.get(slot.lease_id)
             if lease is None or not lease.write:
@@ -282,13 +264,9 @@ class StorageManager:
                 return False
             self._store.publish(entry)
             self._stored_bytes += entry.length
-            self._queue_l2(entry, jobs)
-            if self._admit_all:
-                self._queue_shared(entry, jobs)
-            else:
-                entry.shared_pending = True
+            self._wb.stored(entry)
             self._store.unpin(entry)
-        self._submit(jobs)
+        self._wb.submit()
         return True
 
     def abort(self, slot: Slot) -> None:
@@ -314,95 +292,22 @@ class StorageManager:
         self._buf[slot.offset : slot.offset + slot.length] = view
         return self.commit(slot)
 
-    # -- write-behind -------------------------------------------------------
-
-    def _queue_l2(self, entry: Entry, jobs: list[tuple[WriteBehindQueue, WriteJob]]) -> None:
-        if self._l2_queue is not None and entry.key not in self._l2_index:
-            self._queue_write(entry, self._l2_queue, jobs, shared=False)
-
-    def _queue_shared(self, entry: Entry, jobs: list[tuple[WriteBehindQueue, WriteJob]]) -> None:
-        if self._shared_queue is not None and entry.key not in self._known_shared:
-            self._queue_write(entry, self._shared_queue, jobs, shared=True)
-
-    def _queue_write(
-        self,
-        entry: Entry,
-        queue: WriteBehindQueue,
-        jobs: list[tuple[WriteBehindQueue, WriteJob]],
-        shared: bool,
-    ) -> None:
-        """Caller holds the lock: queue one write of ``entry``, or park it in
-        the backlog while write-behind already pins its share of the arena."""
-        self._wb_backlog[(entry.key, shared)] = (entry, queue)
-        while len(self._wb_backlog) > WRITEBACK_BACKLOG_MAX:
-            self._wb_backlog.popitem(last=False)
-            self._count("writeback_skipped_total")
-        self._drain_backlog(jobs)
-
-    def _drain_backlog(self, jobs: list[tuple[WriteBehindQueue, WriteJob]]) -> None:
-        """Caller holds the lock: pin and queue parked writes, oldest first,
-        while the budget allows (at least one write is always allowed)."""
-        backlog = self._wb_backlog
-        while backlog:
-            (key, shared), (entry, queue) = next(iter(backlog.items()))
-            if self._store.entries.get(key) is not entry:
-                del backlog[(key, shared)]  # evicted or removed before its turn
-                self._count("writeback_skipped_total")
-                continue
-            if self._wb_pinned and self._wb_pinned + entry.length > self._wb_pin_limit:
-                return
-            del backlog[(key, shared)]
-            entry.pins += 1
-            self._wb_pinned += entry.length
-            view = self._buf[entry.offset : entry.offset + entry.length]
-            done = self._write_done_callback(entry, shared)
-            jobs.append((queue, WriteJob(entry.key, view, entry.meta, on_done=done)))
-
-    def _write_done_callback(self, entry: Entry, shared: bool) -> Callable[[bool], None]:
-        def done(ok: bool) -> None:
-            jobs: list[tuple[WriteBehindQueue, WriteJob]] = []
-            with self._lock:
-                self._wb_pinned -= entry.length
-                self._store.unpin(entry)
-                if ok and shared:
-                    self._note_shared(entry.key)
-                if ok:  # not after a drop: that would cascade through the backlog
-                    self._drain_backlog(jobs)
-            self._submit(jobs)
-
-        return done
-
-    @staticmethod
-    def _submit(jobs: list[tuple[WriteBehindQueue, WriteJob]]) -> None:
-        # Outside the lock: a dropped job calls on_done at once, which locks.
-        for queue, job in jobs:
-            queue.submit(job)
-
-    def _note_shared(self, key: ChunkKey) -> None:
-        self._known_shared[key] = None
-        self._known_shared.move_to_end(key)
-        while len(self._known_shared) > KNOWN_SHARED_MAX:
-            self._known_shared.popitem(last=False)
-
     # -- retrieve -----------------------------------------------------------
 
     def acquire(self, key: ChunkKey, owner: str) -> Slot | None:
         """A read lease on ``key``, promoting it from L2 or the shared tier
         into L1 when needed (synchronously, within the tiers' deadlines).
         None is a miss."""
-        jobs: list[tuple[WriteBehindQueue, WriteJob]] = []
         with self._lock:
-            slot = self._acquire_local(key, owner, jobs)
+            slot = self._acquire_local(key, owner)
             if slot is None and key not in self._store.entries:
                 self._misses += 1
-        self._submit(jobs)
+        self._wb.submit()
         if slot is not None or key in self._store.entries:
             return slot
         return self._promote(key, owner)
 
-    def _acquire_local(
-        self, key: ChunkKey, owner: str, jobs: list[tuple[WriteBehindQueue, WriteJob]]
-    ) -> Slot | None:
+    def _acquire_local(self, key: ChunkKey, owner: str) -> Slot | None:
         """Caller holds the lock. Waits for an in-flight promotion of ``key``."""
         deadline = time.monotonic() + PROMOTION_WAIT_SECONDS
         while True:
@@ -410,9 +315,7 @@ class StorageManager:
             if entry is None:
                 return None
             if entry.state == READY:
-                slot, more = self._read_lease(entry, owner)
-                jobs.extend(more)
-                return slot
+                return self._read_lease(entry, owner)
             if not entry.promoting:
                 return None  # a client is still writing it: a miss for now
             left = deadline - time.monotonic()
@@ -433,20 +336,18 @@ class StorageManager:
         self, key: ChunkKey, nbytes: int, meta: ChunkMeta, owner: str
     ) -> tuple[Entry | None, Slot | None]:
         """(entry to fill, None) or (None, a read lease when it appeared meanwhile)."""
-        jobs: list[tuple[WriteBehindQueue, WriteJob]] = []
         with self._lock:
             entry = self._store.reserve(key, nbytes, meta)
             if entry is not None:
                 entry.promoting = True
                 return entry, None
-            slot = self._acquire_local(key, owner, jobs)
-        self._submit(jobs)
+            slot = self._acquire_local(key, owner)
+        self._wb.submit()
         return None, slot
 
     def _finish_promotion(
-        self, entry: Entry, meta: ChunkMeta, owner: str, tier: str, to_l2: bool
+        self, entry: Entry, meta: ChunkMeta, owner: str, tier: str
     ) -> Slot | None:
-        jobs: list[tuple[WriteBehindQueue, WriteJob]] = []
         with self._lock:
             entry.promoting = False
             self._cond.notify_all()
@@ -456,14 +357,10 @@ class StorageManager:
             entry.meta = meta
             self._store.publish(entry)
             self._count(f"promotions_total_{tier}")
-            if to_l2:
-                self._queue_l2(entry, jobs)
-            if not self._admit_all and tier == "l2":
-                self._queue_shared(entry, jobs)  # "reused": this is a hit
-            slot, more = self._read_lease(entry, owner)
-            jobs.extend(more)
+            self._wb.promoted(entry, tier)
+            slot = self._read_lease(entry, owner)
             self._store.unpin(entry)  # the fill pin; the read lease keeps its own
-        self._submit(jobs)
+        self._wb.submit()
         return slot
 
     def _fail_promotion(self, entry: Entry) -> None:
@@ -489,7 +386,7 @@ class StorageManager:
         if meta is None:
             self._fail_promotion(entry)
             return None
-        return self._finish_promotion(entry, meta, owner, "l2", to_l2=False)
+        return self._finish_promotion(entry, meta, owner, "l2")
 
     def _promote_from_shared(self, key: ChunkKey, owner: str) -> Slot | None:
         if self.shared is None:
@@ -507,8 +404,8 @@ class StorageManager:
             return slot
         self._buf[entry.offset : entry.offset + entry.length] = payload
         with self._lock:
-            self._note_shared(key)
-        return self._finish_promotion(entry, obj.meta, owner, self.shared.name, to_l2=True)
+            self._wb.note_shared(key)
+        return self._finish_promotion(entry, obj.meta, owner, self.shared.name)
 
     def release(self, slot: Slot) -> None:
         """End a read lease."""
@@ -562,7 +459,6 @@ class StorageManager:
         ``owner``; the number of chunks pinned now or scheduled. Stops at the
         first key no local index knows unless a shared tier may have it."""
         scheduled = 0
-        jobs: list[tuple[WriteBehindQueue, WriteJob]] = []
         to_fetch: list[ChunkKey] = []
         with self._lock:
             if self._closed:
@@ -570,9 +466,8 @@ class StorageManager:
             for key in keys:
                 entry = self._store.entries.get(key)
                 if entry is not None and entry.state == READY:
-                    _, more = self._read_lease(entry, owner)
-                    jobs.extend(more)
-                elif entry is not None or key in self._l2_index or self.shared is not None:
+                    self._read_lease(entry, owner)
+                elif entry is not None or self.shared is not None or self._in_l2(key):
                     to_fetch.append(key)
                 else:
                     break
@@ -582,7 +477,7 @@ class StorageManager:
             # from now on knows to end the leases they will take.
             if to_fetch:
                 self._prefetching[owner] = self._prefetching.get(owner, 0) + len(to_fetch)
-        self._submit(jobs)
+        self._wb.submit()
         for key in to_fetch:
             future = self._pool.submit(self._prefetch_one, key, owner)
             with self._lock:
@@ -621,7 +516,7 @@ class StorageManager:
         """Forget ``key`` in every tier (L1 frees it once no lease pins it)."""
         with self._lock:
             self._store.remove(key)
-            self._known_shared.pop(key, None)
+            self._wb.forget(key)
         if self.l2 is not None:
             self.l2.remove(key)
         if self.shared is not None:
@@ -633,7 +528,7 @@ class StorageManager:
         with self._lock:
             for key in list(self._store.entries):
                 self._store.remove(key)
-            self._known_shared.clear()
+            self._wb.forget_all()
         if self.l2 is not None:
             self.l2.clear()
         if shared and self.shared is not None:
@@ -649,17 +544,7 @@ class StorageManager:
         with self._cond:
             if not self._cond.wait_for(lambda: not self._pending, timeout=left()):
                 return False
-        while True:
-            jobs: list[tuple[WriteBehindQueue, WriteJob]] = []
-            with self._lock:
-                self._drain_backlog(jobs)
-                parked = len(self._wb_backlog)
-            self._submit(jobs)
-            for queue in (self._l2_queue, self._shared_queue):
-                if queue is not None and not queue.flush(timeout=left()):
-                    return False
-            if not parked:
-                return True
+        return self._wb.flush(left)
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -677,22 +562,13 @@ class StorageManager:
             )
             counters = dict(self._counters)
             counters["leases_active"] = len(self._leases)
-            counters["writeback_pinned_bytes"] = self._wb_pinned
-            counters["writeback_backlog"] = len(self._wb_backlog)
+            counters["writeback_pinned_bytes"] = self._wb.pinned
+            counters["writeback_backlog"] = self._wb.backlog
             counters["l1_free_largest_bytes"] = store.allocator.largest_free
         tiers = {"l1": l1}
-        for tier, queue in ((self.l2, self._l2_queue), (self.shared, self._shared_queue)):
-            if tier is None:
-                continue
-            stats = tier.stats()
-            if queue is not None:
-                stats = replace(
-                    stats,
-                    queue_depth=queue.depth,
-                    queue_capacity=queue.capacity,
-                    dropped_total=stats.dropped_total + queue.dropped_total,
-                )
-            tiers[tier.name] = stats
+        for tier in (self.l2, self.shared):
+            if tier is not None:
+                tiers[tier.name] = self._wb.tier_stats(tier.stats())
         return EngineStats(tiers=tiers, counters=counters)
 
     def close(self) -> None:
@@ -702,9 +578,7 @@ class StorageManager:
                 return
             self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
-        for queue in (self._l2_queue, self._shared_queue):
-            if queue is not None:
-                queue.close()
+        self._wb.close()
         if self.l2 is not None:
             self.l2.close()
         self.arena.close()
