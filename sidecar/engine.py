@@ -46,13 +46,13 @@ from kvstrata.sidecar.arena import Arena, owner_prefix
 from kvstrata.sidecar.config import SidecarConfig
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.l1 import READY, Entry, L1Store
-from kvstrata.sidecar.leases import Lease, LeaseTable, Slot
+from kvstrata.sidecar.leases import Lease, LeaseTable, Slot, client_of
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.tiers.base import Tier, TierStats
 from kvstrata.sidecar.tiers.disk import DiskTier
 from kvstrata.sidecar.writeback import WriteBehind
 
-__all__ = ["EngineStats", "LookupResult", "Slot", "StorageManager"]
+__all__ = ["EngineStats", "LookupResult", "StorageManager"]
 
 logger = logging.getLogger(__name__)
 
@@ -253,12 +253,25 @@ class StorageManager:
 
     def commit(self, slot: Slot) -> bool:
         """The slot's bytes are written: publish the chunk and queue it below."""
+        return self.commit_lease(slot.lease_id)
+
+    def abort(self, slot: Slot) -> None:
+        """Discard a reservation (unknown or already ended leases are ignored)."""
+        self.commit_lease(slot.lease_id, ok=False)
+
+    def commit_lease(self, lease_id: int, ok: bool = True, client: str | None = None) -> bool:
+        """Commit (``ok``) or abort the write lease ``lease_id``; True when
+        committed. A lease that is unknown, a read lease or (with ``client``)
+        another client's is left as it is, and the answer is False."""
         with self._lock:
-            lease = self._leases.get(slot.lease_id)
-            if lease is None or not lease.write:
+            lease = self._leases.get(lease_id)
+            if lease is None or not lease.write or client not in (None, lease.client):
                 return False
-            self._leases.pop(slot.lease_id)
+            self._leases.pop(lease_id)
             entry = lease.entry
+            if not ok:
+                self._abort_entry(entry)
+                return False
             if entry.dead:
                 self._store.unpin(entry)
                 return False
@@ -268,14 +281,6 @@ class StorageManager:
             self._store.unpin(entry)
         self._wb.submit()
         return True
-
-    def abort(self, slot: Slot) -> None:
-        """Discard a reservation (unknown or already ended leases are ignored)."""
-        with self._lock:
-            lease = self._leases.get(slot.lease_id)
-            if lease is not None and lease.write:
-                self._leases.pop(slot.lease_id)
-                self._abort_entry(lease.entry)
 
     def put(
         self,
@@ -411,12 +416,14 @@ class StorageManager:
         """End a read lease."""
         self.release_lease(slot.lease_id)
 
-    def release_lease(self, lease_id: int) -> bool:
-        """End a lease by id (a write lease is aborted); False if unknown."""
+    def release_lease(self, lease_id: int, client: str | None = None) -> bool:
+        """End a lease by id (a write lease is aborted); False if unknown or
+        (with ``client``) another client's."""
         with self._lock:
-            lease = self._leases.pop(lease_id)
-            if lease is None:
+            lease = self._leases.get(lease_id)
+            if lease is None or client not in (None, lease.client):
                 return False
+            self._leases.pop(lease_id)
             self._end_lease(lease)
             return True
 
@@ -430,6 +437,28 @@ class StorageManager:
             if owner in self._prefetching:
                 self._owners_ended.add(owner)
             return len(leases)
+
+    def release_client(self, client: str) -> int:
+        """End every lease of ``client`` (see :mod:`.leases`); the number ended.
+        Its prefetches still running end their leases as soon as they land."""
+        with self._lock:
+            leases = self._leases.pop_client(client)
+            for lease in leases:
+                self._end_lease(lease)
+            for owner in self._prefetching:
+                if client_of(owner) == client:
+                    self._owners_ended.add(owner)
+            return len(leases)
+
+    def client_write_bytes(self, client: str) -> int:
+        """Arena bytes under ``client``'s uncommitted write leases."""
+        with self._lock:
+            return self._leases.write_bytes(client)
+
+    def lease_counts(self) -> dict[str, int]:
+        """Leases held per client."""
+        with self._lock:
+            return self._leases.counts()
 
     def expire_leases(self, now: float | None = None) -> int:
         """End leases older than ``server.lease_seconds`` (``now``: monotonic)."""

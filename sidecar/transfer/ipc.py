@@ -41,7 +41,8 @@ from kvstrata.sidecar.transfer.plan import (
 )
 
 if TYPE_CHECKING:
-    from kvstrata.sidecar.engine import Slot, StorageManager
+    from kvstrata.sidecar.engine import StorageManager
+    from kvstrata.sidecar.leases import Slot
 
 logger = logging.getLogger(__name__)
 

@@ -1,24 +1,12 @@
-"""Lease bookkeeping: fast slots equal real ones and stay immutable."""
+"""Lease bookkeeping: leases by owner and by age."""
 
 from __future__ import annotations
 
-import dataclasses
-
-import pytest
-
 from kvstrata.sidecar.l1 import Entry
-from kvstrata.sidecar.leases import LeaseTable, Slot, make_slot
+from kvstrata.sidecar.leases import LeaseTable
 from kvstrata.sidecar.objformat import ChunkMeta
 
 META = ChunkMeta("bfloat16", (2, 3))
-
-
-def test_make_slot_builds_the_same_frozen_slot():
-    fast = make_slot(7, b"k" * 48, 4096, 512, META)
-    assert fast == Slot(7, b"k" * 48, 4096, 512, META)
-    assert hash(fast) == hash(Slot(7, b"k" * 48, 4096, 512, META))
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        fast.offset = 0  # type: ignore[misc]
 
 
 def test_leases_are_found_by_owner_and_by_age():
