@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 import socket
 import threading
@@ -44,6 +43,7 @@ import zmq
 
 from kvstrata.sidecar import liveness
 from kvstrata.sidecar import protocol as p
+from kvstrata.sidecar.arena import Arena
 from kvstrata.sidecar.keys import ChunkKey, Namespace
 
 logger = logging.getLogger(__name__)
@@ -107,38 +107,22 @@ class ArenaSlot:
     shape: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class LookupReply:
-    hit_chunks: int
-    tiers: list[str]  # per hit chunk: "l1" | "l2" | "valkey" | "s3"
-
-
 class _Arena:
-    """One read-write mapping of the sidecar's shared-memory segment."""
+    """The sidecar's shared-memory segment (:meth:`Arena.attach`) and the view
+    the connector copies through."""
 
     def __init__(self, name: str, size: int) -> None:
-        if not name or "/" in name or name in (".", ".."):
-            raise ValueError(f"bad arena name {name!r}")
-        fd = os.open(os.path.join("/dev/shm", name), os.O_RDWR)
-        try:
-            actual = os.fstat(fd).st_size
-            if actual < size:
-                raise ValueError(f"arena {name} has {actual} bytes, HELLO said {size}")
-            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self.name = name
+        self.arena = Arena.attach(name, size)
         self.size = size
-        self.view: memoryview | None = memoryview(self.mm)
+        # A view of the arena's buffer, handed out and dropped, never
+        # released: another thread may be mid-copy on it.
+        self.view: memoryview | None = memoryview(self.arena.buffer)
 
     def close(self) -> None:
-        # Views are dropped, never released: the connector may still hold one
-        # (another thread mid-copy). Then the mapping stays valid until those
-        # are gone (harmless: slots of an old epoch are void) and close()
-        # refuses with BufferError.
+        # While a view is still held, the mapping stays valid until it is
+        # gone (harmless: slots of an old epoch are void).
         self.view = None
-        with contextlib.suppress(BufferError):
-            self.mm.close()
+        self.arena.close()
 
 
 class SidecarClient:
@@ -219,17 +203,18 @@ class SidecarClient:
 
     # -- ops ----------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[ChunkKey], *, prefetch: bool, owner: str) -> LookupReply | None:
+    def lookup(
+        self, keys: Sequence[ChunkKey], *, prefetch: bool, owner: str
+    ) -> p.LookupReply | None:
         """Longest stored prefix of ``keys``; with ``prefetch`` the sidecar starts
         bringing it into L1, pinned for ``owner`` until :meth:`end_request`."""
         body = p.LookupRequest(keys=list(keys[: p.MAX_KEYS]), prefetch=prefetch, owner=owner)
         reply = self._call(p.LOOKUP, body)
         if not isinstance(reply, p.LookupReply):
             return None
-        tiers = list(reply.tiers or [])
-        if reply.hit_chunks > len(body.keys or []) or len(tiers) != reply.hit_chunks:
+        if reply.hit_chunks > len(body.keys) or len(reply.tiers) != reply.hit_chunks:
             return self._bad_reply(p.LOOKUP, "hit count disagrees with tiers")
-        return LookupReply(hit_chunks=reply.hit_chunks, tiers=tiers)
+        return reply
 
     def prepare_store(
         self,
@@ -260,7 +245,7 @@ class SidecarClient:
         reply = self._call(p.COMMIT_STORE, body)
         if not isinstance(reply, p.CommitStoreReply):
             return False
-        committed = reply.committed or []
+        committed = reply.committed
         if len(committed) != len(lease_ids):
             self._bad_reply(p.COMMIT_STORE, "wrong number of results")
             return False
@@ -304,7 +289,7 @@ class SidecarClient:
         reply = self._call(p.SAVE_BLOCKS, body)
         if not isinstance(reply, p.CommitStoreReply):
             return None
-        committed = list(reply.committed or [])
+        committed = list(reply.committed)
         if len(committed) != len(keys):
             return self._bad_reply(p.SAVE_BLOCKS, "wrong number of results")
         return committed
@@ -357,7 +342,7 @@ class SidecarClient:
         reply = self._call(op, body)
         if not isinstance(reply, p.SlotsReply):
             return None
-        slots = reply.slots or []
+        slots = reply.slots
         arena = self._arena
         if len(slots) != min(n, p.MAX_KEYS) or arena is None:
             return self._bad_reply(op, "wrong number of slots")

@@ -51,7 +51,7 @@ def _slot_info(slot: Slot) -> p.SlotInfo:
     )
 
 
-def _own_keys(keys: list[ChunkKey] | None, session: Session) -> list[ChunkKey]:
+def _own_keys(keys: list[ChunkKey], session: Session) -> list[ChunkKey]:
     """``keys``, each checked to carry the session's namespace fingerprint.
 
     Tenants are separated by their fingerprints; without this check a client
@@ -59,14 +59,14 @@ def _own_keys(keys: list[ChunkKey] | None, session: Session) -> list[ChunkKey]:
     """
     fingerprint = session.fingerprint
     n = len(fingerprint)
-    for i, key in enumerate(keys or []):
+    for i, key in enumerate(keys):
         if key[:n] != fingerprint:
             raise p.ProtocolError(
                 p.E_BAD_REQUEST,
                 f"field 'keys[{i}]': the key is not in this session's namespace "
                 "(its first 16 bytes must be HELLO's fingerprint)",
             )
-    return keys or []
+    return keys
 
 
 class Handlers:
@@ -199,7 +199,7 @@ class Handlers:
         client = session.session_id
         committed = [
             self.engine.commit_lease(lease_id, ok, client)
-            for lease_id, ok in zip(body.lease_ids or [], body.ok or [], strict=True)
+            for lease_id, ok in zip(body.lease_ids, body.ok, strict=True)
         ]
         return p.CommitStoreReply(committed=committed)
 
@@ -218,8 +218,7 @@ class Handlers:
     def _release(self, body: p.ReleaseRequest, session: Session) -> p.CountReply:
         # Releasing a write lease abandons the reservation.
         released = sum(
-            self.engine.release_lease(lease_id, session.session_id)
-            for lease_id in body.lease_ids or []
+            self.engine.release_lease(lease_id, session.session_id) for lease_id in body.lease_ids
         )
         return p.CountReply(released=released)
 
