@@ -6,16 +6,17 @@ client to copy into or out of, and moves chunks between tiers behind the
 scenes. The pieces live elsewhere: :mod:`~kvstrata.sidecar.arena` (the
 segment), :mod:`~kvstrata.sidecar.l1` (index, allocator, policy),
 :mod:`~kvstrata.sidecar.leases` (who holds which slot),
+:mod:`~kvstrata.sidecar.lookup` (the prefix walk),
+:mod:`~kvstrata.sidecar.writeback` (copies down, and what they pin),
+:mod:`~kvstrata.sidecar.prefetch` (background promotions),
 :mod:`~kvstrata.sidecar.tiers.disk` (L2) and any shared :class:`Tier`.
 
 Data flow:
 
 * ``reserve`` -> client writes into the slot -> ``commit``: the chunk is
-  visible in L1 and handed to :mod:`~kvstrata.sidecar.writeback`, which
-  copies it into L2 and, per ``shared.admission``, into the shared tier,
-  pinning the L1 object until each write finishes.
-* ``lookup``: the longest prefix present in L1, then L2, then (one batched
-  ``contains_many`` under the tier's deadline) the shared tier.
+  visible in L1 and handed to write-behind (into L2 and, per
+  ``shared.admission``, the shared tier).
+* ``lookup``: the longest prefix present in L1, then L2, then the shared tier.
 * ``acquire``: a read lease on the L1 object; an L2 or shared hit is
   promoted into L1 first (L2 reads straight into the reserved slot).
 * ``prefetch``: the same promotion on background threads; the chunks stay
@@ -26,9 +27,10 @@ Leases: every slot handed out is a lease (read or write) with an id that
 is never reused. A leased object is never evicted or freed. Leases end by
 ``release``/``commit``/``abort``, ``release_owner`` or ``expire_leases``.
 
-Locking: one lock guards the index, leases, counters and write-behind's
-state; it is never held during a copy or any I/O. L2 is asked through its
-tier interface (which takes L2's own lock, never the other way round).
+Locking: one lock guards the index, leases, counters, write-behind's and
+prefetch's state; it is never held during a copy or any I/O. L2 is asked
+through its tier interface (L2's own lock, taken inside ours, never the
+other way round).
 
 No state is persisted here; L2 persists its own files.
 """
@@ -39,15 +41,16 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvstrata.sidecar.arena import Arena, owner_prefix
 from kvstrata.sidecar.config import SidecarConfig
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.l1 import READY, Entry, L1Store
-from kvstrata.sidecar.leases import Lease, LeaseTable, Slot, client_of
+from kvstrata.sidecar.leases import Lease, LeaseTable, Slot
+from kvstrata.sidecar.lookup import LookupResult, PrefixLookup
 from kvstrata.sidecar.objformat import ChunkMeta
+from kvstrata.sidecar.prefetch import Prefetcher
 from kvstrata.sidecar.tiers.base import Tier, TierStats
 from kvstrata.sidecar.tiers.disk import DiskTier
 from kvstrata.sidecar.writeback import WriteBehind
@@ -57,20 +60,7 @@ __all__ = ["EngineStats", "LookupResult", "StorageManager"]
 logger = logging.getLogger(__name__)
 
 ENGINE_OWNER = "engine"
-PREFETCH_THREADS = 4
 PROMOTION_WAIT_SECONDS = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    """How much of a prompt's chunk list some tier holds."""
-
-    hit_chunks: int  # longest contiguous prefix present in any tier
-    tiers: list[str]  # per hit chunk: "l1" | "l2" | the shared tier's name
-    # Chunks each tier was consulted for: those the prefix walk reached it with
-    # (not found in a faster tier, before the first chunk no tier holds). A
-    # tier's hit rate is its hits over this, exactly.
-    asked: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -120,10 +110,8 @@ class StorageManager:
         except BaseException:
             self.arena.close()
             raise
-        self._pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="kvstrata-prefetch")
-        self._pending: set[Future[object]] = set()
-        self._prefetching: dict[str, int] = {}  # owner -> prefetch jobs not yet finished
-        self._owners_ended: set[str] = set()  # owners released while prefetches ran
+        self._lookup = PrefixLookup(self._lock, self._store, self.l2, shared_tier, self._count)
+        self._prefetcher = Prefetcher(self._cond, self.acquire, self._pop_lease)
         self._closed = False
 
     # -- counters -----------------------------------------------------------
@@ -137,63 +125,8 @@ class StorageManager:
     # -- lookup -------------------------------------------------------------
 
     def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
-        """Longest contiguous prefix of ``keys`` present in any tier.
-
-        The local indexes are read under the lock; the shared tier's batched
-        existence check runs without it."""
-        asked = {"l1": 0} if self.l2 is None else {"l1": 0, "l2": 0}
-        tiers: list[str] = []
-        with self._lock:
-            for key in keys:
-                tier = self._local_tier(key, asked)
-                if tier is None:
-                    break
-                tiers.append(tier)
-            if len(tiers) == len(keys) or self.shared is None:
-                self._count_lookup(keys, tiers)
-                return LookupResult(len(tiers), tiers, asked)
-        rest = keys[len(tiers) :]
-        try:
-            remote = self.shared.contains_many(rest)
-        except Exception:  # a tier must not raise; a failure is a miss
-            logger.exception("shared tier %s raised from contains_many", self.shared.name)
-            remote = []
-        name = self.shared.name
-        asked[name] = 0
-        with self._lock:
-            # Re-check the local indexes: a chunk may have landed while the
-            # remote round trip ran (the first was counted by the local walk).
-            for i, (key, there) in enumerate(zip(rest, remote, strict=False)):
-                tier = self._local_tier(key, asked if i > 0 else None)
-                if tier is None:
-                    asked[name] += 1
-                    tier = name if there else None
-                if tier is None:
-                    break
-                tiers.append(tier)
-            self._count_lookup(keys, tiers)
-        return LookupResult(len(tiers), tiers, asked)
-
-    def _local_tier(self, key: ChunkKey, asked: dict[str, int] | None) -> str | None:
-        """Caller holds the lock: "l1", "l2" or None for ``key``; counts the
-        tiers consulted into ``asked`` (unless None)."""
-        if asked is not None:
-            asked["l1"] += 1
-        entry = self._store.entries.get(key)
-        if entry is not None and entry.state == READY:
-            return "l1"
-        if self.l2 is None:
-            return None
-        if asked is not None:
-            asked["l2"] += 1
-        return "l2" if self.l2.contains(key) else None
-
-    def _count_lookup(self, keys: Sequence[ChunkKey], tiers: list[str]) -> None:
-        """Caller holds the lock."""
-        self._count("lookups_total")
-        self._count("lookup_chunks_total", len(keys))
-        for tier in set(tiers):
-            self._count(f"hit_chunks_total_{tier}", tiers.count(tier))
+        """Longest contiguous prefix of ``keys`` present in any tier."""
+        return self._lookup.lookup(keys)
 
     # -- leases -------------------------------------------------------------
 
@@ -204,6 +137,12 @@ class StorageManager:
             self._abort_entry(entry)
         else:
             self._store.unpin(entry)
+
+    def _pop_lease(self, lease_id: int) -> None:
+        """Caller holds the lock: end lease ``lease_id`` if it still exists."""
+        lease = self._leases.pop(lease_id)
+        if lease is not None:
+            self._end_lease(lease)
 
     def _abort_entry(self, entry: Entry) -> None:
         if self._store.entries.get(entry.key) is entry:
@@ -356,6 +295,8 @@ class StorageManager:
         with self._lock:
             entry.promoting = False
             self._cond.notify_all()
+            if tier != "l2":
+                self._wb.note_shared(entry.key)
             if entry.dead:
                 self._store.unpin(entry)
                 return None
@@ -367,11 +308,6 @@ class StorageManager:
             self._store.unpin(entry)  # the fill pin; the read lease keeps its own
         self._wb.submit()
         return slot
-
-    def _fail_promotion(self, entry: Entry) -> None:
-        with self._lock:
-            self._count("promotion_failed_total")
-            self._abort_entry(entry)
 
     def _promote_from_l2(self, key: ChunkKey, owner: str) -> Slot | None:
         if self.l2 is None:
@@ -389,7 +325,9 @@ class StorageManager:
             logger.exception("L2 read of a chunk failed")
             meta = None
         if meta is None:
-            self._fail_promotion(entry)
+            with self._lock:
+                self._count("promotion_failed_total")
+                self._abort_entry(entry)
             return None
         return self._finish_promotion(entry, meta, owner, "l2")
 
@@ -408,8 +346,6 @@ class StorageManager:
         if entry is None:
             return slot
         self._buf[entry.offset : entry.offset + entry.length] = payload
-        with self._lock:
-            self._wb.note_shared(key)
         return self._finish_promotion(entry, obj.meta, owner, self.shared.name)
 
     def release(self, slot: Slot) -> None:
@@ -434,8 +370,7 @@ class StorageManager:
             leases = self._leases.pop_owner(owner)
             for lease in leases:
                 self._end_lease(lease)
-            if owner in self._prefetching:
-                self._owners_ended.add(owner)
+            self._prefetcher.owner_released(owner)
             return len(leases)
 
     def release_client(self, client: str) -> int:
@@ -445,9 +380,7 @@ class StorageManager:
             leases = self._leases.pop_client(client)
             for lease in leases:
                 self._end_lease(lease)
-            for owner in self._prefetching:
-                if client_of(owner) == client:
-                    self._owners_ended.add(owner)
+            self._prefetcher.client_released(client)
             return len(leases)
 
     def client_write_bytes(self, client: str) -> int:
@@ -502,42 +435,11 @@ class StorageManager:
                     break
                 scheduled += 1
             self._count("prefetch_chunks_total", scheduled)
-            # Counted under the lock before the jobs exist: a release_owner
-            # from now on knows to end the leases they will take.
             if to_fetch:
-                self._prefetching[owner] = self._prefetching.get(owner, 0) + len(to_fetch)
+                self._prefetcher.expect(owner, len(to_fetch))
         self._wb.submit()
-        for key in to_fetch:
-            future = self._pool.submit(self._prefetch_one, key, owner)
-            with self._lock:
-                self._pending.add(future)
-            future.add_done_callback(self._prefetch_done)
+        self._prefetcher.start(to_fetch, owner)
         return scheduled
-
-    def _prefetch_one(self, key: ChunkKey, owner: str) -> None:
-        slot = None
-        try:
-            slot = self.acquire(key, owner)
-        except Exception:
-            logger.exception("prefetch of a chunk failed")
-        with self._lock:
-            ended = owner in self._owners_ended
-            left = self._prefetching.get(owner, 1) - 1
-            if left > 0:
-                self._prefetching[owner] = left
-            else:
-                self._prefetching.pop(owner, None)
-                self._owners_ended.discard(owner)
-            # The request ended while this chunk was on its way: its lease
-            # would otherwise pin the chunk until it expires.
-            lease = self._leases.pop(slot.lease_id) if ended and slot is not None else None
-            if lease is not None:
-                self._end_lease(lease)
-
-    def _prefetch_done(self, future: Future[object]) -> None:
-        with self._lock:
-            self._pending.discard(future)
-            self._cond.notify_all()
 
     # -- maintenance --------------------------------------------------------
 
@@ -570,9 +472,8 @@ class StorageManager:
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
-        with self._cond:
-            if not self._cond.wait_for(lambda: not self._pending, timeout=left()):
-                return False
+        if not self._prefetcher.wait(left()):
+            return False
         return self._wb.flush(left)
 
     def stats(self) -> EngineStats:
@@ -606,7 +507,7 @@ class StorageManager:
             if self._closed:
                 return
             self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._prefetcher.close()
         self._wb.close()
         if self.l2 is not None:
             self.l2.close()
