@@ -204,7 +204,7 @@ class StorageManager:
         another client's is left as it is, and the answer is False."""
         with self._lock:
             lease = self._leases.get(lease_id)
-            if lease is None or not lease.write or client not in (None, lease.client):
+            if lease is None or not lease.write or (client is not None and client != lease.client):
                 return False
             self._leases.pop(lease_id)
             entry = lease.entry
@@ -357,7 +357,7 @@ class StorageManager:
         (with ``client``) another client's."""
         with self._lock:
             lease = self._leases.get(lease_id)
-            if lease is None or client not in (None, lease.client):
+            if lease is None or (client is not None and client != lease.client):
                 return False
             self._leases.pop(lease_id)
             self._end_lease(lease)

@@ -24,15 +24,18 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.l1 import Entry
 from kvstrata.sidecar.objformat import ChunkMeta
 
 
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """A leased region of the L1 arena holding (or about to hold) one chunk."""
+class Slot(NamedTuple):
+    """A leased region of the L1 arena holding (or about to hold) one chunk.
+
+    A named tuple: immutable, and built on every lease (several per request)
+    at a third of a frozen dataclass's cost."""
 
     lease_id: int  # unique per lease, never reused within one engine
     key: ChunkKey
@@ -74,7 +77,7 @@ class LeaseTable:
     def new(self, entry: Entry, owner: str, write: bool) -> Slot:
         """A lease on ``entry``; the caller has already pinned it."""
         slot = Slot(next(self._ids), entry.key, entry.offset, entry.length, entry.meta)
-        client = client_of(owner)
+        client = owner.partition(OWNER_SEP)[0]  # client_of, inlined: a hot path
         self._leases[slot.lease_id] = Lease(slot, entry, owner, client, write, time.monotonic())
         self._by_owner.setdefault(owner, set()).add(slot.lease_id)
         if write:
