@@ -2,7 +2,9 @@
 
 Why a module of its own: the server (``kvstrata.sidecar.server``) and the
 client (``kvstrata.connector.client``) both import it, so the frame shapes
-and their validation live in exactly one place.
+and their validation live in exactly one place: this module (op tables,
+envelopes) over :mod:`.wire` (limits, field readers), :mod:`.messages` and
+:mod:`.ipc_messages` (the bodies), whose names it re-exports.
 
 Transport: ZeroMQ, client DEALER -> server ROUTER. Every message is ONE
 ZeroMQ frame holding one msgpack array. A request is::
@@ -13,8 +15,9 @@ and its reply::
 
     [version: int, request_id: int, ok: bool, body: map]
 
-``request_id`` is echoed so a client can discard late replies to requests
-it has given up on. ``session_id`` is what HELLO returned ("" for HELLO; PING
+``request_id`` (a :data:`MessageId`, the client's count of its messages) is
+echoed so a client can discard late replies to requests it has given up
+on. ``session_id`` is what HELLO returned ("" for HELLO; PING
 may send "" too); a request naming a session the server does not know (it
 restarted, or reaped the client) or one opened by another ZeroMQ peer (a
 session belongs to the connection that said HELLO) is answered with the
@@ -23,7 +26,8 @@ session names must start with its HELLO ``fingerprint``; any other key is
 ``bad_request``. An error reply's body is
 ``{"code": str, "message": str}``; ``message`` names what was wrong.
 
-Ops (body fields; see the dataclasses below for the exact types):
+Ops (body fields; the dataclasses of :mod:`.messages` and :mod:`.ipc_messages` give
+the exact types):
 
 ============== ========================================= ==========================================
 op             request                                   reply
