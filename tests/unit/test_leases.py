@@ -20,3 +20,18 @@ def test_leases_are_found_by_owner_and_by_age():
     assert table.pop_older_than(0.0) == []  # created after monotonic time 0
     assert [lease.slot for lease in table.pop_older_than(float("inf"))] == [b]
     assert len(table) == 0
+
+
+def test_a_clients_leases_and_write_bytes_are_counted_from_its_owners():
+    table = LeaseTable()
+    entry = Entry(b"k" * 48, 0, 512, META)
+    write = table.new(entry, "s1/req-a", write=True)
+    table.new(entry, "s1/req-b", write=False)
+    table.new(entry, "s2/req-a", write=True)
+    table.new(entry, "engine", write=False)  # no "/": a client of its own
+    assert table.write_bytes("s1") == 512
+    assert table.counts() == {"s1": 2, "s2": 1, "engine": 1}
+    table.pop(write.lease_id)
+    assert table.write_bytes("s1") == 0
+    assert [lease.owner for lease in table.pop_client("s1")] == ["s1/req-b"]
+    assert table.counts() == {"s2": 1, "engine": 1}
