@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 import socket
 import threading
@@ -42,60 +41,18 @@ from typing import Any
 
 import zmq
 
+from kvstrata.connector.transport import Channel, CurveKeys
 from kvstrata.sidecar import liveness
 from kvstrata.sidecar import protocol as p
+from kvstrata.sidecar.arena import Arena
 from kvstrata.sidecar.keys import ChunkKey, Namespace
 
 logger = logging.getLogger(__name__)
 
 BACKOFF_MIN_S = 0.05
 BACKOFF_MAX_S = 1.0
-# How long a send waits for a connection to exist once the socket has been
-# connected before (ZeroMQ reconnects in the background, so a sidecar that
-# is up again is usually connected by the time of the next call; one that is
-# down should cost a caller little). A fresh socket waits up to the deadline.
-CONNECT_WAIT_S = 0.05
-
 # Ops retried once after a re-HELLO (their arguments hold no lease ids).
 _RETRYABLE = frozenset({p.LOOKUP, p.PREPARE_STORE, p.PREPARE_RETRIEVE, p.PING, p.STATS, p.EVENTS})
-
-_context_lock = threading.Lock()
-_context: zmq.Context[Any] | None = None
-
-
-def _zmq_context() -> zmq.Context[Any]:
-    """One ZeroMQ context per process for every client, created on first use.
-
-    Never terminated: a per-client context would be terminated by its
-    ``__del__`` when a client is dropped without :meth:`SidecarClient.close`,
-    and ``term()`` blocks the collecting thread (possibly vLLM's) while a
-    socket of that client is still open.
-    """
-    global _context
-    with _context_lock:
-        if _context is None:
-            _context = zmq.Context()
-        return _context
-
-
-@dataclass(frozen=True, slots=True)
-class CurveKeys:
-    """ZeroMQ CURVE keys of a client (z85): the server's public key and our pair."""
-
-    server_public: bytes
-    public: bytes
-    secret: bytes
-
-    @classmethod
-    def load(cls, server_cert: str, client_cert: str) -> CurveKeys:
-        """From certificate files as ``zmq.auth`` writes them (the client's with its secret)."""
-        import zmq.auth
-
-        server_public, _ = zmq.auth.load_certificate(server_cert)
-        public, secret = zmq.auth.load_certificate(client_cert)
-        if not secret:
-            raise ValueError(f"{client_cert} holds no secret key")
-        return cls(server_public, public, secret)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,38 +64,22 @@ class ArenaSlot:
     shape: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class LookupReply:
-    hit_chunks: int
-    tiers: list[str]  # per hit chunk: "l1" | "l2" | "valkey" | "s3"
-
-
 class _Arena:
-    """One read-write mapping of the sidecar's shared-memory segment."""
+    """The sidecar's shared-memory segment (:meth:`Arena.attach`) and the view
+    the connector copies through."""
 
     def __init__(self, name: str, size: int) -> None:
-        if not name or "/" in name or name in (".", ".."):
-            raise ValueError(f"bad arena name {name!r}")
-        fd = os.open(os.path.join("/dev/shm", name), os.O_RDWR)
-        try:
-            actual = os.fstat(fd).st_size
-            if actual < size:
-                raise ValueError(f"arena {name} has {actual} bytes, HELLO said {size}")
-            self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self.name = name
+        self.arena = Arena.attach(name, size)
         self.size = size
-        self.view: memoryview | None = memoryview(self.mm)
+        # A view of the arena's buffer, handed out and dropped, never
+        # released: another thread may be mid-copy on it.
+        self.view: memoryview | None = memoryview(self.arena.buffer)
 
     def close(self) -> None:
-        # Views are dropped, never released: the connector may still hold one
-        # (another thread mid-copy). Then the mapping stays valid until those
-        # are gone (harmless: slots of an old epoch are void) and close()
-        # refuses with BufferError.
+        # While a view is still held, the mapping stays valid until it is
+        # gone (harmless: slots of an old epoch are void).
         self.view = None
-        with contextlib.suppress(BufferError):
-            self.mm.close()
+        self.arena.close()
 
 
 class SidecarClient:
@@ -167,7 +108,7 @@ class SidecarClient:
         self.server_version: str | None = None
         self.errors: dict[str, int] = {}
         self._lock = threading.RLock()
-        self._sock: zmq.Socket[Any] | None = None
+        self._channel = Channel(endpoint, curve)
         self._session_id = ""
         self._arena: _Arena | None = None
         self._epoch = 0
@@ -176,7 +117,6 @@ class SidecarClient:
         self._backoff_s = BACKOFF_MIN_S
         self._retry_at = 0.0
         self._closed = False
-        self._ever_sent = False  # whether this socket was ever connected
         self.requested_mode = transfer_mode
         self._granted_mode = "host"
         self._kv_registration: p.RegisterKVRequest | None = None
@@ -219,17 +159,18 @@ class SidecarClient:
 
     # -- ops ----------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[ChunkKey], *, prefetch: bool, owner: str) -> LookupReply | None:
+    def lookup(
+        self, keys: Sequence[ChunkKey], *, prefetch: bool, owner: str
+    ) -> p.LookupReply | None:
         """Longest stored prefix of ``keys``; with ``prefetch`` the sidecar starts
         bringing it into L1, pinned for ``owner`` until :meth:`end_request`."""
         body = p.LookupRequest(keys=list(keys[: p.MAX_KEYS]), prefetch=prefetch, owner=owner)
         reply = self._call(p.LOOKUP, body)
         if not isinstance(reply, p.LookupReply):
             return None
-        tiers = list(reply.tiers or [])
-        if reply.hit_chunks > len(body.keys or []) or len(tiers) != reply.hit_chunks:
+        if reply.hit_chunks > len(body.keys) or len(reply.tiers) != reply.hit_chunks:
             return self._bad_reply(p.LOOKUP, "hit count disagrees with tiers")
-        return LookupReply(hit_chunks=reply.hit_chunks, tiers=tiers)
+        return reply
 
     def prepare_store(
         self,
@@ -260,7 +201,7 @@ class SidecarClient:
         reply = self._call(p.COMMIT_STORE, body)
         if not isinstance(reply, p.CommitStoreReply):
             return False
-        committed = reply.committed or []
+        committed = reply.committed
         if len(committed) != len(lease_ids):
             self._bad_reply(p.COMMIT_STORE, "wrong number of results")
             return False
@@ -304,7 +245,7 @@ class SidecarClient:
         reply = self._call(p.SAVE_BLOCKS, body)
         if not isinstance(reply, p.CommitStoreReply):
             return None
-        committed = list(reply.committed or [])
+        committed = list(reply.committed)
         if len(committed) != len(keys):
             return self._bad_reply(p.SAVE_BLOCKS, "wrong number of results")
         return committed
@@ -342,7 +283,7 @@ class SidecarClient:
         with self._lock:
             self._closed = True
             self._connected = False
-            self._drop_socket()
+            self._channel.close()
             self._close_live()
             if self._arena is not None:
                 self._arena.close()
@@ -362,7 +303,7 @@ class SidecarClient:
         reply = self._call(op, body)
         if not isinstance(reply, p.SlotsReply):
             return None
-        slots = reply.slots or []
+        slots = reply.slots
         arena = self._arena
         if len(slots) != min(n, p.MAX_KEYS) or arena is None:
             return self._bad_reply(op, "wrong number of slots")
@@ -499,28 +440,13 @@ class SidecarClient:
             self._arena.close()
             self._arena = None
 
-    def _socket(self) -> zmq.Socket[Any]:
-        if self._sock is None:
-            sock = _zmq_context().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            # Queue only to live connections: a send while the sidecar is down
-            # fails at once instead of piling up requests for a dead peer.
-            sock.setsockopt(zmq.IMMEDIATE, 1)
-            sock.setsockopt(zmq.RECONNECT_IVL, 50)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-            sock.setsockopt(zmq.MAXMSGSIZE, 64 * p.MAX_MESSAGE_BYTES)
-            if self.curve is not None:
-                sock.curve_serverkey = self.curve.server_public
-                sock.curve_publickey = self.curve.public
-                sock.curve_secretkey = self.curve.secret
-            sock.connect(self.endpoint)
-            self._sock = sock
-        return self._sock
-
-    def _drop_socket(self) -> None:
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
+    def _send(self, frame: bytes, deadline: float) -> bool:
+        if self._channel.not_listening():
+            # Nothing listens yet: waiting out the deadline would stall a vLLM
+            # step for nothing.
+            self._count("unavailable")
+            return False
+        return self._channel.send(frame, deadline)
 
     def _roundtrip(self, op: str, body: p.Message, deadline: float) -> p.Message | None:
         """Send one request and wait for its reply until ``deadline``.
@@ -528,11 +454,11 @@ class SidecarClient:
         Returns the reply body (an :class:`ErrorReply` for error replies) or
         None after counting a timeout, an unreachable sidecar or a bad reply.
         """
-        sock = self._socket()
+        sock = self._channel.socket()
         self._next_id += 1
         request_id = self._next_id
         frame = p.encode_request(op, request_id, self._session_id, body)
-        if not self._send(sock, frame, deadline):
+        if not self._send(frame, deadline):
             self._count("unavailable")
             self._lost_session()
             return None
@@ -559,32 +485,6 @@ class SidecarClient:
             if reply.ok:
                 self._connected = True
             return reply.body
-
-    def _send(self, sock: zmq.Socket[Any], frame: bytes, deadline: float) -> bool:
-        if not self._ever_sent and self._ipc_socket_missing():
-            # Nothing listens yet: waiting out the deadline would stall a vLLM
-            # step for nothing.
-            self._count("unavailable")
-            return False
-        if self._ever_sent:
-            wait_until = min(deadline, time.monotonic() + CONNECT_WAIT_S)
-        else:
-            wait_until = deadline
-        while True:
-            try:
-                sock.send(frame, zmq.NOBLOCK)
-                self._ever_sent = True
-                return True
-            except zmq.Again:
-                remaining_ms = (wait_until - time.monotonic()) * 1000
-                if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLOUT):
-                    return False
-
-    def _ipc_socket_missing(self) -> bool:
-        """True when the endpoint is ``ipc://PATH`` and PATH does not exist."""
-        if not self.endpoint.startswith("ipc://"):
-            return False
-        return not os.path.exists(self.endpoint[len("ipc://") :])
 
 
 def _namespace_map(namespace: Namespace) -> dict[str, Any]:

@@ -30,8 +30,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvstrata.connector.client import CurveKeys
 from kvstrata.connector.layout import dtype_name, layout_id
+from kvstrata.connector.transport import CurveKeys
 from kvstrata.sidecar.keys import Namespace
 
 if TYPE_CHECKING:

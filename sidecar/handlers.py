@@ -26,7 +26,8 @@ from kvstrata.sidecar.sessions import Session, SessionTable
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.config import SidecarConfig
-    from kvstrata.sidecar.engine import Slot, StorageManager
+    from kvstrata.sidecar.engine import StorageManager
+    from kvstrata.sidecar.leases import Slot
     from kvstrata.sidecar.metrics import ServerMetrics
     from kvstrata.sidecar.transfer.ipc import IpcTransfers
 
@@ -50,7 +51,7 @@ def _slot_info(slot: Slot) -> p.SlotInfo:
     )
 
 
-def _own_keys(keys: list[ChunkKey] | None, session: Session) -> list[ChunkKey]:
+def _own_keys(keys: list[ChunkKey], session: Session) -> list[ChunkKey]:
     """``keys``, each checked to carry the session's namespace fingerprint.
 
     Tenants are separated by their fingerprints; without this check a client
@@ -58,14 +59,14 @@ def _own_keys(keys: list[ChunkKey] | None, session: Session) -> list[ChunkKey]:
     """
     fingerprint = session.fingerprint
     n = len(fingerprint)
-    for i, key in enumerate(keys or []):
+    for i, key in enumerate(keys):
         if key[:n] != fingerprint:
             raise p.ProtocolError(
                 p.E_BAD_REQUEST,
                 f"field 'keys[{i}]': the key is not in this session's namespace "
                 "(its first 16 bytes must be HELLO's fingerprint)",
             )
-    return keys or []
+    return keys
 
 
 class Handlers:
@@ -115,11 +116,7 @@ class Handlers:
 
     def reclaim(self, session: Session) -> int:
         """Release every lease of a session that is gone (timed out or replaced)."""
-        released = 0
-        for owner_key in list(session.owners):
-            released += self.engine.release_owner(owner_key)
-            self.sessions.drop_owner(owner_key)
-        self.sessions.drop_session_leases(session)
+        released = self.engine.release_client(session.session_id)
         if self.ipc is not None:
             self.ipc.close(session.session_id)
         logger.info(
@@ -166,9 +163,7 @@ class Handlers:
         hit = max(0, min(result.hit_chunks, len(keys)))
         tiers = list(result.tiers[:hit])
         if body.prefetch and hit:
-            owner_key = session.owner_key(body.owner)
-            self.sessions.note_owner(session, owner_key)
-            self.engine.prefetch(keys[:hit], owner_key)
+            self.engine.prefetch(keys[:hit], session.owner_key(body.owner))
         self.metrics.count_lookup(len(keys), tiers, self.config.chunk_size, result.asked)
         return p.LookupReply(hit_chunks=hit, tiers=tiers)
 
@@ -189,31 +184,24 @@ class Handlers:
             # a client that reserves and never commits (or asks for the whole
             # arena at once) must not evict or starve everyone else. One chunk
             # is always allowed, so a small arena still takes stores.
-            if session.write_bytes and session.write_bytes + body.nbytes > self.write_budget:
+            held = self.engine.client_write_bytes(session.session_id)
+            if held and held + body.nbytes > self.write_budget:
                 over_budget += 1
                 slots.append(None)
                 continue
             slot = self.engine.reserve(key, body.nbytes, meta, owner_key)
-            if slot is None:
-                slots.append(None)
-                continue
-            self.sessions.add_lease(session, owner_key, "write", slot)
-            slots.append(_slot_info(slot))
+            slots.append(None if slot is None else _slot_info(slot))
         if over_budget:
             self.metrics.errors.labels(kind="write_budget").inc(over_budget)
         return p.SlotsReply(slots=slots)
 
     def _commit_store(self, body: p.CommitStoreRequest, session: Session) -> p.CommitStoreReply:
-        committed: list[bool] = []
-        for lease_id, ok in zip(body.lease_ids or [], body.ok or [], strict=True):
-            lease = self.sessions.take_lease(session, lease_id, "write")
-            if lease is None:  # unknown, expired or another client's lease
-                committed.append(False)
-            elif ok:
-                committed.append(bool(self.engine.commit(lease.slot)))
-            else:
-                self.engine.abort(lease.slot)
-                committed.append(False)
+        # An unknown, expired or another client's lease is not committed.
+        client = session.session_id
+        committed = [
+            self.engine.commit_lease(lease_id, ok, client)
+            for lease_id, ok in zip(body.lease_ids, body.ok, strict=True)
+        ]
         return p.CommitStoreReply(committed=committed)
 
     def _prepare_retrieve(self, body: p.PrepareRetrieveRequest, session: Session) -> p.SlotsReply:
@@ -224,29 +212,19 @@ class Handlers:
             slot = self.engine.acquire(key, owner_key)
             if slot is None:
                 break  # a prefix is only usable up to its first gap: skip the I/O after it
-            self.sessions.add_lease(session, owner_key, "read", slot)
             slots.append(_slot_info(slot))
         slots.extend([None] * (len(keys) - len(slots)))
         return p.SlotsReply(slots=slots)
 
     def _release(self, body: p.ReleaseRequest, session: Session) -> p.CountReply:
-        released = 0
-        for lease_id in body.lease_ids or []:
-            lease = self.sessions.take_lease(session, lease_id, "read")
-            if lease is not None:
-                self.engine.release_lease(lease_id)
-                released += 1
-                continue
-            lease = self.sessions.take_lease(session, lease_id, "write")
-            if lease is not None:  # releasing a write lease abandons the reservation
-                self.engine.abort(lease.slot)
-                released += 1
+        # Releasing a write lease abandons the reservation.
+        released = sum(
+            self.engine.release_lease(lease_id, session.session_id) for lease_id in body.lease_ids
+        )
         return p.CountReply(released=released)
 
     def _end_request(self, body: p.EndRequestRequest, session: Session) -> p.CountReply:
-        owner_key = session.owner_key(body.owner)
-        released = self.engine.release_owner(owner_key)
-        self.sessions.drop_owner(owner_key)
+        released = self.engine.release_owner(session.owner_key(body.owner))
         return p.CountReply(released=int(released))
 
     # -- ipc mode -------------------------------------------------------------

@@ -3,12 +3,20 @@
 Why a module of its own: the engine's contract with clients is expressed in
 leases (the wire carries lease ids), and the rules -- ids never reused, a
 lease per owner, expiry by age -- are easier to check apart from the
-tiering logic. Not thread-safe: the engine calls it under its index lock.
+tiering logic. This is the one lease table of a sidecar: the server asks
+the engine (which keeps it) which client holds a lease and how many write
+bytes a client holds. Not thread-safe: the engine calls it under its index
+lock.
+
+An owner is ``"<client>/<request>"`` (the server makes request ids unique
+per session that way, the session id being the client); an owner with no
+``/`` is a client of its own (the engine's internal owners).
 
 State (process memory only)::
 
-    leases:   lease_id -> Lease(slot, entry, owner, write, created)
-    by_owner: owner -> {lease_id, ...}
+    leases:      lease_id -> Lease(slot, entry, owner, client, write, created)
+    by_owner:    owner -> {lease_id, ...}
+    write_bytes: client -> arena bytes under its uncommitted write leases
 """
 
 from __future__ import annotations
@@ -16,15 +24,18 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.l1 import Entry
 from kvstrata.sidecar.objformat import ChunkMeta
 
 
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """A leased region of the L1 arena holding (or about to hold) one chunk."""
+class Slot(NamedTuple):
+    """A leased region of the L1 arena holding (or about to hold) one chunk.
+
+    A named tuple: immutable, and built on every lease (several per request)
+    at a third of a frozen dataclass's cost."""
 
     lease_id: int  # unique per lease, never reused within one engine
     key: ChunkKey
@@ -33,24 +44,12 @@ class Slot:
     meta: ChunkMeta
 
 
-# A frozen dataclass's __init__ goes through object.__setattr__ per field
-# (~3 us for a Slot on the dev box, as much as copying a 256 KiB chunk).
-# Setting the slot descriptors directly builds the same immutable object in
-# a third of the time; Slot stays frozen for everyone else.
-_set_lease_id, _set_key, _set_offset, _set_length, _set_meta = (
-    Slot.__dict__[name].__set__ for name in ("lease_id", "key", "offset", "length", "meta")
-)
+OWNER_SEP = "/"
 
 
-def make_slot(lease_id: int, key: ChunkKey, offset: int, length: int, meta: ChunkMeta) -> Slot:
-    """``Slot(...)``, fast (see above)."""
-    slot = object.__new__(Slot)
-    _set_lease_id(slot, lease_id)
-    _set_key(slot, key)
-    _set_offset(slot, offset)
-    _set_length(slot, length)
-    _set_meta(slot, meta)
-    return slot
+def client_of(owner: str) -> str:
+    """The client part of an owner ``"<client>/<request>"`` (see the module docstring)."""
+    return owner.partition(OWNER_SEP)[0]
 
 
 @dataclass(slots=True, eq=False)
@@ -58,6 +57,7 @@ class Lease:
     slot: Slot
     entry: Entry
     owner: str
+    client: str
     write: bool
     created: float  # time.monotonic()
 
@@ -68,6 +68,7 @@ class LeaseTable:
     def __init__(self) -> None:
         self._leases: dict[int, Lease] = {}
         self._by_owner: dict[str, set[int]] = {}
+        self._write_bytes: dict[str, int] = {}
         self._ids = itertools.count(1)
 
     def __len__(self) -> int:
@@ -75,9 +76,12 @@ class LeaseTable:
 
     def new(self, entry: Entry, owner: str, write: bool) -> Slot:
         """A lease on ``entry``; the caller has already pinned it."""
-        slot = make_slot(next(self._ids), entry.key, entry.offset, entry.length, entry.meta)
-        self._leases[slot.lease_id] = Lease(slot, entry, owner, write, time.monotonic())
+        slot = Slot(next(self._ids), entry.key, entry.offset, entry.length, entry.meta)
+        client = owner.partition(OWNER_SEP)[0]  # client_of, inlined: a hot path
+        self._leases[slot.lease_id] = Lease(slot, entry, owner, client, write, time.monotonic())
         self._by_owner.setdefault(owner, set()).add(slot.lease_id)
+        if write:
+            self._write_bytes[client] = self._write_bytes.get(client, 0) + slot.length
         return slot
 
     def get(self, lease_id: int) -> Lease | None:
@@ -91,7 +95,30 @@ class LeaseTable:
                 ids.discard(lease_id)
                 if not ids:
                     del self._by_owner[lease.owner]
+            if lease.write:
+                left = self._write_bytes[lease.client] - lease.slot.length
+                if left:
+                    self._write_bytes[lease.client] = left
+                else:
+                    del self._write_bytes[lease.client]
         return lease
+
+    def write_bytes(self, client: str) -> int:
+        """Arena bytes under ``client``'s write leases."""
+        return self._write_bytes.get(client, 0)
+
+    def counts(self) -> dict[str, int]:
+        """Leases held per client."""
+        counts: dict[str, int] = {}
+        for lease in self._leases.values():
+            counts[lease.client] = counts.get(lease.client, 0) + 1
+        return counts
+
+    def pop_client(self, client: str) -> list[Lease]:
+        """Remove and return every lease of ``client``."""
+        ids = [i for i, lease in self._leases.items() if lease.client == client]
+        leases = [self.pop(i) for i in ids]
+        return [lease for lease in leases if lease is not None]
 
     def pop_owner(self, owner: str) -> list[Lease]:
         """Remove and return every lease of ``owner``."""

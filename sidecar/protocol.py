@@ -2,7 +2,9 @@
 
 Why a module of its own: the server (``kvstrata.sidecar.server``) and the
 client (``kvstrata.connector.client``) both import it, so the frame shapes
-and their validation live in exactly one place.
+and their validation live in exactly one place: this module (op tables,
+envelopes) over :mod:`.wire` (limits, field readers), :mod:`.messages` and
+:mod:`.ipc_messages` (the bodies), whose names it re-exports.
 
 Transport: ZeroMQ, client DEALER -> server ROUTER. Every message is ONE
 ZeroMQ frame holding one msgpack array. A request is::
@@ -13,8 +15,9 @@ and its reply::
 
     [version: int, request_id: int, ok: bool, body: map]
 
-``request_id`` is echoed so a client can discard late replies to requests
-it has given up on. ``session_id`` is what HELLO returned ("" for HELLO; PING
+``request_id`` (a :data:`MessageId`, the client's count of its messages) is
+echoed so a client can discard late replies to requests it has given up
+on. ``session_id`` is what HELLO returned ("" for HELLO; PING
 may send "" too); a request naming a session the server does not know (it
 restarted, or reaped the client) or one opened by another ZeroMQ peer (a
 session belongs to the connection that said HELLO) is answered with the
@@ -23,7 +26,8 @@ session names must start with its HELLO ``fingerprint``; any other key is
 ``bad_request``. An error reply's body is
 ``{"code": str, "message": str}``; ``message`` names what was wrong.
 
-Ops (body fields; see the dataclasses below for the exact types):
+Ops (body fields; the dataclasses of :mod:`.messages` and :mod:`.ipc_messages` give
+the exact types):
 
 ============== ========================================= ==========================================
 op             request                                   reply
@@ -68,674 +72,182 @@ field): one frame of at most :data:`MAX_MESSAGE_BYTES`, at most
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
-from kvstrata.sidecar.keys import FINGERPRINT_BYTES, ChunkKey
-
-PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS = (PROTOCOL_VERSION,)
-
-MAX_MESSAGE_BYTES = 4 << 20
-MAX_KEYS = 8192
-MAX_STR = 1024
-MAX_NDIM = 8
-KEY_MIN_BYTES = FINGERPRINT_BYTES + 8
-KEY_MAX_BYTES = FINGERPRINT_BYTES + 64
-
-HELLO = "HELLO"
-LOOKUP = "LOOKUP"
-PREPARE_STORE = "PREPARE_STORE"
-COMMIT_STORE = "COMMIT_STORE"
-PREPARE_RETRIEVE = "PREPARE_RETRIEVE"
-RELEASE = "RELEASE"
-END_REQUEST = "END_REQUEST"
-PING = "PING"
-STATS = "STATS"
-EVENTS = "EVENTS"
-REGISTER_KV = "REGISTER_KV"
-SAVE_BLOCKS = "SAVE_BLOCKS"
-LOAD_BLOCKS = "LOAD_BLOCKS"
-
-# Error codes carried in an error reply's body.
-E_BAD_FRAME = "bad_frame"  # not one msgpack array of the envelope shape
-E_BAD_VERSION = "unsupported_version"
-E_UNKNOWN_OP = "unknown_op"
-E_BAD_REQUEST = "bad_request"  # a body field is missing, of the wrong type or too large
-E_NO_SESSION = "no_session"
-E_UNSUPPORTED = "unsupported"
-E_BUSY = "busy"  # the worker pool's backlog is full; retry later (the client treats it as a miss)
-E_INTERNAL = "internal"
-E_FORBIDDEN = "forbidden"  # HELLO from a process the sidecar does not admit (server.client_uids)
-
-ReqId = int
-SessionId = str
-
-_T = TypeVar("_T", bound="Message")
-T = TypeVar("T")
-
-
-class ProtocolError(ValueError):
-    """A frame or body that does not follow the protocol.
-
-    ``code`` is one of the ``E_*`` codes; ``request_id`` is the id read from
-    the envelope when it got that far (0 otherwise).
-    """
-
-    def __init__(self, code: str, message: str, request_id: ReqId = 0) -> None:
-        super().__init__(message)
-        self.code = code
-        self.request_id = request_id
-
-
-# --------------------------------------------------------------------------
-# Field readers: each names the field it refuses.
-
-
-def _bad(name: str, what: str, got: Any) -> ProtocolError:
-    shown = type(got).__name__ if not isinstance(got, (int, bool, type(None))) else repr(got)
-    return ProtocolError(E_BAD_REQUEST, f"field {name!r}: expected {what}, got {shown}")
-
-
-def _get(body: Mapping[str, Any], name: str) -> Any:
-    if name not in body:
-        raise ProtocolError(E_BAD_REQUEST, f"field {name!r} is missing")
-    return body[name]
-
-
-def read_int(value: Any, name: str, lo: int = 0, hi: int = (1 << 63) - 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(name, "an integer", value)
-    if not lo <= value <= hi:
-        raise ProtocolError(E_BAD_REQUEST, f"field {name!r}: {value} is outside [{lo}, {hi}]")
-    return value
-
-
-def read_bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise _bad(name, "a boolean", value)
-    return value
-
-
-def read_str(value: Any, name: str, max_len: int = MAX_STR) -> str:
-    if not isinstance(value, str):
-        raise _bad(name, "a string", value)
-    if len(value) > max_len:
-        raise ProtocolError(E_BAD_REQUEST, f"field {name!r}: longer than {max_len} characters")
-    return value
-
-
-def read_list(value: Any, name: str, max_len: int = MAX_KEYS) -> list[Any]:
-    if not isinstance(value, (list, tuple)):
-        raise _bad(name, "a list", value)
-    if len(value) > max_len:
-        raise ProtocolError(E_BAD_REQUEST, f"field {name!r}: {len(value)} items, at most {max_len}")
-    return list(value)
-
-
-def each_item(items: list[Any], name: str, read_item: Callable[[Any, str], T]) -> list[T]:
-    """Validate every item of an already-read list, naming ``name[i]`` in errors."""
-    return [read_item(v, f"{name}[{i}]") for i, v in enumerate(items)]
-
-
-def read_items(
-    value: Any, name: str, read_item: Callable[[Any, str], T], max_len: int = MAX_KEYS
-) -> list[T]:
-    """A bounded list whose items are each validated by ``read_item``."""
-    return each_item(read_list(value, name, max_len), name, read_item)
-
-
-def read_keys(value: Any, name: str = "keys") -> list[ChunkKey]:
-    keys = read_list(value, name)
-    for i, key in enumerate(keys):
-        if not isinstance(key, bytes):
-            raise _bad(f"{name}[{i}]", "bytes", key)
-        if not KEY_MIN_BYTES <= len(key) <= KEY_MAX_BYTES:
-            raise ProtocolError(
-                E_BAD_REQUEST,
-                f"field '{name}[{i}]': key of {len(key)} bytes, "
-                f"expected {KEY_MIN_BYTES}..{KEY_MAX_BYTES}",
-            )
-    return [ChunkKey(k) for k in keys]
-
-
-def read_shape(value: Any, name: str = "shape") -> tuple[int, ...]:
-    return tuple(read_items(value, name, read_int, MAX_NDIM))
-
-
-# --------------------------------------------------------------------------
-# Messages. Each is a slotted dataclass; ``to_wire`` gives the body map and
-# ``from_wire`` validates one (raising ProtocolError naming the field).
-
-
-@dataclass(slots=True)
-class Message:
-    """Base of every body. Subclasses override ``from_wire`` when a field
-    needs more than a type check."""
-
-    op: ClassVar[str] = ""
-
-    def to_wire(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_wire(cls: type[_T], body: Mapping[str, Any]) -> _T:
-        return cls()
-
-
-@dataclass(slots=True)
-class SlotInfo:
-    """A leased arena range: ``[lease_id, offset, length, dtype, shape]`` on the wire."""
-
-    lease_id: int
-    offset: int
-    length: int
-    dtype: str
-    shape: tuple[int, ...]
-
-    def to_wire(self) -> list[Any]:
-        return [self.lease_id, self.offset, self.length, self.dtype, list(self.shape)]
-
-    @classmethod
-    def from_wire(cls, value: Any, name: str) -> SlotInfo | None:
-        if value is None:
-            return None
-        items = read_list(value, name, 5)
-        if len(items) != 5:
-            raise _bad(name, "[lease_id, offset, length, dtype, shape]", value)
-        return cls(
-            lease_id=read_int(items[0], f"{name}.lease_id"),
-            offset=read_int(items[1], f"{name}.offset"),
-            length=read_int(items[2], f"{name}.length"),
-            dtype=read_str(items[3], f"{name}.dtype", 32),
-            shape=read_shape(items[4], f"{name}.shape"),
-        )
-
-
-def _slots_to_wire(slots: Sequence[SlotInfo | None]) -> list[Any]:
-    return [None if s is None else s.to_wire() for s in slots]
-
-
-def _slots_from_wire(value: Any) -> list[SlotInfo | None]:
-    return read_items(value, "slots", SlotInfo.from_wire)
-
-
-@dataclass(slots=True)
-class HelloRequest(Message):
-    op: ClassVar[str] = HELLO
-    client_id: str = ""
-    role: str = "worker"
-    fingerprint: bytes = b""
-    namespace: dict[str, Any] | None = None
-    transfer_mode: str = "host"
-    pid: int = 0
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> HelloRequest:
-        fingerprint = _get(body, "fingerprint")
-        if not isinstance(fingerprint, bytes) or len(fingerprint) != FINGERPRINT_BYTES:
-            raise _bad("fingerprint", f"{FINGERPRINT_BYTES} bytes", fingerprint)
-        namespace = body.get("namespace")
-        if namespace is not None and not isinstance(namespace, dict):
-            raise _bad("namespace", "a map", namespace)
-        return cls(
-            client_id=read_str(_get(body, "client_id"), "client_id", 128),
-            role=read_str(_get(body, "role"), "role", 32),
-            fingerprint=fingerprint,
-            namespace=namespace,
-            transfer_mode=read_str(_get(body, "transfer_mode"), "transfer_mode", 16),
-            pid=read_int(body.get("pid", 0), "pid"),
-        )
-
-
-@dataclass(slots=True)
-class HelloReply(Message):
-    op: ClassVar[str] = HELLO
-    session_id: str = ""
-    arena_name: str = ""
-    arena_size: int = 0
-    chunk_size: int = 0
-    server_version: str = ""
-    transfer_mode: str = "host"
-    lease_seconds: float = 0.0
-    fallback_reason: str = ""  # why an asked-for mode was not granted
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> HelloReply:
-        lease = _get(body, "lease_seconds")
-        if not isinstance(lease, (int, float)) or isinstance(lease, bool):
-            raise _bad("lease_seconds", "a number", lease)
-        return cls(
-            session_id=read_str(_get(body, "session_id"), "session_id"),
-            arena_name=read_str(_get(body, "arena_name"), "arena_name", 255),
-            arena_size=read_int(_get(body, "arena_size"), "arena_size"),
-            chunk_size=read_int(_get(body, "chunk_size"), "chunk_size", 1),
-            server_version=read_str(_get(body, "server_version"), "server_version"),
-            transfer_mode=read_str(_get(body, "transfer_mode"), "transfer_mode", 16),
-            lease_seconds=float(lease),
-            fallback_reason=read_str(body.get("fallback_reason", ""), "fallback_reason"),
-        )
-
-
-@dataclass(slots=True)
-class LookupRequest(Message):
-    op: ClassVar[str] = LOOKUP
-    keys: list[ChunkKey] | None = None
-    prefetch: bool = False
-    owner: str = ""
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> LookupRequest:
-        return cls(
-            keys=read_keys(_get(body, "keys")),
-            prefetch=read_bool(_get(body, "prefetch"), "prefetch"),
-            owner=read_str(_get(body, "owner"), "owner"),
-        )
-
-
-@dataclass(slots=True)
-class LookupReply(Message):
-    op: ClassVar[str] = LOOKUP
-    hit_chunks: int = 0
-    tiers: list[str] | None = None
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> LookupReply:
-        tiers = read_list(_get(body, "tiers"), "tiers")
-        return cls(
-            hit_chunks=read_int(_get(body, "hit_chunks"), "hit_chunks"),
-            tiers=each_item(tiers, "tiers", lambda t, n: read_str(t, n, 32)),
-        )
-
-
-@dataclass(slots=True)
-class PrepareStoreRequest(Message):
-    op: ClassVar[str] = PREPARE_STORE
-    keys: list[ChunkKey] | None = None
-    nbytes: int = 0
-    dtype: str = "uint8"
-    shape: tuple[int, ...] = ()
-    owner: str = ""
-
-    def to_wire(self) -> dict[str, Any]:
-        body = Message.to_wire(self)
-        body["shape"] = list(self.shape)
-        return body
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> PrepareStoreRequest:
-        return cls(
-            keys=read_keys(_get(body, "keys")),
-            nbytes=read_int(_get(body, "nbytes"), "nbytes", 1, 1 << 40),
-            dtype=read_str(_get(body, "dtype"), "dtype", 16),
-            shape=read_shape(_get(body, "shape")),
-            owner=read_str(_get(body, "owner"), "owner"),
-        )
-
-
-@dataclass(slots=True)
-class SlotsReply(Message):
-    """Reply of PREPARE_STORE and PREPARE_RETRIEVE: one slot or nil per key."""
-
-    slots: list[SlotInfo | None] | None = None
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"slots": _slots_to_wire(self.slots or [])}
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> SlotsReply:
-        return cls(slots=_slots_from_wire(_get(body, "slots")))
-
-
-@dataclass(slots=True)
-class CommitStoreRequest(Message):
-    op: ClassVar[str] = COMMIT_STORE
-    lease_ids: list[int] | None = None
-    ok: list[bool] | None = None
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> CommitStoreRequest:
-        ids = read_list(_get(body, "lease_ids"), "lease_ids")
-        oks = read_list(_get(body, "ok"), "ok")
-        if len(ids) != len(oks):
-            raise ProtocolError(
-                E_BAD_REQUEST,
-                f"fields 'lease_ids' and 'ok' differ in length ({len(ids)}, {len(oks)})",
-            )
-        return cls(
-            lease_ids=each_item(ids, "lease_ids", read_int),
-            ok=each_item(oks, "ok", read_bool),
-        )
-
-
-@dataclass(slots=True)
-class CommitStoreReply(Message):
-    op: ClassVar[str] = COMMIT_STORE
-    committed: list[bool] | None = None
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> CommitStoreReply:
-        return cls(committed=read_items(_get(body, "committed"), "committed", read_bool))
-
-
-@dataclass(slots=True)
-class PrepareRetrieveRequest(Message):
-    op: ClassVar[str] = PREPARE_RETRIEVE
-    keys: list[ChunkKey] | None = None
-    owner: str = ""
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> PrepareRetrieveRequest:
-        return cls(keys=read_keys(_get(body, "keys")), owner=read_str(_get(body, "owner"), "owner"))
-
-
-@dataclass(slots=True)
-class ReleaseRequest(Message):
-    op: ClassVar[str] = RELEASE
-    lease_ids: list[int] | None = None
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> ReleaseRequest:
-        return cls(lease_ids=read_items(_get(body, "lease_ids"), "lease_ids", read_int))
-
-
-@dataclass(slots=True)
-class CountReply(Message):
-    """Reply of RELEASE and END_REQUEST: how many leases were dropped."""
-
-    released: int = 0
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> CountReply:
-        return cls(released=read_int(_get(body, "released"), "released"))
-
-
-@dataclass(slots=True)
-class EndRequestRequest(Message):
-    op: ClassVar[str] = END_REQUEST
-    owner: str = ""
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> EndRequestRequest:
-        return cls(owner=read_str(_get(body, "owner"), "owner"))
-
-
-@dataclass(slots=True)
-class PingRequest(Message):
-    op: ClassVar[str] = PING
-
-
-@dataclass(slots=True)
-class PingReply(Message):
-    op: ClassVar[str] = PING
-    server_version: str = ""
-    session_valid: bool = False
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> PingReply:
-        return cls(
-            server_version=read_str(_get(body, "server_version"), "server_version"),
-            session_valid=read_bool(_get(body, "session_valid"), "session_valid"),
-        )
-
-
-@dataclass(slots=True)
-class StatsRequest(Message):
-    op: ClassVar[str] = STATS
-
-
-@dataclass(slots=True)
-class StatsReply(Message):
-    op: ClassVar[str] = STATS
-    stats: dict[str, Any] | None = None
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> StatsReply:
-        stats = _get(body, "stats")
-        if not isinstance(stats, dict):
-            raise _bad("stats", "a map", stats)
-        return cls(stats=stats)
-
-
-@dataclass(slots=True)
-class ErrorReply(Message):
-    code: str = E_INTERNAL
-    message: str = ""
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> ErrorReply:
-        return cls(
-            code=read_str(body.get("code", E_INTERNAL), "code", 64),
-            message=read_str(body.get("message", ""), "message", 4 * MAX_STR),
-        )
-
-
-# -- KV events ----------------------------------------------------------------
-
-MAX_EVENTS = 4096  # records one EVENTS reply carries
-EVENT_KINDS = frozenset({"stored", "removed"})
-
-
-@dataclass(slots=True)
-class EventsRequest(Message):
-    """The session's tier changes after sequence number ``after``."""
-
-    op: ClassVar[str] = EVENTS
-    after: int = 0
-    limit: int = MAX_EVENTS
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> EventsRequest:
-        return cls(
-            after=read_int(_get(body, "after"), "after"),
-            limit=read_int(_get(body, "limit"), "limit", 1, MAX_EVENTS),
-        )
-
-
-@dataclass(slots=True)
-class TierEvent:
-    """One record of the sidecar's journal: ``key`` arrived in or left ``tier``."""
-
-    seq: int
-    kind: str  # "stored" | "removed"
-    tier: str  # "l1", "l2" or the shared tier's name
-    key: ChunkKey
-
-
-def _read_event(value: Any, name: str) -> TierEvent:
-    items = read_list(value, name, 4)
-    if len(items) != 4:
-        raise _bad(name, "[seq, kind, tier, key]", value)
-    kind = read_str(items[1], f"{name}[1]", 16)
-    if kind not in EVENT_KINDS:
-        raise ProtocolError(E_BAD_REQUEST, f"field '{name}[1]': unknown event kind {kind!r}")
-    return TierEvent(
-        seq=read_int(items[0], f"{name}[0]"),
-        kind=kind,
-        tier=read_str(items[2], f"{name}[2]", 32),
-        key=read_keys([items[3]], f"{name}[3]")[0],
-    )
-
-
-@dataclass(slots=True)
-class EventsReply(Message):
-    op: ClassVar[str] = EVENTS
-    events: list[TierEvent] = field(default_factory=list)
-    next_seq: int = 0  # ask for events after this next time
-    lost: int = 0  # records that fell out of the sidecar's ring before this read
-    journal_id: int = 0  # changes when the sidecar restarts: numbering starts over
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "events": [[e.seq, e.kind, e.tier, bytes(e.key)] for e in self.events],
-            "next_seq": self.next_seq,
-            "lost": self.lost,
-            "journal_id": self.journal_id,
-        }
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> EventsReply:
-        return cls(
-            events=read_items(_get(body, "events"), "events", _read_event, MAX_EVENTS),
-            next_seq=read_int(_get(body, "next_seq"), "next_seq"),
-            lost=read_int(_get(body, "lost"), "lost"),
-            journal_id=read_int(_get(body, "journal_id"), "journal_id"),
-        )
-
-
-# -- ipc mode -----------------------------------------------------------------
-
-IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t / cudaIpcEventHandle_t
-MAX_LAYERS = 1024
-MAX_BLOCKS_PER_CHUNK = 4096
-
-
-def _read_handle(value: Any, name: str) -> bytes:
-    if not isinstance(value, bytes) or len(value) != IPC_HANDLE_BYTES:
-        raise _bad(name, f"{IPC_HANDLE_BYTES} bytes (a CUDA IPC handle)", value)
-    return value
-
-
-@dataclass(slots=True)
-class KVLayerHandle:
-    """One KV tensor shared by CUDA IPC: ``[handle, offset, shape, strides]`` on the wire."""
-
-    handle: bytes
-    offset: int  # bytes from the start of the handle's allocation to element 0
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]  # in elements
-
-    def to_wire(self) -> list[Any]:
-        return [self.handle, self.offset, list(self.shape), list(self.strides)]
-
-    @classmethod
-    def from_wire(cls, value: Any, name: str) -> KVLayerHandle:
-        items = read_list(value, name, 4)
-        if len(items) != 4:
-            raise _bad(name, "[handle, offset, shape, strides]", value)
-        shape = read_shape(items[2], f"{name}.shape")
-        strides = read_shape(items[3], f"{name}.strides")
-        if len(shape) != len(strides) or not shape:
-            raise ProtocolError(E_BAD_REQUEST, f"field '{name}': shape and strides differ")
-        return cls(
-            handle=_read_handle(items[0], f"{name}.handle"),
-            offset=read_int(items[1], f"{name}.offset"),
-            shape=shape,
-            strides=strides,
-        )
-
-
-@dataclass(slots=True)
-class RegisterKVRequest(Message):
-    op: ClassVar[str] = REGISTER_KV
-    device_uuid: str = ""
-    kv_cache_layout: str = ""
-    block_dim: int = 0
-    blocks_per_chunk: int = 1
-    dtype: str = ""
-    itemsize: int = 1
-    layers: list[KVLayerHandle] | None = None
-
-    def to_wire(self) -> dict[str, Any]:
-        body = Message.to_wire(self)
-        body["layers"] = [layer.to_wire() for layer in self.layers or []]
-        return body
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> RegisterKVRequest:
-        layers = read_items(_get(body, "layers"), "layers", KVLayerHandle.from_wire, MAX_LAYERS)
-        if not layers:
-            raise ProtocolError(E_BAD_REQUEST, "field 'layers': no KV tensor")
-        return cls(
-            device_uuid=read_str(_get(body, "device_uuid"), "device_uuid", 64),
-            kv_cache_layout=read_str(_get(body, "kv_cache_layout"), "kv_cache_layout", 16),
-            block_dim=read_int(_get(body, "block_dim"), "block_dim", 0, MAX_NDIM - 1),
-            blocks_per_chunk=read_int(
-                _get(body, "blocks_per_chunk"), "blocks_per_chunk", 1, MAX_BLOCKS_PER_CHUNK
-            ),
-            dtype=read_str(_get(body, "dtype"), "dtype", 32),
-            itemsize=read_int(_get(body, "itemsize"), "itemsize", 1, 16),
-            layers=layers,
-        )
-
-
-@dataclass(slots=True)
-class RegisterKVReply(Message):
-    op: ClassVar[str] = REGISTER_KV
-    layers: int = 0
-    chunk_nbytes: int = 0
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> RegisterKVReply:
-        return cls(
-            layers=read_int(_get(body, "layers"), "layers"),
-            chunk_nbytes=read_int(_get(body, "chunk_nbytes"), "chunk_nbytes"),
-        )
-
-
-def _read_block_ids(value: Any, name: str) -> list[int]:
-    return read_items(value, name, lambda v, n: read_int(v, n, -1, (1 << 62)), MAX_BLOCKS_PER_CHUNK)
-
-
-def _read_blocks(body: Mapping[str, Any], keys: list[ChunkKey]) -> list[list[int]]:
-    blocks = read_items(_get(body, "block_ids"), "block_ids", _read_block_ids)
-    if len(blocks) != len(keys):
-        raise ProtocolError(
-            E_BAD_REQUEST,
-            f"fields 'keys' and 'block_ids' differ in length ({len(keys)}, {len(blocks)})",
-        )
-    return blocks
-
-
-@dataclass(slots=True)
-class SaveBlocksRequest(Message):
-    op: ClassVar[str] = SAVE_BLOCKS
-    keys: list[ChunkKey] | None = None
-    block_ids: list[list[int]] | None = None
-    after_event: bytes | None = None
-    owner: str = ""
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> SaveBlocksRequest:
-        keys = read_keys(_get(body, "keys"))
-        event = body.get("after_event")
-        return cls(
-            keys=keys,
-            block_ids=_read_blocks(body, keys),
-            after_event=None if event is None else _read_handle(event, "after_event"),
-            owner=read_str(_get(body, "owner"), "owner"),
-        )
-
-
-@dataclass(slots=True)
-class LoadBlocksRequest(Message):
-    op: ClassVar[str] = LOAD_BLOCKS
-    keys: list[ChunkKey] | None = None
-    block_ids: list[list[int]] | None = None
-    owner: str = ""
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> LoadBlocksRequest:
-        keys = read_keys(_get(body, "keys"))
-        return cls(
-            keys=keys,
-            block_ids=_read_blocks(body, keys),
-            owner=read_str(_get(body, "owner"), "owner"),
-        )
-
-
-@dataclass(slots=True)
-class LoadBlocksReply(Message):
-    op: ClassVar[str] = LOAD_BLOCKS
-    loaded: int = 0
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> LoadBlocksReply:
-        return cls(loaded=read_int(_get(body, "loaded"), "loaded"))
-
+from kvstrata.sidecar.ipc_messages import (
+    IPC_HANDLE_BYTES,
+    MAX_BLOCKS_PER_CHUNK,
+    MAX_LAYERS,
+    KVLayerHandle,
+    LoadBlocksReply,
+    LoadBlocksRequest,
+    RegisterKVReply,
+    RegisterKVRequest,
+    SaveBlocksRequest,
+)
+from kvstrata.sidecar.messages import (
+    MAX_EVENTS,
+    CommitStoreReply,
+    CommitStoreRequest,
+    CountReply,
+    EndRequestRequest,
+    ErrorReply,
+    EventsReply,
+    EventsRequest,
+    HelloReply,
+    HelloRequest,
+    LookupReply,
+    LookupRequest,
+    Message,
+    PingReply,
+    PingRequest,
+    PrepareRetrieveRequest,
+    PrepareStoreRequest,
+    ReleaseRequest,
+    SlotInfo,
+    SlotsReply,
+    StatsReply,
+    StatsRequest,
+    TierEvent,
+)
+from kvstrata.sidecar.wire import (
+    COMMIT_STORE,
+    E_BAD_FRAME,
+    E_BAD_REQUEST,
+    E_BAD_VERSION,
+    E_BUSY,
+    E_FORBIDDEN,
+    E_INTERNAL,
+    E_NO_SESSION,
+    E_UNKNOWN_OP,
+    E_UNSUPPORTED,
+    END_REQUEST,
+    EVENTS,
+    HELLO,
+    KEY_MAX_BYTES,
+    KEY_MIN_BYTES,
+    LOAD_BLOCKS,
+    LOOKUP,
+    MAX_KEYS,
+    MAX_MESSAGE_BYTES,
+    MAX_NDIM,
+    MAX_STR,
+    PING,
+    PREPARE_RETRIEVE,
+    PREPARE_STORE,
+    PROTOCOL_VERSION,
+    REGISTER_KV,
+    RELEASE,
+    SAVE_BLOCKS,
+    STATS,
+    SUPPORTED_VERSIONS,
+    MessageId,
+    ProtocolError,
+    SessionId,
+    bad_field,
+    each_item,
+    read_bool,
+    read_int,
+    read_items,
+    read_keys,
+    read_list,
+    read_shape,
+    read_str,
+    required,
+)
+
+__all__ = [
+    "COMMIT_STORE",
+    "END_REQUEST",
+    "EVENTS",
+    "E_BAD_FRAME",
+    "E_BAD_REQUEST",
+    "E_BAD_VERSION",
+    "E_BUSY",
+    "E_FORBIDDEN",
+    "E_INTERNAL",
+    "E_NO_SESSION",
+    "E_UNKNOWN_OP",
+    "E_UNSUPPORTED",
+    "HELLO",
+    "IPC_HANDLE_BYTES",
+    "KEY_MAX_BYTES",
+    "KEY_MIN_BYTES",
+    "LOAD_BLOCKS",
+    "LOOKUP",
+    "MAX_BLOCKS_PER_CHUNK",
+    "MAX_EVENTS",
+    "MAX_KEYS",
+    "MAX_LAYERS",
+    "MAX_MESSAGE_BYTES",
+    "MAX_NDIM",
+    "MAX_STR",
+    "PING",
+    "PREPARE_RETRIEVE",
+    "PREPARE_STORE",
+    "PROTOCOL_VERSION",
+    "REGISTER_KV",
+    "RELEASE",
+    "REPLIES",
+    "REQUESTS",
+    "SAVE_BLOCKS",
+    "SESSIONLESS_OPS",
+    "STATS",
+    "SUPPORTED_VERSIONS",
+    "CommitStoreReply",
+    "CommitStoreRequest",
+    "CountReply",
+    "EndRequestRequest",
+    "ErrorReply",
+    "EventsReply",
+    "EventsRequest",
+    "HelloReply",
+    "HelloRequest",
+    "KVLayerHandle",
+    "LoadBlocksReply",
+    "LoadBlocksRequest",
+    "LookupReply",
+    "LookupRequest",
+    "Message",
+    "MessageId",
+    "PingReply",
+    "PingRequest",
+    "PrepareRetrieveRequest",
+    "PrepareStoreRequest",
+    "ProtocolError",
+    "RegisterKVReply",
+    "RegisterKVRequest",
+    "ReleaseRequest",
+    "Reply",
+    "Request",
+    "SaveBlocksRequest",
+    "SessionId",
+    "SlotInfo",
+    "SlotsReply",
+    "StatsReply",
+    "StatsRequest",
+    "TierEvent",
+    "bad_field",
+    "decode_reply",
+    "decode_request",
+    "each_item",
+    "encode_error",
+    "encode_reply",
+    "encode_request",
+    "peek_request_id",
+    "read_bool",
+    "read_int",
+    "read_items",
+    "read_keys",
+    "read_list",
+    "read_shape",
+    "read_str",
+    "required",
+]
 
 # Request body class of every op the server answers.
 REQUESTS: dict[str, type[Message]] = {
@@ -774,7 +286,6 @@ REPLIES: dict[str, type[Message]] = {
 # Ops a client may send without a session.
 SESSIONLESS_OPS = frozenset({HELLO, PING})
 
-
 # --------------------------------------------------------------------------
 # Envelopes.
 
@@ -782,7 +293,7 @@ SESSIONLESS_OPS = frozenset({HELLO, PING})
 @dataclass(slots=True)
 class Request:
     version: int
-    request_id: ReqId
+    request_id: MessageId
     op: str
     session_id: SessionId
     body: Message
@@ -791,7 +302,7 @@ class Request:
 @dataclass(slots=True)
 class Reply:
     version: int
-    request_id: ReqId
+    request_id: MessageId
     ok: bool
     body: Message
 
@@ -831,7 +342,7 @@ def _envelope(frames: Sequence[bytes], width: int, strict: bool) -> list[Any]:
     return env
 
 
-def encode_request(op: str, request_id: ReqId, session_id: SessionId, body: Message) -> bytes:
+def encode_request(op: str, request_id: MessageId, session_id: SessionId, body: Message) -> bytes:
     return msgpack.packb([PROTOCOL_VERSION, request_id, op, session_id, body.to_wire()])
 
 
@@ -859,11 +370,11 @@ def decode_request(frames: Sequence[bytes]) -> Request:
     return Request(version, request_id, op, session_id, message)
 
 
-def encode_reply(request_id: ReqId, body: Message) -> bytes:
+def encode_reply(request_id: MessageId, body: Message) -> bytes:
     return msgpack.packb([PROTOCOL_VERSION, request_id, True, body.to_wire()])
 
 
-def encode_error(request_id: ReqId, code: str, message: str) -> bytes:
+def encode_error(request_id: MessageId, code: str, message: str) -> bytes:
     body = {"code": code, "message": message[: 4 * MAX_STR]}
     return msgpack.packb([PROTOCOL_VERSION, request_id, False, body])
 
@@ -884,7 +395,7 @@ def decode_reply(frames: Sequence[bytes], op: str) -> Reply:
     return Reply(version, request_id, ok, message)
 
 
-def peek_request_id(frame: bytes) -> ReqId:
+def peek_request_id(frame: bytes) -> MessageId:
     """The request id of a reply frame, or -1 when unreadable (cheap discard check)."""
     try:
         env = _unpack(frame, strict=False)

@@ -75,9 +75,7 @@ class SidecarServer:
         self.config = config
         self.engine = engine
         self.metrics = ServerMetrics()
-        self.sessions = SessionTable(
-            config.server.client_timeout_seconds, config.server.lease_seconds
-        )
+        self.sessions = SessionTable(config.server.client_timeout_seconds)
         self.handlers = Handlers(
             engine, self.sessions, self.metrics, config, server_version, ipc, ipc_unavailable
         )
@@ -342,7 +340,6 @@ class SidecarServer:
             expired = self.engine.expire_leases()
             if expired:
                 logger.info("%d leases expired", expired)
-            self.sessions.expire()
             for session in self.sessions.idle():
                 self.handlers.reclaim(session)
         except Exception:
@@ -363,7 +360,7 @@ class SidecarServer:
     def status(self) -> dict[str, Any]:
         """The ``/status`` document (see :mod:`.http`)."""
         stats = self.handlers.stats_dict()
-        leases = self.sessions.lease_counts()
+        leases = self.engine.lease_counts()
         now = time.monotonic()
         arena = self.engine.arena
         sessions = self.sessions.sessions()

@@ -1,9 +1,10 @@
-"""Client sessions and the leases each one holds.
+"""Client sessions: who is connected, from which peer, in which namespace.
 
-Why: the engine knows leases by id and owner string; the server must also
-know *which client* holds them, so that a client that vanishes (no message
-for ``server.client_timeout_seconds``) has its leases reclaimed, and so that
-one client cannot commit or release another client's leases.
+Why: the server must know *which client* sent a request, so that a client
+that vanishes (no message for ``server.client_timeout_seconds``) has its
+leases reclaimed, and so that one client cannot commit or release another
+client's leases. The leases themselves are the engine's (one table, see
+:mod:`.leases`); a session is the client they are held for.
 
 A session belongs to the ZeroMQ peer that said HELLO (its ROUTER identity,
 one per connection): a request naming it from any other peer is answered
@@ -15,12 +16,12 @@ State (in memory only, lost on restart; a restarted sidecar answers
 ``no_session`` and clients say HELLO again)::
 
     sessions:  session_id -> Session(client_id, role, pid, fingerprint, identity,
-                                     last_seen, owners, write_bytes)
-    leases:    lease_id   -> Lease(session_id, owner_key, kind, slot, created)
+                                     last_seen, requests)
 
 Owner strings from the wire (vLLM request ids) are made unique per session
 as ``"<session_id>/<owner>"`` before they reach the engine, so two vLLM
-processes using the same request id never share leases.
+processes using the same request id never share leases, and the engine
+knows each lease's client (the session id).
 
 Thread-safe: the server loop and its worker pool both use it.
 """
@@ -30,13 +31,9 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
 
-if TYPE_CHECKING:
-    from kvstrata.sidecar.engine import Slot
-
-LeaseKind = Literal["read", "write"]
+from kvstrata.sidecar.leases import OWNER_SEP
 
 
 @dataclass(slots=True)
@@ -50,32 +47,19 @@ class Session:
     fingerprint: bytes  # the namespace every key of this session must carry
     created: float
     last_seen: float
-    owners: set[str] = field(default_factory=set)
     requests: int = 0
-    write_bytes: int = 0  # arena bytes under this session's uncommitted write leases
 
     def owner_key(self, owner: str) -> str:
-        return f"{self.session_id}/{owner}"
-
-
-@dataclass(slots=True)
-class Lease:
-    session_id: str
-    owner_key: str
-    kind: LeaseKind
-    slot: Slot
-    created: float
+        return f"{self.session_id}{OWNER_SEP}{owner}"
 
 
 class SessionTable:
-    """Sessions and their leases (see the module docstring)."""
+    """Sessions (see the module docstring)."""
 
-    def __init__(self, client_timeout_seconds: float, lease_seconds: float) -> None:
+    def __init__(self, client_timeout_seconds: float) -> None:
         self.client_timeout_seconds = client_timeout_seconds
-        self.lease_seconds = lease_seconds
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
-        self._leases: dict[int, Lease] = {}
         self.reaped_total = 0
 
     # -- sessions ---------------------------------------------------------
@@ -157,71 +141,3 @@ class SessionTable:
 
     def __len__(self) -> int:
         return len(self._sessions)
-
-    # -- leases -----------------------------------------------------------
-
-    def add_lease(self, session: Session, owner_key: str, kind: LeaseKind, slot: Slot) -> None:
-        with self._lock:
-            session.owners.add(owner_key)
-            self._leases[slot.lease_id] = Lease(
-                session.session_id, owner_key, kind, slot, time.monotonic()
-            )
-            if kind == "write":
-                session.write_bytes += slot.length
-
-    def _forget(self, lease_id: int) -> Lease:
-        """Caller holds the lock: drop one lease record, keeping write_bytes in step."""
-        lease = self._leases.pop(lease_id)
-        if lease.kind == "write":
-            session = self._sessions.get(lease.session_id)
-            if session is not None:
-                session.write_bytes -= lease.slot.length
-        return lease
-
-    def note_owner(self, session: Session, owner_key: str) -> None:
-        """Remember an owner the engine may hold leases for (prefetch)."""
-        with self._lock:
-            session.owners.add(owner_key)
-
-    def take_lease(self, session: Session, lease_id: int, kind: LeaseKind) -> Lease | None:
-        """Remove and return ``lease_id`` if this session holds it as ``kind``."""
-        with self._lock:
-            lease = self._leases.get(lease_id)
-            if lease is None or lease.session_id != session.session_id or lease.kind != kind:
-                return None
-            return self._forget(lease_id)
-
-    def drop_owner(self, owner_key: str) -> int:
-        """Forget the leases of one owner (after the engine released them)."""
-        with self._lock:
-            ids = [i for i, lease in self._leases.items() if lease.owner_key == owner_key]
-            for lease_id in ids:
-                self._forget(lease_id)
-            for session in self._sessions.values():
-                session.owners.discard(owner_key)
-            return len(ids)
-
-    def drop_session_leases(self, session: Session) -> list[Lease]:
-        with self._lock:
-            ids = [i for i, lease in self._leases.items() if lease.session_id == session.session_id]
-            return [self._forget(i) for i in ids]
-
-    def expire(self, now: float | None = None) -> int:
-        """Forget lease records older than the lease time (the engine expires
-        the leases themselves)."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            ids = [
-                i for i, lease in self._leases.items() if now - lease.created > self.lease_seconds
-            ]
-            for lease_id in ids:
-                self._forget(lease_id)
-            return len(ids)
-
-    def lease_counts(self) -> dict[str, int]:
-        """Leases held per session id (for /status)."""
-        with self._lock:
-            counts: dict[str, int] = {}
-            for lease in self._leases.values():
-                counts[lease.session_id] = counts.get(lease.session_id, 0) + 1
-            return counts

@@ -73,6 +73,10 @@ class Tier(abc.ABC):
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """For each key, whether a ``get`` would likely find it."""
 
+    def contains(self, key: ChunkKey) -> bool:
+        """``contains_many`` for one key; local tiers answer from memory."""
+        return self.contains_many([key])[0]
+
     @abc.abstractmethod
     def get(self, key: ChunkKey) -> DecodedObject | None:
         """The validated object, or None (missing, corrupt or unreachable)."""

@@ -31,7 +31,7 @@ import os
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -166,20 +166,18 @@ class DiskTier(Tier):
     # -- Tier -------------------------------------------------------------------
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        index = self._index
-        return [k in index for k in keys]
+        with self._lock:
+            index = self._index
+            return [k in index for k in keys]
 
-    @property
-    def index(self) -> Mapping[bytes, DiskEntry]:
-        """The live key -> entry map, for lock-free membership tests only."""
-        return self._index
-
-    def contains(self, key: bytes) -> bool:
-        return key in self._index
+    def contains(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return key in self._index
 
     def peek(self, key: bytes) -> DiskEntry | None:
         """Size and meta of a stored object, without touching the disk."""
-        return self._index.get(key)
+        with self._lock:
+            return self._index.get(key)
 
     def put(self, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta) -> bool:
         header, stored = encode(key, payload, meta)
@@ -297,7 +295,7 @@ class DiskTier(Tier):
         return header.meta
 
     def get(self, key: ChunkKey) -> DecodedObject | None:
-        entry = self._index.get(key)
+        entry = self.peek(key)
         if entry is None:
             with self._lock:
                 self._stats.misses_total += 1

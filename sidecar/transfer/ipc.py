@@ -41,7 +41,8 @@ from kvstrata.sidecar.transfer.plan import (
 )
 
 if TYPE_CHECKING:
-    from kvstrata.sidecar.engine import Slot, StorageManager
+    from kvstrata.sidecar.engine import StorageManager
+    from kvstrata.sidecar.leases import Slot
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class IpcTransfers:
         opened: dict[bytes, int] = {}
         try:
             geometries = []
-            for i, layer in enumerate(body.layers or []):
+            for i, layer in enumerate(body.layers):
                 if layer.handle not in opened:
                     opened[layer.handle] = device.open_memory(layer.handle)
                 geometries.append(
@@ -180,11 +181,11 @@ class IpcTransfers:
         logger.info(
             "session %s registered %d KV tensors (%d plan layers, chunk %d bytes)",
             session_id[:8],
-            len(body.layers or []),
+            len(body.layers),
             plan.num_layers,
             chunk_nbytes,
         )
-        return p.RegisterKVReply(layers=len(body.layers or []), chunk_nbytes=chunk_nbytes)
+        return p.RegisterKVReply(layers=len(body.layers), chunk_nbytes=chunk_nbytes)
 
     def close(self, session_id: str) -> bool:
         """Close a session's handles; whether it had any.
@@ -253,8 +254,8 @@ class IpcTransfers:
     def _save(
         self, mapping: IpcMapping, body: p.SaveBlocksRequest, owner_key: str, session_id: str
     ) -> p.CommitStoreReply:
-        keys = body.keys or []
-        blocks = body.block_ids or []
+        keys = body.keys
+        blocks = body.block_ids
         self._check_blocks(mapping, blocks)
         slots: list[Slot | None] = [
             self.engine.reserve(key, mapping.chunk_nbytes, mapping.meta, owner_key) for key in keys
@@ -286,8 +287,8 @@ class IpcTransfers:
     def _load(
         self, mapping: IpcMapping, body: p.LoadBlocksRequest, owner_key: str, session_id: str
     ) -> p.LoadBlocksReply:
-        keys = body.keys or []
-        blocks = body.block_ids or []
+        keys = body.keys
+        blocks = body.block_ids
         self._check_blocks(mapping, blocks)
         slots: list[Slot] = []
         for key in keys:

@@ -1,24 +1,12 @@
-"""Lease bookkeeping: fast slots equal real ones and stay immutable."""
+"""Lease bookkeeping: leases by owner and by age."""
 
 from __future__ import annotations
 
-import dataclasses
-
-import pytest
-
 from kvstrata.sidecar.l1 import Entry
-from kvstrata.sidecar.leases import LeaseTable, Slot, make_slot
+from kvstrata.sidecar.leases import LeaseTable
 from kvstrata.sidecar.objformat import ChunkMeta
 
 META = ChunkMeta("bfloat16", (2, 3))
-
-
-def test_make_slot_builds_the_same_frozen_slot():
-    fast = make_slot(7, b"k" * 48, 4096, 512, META)
-    assert fast == Slot(7, b"k" * 48, 4096, 512, META)
-    assert hash(fast) == hash(Slot(7, b"k" * 48, 4096, 512, META))
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        fast.offset = 0  # type: ignore[misc]
 
 
 def test_leases_are_found_by_owner_and_by_age():
@@ -32,3 +20,18 @@ def test_leases_are_found_by_owner_and_by_age():
     assert table.pop_older_than(0.0) == []  # created after monotonic time 0
     assert [lease.slot for lease in table.pop_older_than(float("inf"))] == [b]
     assert len(table) == 0
+
+
+def test_a_clients_leases_and_write_bytes_are_counted_from_its_owners():
+    table = LeaseTable()
+    entry = Entry(b"k" * 48, 0, 512, META)
+    write = table.new(entry, "s1/req-a", write=True)
+    table.new(entry, "s1/req-b", write=False)
+    table.new(entry, "s2/req-a", write=True)
+    table.new(entry, "engine", write=False)  # no "/": a client of its own
+    assert table.write_bytes("s1") == 512
+    assert table.counts() == {"s1": 2, "s2": 1, "engine": 1}
+    table.pop(write.lease_id)
+    assert table.write_bytes("s1") == 0
+    assert [lease.owner for lease in table.pop_client("s1")] == ["s1/req-b"]
+    assert table.counts() == {"s2": 1, "engine": 1}

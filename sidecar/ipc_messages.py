@@ -1,0 +1,176 @@
+"""Message bodies of the ipc-mode ops: REGISTER_KV, SAVE_BLOCKS, LOAD_BLOCKS
+(see :mod:`.protocol`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from kvstrata.sidecar.keys import ChunkKey
+from kvstrata.sidecar.messages import Message
+from kvstrata.sidecar.wire import (
+    E_BAD_REQUEST,
+    LOAD_BLOCKS,
+    MAX_NDIM,
+    REGISTER_KV,
+    SAVE_BLOCKS,
+    ProtocolError,
+    bad_field,
+    read_int,
+    read_items,
+    read_keys,
+    read_list,
+    read_shape,
+    read_str,
+    required,
+)
+
+IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t / cudaIpcEventHandle_t
+MAX_LAYERS = 1024
+MAX_BLOCKS_PER_CHUNK = 4096
+
+
+def _read_handle(value: Any, name: str) -> bytes:
+    if not isinstance(value, bytes) or len(value) != IPC_HANDLE_BYTES:
+        raise bad_field(name, f"{IPC_HANDLE_BYTES} bytes (a CUDA IPC handle)", value)
+    return value
+
+
+@dataclass(slots=True)
+class KVLayerHandle:
+    """One KV tensor shared by CUDA IPC: ``[handle, offset, shape, strides]`` on the wire."""
+
+    handle: bytes
+    offset: int  # bytes from the start of the handle's allocation to element 0
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+
+    def to_wire(self) -> list[Any]:
+        return [self.handle, self.offset, list(self.shape), list(self.strides)]
+
+    @classmethod
+    def from_wire(cls, value: Any, name: str) -> KVLayerHandle:
+        items = read_list(value, name, 4)
+        if len(items) != 4:
+            raise bad_field(name, "[handle, offset, shape, strides]", value)
+        shape = read_shape(items[2], f"{name}.shape")
+        strides = read_shape(items[3], f"{name}.strides")
+        if len(shape) != len(strides) or not shape:
+            raise ProtocolError(E_BAD_REQUEST, f"field '{name}': shape and strides differ")
+        return cls(
+            handle=_read_handle(items[0], f"{name}.handle"),
+            offset=read_int(items[1], f"{name}.offset"),
+            shape=shape,
+            strides=strides,
+        )
+
+
+@dataclass(slots=True)
+class RegisterKVRequest(Message):
+    op: ClassVar[str] = REGISTER_KV
+    device_uuid: str = ""
+    kv_cache_layout: str = ""
+    block_dim: int = 0
+    blocks_per_chunk: int = 1
+    dtype: str = ""
+    itemsize: int = 1
+    layers: list[KVLayerHandle] = field(default_factory=list)
+
+    def to_wire(self) -> dict[str, Any]:
+        body = Message.to_wire(self)
+        body["layers"] = [layer.to_wire() for layer in self.layers]
+        return body
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> RegisterKVRequest:
+        layers = read_items(required(body, "layers"), "layers", KVLayerHandle.from_wire, MAX_LAYERS)
+        if not layers:
+            raise ProtocolError(E_BAD_REQUEST, "field 'layers': no KV tensor")
+        return cls(
+            device_uuid=read_str(required(body, "device_uuid"), "device_uuid", 64),
+            kv_cache_layout=read_str(required(body, "kv_cache_layout"), "kv_cache_layout", 16),
+            block_dim=read_int(required(body, "block_dim"), "block_dim", 0, MAX_NDIM - 1),
+            blocks_per_chunk=read_int(
+                required(body, "blocks_per_chunk"), "blocks_per_chunk", 1, MAX_BLOCKS_PER_CHUNK
+            ),
+            dtype=read_str(required(body, "dtype"), "dtype", 32),
+            itemsize=read_int(required(body, "itemsize"), "itemsize", 1, 16),
+            layers=layers,
+        )
+
+
+@dataclass(slots=True)
+class RegisterKVReply(Message):
+    op: ClassVar[str] = REGISTER_KV
+    layers: int = 0
+    chunk_nbytes: int = 0
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> RegisterKVReply:
+        return cls(
+            layers=read_int(required(body, "layers"), "layers"),
+            chunk_nbytes=read_int(required(body, "chunk_nbytes"), "chunk_nbytes"),
+        )
+
+
+def _read_block_ids(value: Any, name: str) -> list[int]:
+    return read_items(value, name, lambda v, n: read_int(v, n, -1, (1 << 62)), MAX_BLOCKS_PER_CHUNK)
+
+
+def _read_blocks(body: Mapping[str, Any], keys: list[ChunkKey]) -> list[list[int]]:
+    blocks = read_items(required(body, "block_ids"), "block_ids", _read_block_ids)
+    if len(blocks) != len(keys):
+        raise ProtocolError(
+            E_BAD_REQUEST,
+            f"fields 'keys' and 'block_ids' differ in length ({len(keys)}, {len(blocks)})",
+        )
+    return blocks
+
+
+@dataclass(slots=True)
+class SaveBlocksRequest(Message):
+    op: ClassVar[str] = SAVE_BLOCKS
+    keys: list[ChunkKey] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    after_event: bytes | None = None
+    owner: str = ""
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> SaveBlocksRequest:
+        keys = read_keys(required(body, "keys"))
+        event = body.get("after_event")
+        return cls(
+            keys=keys,
+            block_ids=_read_blocks(body, keys),
+            after_event=None if event is None else _read_handle(event, "after_event"),
+            owner=read_str(required(body, "owner"), "owner"),
+        )
+
+
+@dataclass(slots=True)
+class LoadBlocksRequest(Message):
+    op: ClassVar[str] = LOAD_BLOCKS
+    keys: list[ChunkKey] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    owner: str = ""
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> LoadBlocksRequest:
+        keys = read_keys(required(body, "keys"))
+        return cls(
+            keys=keys,
+            block_ids=_read_blocks(body, keys),
+            owner=read_str(required(body, "owner"), "owner"),
+        )
+
+
+@dataclass(slots=True)
+class LoadBlocksReply(Message):
+    op: ClassVar[str] = LOAD_BLOCKS
+    loaded: int = 0
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> LoadBlocksReply:
+        return cls(loaded=read_int(required(body, "loaded"), "loaded"))

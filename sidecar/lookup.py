@@ -1,0 +1,112 @@
+"""Lookup: the longest prefix of a prompt's chunks some tier holds.
+
+Why apart from the engine: the prefix walk over L1, L2 and the shared tier
+and its per-tier denominators (``asked``) are a read-only question asked on
+every scheduler step; the engine answers it through this object, which
+reads the L1 index under the engine's lock and L2 through its tier
+interface (L2's own lock), and asks the shared tier without any lock held.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvstrata.sidecar.keys import ChunkKey
+from kvstrata.sidecar.l1 import READY, L1Store
+from kvstrata.sidecar.tiers.base import Tier
+
+__all__ = ["LookupResult", "PrefixLookup"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """How much of a prompt's chunk list some tier holds."""
+
+    hit_chunks: int  # longest contiguous prefix present in any tier
+    tiers: list[str]  # per hit chunk: "l1" | "l2" | the shared tier's name
+    # Chunks each tier was consulted for: those the prefix walk reached it with
+    # (not found in a faster tier, before the first chunk no tier holds). A
+    # tier's hit rate is its hits over this, exactly.
+    asked: dict[str, int] = field(default_factory=dict)
+
+
+class PrefixLookup:
+    """The prefix walk of one engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        lock: threading.Lock,
+        store: L1Store,
+        l2: Tier | None,
+        shared: Tier | None,
+        count: Callable[[str, int], None],
+    ) -> None:
+        self._lock = lock
+        self._store = store
+        self.l2 = l2
+        self.shared = shared
+        self._count = count
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
+        """Longest contiguous prefix of ``keys`` present in any tier.
+
+        The local indexes are read under the lock; the shared tier's batched
+        existence check runs without it."""
+        asked = {"l1": 0} if self.l2 is None else {"l1": 0, "l2": 0}
+        tiers: list[str] = []
+        with self._lock:
+            for key in keys:
+                tier = self._local_tier(key, asked)
+                if tier is None:
+                    break
+                tiers.append(tier)
+            if len(tiers) == len(keys) or self.shared is None:
+                self._count_lookup(keys, tiers)
+                return LookupResult(len(tiers), tiers, asked)
+        rest = keys[len(tiers) :]
+        try:
+            remote = self.shared.contains_many(rest)
+        except Exception:  # a tier must not raise; a failure is a miss
+            logger.exception("shared tier %s raised from contains_many", self.shared.name)
+            remote = []
+        name = self.shared.name
+        asked[name] = 0
+        with self._lock:
+            # Re-check the local indexes: a chunk may have landed while the
+            # remote round trip ran (the first was counted by the local walk).
+            for i, (key, there) in enumerate(zip(rest, remote, strict=False)):
+                tier = self._local_tier(key, asked if i > 0 else None)
+                if tier is None:
+                    asked[name] += 1
+                    tier = name if there else None
+                if tier is None:
+                    break
+                tiers.append(tier)
+            self._count_lookup(keys, tiers)
+        return LookupResult(len(tiers), tiers, asked)
+
+    def _local_tier(self, key: ChunkKey, asked: dict[str, int] | None) -> str | None:
+        """Caller holds the lock: "l1", "l2" or None for ``key``; counts the
+        tiers consulted into ``asked`` (unless None)."""
+        if asked is not None:
+            asked["l1"] += 1
+        entry = self._store.entries.get(key)
+        if entry is not None and entry.state == READY:
+            return "l1"
+        if self.l2 is None:
+            return None
+        if asked is not None:
+            asked["l2"] += 1
+        return "l2" if self.l2.contains(key) else None
+
+    def _count_lookup(self, keys: Sequence[ChunkKey], tiers: list[str]) -> None:
+        """Caller holds the lock."""
+        self._count("lookups_total", 1)
+        self._count("lookup_chunks_total", len(keys))
+        for tier in set(tiers):
+            self._count(f"hit_chunks_total_{tier}", tiers.count(tier))

@@ -1,0 +1,420 @@
+"""Message bodies of the host-mode ops (see the op table in :mod:`.protocol`).
+
+Each is a slotted dataclass typed as it is after validation: ``to_wire``
+gives the body map and ``from_wire`` validates one (raising
+:class:`~kvstrata.sidecar.wire.ProtocolError` naming the field), so code
+past the boundary reads fields and never re-checks them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, TypeVar
+
+from kvstrata.sidecar.keys import FINGERPRINT_BYTES, ChunkKey
+from kvstrata.sidecar.wire import (
+    COMMIT_STORE,
+    E_BAD_REQUEST,
+    E_INTERNAL,
+    END_REQUEST,
+    EVENTS,
+    HELLO,
+    LOOKUP,
+    MAX_STR,
+    PING,
+    PREPARE_RETRIEVE,
+    PREPARE_STORE,
+    RELEASE,
+    STATS,
+    ProtocolError,
+    bad_field,
+    each_item,
+    read_bool,
+    read_int,
+    read_items,
+    read_keys,
+    read_list,
+    read_shape,
+    read_str,
+    required,
+)
+
+_T = TypeVar("_T", bound="Message")
+
+
+@dataclass(slots=True)
+class Message:
+    """Base of every body. Subclasses override ``from_wire`` when a field
+    needs more than a type check."""
+
+    op: ClassVar[str] = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_wire(cls: type[_T], body: Mapping[str, Any]) -> _T:
+        return cls()
+
+
+@dataclass(slots=True)
+class SlotInfo:
+    """A leased arena range: ``[lease_id, offset, length, dtype, shape]`` on the wire."""
+
+    lease_id: int
+    offset: int
+    length: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    def to_wire(self) -> list[Any]:
+        return [self.lease_id, self.offset, self.length, self.dtype, list(self.shape)]
+
+    @classmethod
+    def from_wire(cls, value: Any, name: str) -> SlotInfo | None:
+        if value is None:
+            return None
+        items = read_list(value, name, 5)
+        if len(items) != 5:
+            raise bad_field(name, "[lease_id, offset, length, dtype, shape]", value)
+        return cls(
+            lease_id=read_int(items[0], f"{name}.lease_id"),
+            offset=read_int(items[1], f"{name}.offset"),
+            length=read_int(items[2], f"{name}.length"),
+            dtype=read_str(items[3], f"{name}.dtype", 32),
+            shape=read_shape(items[4], f"{name}.shape"),
+        )
+
+
+def _slots_to_wire(slots: Sequence[SlotInfo | None]) -> list[Any]:
+    return [None if s is None else s.to_wire() for s in slots]
+
+
+def _slots_from_wire(value: Any) -> list[SlotInfo | None]:
+    return read_items(value, "slots", SlotInfo.from_wire)
+
+
+@dataclass(slots=True)
+class HelloRequest(Message):
+    op: ClassVar[str] = HELLO
+    client_id: str = ""
+    role: str = "worker"
+    fingerprint: bytes = b""
+    namespace: dict[str, Any] | None = None
+    transfer_mode: str = "host"
+    pid: int = 0
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> HelloRequest:
+        fingerprint = required(body, "fingerprint")
+        if not isinstance(fingerprint, bytes) or len(fingerprint) != FINGERPRINT_BYTES:
+            raise bad_field("fingerprint", f"{FINGERPRINT_BYTES} bytes", fingerprint)
+        namespace = body.get("namespace")
+        if namespace is not None and not isinstance(namespace, dict):
+            raise bad_field("namespace", "a map", namespace)
+        return cls(
+            client_id=read_str(required(body, "client_id"), "client_id", 128),
+            role=read_str(required(body, "role"), "role", 32),
+            fingerprint=fingerprint,
+            namespace=namespace,
+            transfer_mode=read_str(required(body, "transfer_mode"), "transfer_mode", 16),
+            pid=read_int(body.get("pid", 0), "pid"),
+        )
+
+
+@dataclass(slots=True)
+class HelloReply(Message):
+    op: ClassVar[str] = HELLO
+    session_id: str = ""
+    arena_name: str = ""
+    arena_size: int = 0
+    chunk_size: int = 0
+    server_version: str = ""
+    transfer_mode: str = "host"
+    lease_seconds: float = 0.0
+    fallback_reason: str = ""  # why an asked-for mode was not granted
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> HelloReply:
+        lease = required(body, "lease_seconds")
+        if not isinstance(lease, (int, float)) or isinstance(lease, bool):
+            raise bad_field("lease_seconds", "a number", lease)
+        return cls(
+            session_id=read_str(required(body, "session_id"), "session_id"),
+            arena_name=read_str(required(body, "arena_name"), "arena_name", 255),
+            arena_size=read_int(required(body, "arena_size"), "arena_size"),
+            chunk_size=read_int(required(body, "chunk_size"), "chunk_size", 1),
+            server_version=read_str(required(body, "server_version"), "server_version"),
+            transfer_mode=read_str(required(body, "transfer_mode"), "transfer_mode", 16),
+            lease_seconds=float(lease),
+            fallback_reason=read_str(body.get("fallback_reason", ""), "fallback_reason"),
+        )
+
+
+@dataclass(slots=True)
+class LookupRequest(Message):
+    op: ClassVar[str] = LOOKUP
+    keys: list[ChunkKey] = field(default_factory=list)
+    prefetch: bool = False
+    owner: str = ""
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> LookupRequest:
+        return cls(
+            keys=read_keys(required(body, "keys")),
+            prefetch=read_bool(required(body, "prefetch"), "prefetch"),
+            owner=read_str(required(body, "owner"), "owner"),
+        )
+
+
+@dataclass(slots=True)
+class LookupReply(Message):
+    op: ClassVar[str] = LOOKUP
+    hit_chunks: int = 0
+    tiers: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> LookupReply:
+        tiers = read_list(required(body, "tiers"), "tiers")
+        return cls(
+            hit_chunks=read_int(required(body, "hit_chunks"), "hit_chunks"),
+            tiers=each_item(tiers, "tiers", lambda t, n: read_str(t, n, 32)),
+        )
+
+
+@dataclass(slots=True)
+class PrepareStoreRequest(Message):
+    op: ClassVar[str] = PREPARE_STORE
+    keys: list[ChunkKey] = field(default_factory=list)
+    nbytes: int = 0
+    dtype: str = "uint8"
+    shape: tuple[int, ...] = ()
+    owner: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        body = Message.to_wire(self)
+        body["shape"] = list(self.shape)
+        return body
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> PrepareStoreRequest:
+        return cls(
+            keys=read_keys(required(body, "keys")),
+            nbytes=read_int(required(body, "nbytes"), "nbytes", 1, 1 << 40),
+            dtype=read_str(required(body, "dtype"), "dtype", 16),
+            shape=read_shape(required(body, "shape")),
+            owner=read_str(required(body, "owner"), "owner"),
+        )
+
+
+@dataclass(slots=True)
+class SlotsReply(Message):
+    """Reply of PREPARE_STORE and PREPARE_RETRIEVE: one slot or nil per key."""
+
+    slots: list[SlotInfo | None] = field(default_factory=list)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"slots": _slots_to_wire(self.slots)}
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> SlotsReply:
+        return cls(slots=_slots_from_wire(required(body, "slots")))
+
+
+@dataclass(slots=True)
+class CommitStoreRequest(Message):
+    op: ClassVar[str] = COMMIT_STORE
+    lease_ids: list[int] = field(default_factory=list)
+    ok: list[bool] = field(default_factory=list)
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> CommitStoreRequest:
+        ids = read_list(required(body, "lease_ids"), "lease_ids")
+        oks = read_list(required(body, "ok"), "ok")
+        if len(ids) != len(oks):
+            raise ProtocolError(
+                E_BAD_REQUEST,
+                f"fields 'lease_ids' and 'ok' differ in length ({len(ids)}, {len(oks)})",
+            )
+        return cls(
+            lease_ids=each_item(ids, "lease_ids", read_int),
+            ok=each_item(oks, "ok", read_bool),
+        )
+
+
+@dataclass(slots=True)
+class CommitStoreReply(Message):
+    op: ClassVar[str] = COMMIT_STORE
+    committed: list[bool] = field(default_factory=list)
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> CommitStoreReply:
+        return cls(committed=read_items(required(body, "committed"), "committed", read_bool))
+
+
+@dataclass(slots=True)
+class PrepareRetrieveRequest(Message):
+    op: ClassVar[str] = PREPARE_RETRIEVE
+    keys: list[ChunkKey] = field(default_factory=list)
+    owner: str = ""
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> PrepareRetrieveRequest:
+        return cls(
+            keys=read_keys(required(body, "keys")), owner=read_str(required(body, "owner"), "owner")
+        )
+
+
+@dataclass(slots=True)
+class ReleaseRequest(Message):
+    op: ClassVar[str] = RELEASE
+    lease_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> ReleaseRequest:
+        return cls(lease_ids=read_items(required(body, "lease_ids"), "lease_ids", read_int))
+
+
+@dataclass(slots=True)
+class CountReply(Message):
+    """Reply of RELEASE and END_REQUEST: how many leases were dropped."""
+
+    released: int = 0
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> CountReply:
+        return cls(released=read_int(required(body, "released"), "released"))
+
+
+@dataclass(slots=True)
+class EndRequestRequest(Message):
+    op: ClassVar[str] = END_REQUEST
+    owner: str = ""
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> EndRequestRequest:
+        return cls(owner=read_str(required(body, "owner"), "owner"))
+
+
+@dataclass(slots=True)
+class PingRequest(Message):
+    op: ClassVar[str] = PING
+
+
+@dataclass(slots=True)
+class PingReply(Message):
+    op: ClassVar[str] = PING
+    server_version: str = ""
+    session_valid: bool = False
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> PingReply:
+        return cls(
+            server_version=read_str(required(body, "server_version"), "server_version"),
+            session_valid=read_bool(required(body, "session_valid"), "session_valid"),
+        )
+
+
+@dataclass(slots=True)
+class StatsRequest(Message):
+    op: ClassVar[str] = STATS
+
+
+@dataclass(slots=True)
+class StatsReply(Message):
+    op: ClassVar[str] = STATS
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> StatsReply:
+        stats = required(body, "stats")
+        if not isinstance(stats, dict):
+            raise bad_field("stats", "a map", stats)
+        return cls(stats=stats)
+
+
+# -- KV events ----------------------------------------------------------------
+
+MAX_EVENTS = 4096  # records one EVENTS reply carries
+EVENT_KINDS = frozenset({"stored", "removed"})
+
+
+@dataclass(slots=True)
+class EventsRequest(Message):
+    """The session's tier changes after sequence number ``after``."""
+
+    op: ClassVar[str] = EVENTS
+    after: int = 0
+    limit: int = MAX_EVENTS
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> EventsRequest:
+        return cls(
+            after=read_int(required(body, "after"), "after"),
+            limit=read_int(required(body, "limit"), "limit", 1, MAX_EVENTS),
+        )
+
+
+@dataclass(slots=True)
+class TierEvent:
+    """One record of the sidecar's journal: ``key`` arrived in or left ``tier``."""
+
+    seq: int
+    kind: str  # "stored" | "removed"
+    tier: str  # "l1", "l2" or the shared tier's name
+    key: ChunkKey
+
+
+def _read_event(value: Any, name: str) -> TierEvent:
+    items = read_list(value, name, 4)
+    if len(items) != 4:
+        raise bad_field(name, "[seq, kind, tier, key]", value)
+    kind = read_str(items[1], f"{name}[1]", 16)
+    if kind not in EVENT_KINDS:
+        raise ProtocolError(E_BAD_REQUEST, f"field '{name}[1]': unknown event kind {kind!r}")
+    return TierEvent(
+        seq=read_int(items[0], f"{name}[0]"),
+        kind=kind,
+        tier=read_str(items[2], f"{name}[2]", 32),
+        key=read_keys([items[3]], f"{name}[3]")[0],
+    )
+
+
+@dataclass(slots=True)
+class EventsReply(Message):
+    op: ClassVar[str] = EVENTS
+    events: list[TierEvent] = field(default_factory=list)
+    next_seq: int = 0  # ask for events after this next time
+    lost: int = 0  # records that fell out of the sidecar's ring before this read
+    journal_id: int = 0  # changes when the sidecar restarts: numbering starts over
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "events": [[e.seq, e.kind, e.tier, bytes(e.key)] for e in self.events],
+            "next_seq": self.next_seq,
+            "lost": self.lost,
+            "journal_id": self.journal_id,
+        }
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> EventsReply:
+        return cls(
+            events=read_items(required(body, "events"), "events", _read_event, MAX_EVENTS),
+            next_seq=read_int(required(body, "next_seq"), "next_seq"),
+            lost=read_int(required(body, "lost"), "lost"),
+            journal_id=read_int(required(body, "journal_id"), "journal_id"),
+        )
+
+
+@dataclass(slots=True)
+class ErrorReply(Message):
+    code: str = E_INTERNAL
+    message: str = ""
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any]) -> ErrorReply:
+        return cls(
+            code=read_str(body.get("code", E_INTERNAL), "code", 64),
+            message=read_str(body.get("message", ""), "message", 4 * MAX_STR),
+        )

@@ -1,0 +1,233 @@
+"""Write-behind: copies of L1 chunks flowing down into L2 and the shared tier.
+
+Why an object of its own: a queued write pins its L1 entry until the write
+finishes, so write-behind decides how much of the arena is pinned for
+copies below L1. One object knows that budget, the writes waiting for it
+and which chunks the shared tier already holds; the engine only says what
+happened to a chunk (stored, read, promoted, forgotten).
+
+State (process memory only)::
+
+    pinned:       bytes of L1 entries pinned by writes queued or running
+    backlog:      (key, shared) -> (entry, queue), oldest first: writes
+                  waiting for the pin budget
+    known_shared: key -> None, most recent last: chunks the shared tier holds
+                  (bounded; a forgotten key is at worst uploaded twice)
+    ready:        (queue, job) pairs to hand to their queues
+
+Write-behind may pin at most ``WRITEBACK_PIN_FRACTION`` of the arena;
+further writes wait in the backlog (oldest first) and are lost -- counted
+in ``writeback_skipped_total`` -- only if evicted before their turn. A slow
+disk thus costs L2 copies, never L1 stores.
+
+Locking: it shares the engine's lock (the one that guards the L1 index).
+Every method except :meth:`submit`, :meth:`flush`, :meth:`tier_stats` and
+:meth:`close` is called with that lock held; :meth:`submit` is called
+without it after each such call, because a queue that drops a job calls
+its ``on_done`` at once, which takes the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import replace
+
+from kvstrata.sidecar.arena import Arena
+from kvstrata.sidecar.config import SidecarConfig
+from kvstrata.sidecar.journal import TierEvents
+from kvstrata.sidecar.keys import ChunkKey
+from kvstrata.sidecar.l1 import Entry, L1Store
+from kvstrata.sidecar.tiers.base import Tier, TierStats, WriteBehindQueue, WriteJob
+
+__all__ = ["WriteBehind"]
+
+KNOWN_SHARED_MAX = 65536
+WRITEBACK_PIN_FRACTION = 0.5
+WRITEBACK_BACKLOG_MAX = 4096
+
+
+class WriteBehind:
+    """The write-behind queues of one engine and what they pin (module docstring)."""
+
+    def __init__(
+        self,
+        config: SidecarConfig,
+        arena: Arena,
+        store: L1Store,
+        lock: threading.Lock,
+        count: Callable[[str, int], None],
+        l2: Tier | None,
+        shared: Tier | None,
+    ) -> None:
+        self._store = store
+        self._buf = arena.buffer
+        self._lock = lock
+        self._count = count
+        self._l2 = l2
+        self._admit_all = config.shared.admission == "all"
+        self.pinned = 0
+        self._pin_limit = int(arena.size * WRITEBACK_PIN_FRACTION)
+        self._backlog: OrderedDict[tuple[ChunkKey, bool], tuple[Entry, WriteBehindQueue]] = (
+            OrderedDict()
+        )
+        self._known_shared: OrderedDict[ChunkKey, None] = OrderedDict()
+        # deque appends and pops are atomic: any thread may submit any job.
+        self._ready: deque[tuple[WriteBehindQueue, WriteJob]] = deque()
+        self._l2_queue: WriteBehindQueue | None = None
+        self._shared_queue: WriteBehindQueue | None = None
+        if l2 is not None:
+            self._l2_queue = WriteBehindQueue(
+                l2,
+                config.l2.write_queue_depth,
+                config.l2.writer_threads,
+                already_stored=l2.contains,
+            )
+        if shared is not None:
+            self._shared_queue = WriteBehindQueue(
+                shared,
+                config.shared.write_queue_depth,
+                config.shared.writer_threads,
+                already_stored=self._known_shared.__contains__,
+            )
+
+    @property
+    def backlog(self) -> int:
+        return len(self._backlog)
+
+    def tell_shared_writes(self, events: TierEvents) -> None:
+        """Record every chunk the shared tier's writers store (the KV event journal)."""
+        if self._shared_queue is not None:
+            self._shared_queue.events = events
+
+    # -- what happened to a chunk (caller holds the lock) -------------------
+
+    def stored(self, entry: Entry) -> None:
+        """A client's chunk was committed: copy it to L2 and, per admission,
+        to the shared tier now or on its first read."""
+        self._queue_l2(entry)
+        if self._admit_all:
+            self._queue_shared(entry)
+        else:
+            entry.shared_pending = True
+
+    def read(self, entry: Entry) -> None:
+        """A chunk was read: "reused" admission uploads it now."""
+        if entry.shared_pending:
+            entry.shared_pending = False
+            self._queue_shared(entry)
+
+    def promoted(self, entry: Entry, tier: str) -> None:
+        """A chunk came up from ``tier`` ("l2" or the shared tier's name)."""
+        if tier == "l2":
+            if not self._admit_all:
+                self._queue_shared(entry)  # "reused": this is a hit
+        else:
+            self._queue_l2(entry)
+
+    def note_shared(self, key: ChunkKey) -> None:
+        """The shared tier holds ``key``."""
+        self._known_shared[key] = None
+        self._known_shared.move_to_end(key)
+        while len(self._known_shared) > KNOWN_SHARED_MAX:
+            self._known_shared.popitem(last=False)
+
+    def forget(self, key: ChunkKey) -> None:
+        self._known_shared.pop(key, None)
+
+    def forget_all(self) -> None:
+        self._known_shared.clear()
+
+    # -- queueing -----------------------------------------------------------
+
+    def _queue_l2(self, entry: Entry) -> None:
+        if self._l2_queue is not None and self._l2 is not None and not self._l2.contains(entry.key):
+            self._queue_write(entry, self._l2_queue, shared=False)
+
+    def _queue_shared(self, entry: Entry) -> None:
+        if self._shared_queue is not None and entry.key not in self._known_shared:
+            self._queue_write(entry, self._shared_queue, shared=True)
+
+    def _queue_write(self, entry: Entry, queue: WriteBehindQueue, shared: bool) -> None:
+        """Queue one write of ``entry``, or park it in the backlog while
+        write-behind already pins its share of the arena."""
+        self._backlog[(entry.key, shared)] = (entry, queue)
+        while len(self._backlog) > WRITEBACK_BACKLOG_MAX:
+            self._backlog.popitem(last=False)
+            self._count("writeback_skipped_total", 1)
+        self._drain_backlog()
+
+    def _drain_backlog(self) -> None:
+        """Pin and queue parked writes, oldest first, while the budget allows
+        (at least one write is always allowed)."""
+        backlog = self._backlog
+        while backlog:
+            (key, shared), (entry, queue) = next(iter(backlog.items()))
+            if self._store.entries.get(key) is not entry:
+                del backlog[(key, shared)]  # evicted or removed before its turn
+                self._count("writeback_skipped_total", 1)
+                continue
+            if self.pinned and self.pinned + entry.length > self._pin_limit:
+                return
+            del backlog[(key, shared)]
+            entry.pins += 1
+            self.pinned += entry.length
+            view = self._buf[entry.offset : entry.offset + entry.length]
+            done = self._done_callback(entry, shared)
+            self._ready.append((queue, WriteJob(entry.key, view, entry.meta, on_done=done)))
+
+    def _done_callback(self, entry: Entry, shared: bool) -> Callable[[bool], None]:
+        def done(ok: bool) -> None:
+            with self._lock:
+                self.pinned -= entry.length
+                self._store.unpin(entry)
+                if ok and shared:
+                    self.note_shared(entry.key)
+                if ok:  # not after a drop: that would cascade through the backlog
+                    self._drain_backlog()
+            self.submit()
+
+        return done
+
+    # -- without the lock ---------------------------------------------------
+
+    def submit(self) -> None:
+        """Hand the queued jobs to their queues (never with the lock held)."""
+        ready = self._ready
+        while ready:
+            try:
+                queue, job = ready.popleft()
+            except IndexError:  # another thread took the last one
+                return
+            queue.submit(job)
+
+    def flush(self, left: Callable[[], float | None]) -> bool:
+        """Write everything queued or parked; False when ``left()`` runs out."""
+        while True:
+            with self._lock:
+                self._drain_backlog()
+                parked = len(self._backlog)
+            self.submit()
+            for queue in (self._l2_queue, self._shared_queue):
+                if queue is not None and not queue.flush(timeout=left()):
+                    return False
+            if not parked:
+                return True
+
+    def tier_stats(self, stats: TierStats) -> TierStats:
+        """``stats`` of a tier below L1 with its queue's depth and drops."""
+        queue = self._l2_queue if stats.tier == "l2" else self._shared_queue
+        if queue is None:
+            return stats
+        return replace(
+            stats,
+            queue_depth=queue.depth,
+            queue_capacity=queue.capacity,
+            dropped_total=stats.dropped_total + queue.dropped_total,
+        )
+
+    def close(self) -> None:
+        for queue in (self._l2_queue, self._shared_queue):
+            if queue is not None:
+                queue.close()
