@@ -16,8 +16,8 @@ throwaway prompts shorter than a chunk (which store nothing) to step it.
 from __future__ import annotations
 
 import time
-from collections import Counter
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
