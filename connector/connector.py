@@ -46,12 +46,31 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.request import Request
 
     from kvstrata.connector.scheduler import KVStrataScheduler, SchedulerCounters
     from kvstrata.connector.worker import KVStrataWorker, WorkerCounters
 
 logger = logging.getLogger(__name__)
+
+
+def hit_sources(tokens_by_tier: dict[str, int], total: int) -> dict[CacheHitSource, int]:
+    """kvstrata tiers as vLLM's cache-hit sources; the counts sum to ``total``."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    tier_source = {"l1": CacheHitSource.HOST, "l2": CacheHitSource.DISK}
+    out: dict[CacheHitSource, int] = {}
+    for tier, n in tokens_by_tier.items():
+        source = tier_source.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+        out[source] = out.get(source, 0) + n
+    rest = total - sum(out.values())
+    if rest > 0:
+        unspecified = CacheHitSource.EXTERNAL_UNSPECIFIED
+        out[unspecified] = out.get(unspecified, 0) + rest
+    elif rest < 0:  # never expected: report the total, all unspecified, not a wrong split
+        out = {CacheHitSource.EXTERNAL_UNSPECIFIED: total}
+    return {k: v for k, v in out.items() if v > 0}
 
 
 def load_failure_policy_warning(transfer: Any) -> str | None:
@@ -234,6 +253,19 @@ class KVStrataConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens), False
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """The load's tokens by source for vLLM's
+        ``vllm:prompt_tokens_cached_by_source``: L1 is ``host`` memory, L2
+        ``disk``, a shared tier ``external_unspecified`` (vLLM has no remote
+        source); what the plan does not account for is unspecified too."""
+        if self._scheduler is None or num_external_tokens <= 0:
+            return {}
+        return hit_sources(
+            self._scheduler.load_tokens_by_tier(request.request_id), num_external_tokens
+        )
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

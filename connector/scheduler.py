@@ -52,6 +52,7 @@ class _RequestState:
     hit_tokens: int = 0  # end of our hit (tokens) at the last lookup
     tiers: list[str] = field(default_factory=list)
     load: RequestTransfer | None = None  # to send with the next step
+    load_tiers: dict[str, int] = field(default_factory=dict)  # its tokens by tier
     stored_chunks: int = 0  # chunks known stored or already sent for saving
     pinned: bool = False  # a lookup hit: the sidecar pins a prefetch for us
 
@@ -207,13 +208,20 @@ class KVStrataScheduler:
             )
         state.stored_chunks = max(state.stored_chunks, end // s.chunk_size)
         self.counters.hit_tokens += num_external_tokens
+        state.load_tiers = {}
         for c, tier in enumerate(state.tiers[start // s.chunk_size : end // s.chunk_size]):
             n = min(s.chunk_size, end - max(start, c * s.chunk_size))
+            state.load_tiers[tier] = state.load_tiers.get(tier, 0) + n
             self.counters.hit_tokens_by_tier[tier] = (
                 self.counters.hit_tokens_by_tier.get(tier, 0) + n
             )
         self.counters.chunks_to_load += len(chunks)
         return RequestTransfer(state.request.request_id, chunks)
+
+    def load_tokens_by_tier(self, req_id: ReqId) -> dict[str, int]:
+        """The planned load's tokens by the tier that holds them ({} without one)."""
+        state = self._reqs.get(req_id)
+        return dict(state.load_tiers) if state is not None else {}
 
     # -- the per-step plan ------------------------------------------------------
 

@@ -32,6 +32,7 @@ def test_vllm_metrics_count_the_hits_loads_and_saves_the_connector_made(
     prompts = kit.WORKLOADS["metrics"]
     kit.reconnect(cached_llm, counters)  # an earlier test may have left the connector backing off
     before, vllm_before = counters.snapshot(), kvstrata_metrics(cached_llm)
+    sources_before = cached_by_source(cached_llm)
     assert kit.generate(cached_llm, prompts) == reference["metrics"]  # cold: saves
     assert kit.generate(cached_llm, prompts) == reference["metrics"]  # warm: loads
     d = kit.delta(before, counters.snapshot())
@@ -45,6 +46,19 @@ def test_vllm_metrics_count_the_hits_loads_and_saves_the_connector_made(
     assert v[("vllm:kvstrata_load_failed_chunks", "")] == d["failed_chunks"] == 0
     assert v[("vllm:kvstrata_loaded_bytes", "")] > 0
     assert v[("vllm:kvstrata_lookups", "")] >= len(prompts)
+    # vLLM's own hit-by-source counter: kvstrata's L1 hits are host-memory hits.
+    by_source = cached_by_source(cached_llm)
+    assert by_source.get("host", 0.0) - sources_before.get("host", 0.0) == d["hit_tokens_l1"]
+
+
+def cached_by_source(llm: Any) -> dict[str, float]:
+    """``vllm:prompt_tokens_cached_by_source`` by its ``source`` label."""
+    out: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name.removesuffix("_total") == "vllm:prompt_tokens_cached_by_source":
+            source = metric.labels.get("source", "")
+            out[source] = out.get(source, 0.0) + float(metric.value)
+    return out
 
 
 def test_load_failures_reach_vllm_metrics_and_vllm_recomputes(
