@@ -14,9 +14,12 @@ Connection life cycle (all inside calls, nothing in the background):
   client says HELLO again, maps the arena it names and bumps :attr:`epoch`; ops whose
   arguments do not refer to leases (LOOKUP, PREPARE_*, PING, STATS) are
   then retried once within the same deadline;
-* while the sidecar cannot be reached, HELLO attempts back off
-  exponentially (``BACKOFF_MIN_S`` .. ``BACKOFF_MAX_S``); calls made during a
-  back-off return None at once.
+* one retry policy for every call: after a call the sidecar did not answer
+  (unreachable, timed out, HELLO refused) the client backs off, starting at
+  ``backoff_s`` and doubling up to ``backoff_max_s``; every call made inside
+  the back-off window answers None/False at once, without touching the
+  network (counted as ``backoff``); the first call after it probes the
+  sidecar, and any answered call ends the back-off.
 
 Replies carry the request id; replies to requests that timed out are
 discarded when they arrive late. Thread-safe: one lock around the socket.
@@ -48,8 +51,10 @@ from kvstrata.sidecar.keys import ChunkKey, Namespace
 
 logger = logging.getLogger(__name__)
 
-BACKOFF_MIN_S = 0.05
-BACKOFF_MAX_S = 1.0
+# A stalled sidecar costs a caller one deadline per back-off window; the cap
+# bounds how long a sidecar that is back waits for its first call.
+BACKOFF_MIN_S = 0.1
+BACKOFF_MAX_S = 4.0
 # How long a send waits for a connection to exist once the socket has been
 # connected before (ZeroMQ reconnects in the background, so a sidecar that
 # is up again is usually connected by the time of the next call; one that is
@@ -155,7 +160,11 @@ class SidecarClient:
         client_id: str | None = None,
         transfer_mode: str = "host",
         curve: CurveKeys | None = None,
+        backoff_s: float = BACKOFF_MIN_S,
+        backoff_max_s: float = BACKOFF_MAX_S,
     ) -> None:
+        if not 0 < backoff_s <= backoff_max_s:
+            raise ValueError(f"bad back-off {backoff_s}..{backoff_max_s} s")
         self.endpoint = endpoint
         self.curve = curve
         self.namespace = namespace
@@ -173,7 +182,9 @@ class SidecarClient:
         self._epoch = 0
         self._next_id = 0
         self._connected = False
-        self._backoff_s = BACKOFF_MIN_S
+        self.backoff_min_s = float(backoff_s)
+        self.backoff_max_s = float(backoff_max_s)
+        self._backoff_s = self.backoff_min_s
         self._retry_at = 0.0
         self._closed = False
         self._ever_sent = False  # whether this socket was ever connected
@@ -379,7 +390,11 @@ class SidecarClient:
                 if self._closed:
                     self._count("closed")
                     return None
-                deadline = time.monotonic() + self.call_timeout_s
+                now = time.monotonic()
+                if now < self._retry_at:  # backing off: an answer at once, no I/O
+                    self._count("backoff")
+                    return None
+                deadline = now + self.call_timeout_s
                 if not self._session_id and not self._hello(deadline):
                     return None
                 reply = self._roundtrip(op, body, deadline)
@@ -390,6 +405,8 @@ class SidecarClient:
                         self._count(p.E_NO_SESSION)
                         return None
                     reply = self._roundtrip(op, body, deadline)
+                if reply is not None:
+                    self._answered()
                 if isinstance(reply, p.ErrorReply):
                     logger.debug("sidecar refused %s: %s", op, reply.message)
                     self._count(reply.code)
@@ -401,10 +418,6 @@ class SidecarClient:
             return None
 
     def _hello(self, deadline: float) -> bool:
-        now = time.monotonic()
-        if now < self._retry_at:
-            self._count("unavailable")
-            return False
         hello = p.HelloRequest(
             client_id=self.client_id,
             role=self.role,
@@ -415,9 +428,9 @@ class SidecarClient:
         )
         reply = self._roundtrip(p.HELLO, hello, deadline)
         if not isinstance(reply, p.HelloReply):
-            if isinstance(reply, p.ErrorReply):
+            if isinstance(reply, p.ErrorReply):  # no answer has backed off already
                 self._count(reply.code)
-            self._back_off()
+                self._back_off()
             return False
         try:
             arena = _Arena(reply.arena_name, reply.arena_size)
@@ -434,8 +447,7 @@ class SidecarClient:
         self.server_version = reply.server_version
         self._epoch += 1
         self._connected = True
-        self._backoff_s = BACKOFF_MIN_S
-        self._retry_at = 0.0
+        self._answered()
         self._open_live(reply.session_id)
         self._granted_mode = reply.transfer_mode
         if self.requested_mode == "ipc" and reply.transfer_mode != "ipc":
@@ -479,9 +491,15 @@ class SidecarClient:
             self._live = None
 
     def _back_off(self) -> None:
+        """The sidecar did not answer: calls answer at once for a while, and
+        for twice as long (up to the cap) after each further miss."""
         self._connected = False
         self._retry_at = time.monotonic() + self._backoff_s
-        self._backoff_s = min(BACKOFF_MAX_S, self._backoff_s * 2)
+        self._backoff_s = min(self.backoff_max_s, self._backoff_s * 2)
+
+    def _answered(self) -> None:
+        self._backoff_s = self.backoff_min_s
+        self._retry_at = 0.0
 
     def _lost_session(self) -> None:
         """The session is gone (sidecar down, restarted or reaping us): so is the
@@ -530,12 +548,13 @@ class SidecarClient:
         if not self._send(sock, frame, deadline):
             self._count("unavailable")
             self._lost_session()
+            self._back_off()
             return None
         while True:
             remaining_ms = (deadline - time.monotonic()) * 1000
             if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
                 self._count("timeout")
-                self._connected = False
+                self._back_off()
                 return None
             frames = sock.recv_multipart(zmq.NOBLOCK)
             try:

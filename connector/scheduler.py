@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstrata.connector.client import SidecarClient
-from kvstrata.connector.gate import RetryGate
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, ReqId, RequestTransfer
 from kvstrata.sidecar.keys import chunk_keys_from_block_hashes
 
@@ -80,7 +79,6 @@ class KVStrataScheduler:
             call_timeout_s=settings.call_timeout_s,
             curve=settings.curve,
         )
-        self.gate = RetryGate(self.client, settings.retry_interval_s)
         self.counters = SchedulerCounters()
         self._reqs: dict[ReqId, _RequestState] = {}
         self._warned_chunk_size = False
@@ -118,9 +116,6 @@ class KVStrataScheduler:
         if loadable * chunk <= num_computed_tokens:
             return 0
         self.counters.lookups += 1
-        if not self.gate.allow():  # the sidecar is down: a miss, at once
-            self.counters.lookup_failures += 1
-            return 0
         bpc = self.settings.blocks_per_chunk
         keys = chunk_keys_from_block_hashes(
             self.client.fingerprint, request.block_hashes[: loadable * bpc], bpc

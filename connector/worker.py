@@ -37,7 +37,6 @@ import torch
 from kvstrata.connector import ipc
 from kvstrata.connector.client import ArenaSlot, SidecarClient
 from kvstrata.connector.device import DeviceCopies, copies_for
-from kvstrata.connector.gate import RetryGate
 from kvstrata.connector.layout import ChunkLayout, UnsupportedLayoutError, detect_layout
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, RequestTransfer
 from kvstrata.sidecar.keys import make_key
@@ -84,7 +83,6 @@ class KVStrataWorker:
             call_timeout_s=settings.call_timeout_s,
             curve=settings.curve,
         )
-        self.gate = RetryGate(self.client, settings.retry_interval_s)
         self.layout: ChunkLayout | None = None
         self.counters = WorkerCounters()
         self._load_errors: set[int] = set()
@@ -308,9 +306,6 @@ class KVStrataWorker:
     def _save_request(self, req: RequestTransfer) -> None:
         layout = self.layout
         assert layout is not None  # checked by the caller
-        if not self.gate.allow():  # the sidecar is down: drop the save at once
-            self.counters.save_dropped_chunks += len(req.chunks)
-            return
         fp = self.client.fingerprint
         keys = [make_key(fp, c.chunk_hash) for c in req.chunks]
         if self.client.transfer_mode == "ipc":
