@@ -52,6 +52,8 @@ class _RequestState:
     load: RequestTransfer | None = None  # to send with the next step
     stored_chunks: int = 0  # chunks known stored or already sent for saving
     pinned: bool = False  # a lookup hit: the sidecar pins a prefetch for us
+    asked_chunks: int = 0  # chunks the last answered lookup asked about
+    hit_chunks: int = 0  # and how many of them it found (pinned while ``pinned``)
 
 
 @dataclass
@@ -116,27 +118,33 @@ class KVStrataScheduler:
         if loadable * chunk <= num_computed_tokens:
             return 0
         self.counters.lookups += 1
-        bpc = self.settings.blocks_per_chunk
-        keys = chunk_keys_from_block_hashes(
-            self.client.fingerprint, request.block_hashes[: loadable * bpc], bpc
-        )
-        reply = self.client.lookup(keys, prefetch=True, owner=request.request_id)
-        self._check_chunk_size()
-        if reply is None:
-            self.counters.lookup_failures += 1
-            return 0
-        state.pinned = state.pinned or reply.hit_chunks > 0
-        hit_end = min(reply.hit_chunks, loadable) * chunk
+        if state.pinned and state.asked_chunks == loadable:
+            # Asked again (a waiting request, every step): the chunks found
+            # last time stay pinned for it; no second call, no second lease.
+            hit_chunks, tiers = state.hit_chunks, state.tiers
+        else:
+            bpc = self.settings.blocks_per_chunk
+            keys = chunk_keys_from_block_hashes(
+                self.client.fingerprint, request.block_hashes[: loadable * bpc], bpc
+            )
+            reply = self.client.lookup(keys, prefetch=True, owner=request.request_id)
+            self._check_chunk_size()
+            if reply is None:
+                self.counters.lookup_failures += 1
+                return 0
+            hit_chunks, tiers = min(reply.hit_chunks, loadable), list(reply.tiers)
+            state.pinned = state.pinned or hit_chunks > 0
+            state.asked_chunks, state.hit_chunks, state.tiers = loadable, hit_chunks, tiers
+        hit_end = hit_chunks * chunk
         if hit_end <= num_computed_tokens:
             return 0
         state.hit_tokens = hit_end
-        state.tiers = list(reply.tiers)
         logger.debug(
             "kvstrata: %s hits %d tokens (%d local) in %s",
             request.request_id,
             hit_end,
             num_computed_tokens,
-            reply.tiers,
+            tiers,
         )
         return hit_end - num_computed_tokens
 
@@ -269,7 +277,7 @@ class KVStrataScheduler:
     def request_finished(self, req_id: ReqId) -> None:
         """Forget the request and drop its prefetch pins in the sidecar."""
         state = self._reqs.pop(req_id, None)
-        if state is not None and state.pinned and self.client.available():
+        if state is not None and state.pinned:  # answers at once while backing off
             self.client.end_request(req_id)
 
     def close(self) -> None:

@@ -20,7 +20,8 @@ Data flow:
   promoted into L1 first (L2 reads straight into the reserved slot).
 * ``prefetch``: the same promotion on background threads; the chunks stay
   pinned under leases of ``owner`` until ``release_owner`` (which also ends
-  the leases of prefetches still on their way when it is called).
+  the leases of prefetches still on their way when it is called). One owner
+  holds at most one prefetch lease per chunk, however often it asks.
 
 Leases: every slot handed out is a lease (read or write) with an id that
 is never reused. A leased object is never evicted or freed. Leases end by
@@ -148,7 +149,7 @@ class StorageManager:
         self._l2_index = self.l2.index if self.l2 is not None else {}
         self._pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="kvstrata-prefetch")
         self._pending: set[Future[object]] = set()
-        self._prefetching: dict[str, int] = {}  # owner -> prefetch jobs not yet finished
+        self._prefetching: dict[str, set[ChunkKey]] = {}  # owner -> keys still on their way
         self._owners_ended: set[str] = set()  # owners released while prefetches ran
         self._closed = False
 
@@ -560,14 +561,21 @@ class StorageManager:
     def prefetch(self, keys: Sequence[ChunkKey], owner: str) -> int:
         """Bring ``keys`` into L1 in the background, pinned under leases of
         ``owner``; the number of chunks pinned now or scheduled. Stops at the
-        first key no local index knows unless a shared tier may have it."""
+        first key no local index knows unless a shared tier may have it.
+        Keys ``owner`` already holds a read lease on, or is prefetching, are
+        counted as pinned and not leased again."""
         scheduled = 0
         jobs: list[tuple[WriteBehindQueue, WriteJob]] = []
         to_fetch: list[ChunkKey] = []
         with self._lock:
             if self._closed:
                 return 0
+            pinned = self._leases.read_keys(owner) | self._prefetching.get(owner, set())
+            fresh = 0
             for key in keys:
+                if key in pinned:
+                    scheduled += 1
+                    continue
                 entry = self._store.entries.get(key)
                 if entry is not None and entry.state == READY:
                     _, more = self._read_lease(entry, owner)
@@ -576,12 +584,13 @@ class StorageManager:
                     to_fetch.append(key)
                 else:
                     break
+                fresh += 1
                 scheduled += 1
-            self._count("prefetch_chunks_total", scheduled)
+            self._count("prefetch_chunks_total", fresh)
             # Counted under the lock before the jobs exist: a release_owner
             # from now on knows to end the leases they will take.
             if to_fetch:
-                self._prefetching[owner] = self._prefetching.get(owner, 0) + len(to_fetch)
+                self._prefetching.setdefault(owner, set()).update(to_fetch)
         self._submit(jobs)
         for key in to_fetch:
             future = self._pool.submit(self._prefetch_one, key, owner)
@@ -598,10 +607,9 @@ class StorageManager:
             logger.exception("prefetch of a chunk failed")
         with self._lock:
             ended = owner in self._owners_ended
-            left = self._prefetching.get(owner, 1) - 1
-            if left > 0:
-                self._prefetching[owner] = left
-            else:
+            left = self._prefetching.get(owner, set())
+            left.discard(key)
+            if not left:
                 self._prefetching.pop(owner, None)
                 self._owners_ended.discard(owner)
             # The request ended while this chunk was on its way: its lease
