@@ -162,6 +162,7 @@ class SidecarClient:
         curve: CurveKeys | None = None,
         backoff_s: float = BACKOFF_MIN_S,
         backoff_max_s: float = BACKOFF_MAX_S,
+        more_namespaces: Sequence[Namespace] = (),
     ) -> None:
         if not 0 < backoff_s <= backoff_max_s:
             raise ValueError(f"bad back-off {backoff_s}..{backoff_max_s} s")
@@ -172,6 +173,8 @@ class SidecarClient:
         self.call_timeout_s = float(call_timeout_s)
         self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.fingerprint: bytes = namespace.fingerprint()
+        # Further namespaces this session may name (a scheduler's other ranks).
+        self.more_fingerprints: list[bytes] = [ns.fingerprint() for ns in more_namespaces]
         self.chunk_size: int | None = None
         self.server_version: str | None = None
         self.errors: dict[str, int] = {}
@@ -230,15 +233,26 @@ class SidecarClient:
 
     # -- ops ----------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[ChunkKey], *, prefetch: bool, owner: str) -> LookupReply | None:
+    def lookup(
+        self, keys: Sequence[ChunkKey], *, prefetch: bool, owner: str, groups: int = 1
+    ) -> LookupReply | None:
         """Longest stored prefix of ``keys``; with ``prefetch`` the sidecar starts
-        bringing it into L1, pinned for ``owner`` until :meth:`end_request`."""
-        body = p.LookupRequest(keys=list(keys[: p.MAX_KEYS]), prefetch=prefetch, owner=owner)
+        bringing it into L1, pinned for ``owner`` until :meth:`end_request`.
+
+        With ``groups`` > 1, ``keys`` are that many equal runs (one per rank
+        namespace, each named at HELLO) and the answer is the prefix every
+        run holds; then ``keys`` must fit in one request (``MAX_KEYS``)."""
+        if groups > 1 and (len(keys) % groups or len(keys) > p.MAX_KEYS):
+            self._count("bad_argument")
+            return None
+        body = p.LookupRequest(
+            keys=list(keys[: p.MAX_KEYS]), prefetch=prefetch, owner=owner, groups=groups
+        )
         reply = self._call(p.LOOKUP, body)
         if not isinstance(reply, p.LookupReply):
             return None
         tiers = list(reply.tiers or [])
-        if reply.hit_chunks > len(body.keys or []) or len(tiers) != reply.hit_chunks:
+        if reply.hit_chunks > len(body.keys or []) // groups or len(tiers) != reply.hit_chunks:
             return self._bad_reply(p.LOOKUP, "hit count disagrees with tiers")
         return LookupReply(hit_chunks=reply.hit_chunks, tiers=tiers)
 
@@ -425,6 +439,7 @@ class SidecarClient:
             namespace=_namespace_map(self.namespace),
             transfer_mode=self.requested_mode,
             pid=os.getpid(),
+            fingerprints=self.more_fingerprints,
         )
         reply = self._roundtrip(p.HELLO, hello, deadline)
         if not isinstance(reply, p.HelloReply):

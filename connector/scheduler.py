@@ -11,6 +11,11 @@ Rules it keeps:
 * only whole chunks count, keyed by vLLM's own ``request.block_hashes``
   (chunk ``i`` = hash of its last block), so our hits line up with vLLM's
   prefix cache and a different prefix never matches;
+* with several TP/PP ranks, each rank stores under its own namespace; one
+  LOOKUP names every rank's keys and the hit is the prefix all ranks hold
+  (a chunk one rank lacks would otherwise be a load error);
+* a waiting request vLLM asks about again every step is looked up once:
+  the chunks found stay pinned for it until it finishes;
 * never claims the prompt's last token: vLLM must compute at least one
   token to sample from;
 * starts after ``num_computed_tokens`` (what vLLM's prefix cache already
@@ -25,12 +30,13 @@ miss, it never raises into vLLM's scheduler.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kvstrata.connector.client import SidecarClient
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, ReqId, RequestTransfer
-from kvstrata.sidecar.keys import chunk_keys_from_block_hashes
+from kvstrata.sidecar import protocol as p
+from kvstrata.sidecar.keys import Namespace, chunk_keys_from_block_hashes
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -74,12 +80,16 @@ class KVStrataScheduler:
     def __init__(self, settings: ConnectorSettings) -> None:
         self.settings = settings
         self.enabled = settings.layout is not None
+        # Every rank stores under its own namespace; a chunk is a hit only
+        # when all of them hold it (rank 0's namespace first).
+        self.rank_namespaces = rank_namespaces(settings.namespace)
         self.client = SidecarClient(
             settings.endpoint,
-            settings.namespace,
+            self.rank_namespaces[0],
             role="scheduler",
             call_timeout_s=settings.call_timeout_s,
             curve=settings.curve,
+            more_namespaces=self.rank_namespaces[1:],
         )
         self.counters = SchedulerCounters()
         self._reqs: dict[ReqId, _RequestState] = {}
@@ -114,6 +124,7 @@ class KVStrataScheduler:
         loadable = min(
             (request.num_prompt_tokens - 1) // chunk,
             len(request.block_hashes) // self.settings.blocks_per_chunk,
+            p.MAX_KEYS // len(self.rank_namespaces),
         )
         if loadable * chunk <= num_computed_tokens:
             return 0
@@ -124,10 +135,12 @@ class KVStrataScheduler:
             hit_chunks, tiers = state.hit_chunks, state.tiers
         else:
             bpc = self.settings.blocks_per_chunk
-            keys = chunk_keys_from_block_hashes(
-                self.client.fingerprint, request.block_hashes[: loadable * bpc], bpc
+            hashes = request.block_hashes[: loadable * bpc]
+            fingerprints = [self.client.fingerprint, *self.client.more_fingerprints]
+            keys = [k for fp in fingerprints for k in chunk_keys_from_block_hashes(fp, hashes, bpc)]
+            reply = self.client.lookup(
+                keys, prefetch=True, owner=request.request_id, groups=len(fingerprints)
             )
-            reply = self.client.lookup(keys, prefetch=True, owner=request.request_id)
             self._check_chunk_size()
             if reply is None:
                 self.counters.lookup_failures += 1
@@ -282,3 +295,12 @@ class KVStrataScheduler:
 
     def close(self) -> None:
         self.client.close()
+
+
+def rank_namespaces(namespace: Namespace) -> list[Namespace]:
+    """The namespace of every TP/PP rank of the engine, rank (0, 0) first."""
+    return [
+        replace(namespace, tp_rank=tp, pp_rank=pp)
+        for pp in range(max(1, namespace.pp_size))
+        for tp in range(max(1, namespace.tp_size))
+    ]

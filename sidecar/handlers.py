@@ -56,14 +56,14 @@ def _own_keys(keys: list[ChunkKey] | None, session: Session) -> list[ChunkKey]:
     Tenants are separated by their fingerprints; without this check a client
     could name another namespace's key and read (or overwrite) its chunk.
     """
-    fingerprint = session.fingerprint
+    fingerprint, more = session.fingerprint, session.more_fingerprints
     n = len(fingerprint)
     for i, key in enumerate(keys or []):
-        if key[:n] != fingerprint:
+        if key[:n] != fingerprint and key[:n] not in more:
             raise p.ProtocolError(
                 p.E_BAD_REQUEST,
                 f"field 'keys[{i}]': the key is not in this session's namespace "
-                "(its first 16 bytes must be HELLO's fingerprint)",
+                "(its first 16 bytes must be one of HELLO's fingerprints)",
             )
     return keys or []
 
@@ -142,7 +142,13 @@ class Handlers:
                 f"(served: {sorted(self.transfer_modes)})",
             )
         session, replaced = self.sessions.open(
-            body.client_id, body.role, body.pid, mode, identity, body.fingerprint
+            body.client_id,
+            body.role,
+            body.pid,
+            mode,
+            identity,
+            body.fingerprint,
+            frozenset(body.fingerprints or ()),
         )
         for old in replaced:
             self.reclaim(old)
@@ -160,15 +166,19 @@ class Handlers:
         )
 
     def _lookup(self, body: p.LookupRequest, session: Session) -> p.LookupReply:
-        keys = _own_keys(body.keys, session)
-        result = self.engine.lookup(keys)
-        hit = max(0, min(result.hit_chunks, len(keys)))
-        tiers = list(result.tiers[:hit])
+        all_keys = _own_keys(body.keys, session)
+        n = len(all_keys) // body.groups
+        runs = [all_keys[g * n : (g + 1) * n] for g in range(body.groups)]
+        # One run per rank namespace: a chunk counts when every rank holds it.
+        results = [self.engine.lookup(keys) for keys in runs]
+        hit = max(0, min(min(r.hit_chunks for r in results), n))
+        tiers = list(results[0].tiers[:hit])
         if body.prefetch and hit:
             owner_key = session.owner_key(body.owner)
             self.sessions.note_owner(session, owner_key)
-            self.engine.prefetch(keys[:hit], owner_key)
-        self.metrics.count_lookup(len(keys), tiers, self.config.chunk_size, result.asked)
+            for keys in runs:
+                self.engine.prefetch(keys[:hit], owner_key)
+        self.metrics.count_lookup(n, tiers, self.config.chunk_size, results[0].asked)
         return p.LookupReply(hit_chunks=hit, tiers=tiers)
 
     def _prepare_store(self, body: p.PrepareStoreRequest, session: Session) -> p.SlotsReply:

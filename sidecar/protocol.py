@@ -20,7 +20,10 @@ restarted, or reaped the client) or one opened by another ZeroMQ peer (a
 session belongs to the connection that said HELLO) is answered with the
 error code ``no_session`` and the client says HELLO again. Every key a
 session names must start with its HELLO ``fingerprint``; any other key is
-``bad_request``. An error reply's body is
+``bad_request``; HELLO's optional ``fingerprints`` name further namespaces
+the session may use (a scheduler's: one per TP/PP rank of its engine), and
+LOOKUP's optional ``groups`` splits its keys into that many equal runs, one
+per rank namespace, answering the prefix every run holds. An error reply's body is
 ``{"code": str, "message": str}``; ``message`` names what was wrong.
 
 Ops (body fields; see the dataclasses below for the exact types):
@@ -29,9 +32,9 @@ Ops (body fields; see the dataclasses below for the exact types):
 op             request                                   reply
 ============== ========================================= ==========================================
 HELLO          client_id, role, fingerprint, namespace,  session_id, arena_name, arena_size,
-               transfer_mode, pid                        chunk_size, server_version, transfer_mode,
+               transfer_mode, pid, [fingerprints]        chunk_size, server_version, transfer_mode,
                                                          lease_seconds
-LOOKUP         keys, prefetch, owner                     hit_chunks, tiers
+LOOKUP         keys, prefetch, owner, [groups]           hit_chunks, tiers
 PREPARE_STORE  keys, nbytes, dtype, shape, owner         slots (one per key, nil = skip the key)
 COMMIT_STORE   lease_ids, ok                             committed (one bool per lease id)
 PREPARE_RETRIEVE keys, owner                             slots (one per key, nil = miss)
@@ -68,7 +71,7 @@ field): one frame of at most :data:`MAX_MESSAGE_BYTES`, at most
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
 import msgpack
@@ -80,6 +83,7 @@ SUPPORTED_VERSIONS = (PROTOCOL_VERSION,)
 
 MAX_MESSAGE_BYTES = 4 << 20
 MAX_KEYS = 8192
+MAX_GROUPS = 256  # rank namespaces one session may name (TP x PP)
 MAX_STR = 1024
 MAX_NDIM = 8
 KEY_MIN_BYTES = FINGERPRINT_BYTES + 8
@@ -269,6 +273,7 @@ class HelloRequest(Message):
     namespace: dict[str, Any] | None = None
     transfer_mode: str = "host"
     pid: int = 0
+    fingerprints: list[bytes] = field(default_factory=list)  # more namespaces it may name
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> HelloRequest:
@@ -285,7 +290,16 @@ class HelloRequest(Message):
             namespace=namespace,
             transfer_mode=read_str(_get(body, "transfer_mode"), "transfer_mode", 16),
             pid=read_int(body.get("pid", 0), "pid"),
+            fingerprints=read_items(
+                body.get("fingerprints") or [], "fingerprints", _read_fingerprint, MAX_GROUPS
+            ),
         )
+
+
+def _read_fingerprint(value: Any, name: str) -> bytes:
+    if not isinstance(value, bytes) or len(value) != FINGERPRINT_BYTES:
+        raise _bad(name, f"{FINGERPRINT_BYTES} bytes", value)
+    return value
 
 
 @dataclass(slots=True)
@@ -323,13 +337,21 @@ class LookupRequest(Message):
     keys: list[ChunkKey] | None = None
     prefetch: bool = False
     owner: str = ""
+    groups: int = 1  # keys in this many equal runs, one per rank namespace
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> LookupRequest:
+        keys = read_keys(_get(body, "keys"))
+        groups = read_int(body.get("groups", 1), "groups", 1, MAX_GROUPS)
+        if len(keys) % groups:
+            raise ProtocolError(
+                E_BAD_REQUEST, f"field 'groups': {len(keys)} keys do not split into {groups} runs"
+            )
         return cls(
-            keys=read_keys(_get(body, "keys")),
+            keys=keys,
             prefetch=read_bool(_get(body, "prefetch"), "prefetch"),
             owner=read_str(_get(body, "owner"), "owner"),
+            groups=groups,
         )
 
 

@@ -53,6 +53,8 @@ class Session:
     owners: set[str] = field(default_factory=set)
     requests: int = 0
     write_bytes: int = 0  # arena bytes under this session's uncommitted write leases
+    # namespaces its keys may carry besides ``fingerprint`` (a scheduler's other ranks)
+    more_fingerprints: frozenset[bytes] = frozenset()
 
     def owner_key(self, owner: str) -> str:
         return f"{self.session_id}/{owner}"
@@ -88,6 +90,7 @@ class SessionTable:
         transfer_mode: str,
         identity: bytes,
         fingerprint: bytes,
+        more_fingerprints: frozenset[bytes] = frozenset(),
     ) -> tuple[Session, list[Session]]:
         """A new session of peer ``identity``; also returns the sessions it
         replaces: those of the same peer, client id, role and pid (the caller
@@ -103,6 +106,7 @@ class SessionTable:
             transfer_mode=transfer_mode,
             identity=identity,
             fingerprint=fingerprint,
+            more_fingerprints=more_fingerprints,
             created=now,
             last_seen=now,
         )
