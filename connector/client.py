@@ -295,11 +295,18 @@ class SidecarClient:
         return True
 
     def prepare_retrieve(
-        self, keys: Sequence[ChunkKey], owner: str
+        self, keys: Sequence[ChunkKey], owner: str, runs: Sequence[int] = ()
     ) -> list[ArenaSlot | None] | None:
         """Read slots, one per key (None = miss; every entry after the first
-        miss is None). Give them back with :meth:`release`."""
-        body = p.PrepareRetrieveRequest(keys=list(keys[: p.MAX_KEYS]), owner=owner)
+        miss is None, within each of ``runs`` when given: consecutive key
+        counts, e.g. one per request of a step). Give them back with
+        :meth:`release`."""
+        if runs and (sum(runs) != len(keys) or len(keys) > p.MAX_KEYS or min(runs) < 1):
+            self._count("bad_argument")
+            return None
+        body = p.PrepareRetrieveRequest(
+            keys=list(keys[: p.MAX_KEYS]), owner=owner, runs=[int(n) for n in runs]
+        )
         return self._slots(p.PREPARE_RETRIEVE, body, len(keys))
 
     def release(self, lease_ids: Sequence[int]) -> bool:

@@ -229,13 +229,15 @@ class Handlers:
         keys = _own_keys(body.keys, session)
         owner_key = session.owner_key(body.owner)
         slots: list[p.SlotInfo | None] = []
-        for key in keys:
-            slot = self.engine.acquire(key, owner_key)
-            if slot is None:
-                break  # a prefix is only usable up to its first gap: skip the I/O after it
-            self.sessions.add_lease(session, owner_key, "read", slot)
-            slots.append(_slot_info(slot))
-        slots.extend([None] * (len(keys) - len(slots)))
+        for run in body.runs or [len(keys)]:
+            start = len(slots)
+            for key in keys[start : start + run]:
+                slot = self.engine.acquire(key, owner_key)
+                if slot is None:
+                    break  # a prefix is only usable up to its first gap: skip the I/O after it
+                self.sessions.add_lease(session, owner_key, "read", slot)
+                slots.append(_slot_info(slot))
+            slots.extend([None] * (start + run - len(slots)))
         return p.SlotsReply(slots=slots)
 
     def _release(self, body: p.ReleaseRequest, session: Session) -> p.CountReply:

@@ -23,7 +23,9 @@ session names must start with its HELLO ``fingerprint``; any other key is
 ``bad_request``; HELLO's optional ``fingerprints`` name further namespaces
 the session may use (a scheduler's: one per TP/PP rank of its engine), and
 LOOKUP's optional ``groups`` splits its keys into that many equal runs, one
-per rank namespace, answering the prefix every run holds. An error reply's body is
+per rank namespace, answering the prefix every run holds; PREPARE_RETRIEVE's
+optional ``runs`` (lengths summing to the key count) makes each run a prefix
+of its own (one per request of a step: a miss ends its run only). An error reply's body is
 ``{"code": str, "message": str}``; ``message`` names what was wrong.
 
 Ops (body fields; see the dataclasses below for the exact types):
@@ -37,7 +39,7 @@ HELLO          client_id, role, fingerprint, namespace,  session_id, arena_name,
 LOOKUP         keys, prefetch, owner, [groups]           hit_chunks, tiers
 PREPARE_STORE  keys, nbytes, dtype, shape, owner         slots (one per key, nil = skip the key)
 COMMIT_STORE   lease_ids, ok                             committed (one bool per lease id)
-PREPARE_RETRIEVE keys, owner                             slots (one per key, nil = miss)
+PREPARE_RETRIEVE keys, owner, [runs]                     slots (one per key, nil = miss)
 RELEASE        lease_ids                                 released
 END_REQUEST    owner                                     released
 PING           (nothing)                                 server_version, session_valid
@@ -445,10 +447,17 @@ class PrepareRetrieveRequest(Message):
     op: ClassVar[str] = PREPARE_RETRIEVE
     keys: list[ChunkKey] | None = None
     owner: str = ""
+    runs: list[int] = field(default_factory=list)  # prefix lengths; empty: one run
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> PrepareRetrieveRequest:
-        return cls(keys=read_keys(_get(body, "keys")), owner=read_str(_get(body, "owner"), "owner"))
+        keys = read_keys(_get(body, "keys"))
+        runs = read_items(body.get("runs") or [], "runs", lambda v, n: read_int(v, n, 1))
+        if runs and sum(runs) != len(keys):
+            raise ProtocolError(
+                E_BAD_REQUEST, f"field 'runs': sums to {sum(runs)}, not {len(keys)}"
+            )
+        return cls(keys=keys, owner=read_str(_get(body, "owner"), "owner"), runs=runs)
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ REQUESTS = [
     p.PrepareStoreRequest([KEY], 512, "bfloat16", (2, 16, 8), "req-1"),
     p.CommitStoreRequest([3, 4], [True, False]),
     p.PrepareRetrieveRequest([KEY], "req-1"),
+    p.PrepareRetrieveRequest([KEY, KEY, KEY], "step", [1, 2]),
     p.ReleaseRequest([3]),
     p.EndRequestRequest("req-1"),
     p.PingRequest(),
