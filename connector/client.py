@@ -176,6 +176,7 @@ class SidecarClient:
         # Further namespaces this session may name (a scheduler's other ranks).
         self.more_fingerprints: list[bytes] = [ns.fingerprint() for ns in more_namespaces]
         self.chunk_size: int | None = None
+        self.write_budget = 0  # uncommitted write bytes the sidecar lets this session hold
         self.server_version: str | None = None
         self.errors: dict[str, int] = {}
         self._lock = threading.RLock()
@@ -466,6 +467,8 @@ class SidecarClient:
         self._arena = arena
         self._session_id = reply.session_id
         self.chunk_size = reply.chunk_size
+        # An older sidecar does not say: its default share, a quarter of L1.
+        self.write_budget = reply.write_budget or reply.arena_size // 4
         self.server_version = reply.server_version
         self._epoch += 1
         self._connected = True

@@ -12,7 +12,8 @@ Why separate from the scheduler: this half runs next to the KV tensors
 One round trip per step and direction: every request's chunks of a step go
 in one PREPARE_RETRIEVE (one run per request, so a miss ends only its own
 request's prefix) and one RELEASE, or one PREPARE_STORE and one
-COMMIT_STORE (one SAVE_BLOCKS in ipc mode), under the step owner
+COMMIT_STORE (one SAVE_BLOCKS in ipc mode; more pairs only when the step's
+chunks exceed what the sidecar lets one session hold uncommitted), under the step owner
 :data:`STEP_OWNER` (leases are ended by id, never by owner).
 
 Both copy through one ``torch.frombuffer`` view over the mapped shared
@@ -314,12 +315,17 @@ class KVStrataWorker:
             return
         started = time.perf_counter()
         chunks = [chunk for req in meta.saves for chunk in req.chunks]
-        try:
-            if chunks:
-                self._save_chunks(chunks)
-        except Exception:
-            logger.exception("kvstrata: this step's saves failed; dropped")
-            self.counters.save_dropped_chunks += len(chunks)
+        # As many chunks per round trip as the sidecar lets one session hold
+        # uncommitted (it skips the rest): usually the whole step at once.
+        budget = self.client.write_budget  # 0 until the first HELLO: try the whole step
+        per_call = max(1, budget // self.layout.chunk_nbytes) if budget else len(chunks) or 1
+        for i in range(0, len(chunks), per_call):
+            batch = chunks[i : i + per_call]
+            try:
+                self._save_chunks(batch)
+            except Exception:
+                logger.exception("kvstrata: this step's saves failed; dropped")
+                self.counters.save_dropped_chunks += len(batch)
         self.counters.save_seconds += time.perf_counter() - started
 
     def _save_chunks(self, chunks: list[ChunkTransfer]) -> None:

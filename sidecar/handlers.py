@@ -163,6 +163,7 @@ class Handlers:
             transfer_mode=mode,
             lease_seconds=self.config.server.lease_seconds,
             fallback_reason=fallback,
+            write_budget=self.write_budget,
         )
 
     def _lookup(self, body: p.LookupRequest, session: Session) -> p.LookupReply:

@@ -315,6 +315,7 @@ class HelloReply(Message):
     transfer_mode: str = "host"
     lease_seconds: float = 0.0
     fallback_reason: str = ""  # why an asked-for mode was not granted
+    write_budget: int = 0  # bytes of uncommitted writes a session may hold (0: not said)
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> HelloReply:
@@ -330,6 +331,7 @@ class HelloReply(Message):
             transfer_mode=read_str(_get(body, "transfer_mode"), "transfer_mode", 16),
             lease_seconds=float(lease),
             fallback_reason=read_str(body.get("fallback_reason", ""), "fallback_reason"),
+            write_budget=read_int(body.get("write_budget", 0), "write_budget"),
         )
 
 

@@ -117,3 +117,25 @@ def test_a_miss_in_one_request_of_a_step_ends_only_that_requests_load(sidecar: A
         assert sidecar.status()["leases_active"] == 0
     finally:
         w.close()
+
+
+def test_a_step_beyond_the_sessions_write_budget_is_saved_in_several_round_trips(
+    sidecar_factory: Any,
+) -> None:
+    probe = sidecar_factory("probe").start()
+    nbytes = worker(probe).layout.chunk_nbytes  # type: ignore[union-attr]
+    probe.stop()
+    arena = 16 << 20  # the test sidecars' L1
+    small = sidecar_factory(
+        "small", {"server": {"session_write_fraction": 2 * nbytes / arena}}
+    ).start()
+    w = worker(small)
+    try:
+        assert w.client.ping() and w.client.write_budget == 2 * nbytes
+        before = op_counts(small)
+        w.save(KVStrataMetadata(saves=requests("budget", 3, 2)))
+        assert w.counters.saved_chunks == 6, (w.counters, w.client.errors)
+        d = delta(before, op_counts(small))
+        assert d["PREPARE_STORE"] == d["COMMIT_STORE"] == 3
+    finally:
+        w.close()
