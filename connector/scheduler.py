@@ -23,6 +23,12 @@ Rules it keeps:
 * saves a chunk once all its tokens are computed (chunked prefill may
   take several steps), once per request; preemption forgets the blocks.
 
+Lookups never block vLLM's scheduler loop: the LOOKUP runs on one
+background thread, and while it is in flight the answer is None ("ask
+again later", per vLLM's contract); the next time vLLM asks, the answer
+is there. END_REQUEST goes through the same thread, so it always follows
+the request's lookup.
+
 Any sidecar problem makes a lookup a miss; a bug here logs and counts a
 miss, it never raises into vLLM's scheduler.
 """
@@ -30,10 +36,11 @@ miss, it never raises into vLLM's scheduler.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from kvstrata.connector.client import SidecarClient
+from kvstrata.connector.client import LookupReply, SidecarClient
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, ReqId, RequestTransfer
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.keys import Namespace, chunk_keys_from_block_hashes
@@ -60,6 +67,8 @@ class _RequestState:
     pinned: bool = False  # a lookup hit: the sidecar pins a prefetch for us
     asked_chunks: int = 0  # chunks the last answered lookup asked about
     hit_chunks: int = 0  # and how many of them it found (pinned while ``pinned``)
+    pending: Future[LookupReply | None] | None = None  # a lookup in flight
+    pending_chunks: int = 0  # the chunks it asks about
 
 
 @dataclass
@@ -94,11 +103,14 @@ class KVStrataScheduler:
         self.counters = SchedulerCounters()
         self._reqs: dict[ReqId, _RequestState] = {}
         self._warned_chunk_size = False
+        # One thread: calls run in order (a request's END_REQUEST after its LOOKUP).
+        self._calls = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-lookup")
 
     # -- lookups --------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        """Prompt tokens beyond ``num_computed_tokens`` we can load (0 = none)."""
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
+        """Prompt tokens beyond ``num_computed_tokens`` we can load (0 = none;
+        None = a lookup is in flight, ask again later). Never waits for the sidecar."""
         try:
             return self._match(request, num_computed_tokens)
         except Exception:
@@ -108,7 +120,7 @@ class KVStrataScheduler:
             self.counters.errors += 1
             return 0
 
-    def _match(self, request: Request, num_computed_tokens: int) -> int:
+    def _match(self, request: Request, num_computed_tokens: int) -> int | None:
         state = self._reqs.get(request.request_id)
         if state is None:
             state = self._reqs[request.request_id] = _RequestState(request)
@@ -128,19 +140,18 @@ class KVStrataScheduler:
         )
         if loadable * chunk <= num_computed_tokens:
             return 0
-        self.counters.lookups += 1
         if state.pinned and state.asked_chunks == loadable:
             # Asked again (a waiting request, every step): the chunks found
             # last time stay pinned for it; no second call, no second lease.
             hit_chunks, tiers = state.hit_chunks, state.tiers
         else:
-            bpc = self.settings.blocks_per_chunk
-            hashes = request.block_hashes[: loadable * bpc]
-            fingerprints = [self.client.fingerprint, *self.client.more_fingerprints]
-            keys = [k for fp in fingerprints for k in chunk_keys_from_block_hashes(fp, hashes, bpc)]
-            reply = self.client.lookup(
-                keys, prefetch=True, owner=request.request_id, groups=len(fingerprints)
-            )
+            if state.pending is None or state.pending_chunks != loadable:
+                state.pending = self._start_lookup(request, loadable)
+                state.pending_chunks = loadable
+            if not state.pending.done():
+                return None
+            reply = state.pending.result()
+            state.pending = None
             self._check_chunk_size()
             if reply is None:
                 self.counters.lookup_failures += 1
@@ -160,6 +171,22 @@ class KVStrataScheduler:
             tiers,
         )
         return hit_end - num_computed_tokens
+
+    def _start_lookup(self, request: Request, loadable: int) -> Future[LookupReply | None]:
+        """LOOKUP (with prefetch) of every rank's first ``loadable`` chunks, on
+        the background thread."""
+        self.counters.lookups += 1
+        bpc = self.settings.blocks_per_chunk
+        hashes = request.block_hashes[: loadable * bpc]
+        fingerprints = [self.client.fingerprint, *self.client.more_fingerprints]
+        keys = [k for fp in fingerprints for k in chunk_keys_from_block_hashes(fp, hashes, bpc)]
+        return self._calls.submit(
+            self.client.lookup,
+            keys,
+            prefetch=True,
+            owner=request.request_id,
+            groups=len(fingerprints),
+        )
 
     def _check_chunk_size(self) -> None:
         theirs = self.client.chunk_size
@@ -290,10 +317,12 @@ class KVStrataScheduler:
     def request_finished(self, req_id: ReqId) -> None:
         """Forget the request and drop its prefetch pins in the sidecar."""
         state = self._reqs.pop(req_id, None)
-        if state is not None and state.pinned:  # answers at once while backing off
-            self.client.end_request(req_id)
+        if state is not None and (state.pinned or state.pending is not None):
+            # On the lookup thread: after the request's LOOKUP, never before it.
+            self._calls.submit(self.client.end_request, req_id)
 
     def close(self) -> None:
+        self._calls.shutdown(wait=True, cancel_futures=True)
         self.client.close()
 
 

@@ -82,8 +82,22 @@ def request(req_id: str, hashes: list[bytes]) -> Any:
     )
 
 
+def matched(kit: Any, scheduler: KVStrataScheduler, req: Any) -> int:
+    """Ask as vLLM does, step after step, until the lookup has answered."""
+
+    def answer() -> tuple[int] | None:
+        n = scheduler.get_num_new_matched_tokens(req, 0)
+        return None if n is None else (n,)
+
+    return kit.wait_until(answer, 10, f"an answer for {req.request_id}", step=0.005)[0]
+
+
+def no_leases(kit: Any, sidecar: Any) -> None:
+    kit.wait_until(lambda: sidecar.status()["leases_active"] == 0, 10, "no lease left")
+
+
 def test_the_scheduler_answers_the_prefix_every_rank_holds(
-    sidecar: Any, monkeypatch: Any, case: Any
+    sidecar: Any, monkeypatch: Any, case: Any, kit: Any
 ) -> None:
     s = settings(sidecar.endpoint, case)
     ranks = [rank_worker(monkeypatch, s, case, r) for r in range(TP)]
@@ -92,13 +106,13 @@ def test_the_scheduler_answers_the_prefix_every_rank_holds(
         hashes = chunk_hashes(4, "common-prefix")
         save(ranks[0], hashes)
         save(ranks[1], hashes[:2] + hashes[3:])  # rank 1 lacks chunk 2
-        assert scheduler.get_num_new_matched_tokens(request("r1", hashes), 0) == 2 * CHUNK
+        assert matched(kit, scheduler, request("r1", hashes)) == 2 * CHUNK
         assert sidecar.status()["leases_active"] == TP * 2  # each rank's 2 chunks, pinned once
         scheduler.request_finished("r1")  # never loaded: its pins go
-        assert sidecar.status()["leases_active"] == 0
+        no_leases(kit, sidecar)
 
         save(ranks[1], hashes[2:3])
-        assert scheduler.get_num_new_matched_tokens(request("r2", hashes), 0) == 4 * CHUNK
+        assert matched(kit, scheduler, request("r2", hashes)) == 4 * CHUNK
         scheduler.request_finished("r2")
     finally:
         scheduler.close()
@@ -107,7 +121,7 @@ def test_the_scheduler_answers_the_prefix_every_rank_holds(
 
 
 def test_a_waiting_request_asked_every_step_is_looked_up_and_pinned_once(
-    sidecar: Any, monkeypatch: Any, case: Any
+    sidecar: Any, monkeypatch: Any, case: Any, kit: Any
 ) -> None:
     s = settings(sidecar.endpoint, case)
     ranks = [rank_worker(monkeypatch, s, case, r) for r in range(TP)]
@@ -117,13 +131,14 @@ def test_a_waiting_request_asked_every_step_is_looked_up_and_pinned_once(
         for w in ranks:
             save(w, hashes)
         req = request("r", hashes)
+        assert matched(kit, scheduler, req) == 3 * CHUNK
         for _ in range(5):
             assert scheduler.get_num_new_matched_tokens(req, 0) == 3 * CHUNK
         assert sidecar.status()["leases_active"] == TP * 3
         (entry,) = [c for c in sidecar.status()["clients"] if c["role"] == "scheduler"]
         assert entry["requests"] == 1  # one LOOKUP (its HELLO opened the session)
         scheduler.request_finished("r")
-        assert sidecar.status()["leases_active"] == 0
+        no_leases(kit, sidecar)
     finally:
         scheduler.close()
         for w in ranks:
@@ -140,5 +155,32 @@ def test_a_scheduler_session_may_not_name_a_namespace_beyond_its_ranks(
         key = stranger + b"\0" * 32
         assert scheduler.client.lookup([key], prefetch=False, owner="x") is None
         assert scheduler.client.errors.get("bad_request") == 1
+    finally:
+        scheduler.close()
+
+
+def test_a_lookup_never_waits_for_a_stalled_sidecar(
+    sidecar: Any, monkeypatch: Any, case: Any, kit: Any
+) -> None:
+    """vLLM's scheduler loop is never blocked: None (ask again) while the
+    sidecar does not answer, a miss once the call has given up."""
+    import time
+
+    s = replace(settings(sidecar.endpoint, case), call_timeout_s=1.0)
+    scheduler = KVStrataScheduler(s)
+    req = request("r", chunk_hashes(2, "stalled"))
+    try:
+        assert scheduler.client.ping()  # connected before the stall
+        sidecar.pause()
+        try:
+            started = time.monotonic()
+            for _ in range(20):
+                assert scheduler.get_num_new_matched_tokens(req, 0) is None
+            assert time.monotonic() - started < 0.2
+            kit.wait_until(lambda: scheduler.client.errors.get("timeout"), 10, "a timeout")
+        finally:
+            sidecar.resume()
+        assert matched(kit, scheduler, req) == 0  # the timed-out lookup is a miss
+        assert scheduler.counters.lookup_failures == 1
     finally:
         scheduler.close()
