@@ -14,9 +14,12 @@ Connection life cycle (all inside calls, nothing in the background):
   client says HELLO again, maps the arena it names and bumps :attr:`epoch`; ops whose
   arguments do not refer to leases (LOOKUP, PREPARE_*, PING, STATS) are
   then retried once within the same deadline;
-* while the sidecar cannot be reached, HELLO attempts back off
-  exponentially (``BACKOFF_MIN_S`` .. ``BACKOFF_MAX_S``); calls made during a
-  back-off return None at once.
+* one retry policy for every call: after a call the sidecar did not answer
+  (unreachable, timed out, HELLO refused) the client backs off, starting at
+  ``backoff_s`` and doubling up to ``backoff_max_s``; every call made inside
+  the back-off window answers None/False at once, without touching the
+  network (counted as ``backoff``); the first call after it probes the
+  sidecar, and any answered call ends the back-off.
 
 Replies carry the request id; replies to requests that timed out are
 discarded when they arrive late. Thread-safe: one lock around the socket.
@@ -49,8 +52,10 @@ from kvstrata.sidecar.keys import ChunkKey, Namespace
 
 logger = logging.getLogger(__name__)
 
-BACKOFF_MIN_S = 0.05
-BACKOFF_MAX_S = 1.0
+# A stalled sidecar costs a caller one deadline per back-off window; the cap
+# bounds how long a sidecar that is back waits for its first call.
+BACKOFF_MIN_S = 0.1
+BACKOFF_MAX_S = 4.0
 # Ops retried once after a re-HELLO (their arguments hold no lease ids).
 _RETRYABLE = frozenset({p.LOOKUP, p.PREPARE_STORE, p.PREPARE_RETRIEVE, p.PING, p.STATS, p.EVENTS})
 
@@ -96,7 +101,12 @@ class SidecarClient:
         client_id: str | None = None,
         transfer_mode: str = "host",
         curve: CurveKeys | None = None,
+        backoff_s: float = BACKOFF_MIN_S,
+        backoff_max_s: float = BACKOFF_MAX_S,
+        more_namespaces: Sequence[Namespace] = (),
     ) -> None:
+        if not 0 < backoff_s <= backoff_max_s:
+            raise ValueError(f"bad back-off {backoff_s}..{backoff_max_s} s")
         self.endpoint = endpoint
         self.curve = curve
         self.namespace = namespace
@@ -104,7 +114,10 @@ class SidecarClient:
         self.call_timeout_s = float(call_timeout_s)
         self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.fingerprint: bytes = namespace.fingerprint()
+        # Further namespaces this session may name (a scheduler's other ranks).
+        self.more_fingerprints: list[bytes] = [ns.fingerprint() for ns in more_namespaces]
         self.chunk_size: int | None = None
+        self.write_budget = 0  # uncommitted write bytes the sidecar lets this session hold
         self.server_version: str | None = None
         self.errors: dict[str, int] = {}
         self._lock = threading.RLock()
@@ -114,7 +127,9 @@ class SidecarClient:
         self._epoch = 0
         self._next_id = 0
         self._connected = False
-        self._backoff_s = BACKOFF_MIN_S
+        self.backoff_min_s = float(backoff_s)
+        self.backoff_max_s = float(backoff_max_s)
+        self._backoff_s = self.backoff_min_s
         self._retry_at = 0.0
         self._closed = False
         self.requested_mode = transfer_mode
@@ -160,15 +175,24 @@ class SidecarClient:
     # -- ops ----------------------------------------------------------------------
 
     def lookup(
-        self, keys: Sequence[ChunkKey], *, prefetch: bool, owner: str
+        self, keys: Sequence[ChunkKey], *, prefetch: bool, owner: str, groups: int = 1
     ) -> p.LookupReply | None:
         """Longest stored prefix of ``keys``; with ``prefetch`` the sidecar starts
-        bringing it into L1, pinned for ``owner`` until :meth:`end_request`."""
-        body = p.LookupRequest(keys=list(keys[: p.MAX_KEYS]), prefetch=prefetch, owner=owner)
+        bringing it into L1, pinned for ``owner`` until :meth:`end_request`.
+
+        With ``groups`` > 1, ``keys`` are that many equal runs (one per rank
+        namespace, each named at HELLO) and the answer is the prefix every
+        run holds; then ``keys`` must fit in one request (``MAX_KEYS``)."""
+        if groups > 1 and (len(keys) % groups or len(keys) > p.MAX_KEYS):
+            self._count("bad_argument")
+            return None
+        body = p.LookupRequest(
+            keys=list(keys[: p.MAX_KEYS]), prefetch=prefetch, owner=owner, groups=groups
+        )
         reply = self._call(p.LOOKUP, body)
         if not isinstance(reply, p.LookupReply):
             return None
-        if reply.hit_chunks > len(body.keys) or len(reply.tiers) != reply.hit_chunks:
+        if reply.hit_chunks > len(body.keys) // groups or len(reply.tiers) != reply.hit_chunks:
             return self._bad_reply(p.LOOKUP, "hit count disagrees with tiers")
         return reply
 
@@ -211,11 +235,18 @@ class SidecarClient:
         return True
 
     def prepare_retrieve(
-        self, keys: Sequence[ChunkKey], owner: str
+        self, keys: Sequence[ChunkKey], owner: str, runs: Sequence[int] = ()
     ) -> list[ArenaSlot | None] | None:
         """Read slots, one per key (None = miss; every entry after the first
-        miss is None). Give them back with :meth:`release`."""
-        body = p.PrepareRetrieveRequest(keys=list(keys[: p.MAX_KEYS]), owner=owner)
+        miss is None, within each of ``runs`` when given: consecutive key
+        counts, e.g. one per request of a step). Give them back with
+        :meth:`release`."""
+        if runs and (sum(runs) != len(keys) or len(keys) > p.MAX_KEYS or min(runs) < 1):
+            self._count("bad_argument")
+            return None
+        body = p.PrepareRetrieveRequest(
+            keys=list(keys[: p.MAX_KEYS]), owner=owner, runs=[int(n) for n in runs]
+        )
         return self._slots(p.PREPARE_RETRIEVE, body, len(keys))
 
     def release(self, lease_ids: Sequence[int]) -> bool:
@@ -325,7 +356,11 @@ class SidecarClient:
                 if self._closed:
                     self._count("closed")
                     return None
-                deadline = time.monotonic() + self.call_timeout_s
+                now = time.monotonic()
+                if now < self._retry_at:  # backing off: an answer at once, no I/O
+                    self._count("backoff")
+                    return None
+                deadline = now + self.call_timeout_s
                 if not self._session_id and not self._hello(deadline):
                     return None
                 reply = self._roundtrip(op, body, deadline)
@@ -336,6 +371,8 @@ class SidecarClient:
                         self._count(p.E_NO_SESSION)
                         return None
                     reply = self._roundtrip(op, body, deadline)
+                if reply is not None:
+                    self._answered()
                 if isinstance(reply, p.ErrorReply):
                     logger.debug("sidecar refused %s: %s", op, reply.message)
                     self._count(reply.code)
@@ -347,10 +384,6 @@ class SidecarClient:
             return None
 
     def _hello(self, deadline: float) -> bool:
-        now = time.monotonic()
-        if now < self._retry_at:
-            self._count("unavailable")
-            return False
         hello = p.HelloRequest(
             client_id=self.client_id,
             role=self.role,
@@ -358,12 +391,13 @@ class SidecarClient:
             namespace=_namespace_map(self.namespace),
             transfer_mode=self.requested_mode,
             pid=os.getpid(),
+            fingerprints=self.more_fingerprints,
         )
         reply = self._roundtrip(p.HELLO, hello, deadline)
         if not isinstance(reply, p.HelloReply):
-            if isinstance(reply, p.ErrorReply):
+            if isinstance(reply, p.ErrorReply):  # no answer has backed off already
                 self._count(reply.code)
-            self._back_off()
+                self._back_off()
             return False
         try:
             arena = _Arena(reply.arena_name, reply.arena_size)
@@ -377,11 +411,12 @@ class SidecarClient:
         self._arena = arena
         self._session_id = reply.session_id
         self.chunk_size = reply.chunk_size
+        # An older sidecar does not say: its default share, a quarter of L1.
+        self.write_budget = reply.write_budget or reply.arena_size // 4
         self.server_version = reply.server_version
         self._epoch += 1
         self._connected = True
-        self._backoff_s = BACKOFF_MIN_S
-        self._retry_at = 0.0
+        self._answered()
         self._open_live(reply.session_id)
         self._granted_mode = reply.transfer_mode
         if self.requested_mode == "ipc" and reply.transfer_mode != "ipc":
@@ -425,9 +460,15 @@ class SidecarClient:
             self._live = None
 
     def _back_off(self) -> None:
+        """The sidecar did not answer: calls answer at once for a while, and
+        for twice as long (up to the cap) after each further miss."""
         self._connected = False
         self._retry_at = time.monotonic() + self._backoff_s
-        self._backoff_s = min(BACKOFF_MAX_S, self._backoff_s * 2)
+        self._backoff_s = min(self.backoff_max_s, self._backoff_s * 2)
+
+    def _answered(self) -> None:
+        self._backoff_s = self.backoff_min_s
+        self._retry_at = 0.0
 
     def _lost_session(self) -> None:
         """The session is gone (sidecar down, restarted or reaping us): so is the
@@ -461,12 +502,13 @@ class SidecarClient:
         if not self._send(frame, deadline):
             self._count("unavailable")
             self._lost_session()
+            self._back_off()
             return None
         while True:
             remaining_ms = (deadline - time.monotonic()) * 1000
             if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
                 self._count("timeout")
-                self._connected = False
+                self._back_off()
                 return None
             frames = sock.recv_multipart(zmq.NOBLOCK)
             try:

@@ -11,12 +11,23 @@ Rules it keeps:
 * only whole chunks count, keyed by vLLM's own ``request.block_hashes``
   (chunk ``i`` = hash of its last block), so our hits line up with vLLM's
   prefix cache and a different prefix never matches;
+* with several TP/PP ranks, each rank stores under its own namespace; one
+  LOOKUP names every rank's keys and the hit is the prefix all ranks hold
+  (a chunk one rank lacks would otherwise be a load error);
+* a waiting request vLLM asks about again every step is looked up once:
+  the chunks found stay pinned for it until it finishes;
 * never claims the prompt's last token: vLLM must compute at least one
   token to sample from;
 * starts after ``num_computed_tokens`` (what vLLM's prefix cache already
   has) and never writes those blocks (they may be shared);
 * saves a chunk once all its tokens are computed (chunked prefill may
   take several steps), once per request; preemption forgets the blocks.
+
+Lookups never block vLLM's scheduler loop: the LOOKUP runs on one
+background thread, and while it is in flight the answer is None ("ask
+again later", per vLLM's contract); the next time vLLM asks, the answer
+is there. END_REQUEST goes through the same thread, so it always follows
+the request's lookup.
 
 Any sidecar problem makes a lookup a miss; a bug here logs and counts a
 miss, it never raises into vLLM's scheduler.
@@ -25,14 +36,16 @@ miss, it never raises into vLLM's scheduler.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kvstrata.connector.client import SidecarClient
 from kvstrata.connector.events import ChunkRegistry, KVEventFeed, describe_chunks
-from kvstrata.connector.gate import RetryGate
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, ReqId, RequestTransfer
-from kvstrata.sidecar.keys import chunk_keys_from_block_hashes
+from kvstrata.sidecar import protocol as p
+from kvstrata.sidecar.keys import Namespace, chunk_keys_from_block_hashes
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -55,6 +68,10 @@ class _RequestState:
     load_tiers: dict[str, int] = field(default_factory=dict)  # its tokens by tier
     stored_chunks: int = 0  # chunks known stored or already sent for saving
     pinned: bool = False  # a lookup hit: the sidecar pins a prefetch for us
+    asked_chunks: int = 0  # chunks the last answered lookup asked about
+    hit_chunks: int = 0  # and how many of them it found (pinned while ``pinned``)
+    pending: Future[p.LookupReply | None] | None = None  # a lookup in flight
+    pending_chunks: int = 0  # the chunks it asks about
 
 
 @dataclass
@@ -75,27 +92,33 @@ class KVStrataScheduler:
     def __init__(self, settings: ConnectorSettings, kv_events: bool = False) -> None:
         self.settings = settings
         self.enabled = settings.layout is not None
-        self.client = self._new_client()
+        # Every rank stores under its own namespace; a chunk is a hit only
+        # when all of them hold it (rank 0's namespace first).
+        self.rank_namespaces = rank_namespaces(settings.namespace)
+        self.client = self._new_client(more_namespaces=self.rank_namespaces[1:])
         # KV events (vLLM's --kv-events-config): the tiers' changes, read on a
-        # session of their own (kvstrata.connector.events).
+        # session of their own (kvstrata.connector.events); rank 0's namespace
+        # only, so that each chunk is one event.
         self.events: KVEventFeed | None = None
         self._described: ChunkRegistry | None = None
         if kv_events and self.enabled:
             self.events = KVEventFeed(self._new_client(), settings.block_size)
             self._described = self.events.registry
-        self.gate = RetryGate(self.client, settings.retry_interval_s)
         self.counters = SchedulerCounters()
         self._reqs: dict[ReqId, _RequestState] = {}
         self._warned_chunk_size = False
+        # One thread: calls run in order (a request's END_REQUEST after its LOOKUP).
+        self._calls = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-lookup")
 
-    def _new_client(self) -> SidecarClient:
+    def _new_client(self, more_namespaces: Sequence[Namespace] = ()) -> SidecarClient:
         s = self.settings
         return SidecarClient(
             s.endpoint,
-            s.namespace,
+            self.rank_namespaces[0],
             role="scheduler",
             call_timeout_s=s.call_timeout_s,
             curve=s.curve,
+            more_namespaces=more_namespaces,
         )
 
     def take_events(self) -> list:
@@ -104,8 +127,9 @@ class KVStrataScheduler:
 
     # -- lookups --------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        """Prompt tokens beyond ``num_computed_tokens`` we can load (0 = none)."""
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
+        """Prompt tokens beyond ``num_computed_tokens`` we can load (0 = none;
+        None = a lookup is in flight, ask again later). Never waits for the sidecar."""
         try:
             return self._match(request, num_computed_tokens)
         except Exception:
@@ -115,7 +139,7 @@ class KVStrataScheduler:
             self.counters.errors += 1
             return 0
 
-    def _match(self, request: Request, num_computed_tokens: int) -> int:
+    def _match(self, request: Request, num_computed_tokens: int) -> int | None:
         state = self._reqs.get(request.request_id)
         if state is None:
             state = self._reqs[request.request_id] = _RequestState(request)
@@ -131,37 +155,58 @@ class KVStrataScheduler:
         loadable = min(
             (request.num_prompt_tokens - 1) // chunk,
             len(request.block_hashes) // self.settings.blocks_per_chunk,
+            p.MAX_KEYS // len(self.rank_namespaces),
         )
         if loadable * chunk <= num_computed_tokens:
             return 0
-        self.counters.lookups += 1
-        if not self.gate.allow():  # the sidecar is down: a miss, at once
-            self.counters.lookup_failures += 1
-            return 0
-        bpc = self.settings.blocks_per_chunk
-        keys = chunk_keys_from_block_hashes(
-            self.client.fingerprint, request.block_hashes[: loadable * bpc], bpc
-        )
-        reply = self.client.lookup(keys, prefetch=True, owner=request.request_id)
-        self._check_chunk_size()
-        if reply is None:
-            self.counters.lookup_failures += 1
-            return 0
-        state.pinned = state.pinned or reply.hit_chunks > 0
-        hit_end = min(reply.hit_chunks, loadable) * chunk
+        if state.pinned and state.asked_chunks == loadable:
+            # Asked again (a waiting request, every step): the chunks found
+            # last time stay pinned for it; no second call, no second lease.
+            hit_chunks, tiers = state.hit_chunks, state.tiers
+        else:
+            if state.pending is None or state.pending_chunks != loadable:
+                state.pending = self._start_lookup(request, loadable)
+                state.pending_chunks = loadable
+            if not state.pending.done():
+                return None
+            reply = state.pending.result()
+            state.pending = None
+            self._check_chunk_size()
+            if reply is None:
+                self.counters.lookup_failures += 1
+                return 0
+            hit_chunks, tiers = min(reply.hit_chunks, loadable), list(reply.tiers)
+            state.pinned = state.pinned or hit_chunks > 0
+            state.asked_chunks, state.hit_chunks, state.tiers = loadable, hit_chunks, tiers
+            self._describe(request, range(hit_chunks))  # promotions into L1 become events
+        hit_end = hit_chunks * chunk
         if hit_end <= num_computed_tokens:
             return 0
         state.hit_tokens = hit_end
-        state.tiers = list(reply.tiers)
-        self._describe(request, range(hit_end // chunk))  # promotions into L1 become events
         logger.debug(
             "kvstrata: %s hits %d tokens (%d local) in %s",
             request.request_id,
             hit_end,
             num_computed_tokens,
-            reply.tiers,
+            tiers,
         )
         return hit_end - num_computed_tokens
+
+    def _start_lookup(self, request: Request, loadable: int) -> Future[p.LookupReply | None]:
+        """LOOKUP (with prefetch) of every rank's first ``loadable`` chunks, on
+        the background thread."""
+        self.counters.lookups += 1
+        bpc = self.settings.blocks_per_chunk
+        hashes = request.block_hashes[: loadable * bpc]
+        fingerprints = [self.client.fingerprint, *self.client.more_fingerprints]
+        keys = [k for fp in fingerprints for k in chunk_keys_from_block_hashes(fp, hashes, bpc)]
+        return self._calls.submit(
+            self.client.lookup,
+            keys,
+            prefetch=True,
+            owner=request.request_id,
+            groups=len(fingerprints),
+        )
 
     def _check_chunk_size(self) -> None:
         theirs = self.client.chunk_size
@@ -300,8 +345,9 @@ class KVStrataScheduler:
     def request_finished(self, req_id: ReqId) -> None:
         """Forget the request and drop its prefetch pins in the sidecar."""
         state = self._reqs.pop(req_id, None)
-        if state is not None and state.pinned and self.client.available():
-            self.client.end_request(req_id)
+        if state is not None and (state.pinned or state.pending is not None):
+            # On the lookup thread: after the request's LOOKUP, never before it.
+            self._calls.submit(self.client.end_request, req_id)
 
     def _describe(self, request: Request, chunks: range) -> None:
         s = self.settings
@@ -315,6 +361,16 @@ class KVStrataScheduler:
         )
 
     def close(self) -> None:
+        self._calls.shutdown(wait=True, cancel_futures=True)
         if self.events is not None:
             self.events.close()
         self.client.close()
+
+
+def rank_namespaces(namespace: Namespace) -> list[Namespace]:
+    """The namespace of every TP/PP rank of the engine, rank (0, 0) first."""
+    return [
+        replace(namespace, tp_rank=tp, pp_rank=pp)
+        for pp in range(max(1, namespace.pp_size))
+        for tp in range(max(1, namespace.tp_size))
+    ]

@@ -11,8 +11,6 @@ Configuration (``kv_transfer_config.kv_connector_extra_config``):
 ``load_timeout_seconds``   deadline of the whole load of one request (default 5.0)
 ``chunk_size``             tokens per chunk, a multiple of the block size (default 256;
                            should equal the sidecar's ``chunk_size``)
-``retry_interval_seconds`` while the sidecar does not answer, one call per this interval
-                           (doubling, up to 8x) probes it; the others are misses (default 1.0)
 ``transfer_mode``          ``auto`` (default: ipc when the KV is on a GPU the sidecar sees,
                            else host), ``ipc`` or ``host``; see :mod:`kvstrata.connector.ipc`
 ``kv_cache_layout``        a vLLM KVCacheLayout to ask for (e.g. ``BLNHC``: cross-layer
@@ -51,7 +49,6 @@ class ConnectorSettings:
     endpoint: str
     call_timeout_s: float
     load_timeout_s: float
-    retry_interval_s: float
     chunk_size: int
     block_size: int
     num_blocks: int  # vLLM's KV cache blocks (its kernels may split them further)
@@ -86,7 +83,6 @@ def settings_from_config(
         endpoint=endpoint,
         call_timeout_s=_float(extra, "call_timeout_seconds", 0.5),
         load_timeout_s=_float(extra, "load_timeout_seconds", 5.0),
-        retry_interval_s=_float(extra, "retry_interval_seconds", 1.0),
         transfer_mode=transfer_mode,
         chunk_size=chunk_size,
         block_size=block_size,

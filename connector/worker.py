@@ -9,6 +9,13 @@ Why separate from the scheduler: this half runs next to the KV tensors
 * saves, after it (``wait_for_save``): lease fresh arena space
   (``prepare_store``), gather the blocks into it, commit.
 
+One round trip per step and direction: every request's chunks of a step go
+in one PREPARE_RETRIEVE (one run per request, so a miss ends only its own
+request's prefix) and one RELEASE, or one PREPARE_STORE and one
+COMMIT_STORE (one SAVE_BLOCKS in ipc mode; more pairs only when the step's
+chunks exceed what the sidecar lets one session hold uncommitted), under the step owner
+:data:`STEP_OWNER` (leases are ended by id, never by owner).
+
 Both copy through one ``torch.frombuffer`` view over the mapped shared
 arena, re-made whenever the client's :attr:`~SidecarClient.epoch` changes
 (a sidecar restart re-maps the arena; slots of an older epoch are void).
@@ -37,7 +44,6 @@ import torch
 from kvstrata.connector import ipc
 from kvstrata.connector.client import ArenaSlot, SidecarClient
 from kvstrata.connector.device import DeviceCopies, copies_for
-from kvstrata.connector.gate import RetryGate
 from kvstrata.connector.layout import ChunkLayout, UnsupportedLayoutError, detect_layout
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, RequestTransfer
 from kvstrata.sidecar.keys import make_key
@@ -48,6 +54,8 @@ if TYPE_CHECKING:
     from kvstrata.connector.settings import ConnectorSettings
 
 logger = logging.getLogger(__name__)
+
+STEP_OWNER = "kvstrata-step"  # owner of a step's arena leases (released by id)
 
 
 @dataclass
@@ -84,7 +92,6 @@ class KVStrataWorker:
             call_timeout_s=settings.call_timeout_s,
             curve=settings.curve,
         )
-        self.gate = RetryGate(self.client, settings.retry_interval_s)
         self.layout: ChunkLayout | None = None
         self.counters = WorkerCounters()
         self._load_errors: set[int] = set()
@@ -187,14 +194,16 @@ class KVStrataWorker:
             self.counters.load_seconds += time.perf_counter() - started
             return
         work: list[tuple[ChunkTransfer, torch.Tensor]] = []
-        for req in meta.loads:
-            try:
-                ready = self._leased_sources(req) if self.layout is not None else []
-            except Exception:
-                logger.exception("kvstrata: load of %s failed; vLLM recomputes it", req.req_id)
-                ready = []
-            work.extend(ready)
-            self._failed_loads(req.chunks[len(ready) :])
+        loads = [req for req in meta.loads if req.chunks]
+        try:
+            ready = self._leased_sources(loads) if self.layout is not None else []
+        except Exception:
+            logger.exception("kvstrata: this step's loads failed; vLLM recomputes them")
+            ready = []
+        for i, req in enumerate(loads):
+            sources = ready[i] if i < len(ready) else []
+            work.extend(sources)
+            self._failed_loads(req.chunks[len(sources) :])
         if work:
             try:
                 self._copy_in(work)
@@ -221,36 +230,44 @@ class KVStrataWorker:
             self._load_errors.update(chunk.block_ids[chunk.first_block :])
         self.counters.failed_chunks += len(chunks)
 
-    def _leased_sources(self, req: RequestTransfer) -> list[tuple[ChunkTransfer, torch.Tensor]]:
-        """Lease the request's chunks; the arena bytes of the leading ones that fit.
+    def _leased_sources(
+        self, reqs: list[RequestTransfer]
+    ) -> list[list[tuple[ChunkTransfer, torch.Tensor]]]:
+        """Lease every request's chunks in one call; per request, the arena
+        bytes of its leading chunks that fit.
 
         The leases of every returned chunk stay held (``_pending_leases``)
         until the copies from them have finished; the others are released now.
         """
-        layout = self.layout
-        assert layout is not None  # checked by the caller
         deadline = time.monotonic() + self.settings.load_timeout_s
         fp = self.client.fingerprint
-        keys = [make_key(fp, c.chunk_hash) for c in req.chunks]
-        slots = self.client.prepare_retrieve(keys, owner=req.req_id)
+        keys = [make_key(fp, c.chunk_hash) for r in reqs for c in r.chunks]
+        runs = [len(r.chunks) for r in reqs]
+        slots = self.client.prepare_retrieve(keys, owner=STEP_OWNER, runs=runs) if keys else None
         if slots is None:
             return []
         epoch = self.client.epoch
         arena = self._arena()
-        ready: list[tuple[ChunkTransfer, torch.Tensor]] = []
-        for chunk, slot in zip(req.chunks, slots, strict=False):
-            if slot is None or arena is None or self.client.epoch != epoch:
-                break
-            if time.monotonic() > deadline or not self._slot_fits(slot):
-                logger.debug("kvstrata: slot %s refused (deadline or shape)", slot)
-                break
-            ready.append((chunk, arena[slot.offset : slot.offset + slot.length]))
-        held = [s.lease_id for s in slots[: len(ready)] if s is not None]
-        rest = [s.lease_id for s in slots[len(ready) :] if s is not None]
-        self._pending_leases.extend(held)
+        out: list[list[tuple[ChunkTransfer, torch.Tensor]]] = []
+        rest: list[int] = []
+        start = 0
+        for req in reqs:
+            req_slots = slots[start : start + len(req.chunks)]
+            start += len(req.chunks)
+            ready: list[tuple[ChunkTransfer, torch.Tensor]] = []
+            for chunk, slot in zip(req.chunks, req_slots, strict=True):
+                if slot is None or arena is None or self.client.epoch != epoch:
+                    break
+                if time.monotonic() > deadline or not self._slot_fits(slot):
+                    logger.debug("kvstrata: slot %s refused (deadline or shape)", slot)
+                    break
+                ready.append((chunk, arena[slot.offset : slot.offset + slot.length]))
+            self._pending_leases.extend(s.lease_id for s in req_slots[: len(ready)] if s)
+            rest.extend(s.lease_id for s in req_slots[len(ready) :] if s is not None)
+            out.append(ready)
         if rest:
             self.client.release(rest)
-        return ready
+        return out
 
     def _copy_in(self, work: list[tuple[ChunkTransfer, torch.Tensor]]) -> None:
         """Scatter every chunk into vLLM's KV.
@@ -297,44 +314,49 @@ class KVStrataWorker:
         if meta is None or not meta.saves or self.layout is None:
             return
         started = time.perf_counter()
-        for req in meta.saves:
+        chunks = [chunk for req in meta.saves for chunk in req.chunks]
+        # As many chunks per round trip as the sidecar lets one session hold
+        # uncommitted (it skips the rest): usually the whole step at once.
+        budget = self.client.write_budget  # 0 until the first HELLO: try the whole step
+        per_call = max(1, budget // self.layout.chunk_nbytes) if budget else len(chunks) or 1
+        for i in range(0, len(chunks), per_call):
+            batch = chunks[i : i + per_call]
             try:
-                self._save_request(req)
+                self._save_chunks(batch)
             except Exception:
-                logger.exception("kvstrata: save of %s failed; dropped", req.req_id)
-                self.counters.save_dropped_chunks += len(req.chunks)
+                logger.exception("kvstrata: this step's saves failed; dropped")
+                self.counters.save_dropped_chunks += len(batch)
         self.counters.save_seconds += time.perf_counter() - started
 
-    def _save_request(self, req: RequestTransfer) -> None:
+    def _save_chunks(self, chunks: list[ChunkTransfer]) -> None:
+        """Save every chunk of the step in one PREPARE_STORE + COMMIT_STORE
+        (one SAVE_BLOCKS in ipc mode)."""
         layout = self.layout
         assert layout is not None  # checked by the caller
-        if not self.gate.allow():  # the sidecar is down: drop the save at once
-            self.counters.save_dropped_chunks += len(req.chunks)
-            return
         fp = self.client.fingerprint
-        keys = [make_key(fp, c.chunk_hash) for c in req.chunks]
+        keys = [make_key(fp, c.chunk_hash) for c in chunks]
         if self.client.transfer_mode == "ipc":
             event, handle = ipc.compute_done_event()
             committed = self.client.save_blocks(
-                keys, [c.block_ids for c in req.chunks], handle, req.req_id
+                keys, [c.block_ids for c in chunks], handle, STEP_OWNER
             )
             del event  # the sidecar has waited for it
             if committed is None:
-                self.counters.save_dropped_chunks += len(req.chunks)
+                self.counters.save_dropped_chunks += len(chunks)
             else:
                 self.counters.saved_chunks += sum(committed)
                 self.counters.save_skipped_chunks += len(committed) - sum(committed)
             return
         slots = self.client.prepare_store(
-            keys, layout.chunk_nbytes, layout.dtype_str, layout.chunk_shape, owner=req.req_id
+            keys, layout.chunk_nbytes, layout.dtype_str, layout.chunk_shape, owner=STEP_OWNER
         )
         if slots is None:
-            self.counters.save_dropped_chunks += len(req.chunks)
+            self.counters.save_dropped_chunks += len(chunks)
             return
         arena = self._arena()
         lease_ids: list[int] = []
         ok: list[bool] = []
-        for chunk, slot in zip(req.chunks, slots, strict=False):
+        for chunk, slot in zip(chunks, slots, strict=False):
             if slot is None:
                 self.counters.save_skipped_chunks += 1
                 continue

@@ -21,7 +21,8 @@ Data flow:
   promoted into L1 first (L2 reads straight into the reserved slot).
 * ``prefetch``: the same promotion on background threads; the chunks stay
   pinned under leases of ``owner`` until ``release_owner`` (which also ends
-  the leases of prefetches still on their way when it is called).
+  the leases of prefetches still on their way when it is called). One owner
+  holds at most one prefetch lease per chunk, however often it asks.
 
 Leases: every slot handed out is a lease (read or write) with an id that
 is never reused. A leased object is never evicted or freed. Leases end by
@@ -431,13 +432,20 @@ class StorageManager:
     def prefetch(self, keys: Sequence[ChunkKey], owner: str) -> int:
         """Bring ``keys`` into L1 in the background, pinned under leases of
         ``owner``; the number of chunks pinned now or scheduled. Stops at the
-        first key no local index knows unless a shared tier may have it."""
+        first key no local index knows unless a shared tier may have it.
+        Keys ``owner`` already holds a read lease on, or is prefetching, are
+        counted as pinned and not leased again."""
         scheduled = 0
         to_fetch: list[ChunkKey] = []
         with self._lock:
             if self._closed:
                 return 0
+            pinned = self._leases.read_keys(owner) | self._prefetcher.in_flight(owner)
+            fresh = 0
             for key in keys:
+                if key in pinned:
+                    scheduled += 1
+                    continue
                 entry = self._store.entries.get(key)
                 if entry is not None and entry.state == READY:
                     self._read_lease(entry, owner)
@@ -445,10 +453,11 @@ class StorageManager:
                     to_fetch.append(key)
                 else:
                     break
+                fresh += 1
                 scheduled += 1
-            self._count("prefetch_chunks_total", scheduled)
+            self._count("prefetch_chunks_total", fresh)
             if to_fetch:
-                self._prefetcher.expect(owner, len(to_fetch))
+                self._prefetcher.expect(owner, to_fetch)
         self._wb.submit()
         self._prefetcher.start(to_fetch, owner)
         return scheduled

@@ -57,14 +57,14 @@ def _own_keys(keys: list[ChunkKey], session: Session) -> list[ChunkKey]:
     Tenants are separated by their fingerprints; without this check a client
     could name another namespace's key and read (or overwrite) its chunk.
     """
-    fingerprint = session.fingerprint
+    fingerprint, more = session.fingerprint, session.more_fingerprints
     n = len(fingerprint)
     for i, key in enumerate(keys):
-        if key[:n] != fingerprint:
+        if key[:n] != fingerprint and key[:n] not in more:
             raise p.ProtocolError(
                 p.E_BAD_REQUEST,
                 f"field 'keys[{i}]': the key is not in this session's namespace "
-                "(its first 16 bytes must be HELLO's fingerprint)",
+                "(its first 16 bytes must be one of HELLO's fingerprints)",
             )
     return keys
 
@@ -140,7 +140,13 @@ class Handlers:
                 f"(served: {sorted(self.transfer_modes)})",
             )
         session, replaced = self.sessions.open(
-            body.client_id, body.role, body.pid, mode, identity, body.fingerprint
+            body.client_id,
+            body.role,
+            body.pid,
+            mode,
+            identity,
+            body.fingerprint,
+            frozenset(body.fingerprints or ()),
         )
         for old in replaced:
             self.reclaim(old)
@@ -155,16 +161,22 @@ class Handlers:
             transfer_mode=mode,
             lease_seconds=self.config.server.lease_seconds,
             fallback_reason=fallback,
+            write_budget=self.write_budget,
         )
 
     def _lookup(self, body: p.LookupRequest, session: Session) -> p.LookupReply:
-        keys = _own_keys(body.keys, session)
-        result = self.engine.lookup(keys)
-        hit = max(0, min(result.hit_chunks, len(keys)))
-        tiers = list(result.tiers[:hit])
+        all_keys = _own_keys(body.keys, session)
+        n = len(all_keys) // body.groups
+        runs = [all_keys[g * n : (g + 1) * n] for g in range(body.groups)]
+        # One run per rank namespace: a chunk counts when every rank holds it.
+        results = [self.engine.lookup(keys) for keys in runs]
+        hit = max(0, min(min(r.hit_chunks for r in results), n))
+        tiers = list(results[0].tiers[:hit])
         if body.prefetch and hit:
-            self.engine.prefetch(keys[:hit], session.owner_key(body.owner))
-        self.metrics.count_lookup(len(keys), tiers, self.config.chunk_size, result.asked)
+            owner_key = session.owner_key(body.owner)
+            for keys in runs:
+                self.engine.prefetch(keys[:hit], owner_key)
+        self.metrics.count_lookup(n, tiers, self.config.chunk_size, results[0].asked)
         return p.LookupReply(hit_chunks=hit, tiers=tiers)
 
     def _prepare_store(self, body: p.PrepareStoreRequest, session: Session) -> p.SlotsReply:
@@ -208,12 +220,14 @@ class Handlers:
         keys = _own_keys(body.keys, session)
         owner_key = session.owner_key(body.owner)
         slots: list[p.SlotInfo | None] = []
-        for key in keys:
-            slot = self.engine.acquire(key, owner_key)
-            if slot is None:
-                break  # a prefix is only usable up to its first gap: skip the I/O after it
-            slots.append(_slot_info(slot))
-        slots.extend([None] * (len(keys) - len(slots)))
+        for run in body.runs or [len(keys)]:
+            start = len(slots)
+            for key in keys[start : start + run]:
+                slot = self.engine.acquire(key, owner_key)
+                if slot is None:
+                    break  # a prefix is only usable up to its first gap: skip the I/O after it
+                slots.append(_slot_info(slot))
+            slots.extend([None] * (start + run - len(slots)))
         return p.SlotsReply(slots=slots)
 
     def _release(self, body: p.ReleaseRequest, session: Session) -> p.CountReply:

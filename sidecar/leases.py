@@ -120,6 +120,11 @@ class LeaseTable:
         leases = [self.pop(i) for i in ids]
         return [lease for lease in leases if lease is not None]
 
+    def read_keys(self, owner: str) -> set[ChunkKey]:
+        """The keys ``owner`` holds read leases on."""
+        leases = (self._leases[i] for i in self._by_owner.get(owner, ()))
+        return {lease.slot.key for lease in leases if not lease.write}
+
     def pop_owner(self, owner: str) -> list[Lease]:
         """Remove and return every lease of ``owner``."""
         leases = [self.pop(i) for i in list(self._by_owner.get(owner, ()))]

@@ -21,6 +21,7 @@ from kvstrata.sidecar.wire import (
     EVENTS,
     HELLO,
     LOOKUP,
+    MAX_GROUPS,
     MAX_STR,
     PING,
     PREPARE_RETRIEVE,
@@ -104,6 +105,7 @@ class HelloRequest(Message):
     namespace: dict[str, Any] | None = None
     transfer_mode: str = "host"
     pid: int = 0
+    fingerprints: list[bytes] = field(default_factory=list)  # more namespaces it may name
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> HelloRequest:
@@ -120,7 +122,16 @@ class HelloRequest(Message):
             namespace=namespace,
             transfer_mode=read_str(required(body, "transfer_mode"), "transfer_mode", 16),
             pid=read_int(body.get("pid", 0), "pid"),
+            fingerprints=read_items(
+                body.get("fingerprints") or [], "fingerprints", _read_fingerprint, MAX_GROUPS
+            ),
         )
+
+
+def _read_fingerprint(value: Any, name: str) -> bytes:
+    if not isinstance(value, bytes) or len(value) != FINGERPRINT_BYTES:
+        raise bad_field(name, f"{FINGERPRINT_BYTES} bytes", value)
+    return value
 
 
 @dataclass(slots=True)
@@ -134,6 +145,7 @@ class HelloReply(Message):
     transfer_mode: str = "host"
     lease_seconds: float = 0.0
     fallback_reason: str = ""  # why an asked-for mode was not granted
+    write_budget: int = 0  # bytes of uncommitted writes a session may hold (0: not said)
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> HelloReply:
@@ -149,6 +161,7 @@ class HelloReply(Message):
             transfer_mode=read_str(required(body, "transfer_mode"), "transfer_mode", 16),
             lease_seconds=float(lease),
             fallback_reason=read_str(body.get("fallback_reason", ""), "fallback_reason"),
+            write_budget=read_int(body.get("write_budget", 0), "write_budget"),
         )
 
 
@@ -158,13 +171,21 @@ class LookupRequest(Message):
     keys: list[ChunkKey] = field(default_factory=list)
     prefetch: bool = False
     owner: str = ""
+    groups: int = 1  # keys in this many equal runs, one per rank namespace
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> LookupRequest:
+        keys = read_keys(required(body, "keys"))
+        groups = read_int(body.get("groups", 1), "groups", 1, MAX_GROUPS)
+        if len(keys) % groups:
+            raise ProtocolError(
+                E_BAD_REQUEST, f"field 'groups': {len(keys)} keys do not split into {groups} runs"
+            )
         return cls(
-            keys=read_keys(required(body, "keys")),
+            keys=keys,
             prefetch=read_bool(required(body, "prefetch"), "prefetch"),
             owner=read_str(required(body, "owner"), "owner"),
+            groups=groups,
         )
 
 
@@ -258,12 +279,17 @@ class PrepareRetrieveRequest(Message):
     op: ClassVar[str] = PREPARE_RETRIEVE
     keys: list[ChunkKey] = field(default_factory=list)
     owner: str = ""
+    runs: list[int] = field(default_factory=list)  # prefix lengths; empty: one run
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> PrepareRetrieveRequest:
-        return cls(
-            keys=read_keys(required(body, "keys")), owner=read_str(required(body, "owner"), "owner")
-        )
+        keys = read_keys(required(body, "keys"))
+        runs = read_items(body.get("runs") or [], "runs", lambda v, n: read_int(v, n, 1))
+        if runs and sum(runs) != len(keys):
+            raise ProtocolError(
+                E_BAD_REQUEST, f"field 'runs': sums to {sum(runs)}, not {len(keys)}"
+            )
+        return cls(keys=keys, owner=read_str(required(body, "owner"), "owner"), runs=runs)
 
 
 @dataclass(slots=True)

@@ -49,15 +49,19 @@ class Prefetcher:
         self._end_lease = end_lease
         self._pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="kvstrata-prefetch")
         self._pending: set[Future[object]] = set()
-        self._in_flight: dict[str, int] = {}
+        self._in_flight: dict[str, set[ChunkKey]] = {}  # owner -> keys on their way
         self._ended: set[str] = set()
 
-    def expect(self, owner: str, n: int) -> None:
-        """Caller holds the lock: ``n`` jobs of ``owner`` are about to start.
+    def expect(self, owner: str, keys: Sequence[ChunkKey]) -> None:
+        """Caller holds the lock: jobs of ``owner`` for ``keys`` are about to start.
 
-        Counted before the jobs exist, so that a release of ``owner`` from
-        now on knows to end the leases they will take."""
-        self._in_flight[owner] = self._in_flight.get(owner, 0) + n
+        Noted before the jobs exist, so that a release of ``owner`` from now
+        on knows to end the leases they will take."""
+        self._in_flight.setdefault(owner, set()).update(keys)
+
+    def in_flight(self, owner: str) -> set[ChunkKey]:
+        """Caller holds the lock: the keys ``owner``'s running jobs are fetching."""
+        return set(self._in_flight.get(owner, ()))
 
     def start(self, keys: Sequence[ChunkKey], owner: str) -> None:
         """Without the lock: one job per key (after :meth:`expect`)."""
@@ -94,10 +98,9 @@ class Prefetcher:
             logger.exception("prefetch of a chunk failed")
         with self._cond:
             ended = owner in self._ended
-            left = self._in_flight.get(owner, 1) - 1
-            if left > 0:
-                self._in_flight[owner] = left
-            else:
+            left = self._in_flight.get(owner, set())
+            left.discard(key)
+            if not left:
                 self._in_flight.pop(owner, None)
                 self._ended.discard(owner)
             # The request ended while this chunk was on its way: its lease

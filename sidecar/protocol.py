@@ -23,7 +23,13 @@ restarted, or reaped the client) or one opened by another ZeroMQ peer (a
 session belongs to the connection that said HELLO) is answered with the
 error code ``no_session`` and the client says HELLO again. Every key a
 session names must start with its HELLO ``fingerprint``; any other key is
-``bad_request``. An error reply's body is
+``bad_request``; HELLO's optional ``fingerprints`` name further namespaces
+the session may use (a scheduler's: one per TP/PP rank of its engine), and
+LOOKUP's optional ``groups`` splits its keys into that many equal runs, one
+per rank namespace, answering the prefix every run holds; PREPARE_RETRIEVE's
+optional ``runs`` (lengths summing to the key count) makes each run a prefix
+of its own (one per request of a step: a miss ends its run only). An error
+reply's body is
 ``{"code": str, "message": str}``; ``message`` names what was wrong.
 
 Ops (body fields; the dataclasses of :mod:`.messages` and :mod:`.ipc_messages` give
@@ -33,12 +39,12 @@ the exact types):
 op             request                                   reply
 ============== ========================================= ==========================================
 HELLO          client_id, role, fingerprint, namespace,  session_id, arena_name, arena_size,
-               transfer_mode, pid                        chunk_size, server_version, transfer_mode,
+               transfer_mode, pid, [fingerprints]        chunk_size, server_version, transfer_mode,
                                                          lease_seconds
-LOOKUP         keys, prefetch, owner                     hit_chunks, tiers
+LOOKUP         keys, prefetch, owner, [groups]           hit_chunks, tiers
 PREPARE_STORE  keys, nbytes, dtype, shape, owner         slots (one per key, nil = skip the key)
 COMMIT_STORE   lease_ids, ok                             committed (one bool per lease id)
-PREPARE_RETRIEVE keys, owner                             slots (one per key, nil = miss)
+PREPARE_RETRIEVE keys, owner, [runs]                     slots (one per key, nil = miss)
 RELEASE        lease_ids                                 released
 END_REQUEST    owner                                     released
 PING           (nothing)                                 server_version, session_valid
@@ -132,6 +138,7 @@ from kvstrata.sidecar.wire import (
     KEY_MIN_BYTES,
     LOAD_BLOCKS,
     LOOKUP,
+    MAX_GROUPS,
     MAX_KEYS,
     MAX_MESSAGE_BYTES,
     MAX_NDIM,
@@ -181,6 +188,7 @@ __all__ = [
     "LOOKUP",
     "MAX_BLOCKS_PER_CHUNK",
     "MAX_EVENTS",
+    "MAX_GROUPS",
     "MAX_KEYS",
     "MAX_LAYERS",
     "MAX_MESSAGE_BYTES",

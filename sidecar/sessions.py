@@ -48,6 +48,8 @@ class Session:
     created: float
     last_seen: float
     requests: int = 0
+    # namespaces its keys may carry besides ``fingerprint`` (a scheduler's other ranks)
+    more_fingerprints: frozenset[bytes] = frozenset()
 
     def owner_key(self, owner: str) -> str:
         return f"{self.session_id}{OWNER_SEP}{owner}"
@@ -72,6 +74,7 @@ class SessionTable:
         transfer_mode: str,
         identity: bytes,
         fingerprint: bytes,
+        more_fingerprints: frozenset[bytes] = frozenset(),
     ) -> tuple[Session, list[Session]]:
         """A new session of peer ``identity``; also returns the sessions it
         replaces: those of the same peer, client id, role and pid (the caller
@@ -87,6 +90,7 @@ class SessionTable:
             transfer_mode=transfer_mode,
             identity=identity,
             fingerprint=fingerprint,
+            more_fingerprints=more_fingerprints,
             created=now,
             last_seen=now,
         )

@@ -94,7 +94,8 @@ def test_bytes_flipped_in_the_arena_change_the_outputs(
     corrupt_arena(live_sidecar.status()["arena"]["name"])
     before = counters.snapshot()
     outputs = kit.generate(cached_llm, prompts)
-    assert kit.delta(before, counters.snapshot())["loaded_chunks"] > 0
+    d = kit.delta(before, counters.snapshot())
+    assert d["loaded_chunks"] > 0, d
     assert outputs != reference["corrupted"]
     # Restart the sidecar (fresh arena) so later tests see clean L1 bytes.
     live_sidecar.stop()

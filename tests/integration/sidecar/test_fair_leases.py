@@ -63,3 +63,42 @@ def test_end_request_right_after_a_prefetching_lookup_leaves_no_lease_behind(
 
 def test_a_lease_lasts_seconds_by_default():
     assert SidecarConfig().server.lease_seconds <= 10
+
+
+def test_a_request_looked_up_again_and_again_holds_one_lease_per_chunk(sidecar: Any, kit: Any):
+    """vLLM asks again every step for a waiting request: no lease pile-up."""
+    keys = kit.make_keys(4, seed=330)
+    writer = sidecar.client()
+    assert kit.store(writer, keys, CHUNK, owner="w") == 4
+    scheduler = sidecar.client(role="scheduler")
+    for _ in range(5):
+        found = scheduler.lookup(keys, prefetch=True, owner="req-1")
+        assert found is not None and found.hit_chunks == 4
+    assert sidecar.status()["leases_active"] == 4
+    assert kit.client_leases(sidecar, writer) == 0
+    assert scheduler.end_request("req-1")  # finished without ever loading
+    assert sidecar.status()["leases_active"] == 0
+    writer.close()
+    scheduler.close()
+
+
+def test_lookups_repeated_while_the_prefetch_runs_pin_each_chunk_once(sidecar: Any, kit: Any):
+    keys = kit.make_keys(12, seed=340)
+    writer = sidecar.client()
+    assert kit.store(writer, keys, CHUNK, owner="w") == 12
+    writer.close()
+    sidecar.restart()  # L1 is empty: the prefetch reads L2 on background threads
+    scheduler = sidecar.client(role="scheduler")
+    for _ in range(5):
+        found = scheduler.lookup(keys, prefetch=True, owner="req-2")
+        assert found is not None and found.hit_chunks == 12
+
+    def promoted() -> bool:
+        return sidecar.status()["counters"].get("promotions_total_l2", 0) >= 12
+
+    kit.wait_until(promoted, 10, "the prefetch finished")
+    kit.wait_until(lambda: sidecar.status()["leases_active"] == 12, 3, "one lease per chunk")
+    assert sidecar.status()["counters"]["prefetch_chunks_total"] == 12
+    assert scheduler.end_request("req-2")
+    assert sidecar.status()["leases_active"] == 0
+    scheduler.close()

@@ -12,10 +12,13 @@ SLOT = p.SlotInfo(lease_id=3, offset=4096, length=512, dtype="bfloat16", shape=(
 
 REQUESTS = [
     p.HelloRequest("c1", "worker", b"f" * 16, {"model": "m", "tp_rank": 0}, "host", 42),
+    p.HelloRequest("c2", "scheduler", b"f" * 16, None, "host", 42, [b"g" * 16, b"h" * 16]),
     p.LookupRequest([KEY, KEY], True, "req-1"),
+    p.LookupRequest([KEY, KEY, KEY, KEY], True, "req-1", groups=2),
     p.PrepareStoreRequest([KEY], 512, "bfloat16", (2, 16, 8), "req-1"),
     p.CommitStoreRequest([3, 4], [True, False]),
     p.PrepareRetrieveRequest([KEY], "req-1"),
+    p.PrepareRetrieveRequest([KEY, KEY, KEY], "step", [1, 2]),
     p.ReleaseRequest([3]),
     p.EndRequestRequest("req-1"),
     p.PingRequest(),

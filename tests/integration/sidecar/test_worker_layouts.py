@@ -45,7 +45,6 @@ def settings_for(endpoint: str, case: KVLayoutCase, layout: str | None = None) -
         endpoint=endpoint,
         call_timeout_s=2.0,
         load_timeout_s=5.0,
-        retry_interval_s=1.0,
         chunk_size=chunk_size,
         block_size=BLOCK_SIZE,
         num_blocks=case.num_blocks,
