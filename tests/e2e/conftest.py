@@ -16,6 +16,7 @@ same running engine. Its L2 directory survives restarts.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 from collections.abc import Iterator
@@ -223,6 +224,13 @@ class Counters:
         self.scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.counters
         self.worker = get_kv_transfer_group().counters
 
+    def worker_client_errors(self) -> dict[str, int]:
+        """What the worker's sidecar client counted (timeouts, back-offs, refusals)."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker = get_kv_transfer_group()._worker
+        return dict(worker.client.errors) if worker is not None else {}
+
     def snapshot(self) -> dict[str, int]:
         s, w = self.scheduler, self.worker
         return {
@@ -266,15 +274,27 @@ def kit() -> SimpleNamespace:
     )
 
 
+_THROWAWAY_SEEDS = itertools.count(10_000)
+
+
 def reconnect(llm: Any, counters: Counters, timeout: float = 30.0) -> None:
     """Run throwaway one-chunk prompts until both connector roles reach the
-    sidecar again (after a restart the first call of each may miss)."""
-    seeds = iter(range(10_000, 20_000))
+    sidecar again (after a restart each client may still be backing off).
+
+    A round is clean when its lookup was answered and its one new chunk was
+    saved: every prompt is new (a prompt seen before would load instead of
+    save, and a load that fails only costs a recompute, so it would pass
+    while the worker still backs off)."""
 
     def clean_round() -> bool:
         before = counters.snapshot()
-        generate(llm, [tokens(CHUNK + 16, next(seeds))])
+        generate(llm, [tokens(CHUNK + 16, next(_THROWAWAY_SEEDS))])
         d = delta(before, counters.snapshot())
-        return d["lookup_failures"] == 0 and d["save_dropped_chunks"] == 0
+        return (
+            d["lookup_failures"] == 0
+            and d["save_dropped_chunks"] == 0
+            and d["failed_chunks"] == 0
+            and d["saved_chunks"] > 0
+        )
 
     wait_until(clean_round, timeout, "the connector to reach the sidecar", step=0.1)

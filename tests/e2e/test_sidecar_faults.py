@@ -90,12 +90,16 @@ def test_bytes_flipped_in_the_arena_change_the_outputs(
 ) -> None:
     """Negative control: the comparison catches KV bytes that are wrong."""
     prompts = kit.WORKLOADS["corrupted"]
+    kit.reconnect(cached_llm, counters)  # both roles connected: the prompt is stored
     assert kit.generate(cached_llm, prompts) == reference["corrupted"]  # stored
     corrupt_arena(live_sidecar.status()["arena"]["name"])
     before = counters.snapshot()
     outputs = kit.generate(cached_llm, prompts)
     d = kit.delta(before, counters.snapshot())
-    assert d["loaded_chunks"] > 0, d
+    assert d["loaded_chunks"] > 0, (
+        f"{d} {counters.scheduler} {counters.worker} {counters.worker_client_errors()}"
+        f" {live_sidecar.status()}"
+    )
     assert outputs != reference["corrupted"]
     # Restart the sidecar (fresh arena) so later tests see clean L1 bytes.
     live_sidecar.stop()
