@@ -105,7 +105,7 @@ def settings_from_config(
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     endpoint = str(extra.get("endpoint") or f"ipc://{tempfile.gettempdir()}/kvstrata/sidecar.sock")
     kv_cache_layout = getattr(kv_cache_config, "kv_cache_layout", None)
-    layout = _layout(vllm_config, kv_cache_config, kv_cache_layout)
+    layout = _layout(vllm_config, kv_cache_layout)
     groups = kv_cache_config.kv_cache_groups
     spec = groups[0].kv_cache_spec if groups else None
     block_size = int(getattr(spec, "block_size", vllm_config.cache_config.block_size))
@@ -168,9 +168,7 @@ def _groups(kv_cache_config: KVCacheConfig, namespace: Namespace) -> tuple[KVGro
     return tuple(out)
 
 
-def _layout(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_cache_layout: str | None
-) -> str | None:
+def _layout(vllm_config: VllmConfig, kv_cache_layout: str | None) -> str | None:
     """The namespace layout string, or None (connector disabled, with a warning)
     for a layout vLLM does not name."""
     from vllm.platforms import current_platform
