@@ -162,10 +162,17 @@ class Handlers:
         result = self.engine.lookup(keys)
         hit = max(0, min(result.hit_chunks, len(keys)))
         tiers = list(result.tiers[:hit])
-        if body.prefetch and hit:
-            self.engine.prefetch(keys[:hit], session.owner_key(body.owner))
+        partial, found = [], None  # a partial chunk after the full prefix (see .partials)
+        if hit < len(body.partials):
+            partial = _own_keys(body.partials[hit], session)
+            found = self.engine.lookup_partial(partial)
+        fetch = keys[:hit] + ([partial[found[0]]] if found else [])
+        if body.prefetch and fetch:
+            self.engine.prefetch(fetch, session.owner_key(body.owner))
         self.metrics.count_lookup(len(keys), tiers, self.config.chunk_size, result.asked)
-        return p.LookupReply(hit_chunks=hit, tiers=tiers)
+        if found is None:
+            return p.LookupReply(hit_chunks=hit, tiers=tiers)
+        return p.LookupReply(hit_chunks=hit, tiers=tiers, partial=found[0], partial_tier=found[1])
 
     def _prepare_store(self, body: p.PrepareStoreRequest, session: Session) -> p.SlotsReply:
         if not body.dtype.isascii() or not body.dtype:
@@ -175,7 +182,9 @@ class Handlers:
                 p.E_BAD_REQUEST,
                 f"field 'nbytes': {body.nbytes} exceeds the arena ({self.engine.arena.size})",
             )
-        meta = ChunkMeta(dtype=body.dtype, shape=tuple(body.shape))
+        meta = ChunkMeta(dtype=body.dtype, shape=tuple(body.shape), blocks=body.blocks)
+        if body.covers:  # longer partials and full chunks supersede shorter partials
+            self.engine.drop_partials(_own_keys(body.covers, session), replaced=body.blocks > 0)
         owner_key = session.owner_key(body.owner)
         slots: list[p.SlotInfo | None] = []
         over_budget = 0
@@ -209,7 +218,7 @@ class Handlers:
         owner_key = session.owner_key(body.owner)
         slots: list[p.SlotInfo | None] = []
         for key in keys:
-            slot = self.engine.acquire(key, owner_key)
+            slot = self.engine.acquire(key, owner_key, blocks=body.blocks)
             if slot is None:
                 break  # a prefix is only usable up to its first gap: skip the I/O after it
             slots.append(_slot_info(slot))

@@ -158,13 +158,18 @@ class LookupRequest(Message):
     keys: list[ChunkKey] = field(default_factory=list)
     prefetch: bool = False
     owner: str = ""
+    # partials[i]: keys of partial chunks that may follow i full chunks,
+    # longest first (optional; see kvstrata.sidecar.partials)
+    partials: list[list[ChunkKey]] = field(default_factory=list)
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> LookupRequest:
+        partials = read_list(body.get("partials", []), "partials")
         return cls(
             keys=read_keys(required(body, "keys")),
             prefetch=read_bool(required(body, "prefetch"), "prefetch"),
             owner=read_str(required(body, "owner"), "owner"),
+            partials=each_item(partials, "partials", read_keys),
         )
 
 
@@ -173,13 +178,18 @@ class LookupReply(Message):
     op: ClassVar[str] = LOOKUP
     hit_chunks: int = 0
     tiers: list[str] = field(default_factory=list)
+    partial: int = -1  # index into partials[hit_chunks] of the partial found; -1: none
+    partial_tier: str = ""
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> LookupReply:
         tiers = read_list(required(body, "tiers"), "tiers")
+        partial = body.get("partial", -1)
         return cls(
             hit_chunks=read_int(required(body, "hit_chunks"), "hit_chunks"),
             tiers=each_item(tiers, "tiers", lambda t, n: read_str(t, n, 32)),
+            partial=-1 if partial == -1 else read_int(partial, "partial"),
+            partial_tier=read_str(body.get("partial_tier", ""), "partial_tier", 32),
         )
 
 
@@ -191,6 +201,8 @@ class PrepareStoreRequest(Message):
     dtype: str = "uint8"
     shape: tuple[int, ...] = ()
     owner: str = ""
+    blocks: int = 0  # 0: full chunks; else partial chunks of this many blocks
+    covers: list[ChunkKey] = field(default_factory=list)  # partials these supersede
 
     def to_wire(self) -> dict[str, Any]:
         body = Message.to_wire(self)
@@ -205,6 +217,8 @@ class PrepareStoreRequest(Message):
             dtype=read_str(required(body, "dtype"), "dtype", 16),
             shape=read_shape(required(body, "shape")),
             owner=read_str(required(body, "owner"), "owner"),
+            blocks=read_int(body.get("blocks", 0), "blocks", 0, 0xFFFF),
+            covers=read_keys(body.get("covers", []), "covers"),
         )
 
 
@@ -258,11 +272,14 @@ class PrepareRetrieveRequest(Message):
     op: ClassVar[str] = PREPARE_RETRIEVE
     keys: list[ChunkKey] = field(default_factory=list)
     owner: str = ""
+    blocks: int = 0  # the block count every key must hold (0: full chunks)
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> PrepareRetrieveRequest:
         return cls(
-            keys=read_keys(required(body, "keys")), owner=read_str(required(body, "owner"), "owner")
+            keys=read_keys(required(body, "keys")),
+            owner=read_str(required(body, "owner"), "owner"),
+            blocks=read_int(body.get("blocks", 0), "blocks", 0, 0xFFFF),
         )
 
 
