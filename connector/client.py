@@ -160,16 +160,33 @@ class SidecarClient:
     # -- ops ----------------------------------------------------------------------
 
     def lookup(
-        self, keys: Sequence[ChunkKey], *, prefetch: bool, owner: str
+        self,
+        keys: Sequence[ChunkKey],
+        *,
+        prefetch: bool,
+        owner: str,
+        partials: Sequence[Sequence[ChunkKey]] = (),
     ) -> p.LookupReply | None:
         """Longest stored prefix of ``keys``; with ``prefetch`` the sidecar starts
-        bringing it into L1, pinned for ``owner`` until :meth:`end_request`."""
-        body = p.LookupRequest(keys=list(keys[: p.MAX_KEYS]), prefetch=prefetch, owner=owner)
+        bringing it into L1, pinned for ``owner`` until :meth:`end_request`.
+        ``partials[i]``: candidate partial chunks after ``i`` full chunks,
+        longest first; the reply's ``partial`` indexes ``partials[hit_chunks]``."""
+        body = p.LookupRequest(
+            keys=list(keys[: p.MAX_KEYS]),
+            prefetch=prefetch,
+            owner=owner,
+            partials=[list(c[: p.MAX_KEYS]) for c in partials[: p.MAX_KEYS]],
+        )
         reply = self._call(p.LOOKUP, body)
         if not isinstance(reply, p.LookupReply):
             return None
         if reply.hit_chunks > len(body.keys) or len(reply.tiers) != reply.hit_chunks:
             return self._bad_reply(p.LOOKUP, "hit count disagrees with tiers")
+        if reply.partial >= 0 and (
+            reply.hit_chunks >= len(body.partials)
+            or reply.partial >= len(body.partials[reply.hit_chunks])
+        ):
+            return self._bad_reply(p.LOOKUP, "partial chunk out of range")
         return reply
 
     def prepare_store(
@@ -179,15 +196,21 @@ class SidecarClient:
         dtype: str,
         shape: tuple[int, ...],
         owner: str,
+        blocks: int = 0,
+        covers: Sequence[ChunkKey] = (),
     ) -> list[ArenaSlot | None] | None:
         """Write slots, one per key; a None entry means skip that chunk
-        (already stored or no space). Commit with :meth:`commit_store`."""
+        (already stored or no space). Commit with :meth:`commit_store`.
+        ``blocks``: 0 for full chunks, else the block count of partial ones;
+        ``covers``: partial chunks these keys supersede (the sidecar drops them)."""
         body = p.PrepareStoreRequest(
             keys=list(keys[: p.MAX_KEYS]),
             nbytes=nbytes,
             dtype=dtype,
             shape=tuple(shape),
             owner=owner,
+            blocks=blocks,
+            covers=list(covers[: p.MAX_KEYS]),
         )
         return self._slots(p.PREPARE_STORE, body, len(keys))
 
@@ -211,11 +234,12 @@ class SidecarClient:
         return True
 
     def prepare_retrieve(
-        self, keys: Sequence[ChunkKey], owner: str
+        self, keys: Sequence[ChunkKey], owner: str, blocks: int = 0
     ) -> list[ArenaSlot | None] | None:
         """Read slots, one per key (None = miss; every entry after the first
-        miss is None). Give them back with :meth:`release`."""
-        body = p.PrepareRetrieveRequest(keys=list(keys[: p.MAX_KEYS]), owner=owner)
+        miss is None). Give them back with :meth:`release`. Each object must
+        hold ``blocks`` blocks (0: full chunks), or it is a miss."""
+        body = p.PrepareRetrieveRequest(keys=list(keys[: p.MAX_KEYS]), owner=owner, blocks=blocks)
         return self._slots(p.PREPARE_RETRIEVE, body, len(keys))
 
     def release(self, lease_ids: Sequence[int]) -> bool:

@@ -113,6 +113,15 @@ class ChunkLayout:
     def chunk_nbytes(self) -> int:
         return self.plan.chunk_nbytes(self.blocks_per_chunk)
 
+    def partial_shape(self, blocks: int) -> tuple[int, ...]:
+        """:attr:`chunk_shape` of a partial chunk of ``blocks`` blocks."""
+        p = self.plan
+        outer = (blocks, p.num_layers) if p.block_outer else (p.num_layers, blocks)
+        return (*outer, p.num_segments, p.segment_bytes // self.dtype.itemsize)
+
+    def partial_nbytes(self, blocks: int) -> int:
+        return self.plan.chunk_nbytes(blocks)
+
     @property
     def dtype_str(self) -> str:
         return dtype_name(self.dtype)

@@ -163,13 +163,18 @@ class KVStrataWorker:
             self.copies.register_arena(self._arena_view)
         return self._arena_view
 
-    def _slot_fits(self, slot: ArenaSlot) -> bool:
+    def _slot_fits(self, slot: ArenaSlot, blocks: int = 0) -> bool:
+        """Whether ``slot`` holds a chunk of our layout (of ``blocks`` blocks
+        for a partial chunk, 0 for a full one)."""
         layout = self.layout
+        if layout is None:
+            return False
+        nbytes = layout.partial_nbytes(blocks) if blocks else layout.chunk_nbytes
+        shape = layout.partial_shape(blocks) if blocks else layout.chunk_shape
         return (
-            layout is not None
-            and slot.length == layout.chunk_nbytes
+            slot.length == nbytes
             and slot.dtype == layout.dtype_str
-            and tuple(slot.shape) == layout.chunk_shape
+            and tuple(slot.shape) == shape
             and slot.offset % layout.dtype.itemsize == 0
         )
 
@@ -209,9 +214,10 @@ class KVStrataWorker:
     def _load_by_sidecar(self, req: RequestTransfer) -> None:
         """ipc mode: the sidecar scatters the stored prefix; the rest is a load error."""
         fp = self.client.fingerprint
-        keys = [make_key(fp, c.chunk_hash) for c in req.chunks]
-        blocks = [ipc.load_block_ids(c) for c in req.chunks]
-        loaded = self.client.load_blocks(keys, blocks, req.req_id) or 0
+        full = [c for c in req.chunks if not c.partial]  # partial chunks: host mode only
+        keys = [make_key(fp, c.chunk_hash) for c in full]
+        blocks = [ipc.load_block_ids(c) for c in full]
+        loaded = (self.client.load_blocks(keys, blocks, req.req_id) or 0) if full else 0
         self.counters.loaded_chunks += loaded
         self._failed_loads(req.chunks[loaded:])
 
@@ -230,18 +236,29 @@ class KVStrataWorker:
         layout = self.layout
         assert layout is not None  # checked by the caller
         deadline = time.monotonic() + self.settings.load_timeout_s
+        full = [c for c in req.chunks if not c.partial]
+        ready = self._lease_group(req.req_id, full, 0, deadline) if full else []
+        tail = req.chunks[len(full) :]  # at most one partial chunk, after the full ones
+        if len(ready) == len(full) and len(tail) == 1:
+            ready += self._lease_group(req.req_id, tail, len(tail[0].block_ids), deadline)
+        return ready
+
+    def _lease_group(
+        self, req_id: str, chunks: list[ChunkTransfer], blocks: int, deadline: float
+    ) -> list[tuple[ChunkTransfer, torch.Tensor]]:
+        """:meth:`_leased_sources` for chunks of one block count (0: full)."""
         fp = self.client.fingerprint
-        keys = [make_key(fp, c.chunk_hash) for c in req.chunks]
-        slots = self.client.prepare_retrieve(keys, owner=req.req_id)
+        keys = [make_key(fp, c.chunk_hash) for c in chunks]
+        slots = self.client.prepare_retrieve(keys, owner=req_id, blocks=blocks)
         if slots is None:
             return []
         epoch = self.client.epoch
         arena = self._arena()
         ready: list[tuple[ChunkTransfer, torch.Tensor]] = []
-        for chunk, slot in zip(req.chunks, slots, strict=False):
+        for chunk, slot in zip(chunks, slots, strict=False):
             if slot is None or arena is None or self.client.epoch != epoch:
                 break
-            if time.monotonic() > deadline or not self._slot_fits(slot):
+            if time.monotonic() > deadline or not self._slot_fits(slot, blocks):
                 logger.debug("kvstrata: slot %s refused (deadline or shape)", slot)
                 break
             ready.append((chunk, arena[slot.offset : slot.offset + slot.length]))
@@ -306,13 +323,26 @@ class KVStrataWorker:
         self.counters.save_seconds += time.perf_counter() - started
 
     def _save_request(self, req: RequestTransfer) -> None:
-        layout = self.layout
-        assert layout is not None  # checked by the caller
         if not self.gate.allow():  # the sidecar is down: drop the save at once
             self.counters.save_dropped_chunks += len(req.chunks)
             return
+        full = [c for c in req.chunks if not c.partial]
+        if full:
+            self._save_chunks(req.req_id, full, 0)
+        for chunk in req.chunks[len(full) :]:  # a partial chunk: host mode only
+            if self.client.transfer_mode == "ipc":
+                self.counters.save_skipped_chunks += 1
+            else:
+                self._save_chunks(req.req_id, [chunk], len(chunk.block_ids))
+
+    def _save_chunks(self, req_id: str, chunks: list[ChunkTransfer], blocks: int) -> None:
+        """Save ``chunks``, all of ``blocks`` blocks (0: full chunks)."""
+        layout = self.layout
+        assert layout is not None  # checked by the caller
+        req = RequestTransfer(req_id, chunks)
         fp = self.client.fingerprint
         keys = [make_key(fp, c.chunk_hash) for c in req.chunks]
+        covers = [make_key(fp, h) for c in req.chunks for h in c.covers]
         if self.client.transfer_mode == "ipc":
             event, handle = ipc.compute_done_event()
             committed = self.client.save_blocks(
@@ -325,8 +355,10 @@ class KVStrataWorker:
                 self.counters.saved_chunks += sum(committed)
                 self.counters.save_skipped_chunks += len(committed) - sum(committed)
             return
+        nbytes = layout.partial_nbytes(blocks) if blocks else layout.chunk_nbytes
+        shape = layout.partial_shape(blocks) if blocks else layout.chunk_shape
         slots = self.client.prepare_store(
-            keys, layout.chunk_nbytes, layout.dtype_str, layout.chunk_shape, owner=req.req_id
+            keys, nbytes, layout.dtype_str, shape, req.req_id, blocks=blocks, covers=covers
         )
         if slots is None:
             self.counters.save_dropped_chunks += len(req.chunks)
@@ -338,7 +370,7 @@ class KVStrataWorker:
             if slot is None:
                 self.counters.save_skipped_chunks += 1
                 continue
-            good = arena is not None and self._slot_fits(slot)
+            good = arena is not None and self._slot_fits(slot, blocks)
             if good and arena is not None:
                 try:
                     with self.copies.saving():
