@@ -374,7 +374,9 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append(
         f"odd-length prompt ({odd['prompt_tokens']} tokens): kvstrata hits "
         f"{odd['hit_tokens_per_request']} tokens per request, "
-        f"{r['odd_l1_hit_vs_odd_vllm_prefix_cache_hit']:.2f}x vLLM's own prefix-cache TTFT, "
+        f"{r['odd_l1_hit_vs_odd_vllm_prefix_cache_hit']:.2f}x vLLM's own prefix-cache TTFT "
+        f"(target <= {result['targets']['odd_l1_hit_vs_vllm_max']}x: "
+        f"{'met' if result['targets']['odd_l1_hit_met'] else 'MISSED'}), "
         f"outputs {same} to no cache"
     )
     targets = result["targets"]
