@@ -12,6 +12,10 @@ a short fresh question:
 * ``vllm_prefix_cache_hit``      vLLM's own prefix cache (the reference; no connector)
 * ``warm_start_valkey|s3``       a brand-new vLLM with a fresh sidecar (empty L1 and L2) on
                                  a shared tier another replica filled: its first request
+* ``odd_l1_hit``                 kvstrata, a prompt whose length is no multiple of the
+                                 chunk (4,000 tokens) sent again: whole chunks + a partial
+                                 chunk of the blocks after them (hits to the last full block)
+* ``odd_vllm_prefix_cache_hit``  the same prompt sent again to vLLM's own prefix cache
 
 TTFT is the latency of a one-token generation (vLLM in this process, no
 HTTP). Each figure is the median of ``reps`` requests on distinct
@@ -24,7 +28,8 @@ the cold TTFT (the target). The difference of the two cold medians
 (``cold_with_connector_vs_cold``) is reported too, but on a shared 2-core
 machine it is dominated by noise between the two engines' runs (the raw
 samples are in the JSON).
-Targets: ``l1_hit <= 0.25 x cold``, save overhead ``<= 10 %`` of cold.
+Targets: ``l1_hit <= 0.25 x cold``, save overhead ``<= 10 %`` of cold,
+``odd_l1_hit <= 1.3 x odd_vllm_prefix_cache_hit``.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ SUFFIX_TOKENS = 32
 MODEL = {"hidden_size": 1024, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "head_dim": 128}
 TARGET_L1_RATIO = 0.25
 TARGET_SAVE_OVERHEAD = 0.10
+TARGET_ODD_VS_VLLM = 1.3
+ODD_PROMPT_TOKENS = 4000  # no multiple of CHUNK_SIZE: the hit ends in a partial chunk
 # Shared tiers a brand-new replica warms from (two sidecars on one real server).
 WARM_START_BACKENDS = ("valkey", "s3")
 
@@ -54,8 +61,9 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 
 class _Workload:
-    def __init__(self, prefix_tokens: int, reps: int) -> None:
+    def __init__(self, prefix_tokens: int, reps: int, odd_tokens: int) -> None:
         self.prefixes = [_tokens(prefix_tokens, 1000 + r) for r in range(reps)]
+        self.odd = [_tokens(odd_tokens, 7000 + r) for r in range(reps)]
 
     def prompt(self, rep: int, question: int) -> list[int]:
         return self.prefixes[rep] + _tokens(SUFFIX_TOKENS, 5000 + 100 * rep + question)
@@ -104,12 +112,16 @@ def _baseline(model: Path, work: _Workload, max_len: int) -> dict[str, list[floa
         reps = range(len(work.prefixes))
         cold_runs = [_generate(llm, work.prompt(r, 0)) for r in reps]
         cached = [_ttft(llm, work.prompt(r, 1)) for r in reps]
+        odd_outputs = [_generate(llm, p)[1] for p in work.odd]
+        odd_cached = [_ttft(llm, p) for p in work.odd]
     finally:
         shutdown_engine(llm)
     return {
         "cold": [t for t, _ in cold_runs],
         "cold_outputs": [out for _, out in cold_runs],
         "vllm_prefix_cache_hit": cached,
+        "odd_outputs": odd_outputs,
+        "odd_vllm_prefix_cache_hit": odd_cached,
     }
 
 
@@ -137,6 +149,11 @@ def _with_connector(model: Path, work: _Workload, max_len: int, root: Path) -> d
         l1 = [_ttft(llm, work.prompt(r, 1)) for r in reps]
         load_seconds = (worker.load_seconds - load_before) / len(work.prefixes)
         l1_tokens = sched.hit_tokens_by_tier.get("l1", 0) - hits_before.get("l1", 0)
+        for prompt in work.odd:  # computes and saves
+            _ttft(llm, prompt)
+        odd_before = sched.hit_tokens
+        odd_runs = [_generate(llm, p) for p in work.odd]
+        odd_tokens = (sched.hit_tokens - odd_before) // len(work.odd)
         sidecar.stop()  # SIGTERM flushes the write-behind into L2
         sidecar.start()
         _reconnect(llm, sched)
@@ -155,6 +172,9 @@ def _with_connector(model: Path, work: _Workload, max_len: int, root: Path) -> d
         "load_seconds_per_l1_hit": load_seconds,
         "hit_tokens_l1": l1_tokens,
         "hit_tokens_l2": l2_tokens,
+        "odd_l1_hit": [t for t, _ in odd_runs],
+        "odd_hit_outputs": [out for _, out in odd_runs],
+        "odd_hit_tokens_per_request": odd_tokens,
     }
 
 
@@ -244,18 +264,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     reps = 2 if quick else 3
     max_len = prefix_tokens + SUFFIX_TOKENS + 64
     model = build_tiny_llama(**MODEL, vocab_size=2048, max_position_embeddings=8192)
-    work = _Workload(prefix_tokens, reps)
+    odd_tokens = 1000 if quick else ODD_PROMPT_TOKENS  # both no multiple of CHUNK_SIZE
+    work = _Workload(prefix_tokens, reps, odd_tokens)
     samples: dict[str, Any] = _baseline(model, work, max_len)
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-e2e-") as tmp:
         samples.update(_with_connector(model, work, max_len, Path(tmp)))
         for backend in WARM_START_BACKENDS:
             samples.update(_warm_start(model, work, max_len, Path(tmp) / backend, backend))
+    samples["odd_tokens"] = odd_tokens
     return _result(samples, prefix_tokens, reps)
 
 
 def _result(samples: dict[str, Any], prefix_tokens: int, reps: int) -> dict[str, Any]:
     warm_keys = tuple(f"warm_start_{b}" for b in WARM_START_BACKENDS)
-    keys = ("cold", "cold_with_connector", "l1_hit", "l2_hit", "vllm_prefix_cache_hit", *warm_keys)
+    keys = (
+        "cold",
+        "cold_with_connector",
+        "l1_hit",
+        "l2_hit",
+        "vllm_prefix_cache_hit",
+        *warm_keys,
+        "odd_l1_hit",
+        "odd_vllm_prefix_cache_hit",
+    )
     ttft = {k: round(statistics.median(samples[k]), 4) for k in keys}
     cold = ttft["cold"]
     ratios = {
@@ -265,6 +296,9 @@ def _result(samples: dict[str, Any], prefix_tokens: int, reps: int) -> dict[str,
         "save_overhead_vs_cold": round(samples["save_seconds_per_cold_request"] / cold, 4),
         "cold_with_connector_vs_cold": round(ttft["cold_with_connector"] / cold, 4),
         **{f"{k}_vs_cold": round(ttft[k] / cold, 4) for k in warm_keys},
+        "odd_l1_hit_vs_odd_vllm_prefix_cache_hit": round(
+            ttft["odd_l1_hit"] / ttft["odd_vllm_prefix_cache_hit"], 4
+        ),
     }
     warm_start = {
         k: {
@@ -288,11 +322,20 @@ def _result(samples: dict[str, Any], prefix_tokens: int, reps: int) -> dict[str,
             "hit_tokens_l2": samples["hit_tokens_l2"],
         },
         "warm_start": warm_start,
+        "odd_length": {
+            "prompt_tokens": samples["odd_tokens"],
+            "hit_tokens_per_request": samples["odd_hit_tokens_per_request"],
+            "outputs_equal_no_cache": samples["odd_hit_outputs"] == samples["odd_outputs"],
+        },
         "targets": {
             "l1_hit_vs_cold_max": TARGET_L1_RATIO,
             "save_overhead_max": TARGET_SAVE_OVERHEAD,
             "l1_hit_met": ratios["l1_hit_vs_cold"] <= TARGET_L1_RATIO,
             "save_overhead_met": ratios["save_overhead_vs_cold"] <= TARGET_SAVE_OVERHEAD,
+            "odd_l1_hit_vs_vllm_max": TARGET_ODD_VS_VLLM,
+            "odd_l1_hit_met": (
+                ratios["odd_l1_hit_vs_odd_vllm_prefix_cache_hit"] <= TARGET_ODD_VS_VLLM
+            ),
         },
         "samples_seconds": {k: [round(x, 4) for x in samples[k]] for k in keys},
     }
@@ -309,6 +352,8 @@ def format_table(result: dict[str, Any]) -> str:
         ("vLLM prefix cache hit (reference)", "vllm_prefix_cache_hit"),
         *((f"new replica, warm from {b} (1st request)", f"warm_start_{b}")
           for b in WARM_START_BACKENDS),
+        ("odd-length prompt again, kvstrata L1 hit", "odd_l1_hit"),
+        ("odd-length prompt again, vLLM prefix cache", "odd_vllm_prefix_cache_hit"),
     ]  # fmt: skip
     lines = [
         f"TTFT, {result['prefix_tokens']}-token shared prefix + {result['suffix_tokens']} new "
@@ -324,6 +369,16 @@ def format_table(result: dict[str, Any]) -> str:
     for key, warm in result["warm_start"].items():
         same = "equal" if warm["outputs_equal_no_cache"] else "DIFFERENT"
         lines.append(f"{key}: hit tokens {warm['hit_tokens_by_tier']}, outputs {same} to no cache")
+    odd = result["odd_length"]
+    same = "equal" if odd["outputs_equal_no_cache"] else "DIFFERENT"
+    lines.append(
+        f"odd-length prompt ({odd['prompt_tokens']} tokens): kvstrata hits "
+        f"{odd['hit_tokens_per_request']} tokens per request, "
+        f"{r['odd_l1_hit_vs_odd_vllm_prefix_cache_hit']:.2f}x vLLM's own prefix-cache TTFT "
+        f"(target <= {result['targets']['odd_l1_hit_vs_vllm_max']}x: "
+        f"{'met' if result['targets']['odd_l1_hit_met'] else 'MISSED'}), "
+        f"outputs {same} to no cache"
+    )
     targets = result["targets"]
     l1_met = "met" if targets["l1_hit_met"] else "MISSED"
     save_met = "met" if targets["save_overhead_met"] else "MISSED"

@@ -175,25 +175,43 @@ class SidecarClient:
     # -- ops ----------------------------------------------------------------------
 
     def lookup(
-        self, keys: Sequence[ChunkKey], *, prefetch: bool, owner: str, groups: int = 1
+        self,
+        keys: Sequence[ChunkKey],
+        *,
+        prefetch: bool,
+        owner: str,
+        groups: int = 1,
+        partials: Sequence[Sequence[ChunkKey]] = (),
     ) -> p.LookupReply | None:
         """Longest stored prefix of ``keys``; with ``prefetch`` the sidecar starts
         bringing it into L1, pinned for ``owner`` until :meth:`end_request`.
 
-        With ``groups`` > 1, ``keys`` are that many equal runs (one per rank
+        With ``groups`` > 1, ``keys`` are that many equal runs (one per
         namespace, each named at HELLO) and the answer is the prefix every
-        run holds; then ``keys`` must fit in one request (``MAX_KEYS``)."""
-        if groups > 1 and (len(keys) % groups or len(keys) > p.MAX_KEYS):
+        run holds; then ``keys`` must fit in one request (``MAX_KEYS``).
+        ``partials[i]`` (one namespace only): candidate partial chunks after
+        ``i`` full chunks, longest first; the reply's ``partial`` indexes
+        ``partials[hit_chunks]``."""
+        if groups > 1 and (len(keys) % groups or len(keys) > p.MAX_KEYS or partials):
             self._count("bad_argument")
             return None
         body = p.LookupRequest(
-            keys=list(keys[: p.MAX_KEYS]), prefetch=prefetch, owner=owner, groups=groups
+            keys=list(keys[: p.MAX_KEYS]),
+            prefetch=prefetch,
+            owner=owner,
+            groups=groups,
+            partials=[list(c[: p.MAX_KEYS]) for c in partials[: p.MAX_KEYS]],
         )
         reply = self._call(p.LOOKUP, body)
         if not isinstance(reply, p.LookupReply):
             return None
         if reply.hit_chunks > len(body.keys) // groups or len(reply.tiers) != reply.hit_chunks:
             return self._bad_reply(p.LOOKUP, "hit count disagrees with tiers")
+        if reply.partial >= 0 and (
+            reply.hit_chunks >= len(body.partials)
+            or reply.partial >= len(body.partials[reply.hit_chunks])
+        ):
+            return self._bad_reply(p.LOOKUP, "partial chunk out of range")
         return reply
 
     def prepare_store(
@@ -203,15 +221,21 @@ class SidecarClient:
         dtype: str,
         shape: tuple[int, ...],
         owner: str,
+        blocks: int = 0,
+        covers: Sequence[ChunkKey] = (),
     ) -> list[ArenaSlot | None] | None:
         """Write slots, one per key; a None entry means skip that chunk
-        (already stored or no space). Commit with :meth:`commit_store`."""
+        (already stored or no space). Commit with :meth:`commit_store`.
+        ``blocks``: 0 for full chunks, else the block count of partial ones;
+        ``covers``: partial chunks these keys supersede (the sidecar drops them)."""
         body = p.PrepareStoreRequest(
             keys=list(keys[: p.MAX_KEYS]),
             nbytes=nbytes,
             dtype=dtype,
             shape=tuple(shape),
             owner=owner,
+            blocks=blocks,
+            covers=list(covers[: p.MAX_KEYS]),
         )
         return self._slots(p.PREPARE_STORE, body, len(keys))
 
@@ -235,17 +259,18 @@ class SidecarClient:
         return True
 
     def prepare_retrieve(
-        self, keys: Sequence[ChunkKey], owner: str, runs: Sequence[int] = ()
+        self, keys: Sequence[ChunkKey], owner: str, runs: Sequence[int] = (), blocks: int = 0
     ) -> list[ArenaSlot | None] | None:
         """Read slots, one per key (None = miss; every entry after the first
         miss is None, within each of ``runs`` when given: consecutive key
         counts, e.g. one per request of a step). Give them back with
-        :meth:`release`."""
+        :meth:`release`. Each object must hold ``blocks`` blocks (0: full
+        chunks), or it is a miss."""
         if runs and (sum(runs) != len(keys) or len(keys) > p.MAX_KEYS or min(runs) < 1):
             self._count("bad_argument")
             return None
         body = p.PrepareRetrieveRequest(
-            keys=list(keys[: p.MAX_KEYS]), owner=owner, runs=[int(n) for n in runs]
+            keys=list(keys[: p.MAX_KEYS]), owner=owner, runs=[int(n) for n in runs], blocks=blocks
         )
         return self._slots(p.PREPARE_RETRIEVE, body, len(keys))
 

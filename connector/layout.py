@@ -113,31 +113,44 @@ class ChunkLayout:
     def chunk_nbytes(self) -> int:
         return self.plan.chunk_nbytes(self.blocks_per_chunk)
 
+    def partial_shape(self, blocks: int) -> tuple[int, ...]:
+        """:attr:`chunk_shape` of a partial chunk of ``blocks`` blocks."""
+        p = self.plan
+        outer = (blocks, p.num_layers) if p.block_outer else (p.num_layers, blocks)
+        return (*outer, p.num_segments, p.segment_bytes // self.dtype.itemsize)
+
+    def partial_nbytes(self, blocks: int) -> int:
+        return self.plan.chunk_nbytes(blocks)
+
     @property
     def dtype_str(self) -> str:
         return dtype_name(self.dtype)
 
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
-        """Copy the chunk's blocks of every layer into ``out`` (uint8 bytes)."""
-        if self.host_copies is not None and len(block_ids) == self.blocks_per_chunk:
-            self._check_buffer(out)
-            self.host_copies.gather(self.plan, block_ids, [out.data_ptr()], self.blocks_per_chunk)
+        """Copy the chunk's blocks of every layer into ``out`` (uint8 bytes);
+        fewer than ``blocks_per_chunk`` of them for a partial chunk."""
+        n = len(block_ids)
+        if self.host_copies is not None and 0 < n <= self.blocks_per_chunk:
+            self._check_buffer(out, n)
+            self.host_copies.gather(self.plan, block_ids, [out.data_ptr()], n)
         else:
             self.copier.gather(block_ids, out)
 
     def scatter(self, src: torch.Tensor, block_ids: Sequence[int], first_block: int = 0) -> None:
         """Copy chunk bytes ``src`` into the blocks ``block_ids[first_block:]``."""
-        if self.host_copies is not None and len(block_ids) == self.blocks_per_chunk:
-            self._check_buffer(src)
+        n = len(block_ids)
+        if self.host_copies is not None and 0 < n <= self.blocks_per_chunk:
+            self._check_buffer(src, n)
             ids = [-1 if i < first_block else int(b) for i, b in enumerate(block_ids)]
-            self.host_copies.scatter(self.plan, ids, [src.data_ptr()], self.blocks_per_chunk)
+            self.host_copies.scatter(self.plan, ids, [src.data_ptr()], n)
         else:
             self.copier.scatter(src, block_ids, first_block)
 
-    def _check_buffer(self, buf: torch.Tensor) -> None:
+    def _check_buffer(self, buf: torch.Tensor, blocks: int) -> None:
         # The library trusts addresses: make sure the chunk fits the buffer.
-        if buf.device.type != "cpu" or buf.numel() * buf.element_size() < self.chunk_nbytes:
-            raise ValueError(f"chunk buffer {tuple(buf.shape)} cannot hold {self.chunk_nbytes} B")
+        nbytes = self.plan.chunk_nbytes(blocks)
+        if buf.device.type != "cpu" or buf.numel() * buf.element_size() < nbytes:
+            raise ValueError(f"chunk buffer {tuple(buf.shape)} cannot hold {nbytes} B")
 
 
 def _check_view_order(name: str, kv: torch.Tensor, kv_cache_layout: str) -> None:

@@ -24,18 +24,23 @@ class ChunkTransfer:
     """One chunk to move between the arena and vLLM's paged KV blocks.
 
     ``block_ids`` are the chunk's blocks in order (``chunk_size // block_size``
-    of them). ``first_block`` is the first of them that takes part: a load
-    skips the leading blocks vLLM's own prefix cache already holds (those
-    are shared with other requests and must not be written) and, in a
-    sliding-window group, the null blocks before the window. ``group`` is
-    the KV cache group whose layers and namespace the chunk is for (0 but
-    for hybrid models).
+    of them, fewer for a ``partial`` chunk: a prompt's full blocks after its
+    last full chunk, keyed by the hash of its own last block).
+    ``first_block`` is the first of them that takes part: a load skips the
+    leading blocks vLLM's own prefix cache already holds (those are shared
+    with other requests and must not be written) and, in a sliding-window
+    group, the null blocks before the window. ``group`` is the KV cache group
+    whose layers and namespace the chunk is for (0 but for hybrid models).
+    ``covers`` (saves only) are the hashes of the partial chunks this one
+    supersedes.
     """
 
     chunk_hash: bytes
     block_ids: list[int]
     first_block: int = 0
     group: int = 0
+    partial: bool = False
+    covers: list[bytes] = field(default_factory=list)  # saves: partials this supersedes
 
 
 @dataclass(slots=True)

@@ -8,9 +8,14 @@ plan (:class:`~kvstrata.connector.metadata.KVStrataMetadata`).
 
 Rules it keeps:
 
-* only whole chunks count, keyed by vLLM's own ``request.block_hashes``
+* whole chunks count, keyed by vLLM's own ``request.block_hashes``
   (chunk ``i`` = hash of its last block), so our hits line up with vLLM's
-  prefix cache and a different prefix never matches;
+  prefix cache and a different prefix never matches; after them, a
+  *partial chunk* (a prompt's full blocks after its last full chunk, keyed
+  by the hash of its own last block, :mod:`kvstrata.sidecar.partials`)
+  extends a hit to the last full block: the lookup sends the candidates
+  of every chunk position, longest first, in the same round trip (with one
+  namespace; with several ranks or KV cache groups hits stay whole chunks);
 * with several TP/PP ranks, each rank stores under its own namespace; one
   LOOKUP names every rank's keys and the hit is the prefix all ranks hold
   (a chunk one rank lacks would otherwise be a load error);
@@ -27,7 +32,10 @@ Rules it keeps:
 * starts after ``num_computed_tokens`` (what vLLM's prefix cache already
   has) and never writes those blocks (they may be shared);
 * saves a chunk once all its tokens are computed (chunked prefill may
-  take several steps), once per request; preemption forgets the blocks.
+  take several steps), once per request, and the prompt's partial chunk
+  once the prefill is done (naming the partials it supersedes, so the
+  sidecar keeps one per prefix and chunk position); preemption forgets
+  the blocks.
 
 Lookups never block vLLM's scheduler loop: the LOOKUP runs on one
 background thread, and while it is in flight the answer is None ("ask
@@ -52,7 +60,7 @@ from kvstrata.connector.events import ChunkRegistry, KVEventFeed, describe_chunk
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, ReqId, RequestTransfer
 from kvstrata.connector.settings import NULL_BLOCK_ID, KVGroup
 from kvstrata.sidecar import protocol as p
-from kvstrata.sidecar.keys import Namespace, chunk_keys_from_block_hashes
+from kvstrata.sidecar.keys import Namespace, chunk_keys_from_block_hashes, make_key
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -74,11 +82,14 @@ class _RequestState:
     load: RequestTransfer | None = None  # to send with the next step
     load_tiers: dict[str, int] = field(default_factory=dict)  # its tokens by tier
     stored_chunks: int = 0  # chunks known stored or already sent for saving
+    partial_blocks: int = 0  # blocks of the partial chunk hit at the last lookup
+    partial_tier: str = ""
+    partial_done: bool = False  # the prompt's partial chunk was hit or sent for saving
     pinned: bool = False  # a lookup hit: the sidecar pins a prefetch for us
-    asked_chunks: int = 0  # chunks the last answered lookup asked about
+    asked_blocks: int = 0  # blocks the last answered lookup asked about
     hit_chunks: int = 0  # and how many of them it found (pinned while ``pinned``)
     pending: Future[p.LookupReply | None] | None = None  # a lookup in flight
-    pending_chunks: int = 0  # the chunks it asks about
+    pending_blocks: int = 0  # the blocks it asks about
 
 
 @dataclass
@@ -91,6 +102,8 @@ class SchedulerCounters:
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     chunks_to_load: int = 0
     chunks_to_save: int = 0
+    partial_hits: int = 0  # lookups whose hit ends in a partial chunk
+    partials_to_save: int = 0
     preemptions: int = 0
     errors: int = 0
     window_skipped_saves: int = 0  # (chunk, group)s before a sliding window
@@ -107,6 +120,8 @@ class KVStrataScheduler:
         self.rank_namespaces = rank_namespaces(settings.namespace)
         self.namespaces = [ns for g in self.groups for ns in rank_namespaces(g.namespace)]
         self.client = self._new_client(more_namespaces=self.namespaces[1:])
+        # Partial chunks (block-granularity hits) with one namespace only.
+        self._partials = len(self.namespaces) == 1
         # KV events (vLLM's --kv-events-config): the tiers' changes, read on a
         # session of their own (kvstrata.connector.events); rank 0's namespace
         # only, so that each chunk is one event.
@@ -161,23 +176,26 @@ class KVStrataScheduler:
         state.hit_tokens = 0
         if not self.enabled:
             return 0
-        chunk = self.settings.chunk_size
+        s = self.settings
+        chunk = s.chunk_size
+        bpc = s.blocks_per_chunk
         # Never the last prompt token: vLLM must compute one to sample from.
-        loadable = min(
-            (request.num_prompt_tokens - 1) // chunk,
-            len(request.block_hashes) // self.settings.blocks_per_chunk,
-            p.MAX_KEYS // len(self.namespaces),
-        )
-        if loadable * chunk <= num_computed_tokens:
+        max_blocks = min((request.num_prompt_tokens - 1) // s.block_size,
+                         len(request.block_hashes))  # fmt: skip
+        if not self._partials:  # whole chunks only (several ranks or KV cache groups)
+            max_blocks -= max_blocks % bpc
+        loadable = min(max_blocks // bpc, p.MAX_KEYS // len(self.namespaces))
+        max_blocks = min(max_blocks, (loadable + 1) * bpc - 1)
+        if max_blocks * s.block_size <= num_computed_tokens:
             return 0
-        if state.pinned and state.asked_chunks == loadable:
+        if state.pinned and state.asked_blocks == max_blocks:
             # Asked again (a waiting request, every step): the chunks found
             # last time stay pinned for it; no second call, no second lease.
-            hit_chunks, tiers = state.hit_chunks, state.tiers
+            hit_chunks, tiers, partial_blocks = state.hit_chunks, state.tiers, state.partial_blocks
         else:
-            if state.pending is None or state.pending_chunks != loadable:
-                state.pending = self._start_lookup(request, loadable)
-                state.pending_chunks = loadable
+            if state.pending is None or state.pending_blocks != max_blocks:
+                state.pending = self._start_lookup(request, loadable, max_blocks)
+                state.pending_blocks = max_blocks
             if not state.pending.done():
                 return None
             reply = state.pending.result()
@@ -187,12 +205,23 @@ class KVStrataScheduler:
                 self.counters.lookup_failures += 1
                 return 0
             hit_chunks, tiers = min(reply.hit_chunks, loadable), list(reply.tiers)
-            state.pinned = state.pinned or hit_chunks > 0
-            state.asked_chunks, state.hit_chunks, state.tiers = loadable, hit_chunks, tiers
+            partial_blocks = 0
+            if reply.partial >= 0 and reply.hit_chunks <= loadable:
+                # candidates are longest first: index j holds (longest - j) blocks
+                longest = min(bpc - 1, max_blocks - reply.hit_chunks * bpc)
+                partial_blocks = longest - reply.partial
+                state.partial_tier = reply.partial_tier
+                self.counters.partial_hits += 1
+            state.pinned = state.pinned or hit_chunks > 0 or partial_blocks > 0
+            state.asked_blocks, state.hit_chunks, state.tiers = max_blocks, hit_chunks, tiers
+            state.partial_blocks = partial_blocks
             self._describe(request, range(hit_chunks))  # promotions into L1 become events
-        hit_end = hit_chunks * chunk
+        hit_end = hit_chunks * chunk + partial_blocks * s.block_size
         if hit_end <= num_computed_tokens:
+            state.partial_blocks = 0
             return 0
+        if state.partial_blocks:
+            self.counters.partial_hits += 1
         state.hit_tokens = hit_end
         logger.debug(
             "kvstrata: %s hits %d tokens (%d local) in %s",
@@ -203,21 +232,42 @@ class KVStrataScheduler:
         )
         return hit_end - num_computed_tokens
 
-    def _start_lookup(self, request: Request, loadable: int) -> Future[p.LookupReply | None]:
+    def _start_lookup(
+        self, request: Request, loadable: int, max_blocks: int
+    ) -> Future[p.LookupReply | None]:
         """LOOKUP (with prefetch) of the first ``loadable`` chunks of every rank
-        and KV cache group, on the background thread."""
+        and KV cache group, and of the partial chunks after them (one namespace
+        only), on the background thread."""
         self.counters.lookups += 1
         bpc = self.settings.blocks_per_chunk
         hashes = request.block_hashes[: loadable * bpc]
         fingerprints = [self.client.fingerprint, *self.client.more_fingerprints]
         keys = [k for fp in fingerprints for k in chunk_keys_from_block_hashes(fp, hashes, bpc)]
+        partials = self._partial_candidates(request, loadable, max_blocks) if self._partials else []
         return self._calls.submit(
             self.client.lookup,
             keys,
             prefetch=True,
             owner=request.request_id,
             groups=len(fingerprints),
+            partials=partials,
         )
+
+    def _partial_candidates(
+        self, request: Request, loadable: int, max_blocks: int
+    ) -> list[list[bytes]]:
+        """Keys of the partial chunks that may follow ``i`` full chunks, for
+        every ``i`` up to ``loadable``, longest first; none past ``max_blocks``."""
+        bpc = self.settings.blocks_per_chunk
+        fp = self.client.fingerprint
+        hashes = request.block_hashes
+        out: list[list[bytes]] = []
+        for i in range(loadable + 1):
+            longest = min(bpc - 1, max_blocks - i * bpc)
+            out.append([make_key(fp, hashes[i * bpc + b - 1]) for b in range(longest, 0, -1)])
+        while out and not out[-1]:
+            out.pop()
+        return out
 
     def _check_chunk_size(self) -> None:
         theirs = self.client.chunk_size
@@ -272,11 +322,24 @@ class KVStrataScheduler:
                         group=group.index,
                     )
                 )
-        state.stored_chunks = max(state.stored_chunks, end // s.chunk_size)
+        k = end // s.chunk_size
+        tail = end // s.block_size - k * bpc  # full blocks of a partial chunk
+        if state.partial_blocks and tail == state.partial_blocks:
+            last = k * bpc + state.partial_blocks
+            chunks.append(
+                ChunkTransfer(
+                    chunk_hash=bytes(hashes[last - 1]),
+                    block_ids=list(block_ids[0][k * bpc : last]),
+                    first_block=max(0, first_local_block - k * bpc),
+                    partial=True,
+                )
+            )
+        state.stored_chunks = max(state.stored_chunks, k)
         self.counters.hit_tokens += num_external_tokens
         state.load_tiers = {}
-        for c, tier in enumerate(state.tiers[start // s.chunk_size : end // s.chunk_size]):
-            n = min(s.chunk_size, end - max(start, c * s.chunk_size))
+        for c in range(start // s.chunk_size, k + (1 if tail else 0)):
+            tier = state.tiers[c] if c < len(state.tiers) else state.partial_tier
+            n = min((c + 1) * s.chunk_size, end) - max(start, c * s.chunk_size)
             state.load_tiers[tier] = state.load_tiers.get(tier, 0) + n
             self.counters.hit_tokens_by_tier[tier] = (
                 self.counters.hit_tokens_by_tier.get(tier, 0) + n
@@ -349,12 +412,19 @@ class KVStrataScheduler:
             len(request.block_hashes) // s.blocks_per_chunk,
             *(len(ids) // s.blocks_per_chunk for ids in state.block_ids),
         )
-        if n_chunks <= state.stored_chunks:
-            return None
         bpc = s.blocks_per_chunk
+        hashes = request.block_hashes
+        own = self._partial_position(request) if self._partials else -1
         chunks: list[ChunkTransfer] = []
         for c in range(state.stored_chunks, n_chunks):
-            chunk_hash = bytes(request.block_hashes[(c + 1) * bpc - 1])
+            chunk_hash = bytes(hashes[(c + 1) * bpc - 1])
+            # A full chunk supersedes the partials inside it, but not this
+            # prompt's own (a prompt that ends in chunk c never loads c whole).
+            covers = (
+                []
+                if own < 0 or c == own
+                else [bytes(h) for h in hashes[c * bpc : (c + 1) * bpc - 1]]
+            )
             for group in self.groups:
                 blocks = state.block_ids[group.index][c * bpc : (c + 1) * bpc]
                 # Blocks before a sliding window were freed when this step was
@@ -363,11 +433,55 @@ class KVStrataScheduler:
                 if c * bpc < live_from or NULL_BLOCK_ID in blocks:
                     self.counters.window_skipped_saves += 1
                     continue
-                chunks.append(ChunkTransfer(chunk_hash, list(blocks), group=group.index))
-        self._describe(request, range(state.stored_chunks, n_chunks))
-        state.stored_chunks = n_chunks
+                chunks.append(
+                    ChunkTransfer(chunk_hash, list(blocks), group=group.index, covers=covers)
+                )
+        if n_chunks > state.stored_chunks:
+            self._describe(request, range(state.stored_chunks, n_chunks))
+            state.stored_chunks = n_chunks
         self.counters.chunks_to_save += len(chunks)
-        return RequestTransfer(request.request_id, chunks)
+        if self._partials and done == request.num_prompt_tokens and not state.partial_done:
+            chunks += self._plan_partial_save(state, n_chunks)
+        return RequestTransfer(request.request_id, chunks) if chunks else None
+
+    def _partial_position(self, request: Request) -> int:
+        """The chunk position of the prompt's partial chunk: its full blocks
+        below the block of its last token, after its last full chunk of
+        those; -1 when they end on a chunk boundary."""
+        blocks = (request.num_prompt_tokens - 1) // self.settings.block_size
+        bpc = self.settings.blocks_per_chunk
+        return blocks // bpc if blocks % bpc else -1
+
+    def _plan_partial_save(self, state: _RequestState, n_chunks: int) -> list[ChunkTransfer]:
+        """The prompt's partial chunk, once its prefill is done (see
+        :meth:`_partial_position`); none when a lookup already hit it. Like a
+        hit, it stops before the block of the prompt's last token, so the same
+        prompt again hits all of it (a prompt of whole chunks keeps the blocks
+        of its last chunk but one as a partial chunk). One namespace only."""
+        s = self.settings
+        bpc = s.blocks_per_chunk
+        request = state.request
+        state.partial_done = True
+        position = self._partial_position(request)
+        blocks = (request.num_prompt_tokens - 1) // s.block_size
+        if position < 0 or position > n_chunks:
+            return []  # none, or the full chunks before it are not all there
+        block_ids = state.block_ids[0]
+        if min(len(request.block_hashes), len(block_ids)) < blocks:
+            return []
+        first, last = position * bpc, blocks
+        if state.partial_blocks and last <= state.hit_tokens // s.block_size:
+            return []  # this lookup hit it (or a longer one)
+        hashes = request.block_hashes
+        self.counters.partials_to_save += 1
+        return [
+            ChunkTransfer(
+                chunk_hash=bytes(hashes[last - 1]),
+                block_ids=block_ids[first:last],
+                partial=True,
+                covers=[bytes(h) for h in hashes[first : last - 1]],
+            )
+        ]
 
     # -- end of a request ---------------------------------------------------------
 

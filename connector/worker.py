@@ -191,12 +191,17 @@ class KVStrataWorker:
             self.copies.register_arena(self._arena_view)
         return self._arena_view
 
-    def _slot_fits(self, slot: ArenaSlot, layout: ChunkLayout | None) -> bool:
+    def _slot_fits(self, slot: ArenaSlot, layout: ChunkLayout | None, blocks: int = 0) -> bool:
+        """Whether ``slot`` holds a chunk of ``layout`` (of ``blocks`` blocks
+        for a partial chunk, 0 for a full one)."""
+        if layout is None:
+            return False
+        nbytes = layout.partial_nbytes(blocks) if blocks else layout.chunk_nbytes
+        shape = layout.partial_shape(blocks) if blocks else layout.chunk_shape
         return (
-            layout is not None
-            and slot.length == layout.chunk_nbytes
+            slot.length == nbytes
             and slot.dtype == layout.dtype_str
-            and tuple(slot.shape) == layout.chunk_shape
+            and tuple(slot.shape) == shape
             and slot.offset % layout.dtype.itemsize == 0
         )
 
@@ -237,10 +242,10 @@ class KVStrataWorker:
 
     def _load_by_sidecar(self, req: RequestTransfer) -> None:
         """ipc mode: the sidecar scatters the stored prefix; the rest is a load error."""
-        fp = self.client.fingerprint
-        keys = [make_key(fp, c.chunk_hash) for c in req.chunks]
-        blocks = [ipc.load_block_ids(c) for c in req.chunks]
-        loaded = self.client.load_blocks(keys, blocks, req.req_id) or 0
+        full = [c for c in req.chunks if not c.partial]  # partial chunks: host mode only
+        keys = [self._key(c) for c in full]
+        blocks = [ipc.load_block_ids(c) for c in full]
+        loaded = (self.client.load_blocks(keys, blocks, req.req_id) or 0) if full else 0
         self.counters.loaded_chunks += loaded
         self._failed_loads(req.chunks[loaded:])
 
@@ -260,31 +265,48 @@ class KVStrataWorker:
         until the copies from them have finished; the others are released now.
         """
         deadline = time.monotonic() + self.settings.load_timeout_s
-        keys = [self._key(c) for r in reqs for c in r.chunks]
-        runs = [len(r.chunks) for r in reqs]
-        slots = self.client.prepare_retrieve(keys, owner=STEP_OWNER, runs=runs) if keys else None
+        fulls = [[c for c in r.chunks if not c.partial] for r in reqs]
+        out = self._lease_runs(fulls, 0, deadline)
+        for i, req in enumerate(reqs):
+            tail = req.chunks[len(fulls[i]) :]  # at most one partial chunk, after the full ones
+            if len(out[i]) == len(fulls[i]) and len(tail) == 1:
+                out[i] += self._lease_runs([tail], len(tail[0].block_ids), deadline)[0]
+        return out
+
+    def _lease_runs(
+        self, runs: list[list[ChunkTransfer]], blocks: int, deadline: float
+    ) -> list[list[tuple[ChunkTransfer, torch.Tensor]]]:
+        """One PREPARE_RETRIEVE for every run's chunks, all of ``blocks`` blocks
+        (0: full chunks), each run a prefix of its own; per run, the arena bytes
+        of its leading chunks that fit (their leases held until the copies end)."""
+        out: list[list[tuple[ChunkTransfer, torch.Tensor]]] = [[] for _ in runs]
+        asked = [i for i, run in enumerate(runs) if run]
+        keys = [self._key(c) for i in asked for c in runs[i]]
+        if not keys:
+            return out
+        slots = self.client.prepare_retrieve(
+            keys, owner=STEP_OWNER, runs=[len(runs[i]) for i in asked], blocks=blocks
+        )
         if slots is None:
-            return []
+            return out
         epoch = self.client.epoch
         arena = self._arena()
-        out: list[list[tuple[ChunkTransfer, torch.Tensor]]] = []
         rest: list[int] = []
         start = 0
-        for req in reqs:
-            req_slots = slots[start : start + len(req.chunks)]
-            start += len(req.chunks)
-            ready: list[tuple[ChunkTransfer, torch.Tensor]] = []
-            for chunk, slot in zip(req.chunks, req_slots, strict=True):
+        for i in asked:
+            run_slots = slots[start : start + len(runs[i])]
+            start += len(runs[i])
+            ready = out[i]
+            for chunk, slot in zip(runs[i], run_slots, strict=True):
                 if slot is None or arena is None or self.client.epoch != epoch:
                     break
                 layout = self._group_layout(chunk)
-                if time.monotonic() > deadline or not self._slot_fits(slot, layout):
+                if time.monotonic() > deadline or not self._slot_fits(slot, layout, blocks):
                     logger.debug("kvstrata: slot %s refused (deadline or shape)", slot)
                     break
                 ready.append((chunk, arena[slot.offset : slot.offset + slot.length]))
-            self._pending_leases.extend(s.lease_id for s in req_slots[: len(ready)] if s)
-            rest.extend(s.lease_id for s in req_slots[len(ready) :] if s is not None)
-            out.append(ready)
+            self._pending_leases.extend(s.lease_id for s in run_slots[: len(ready)] if s)
+            rest.extend(s.lease_id for s in run_slots[len(ready) :] if s is not None)
         if rest:
             self.client.release(rest)
         return out
@@ -336,23 +358,33 @@ class KVStrataWorker:
         started = time.perf_counter()
         for group, layout in enumerate(self.layouts):
             chunks = [c for req in meta.saves for c in req.chunks if c.group == group]
+            full = [c for c in chunks if not c.partial]
             # As many chunks per round trip as the sidecar lets one session hold
             # uncommitted (it skips the rest): usually the whole step at once.
             budget = self.client.write_budget  # 0 until the first HELLO: try the whole step
-            per_call = max(1, budget // layout.chunk_nbytes) if budget else len(chunks) or 1
-            for i in range(0, len(chunks), per_call):
-                batch = chunks[i : i + per_call]
+            per_call = max(1, budget // layout.chunk_nbytes) if budget else len(full) or 1
+            batches = [(full[i : i + per_call], 0) for i in range(0, len(full), per_call)]
+            # Partial chunks (one per prompt, its own block count): host mode only.
+            for chunk in (c for c in chunks if c.partial):
+                if self.client.transfer_mode == "ipc":
+                    self.counters.save_skipped_chunks += 1
+                else:
+                    batches.append(([chunk], len(chunk.block_ids)))
+            for batch, blocks in batches:
                 try:
-                    self._save_chunks(batch, layout)
+                    self._save_chunks(batch, layout, blocks)
                 except Exception:
                     logger.exception("kvstrata: this step's saves failed; dropped")
                     self.counters.save_dropped_chunks += len(batch)
         self.counters.save_seconds += time.perf_counter() - started
 
-    def _save_chunks(self, chunks: list[ChunkTransfer], layout: ChunkLayout) -> None:
-        """Save chunks of one KV cache group in one PREPARE_STORE + COMMIT_STORE
-        (one SAVE_BLOCKS in ipc mode)."""
+    def _save_chunks(
+        self, chunks: list[ChunkTransfer], layout: ChunkLayout, blocks: int = 0
+    ) -> None:
+        """Save chunks of one KV cache group, all of ``blocks`` blocks (0: full
+        chunks), in one PREPARE_STORE + COMMIT_STORE (one SAVE_BLOCKS in ipc mode)."""
         keys = [self._key(c) for c in chunks]
+        covers = [make_key(self._fingerprints[c.group], h) for c in chunks for h in c.covers]
         if self.client.transfer_mode == "ipc":
             event, handle = ipc.compute_done_event()
             committed = self.client.save_blocks(
@@ -365,8 +397,16 @@ class KVStrataWorker:
                 self.counters.saved_chunks += sum(committed)
                 self.counters.save_skipped_chunks += len(committed) - sum(committed)
             return
+        nbytes = layout.partial_nbytes(blocks) if blocks else layout.chunk_nbytes
+        shape = layout.partial_shape(blocks) if blocks else layout.chunk_shape
         slots = self.client.prepare_store(
-            keys, layout.chunk_nbytes, layout.dtype_str, layout.chunk_shape, owner=STEP_OWNER
+            keys,
+            nbytes,
+            layout.dtype_str,
+            shape,
+            owner=STEP_OWNER,
+            blocks=blocks,
+            covers=covers,
         )
         if slots is None:
             self.counters.save_dropped_chunks += len(chunks)
@@ -378,7 +418,7 @@ class KVStrataWorker:
             if slot is None:
                 self.counters.save_skipped_chunks += 1
                 continue
-            good = arena is not None and self._slot_fits(slot, layout)
+            good = arena is not None and self._slot_fits(slot, layout, blocks)
             if good and arena is not None:
                 try:
                     with self.copies.saving():

@@ -52,6 +52,7 @@ from kvstrata.sidecar.l1 import READY, Entry, L1Store
 from kvstrata.sidecar.leases import Lease, LeaseTable, Slot
 from kvstrata.sidecar.lookup import LookupResult, PrefixLookup
 from kvstrata.sidecar.objformat import ChunkMeta
+from kvstrata.sidecar.partials import blocks_match, entry_is_partial, is_partial
 from kvstrata.sidecar.prefetch import Prefetcher
 from kvstrata.sidecar.tiers.base import Tier, TierStats
 from kvstrata.sidecar.tiers.disk import DiskTier
@@ -141,6 +142,36 @@ class StorageManager:
         """Longest contiguous prefix of ``keys`` present in any tier."""
         return self._lookup.lookup(keys)
 
+    def lookup_partial(self, candidates: Sequence[ChunkKey]) -> tuple[int, str] | None:
+        """(index, tier) of the first of ``candidates`` some tier holds (see
+        :mod:`.partials`); None when none is held."""
+        found = self._lookup.first_present(candidates)
+        if found is not None:
+            with self._lock:
+                self._count("partial_hits_total")
+        return found
+
+    def drop_partials(self, keys: Sequence[ChunkKey], replaced: bool) -> int:
+        """Remove from every tier those of ``keys`` held as partial chunks in
+        L1 or L2 (a longer partial or the full chunk supersedes them); counted
+        as replaced (``replaced``) or dropped. The number removed."""
+        with self._lock:
+            found = [k for k in keys if entry_is_partial(self._store.entries.get(k))]
+        if self.l2 is not None:
+            found += [k for k in keys if k not in found and is_partial(self._l2_meta(k))]
+        for key in found:
+            self.remove(key)
+        if found:
+            with self._lock:
+                self._count(
+                    "partial_replaced_total" if replaced else "partial_dropped_total", len(found)
+                )
+        return len(found)
+
+    def _l2_meta(self, key: ChunkKey) -> ChunkMeta | None:
+        info = self.l2.peek(key) if self.l2 is not None else None
+        return None if info is None else info.meta
+
     # -- leases -------------------------------------------------------------
 
     def _end_lease(self, lease: Lease) -> None:
@@ -229,6 +260,8 @@ class StorageManager:
                 return False
             self._store.publish(entry)
             self._stored_bytes += entry.length
+            if is_partial(entry.meta):
+                self._count("partial_stored_total")
             self._wb.stored(entry)
             self._store.unpin(entry)
         self._wb.submit()
@@ -251,10 +284,20 @@ class StorageManager:
 
     # -- retrieve -----------------------------------------------------------
 
-    def acquire(self, key: ChunkKey, owner: str) -> Slot | None:
+    def acquire(self, key: ChunkKey, owner: str, blocks: int | None = None) -> Slot | None:
         """A read lease on ``key``, promoting it from L2 or the shared tier
         into L1 when needed (synchronously, within the tiers' deadlines).
-        None is a miss."""
+        None is a miss; so is an object whose block count (its header's) is
+        not ``blocks`` when given (0: a full chunk; see :mod:`.partials`)."""
+        slot = self._acquire(key, owner)
+        if slot is None or blocks is None or blocks_match(slot.meta, blocks):
+            return slot
+        self.release(slot)
+        with self._lock:
+            self._count("partial_mismatch_total")
+        return None
+
+    def _acquire(self, key: ChunkKey, owner: str) -> Slot | None:
         with self._lock:
             slot = self._acquire_local(key, owner)
             if slot is None and key not in self._store.entries:

@@ -168,16 +168,26 @@ class Handlers:
         all_keys = _own_keys(body.keys, session)
         n = len(all_keys) // body.groups
         runs = [all_keys[g * n : (g + 1) * n] for g in range(body.groups)]
-        # One run per rank namespace: a chunk counts when every rank holds it.
+        # One run per namespace (rank or KV cache group): a chunk counts when
+        # every run holds it.
         results = [self.engine.lookup(keys) for keys in runs]
         hit = max(0, min(min(r.hit_chunks for r in results), n))
         tiers = list(results[0].tiers[:hit])
-        if body.prefetch and hit:
+        # A partial chunk after the full prefix (one namespace only; see .partials).
+        partial, found = [], None
+        if hit < len(body.partials):
+            partial = _own_keys(body.partials[hit], session)
+            found = self.engine.lookup_partial(partial)
+        if body.prefetch and (hit or found):
             owner_key = session.owner_key(body.owner)
             for keys in runs:
                 self.engine.prefetch(keys[:hit], owner_key)
+            if found:
+                self.engine.prefetch([partial[found[0]]], owner_key)
         self.metrics.count_lookup(n, tiers, self.config.chunk_size, results[0].asked)
-        return p.LookupReply(hit_chunks=hit, tiers=tiers)
+        if found is None:
+            return p.LookupReply(hit_chunks=hit, tiers=tiers)
+        return p.LookupReply(hit_chunks=hit, tiers=tiers, partial=found[0], partial_tier=found[1])
 
     def _prepare_store(self, body: p.PrepareStoreRequest, session: Session) -> p.SlotsReply:
         if not body.dtype.isascii() or not body.dtype:
@@ -187,7 +197,9 @@ class Handlers:
                 p.E_BAD_REQUEST,
                 f"field 'nbytes': {body.nbytes} exceeds the arena ({self.engine.arena.size})",
             )
-        meta = ChunkMeta(dtype=body.dtype, shape=tuple(body.shape))
+        meta = ChunkMeta(dtype=body.dtype, shape=tuple(body.shape), blocks=body.blocks)
+        if body.covers:  # longer partials and full chunks supersede shorter partials
+            self.engine.drop_partials(_own_keys(body.covers, session), replaced=body.blocks > 0)
         owner_key = session.owner_key(body.owner)
         slots: list[p.SlotInfo | None] = []
         over_budget = 0
@@ -223,7 +235,7 @@ class Handlers:
         for run in body.runs or [len(keys)]:
             start = len(slots)
             for key in keys[start : start + run]:
-                slot = self.engine.acquire(key, owner_key)
+                slot = self.engine.acquire(key, owner_key, blocks=body.blocks)
                 if slot is None:
                     break  # a prefix is only usable up to its first gap: skip the I/O after it
                 slots.append(_slot_info(slot))

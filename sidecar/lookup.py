@@ -90,6 +90,28 @@ class PrefixLookup:
             self._count_lookup(keys, tiers)
         return LookupResult(len(tiers), tiers, asked)
 
+    def first_present(self, keys: Sequence[ChunkKey]) -> tuple[int, str] | None:
+        """(index, tier) of the first of ``keys`` any tier holds, or None
+        (for partial chunks: candidates longest first). Not counted as a lookup."""
+        if not keys:
+            return None
+        with self._lock:
+            for i, key in enumerate(keys):
+                tier = self._local_tier(key, None)
+                if tier is not None:
+                    return i, tier
+        if self.shared is None:
+            return None
+        try:
+            remote = self.shared.contains_many(keys)
+        except Exception:  # a tier must not raise; a failure is a miss
+            logger.exception("shared tier %s raised from contains_many", self.shared.name)
+            return None
+        for i, there in enumerate(remote):
+            if there:
+                return i, self.shared.name
+        return None
+
     def _local_tier(self, key: ChunkKey, asked: dict[str, int] | None) -> str | None:
         """Caller holds the lock: "l1", "l2" or None for ``key``; counts the
         tiers consulted into ``asked`` (unless None)."""

@@ -172,6 +172,9 @@ class LookupRequest(Message):
     prefetch: bool = False
     owner: str = ""
     groups: int = 1  # keys in this many equal runs, one per rank namespace
+    # partials[i]: keys of partial chunks that may follow i full chunks,
+    # longest first (optional, one namespace only; see kvstrata.sidecar.partials)
+    partials: list[list[ChunkKey]] = field(default_factory=list)
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> LookupRequest:
@@ -181,11 +184,17 @@ class LookupRequest(Message):
             raise ProtocolError(
                 E_BAD_REQUEST, f"field 'groups': {len(keys)} keys do not split into {groups} runs"
             )
+        partials = read_list(body.get("partials", []), "partials")
+        if partials and groups > 1:
+            raise ProtocolError(
+                E_BAD_REQUEST, "field 'partials': only with one namespace (groups 1)"
+            )
         return cls(
             keys=keys,
             prefetch=read_bool(required(body, "prefetch"), "prefetch"),
             owner=read_str(required(body, "owner"), "owner"),
             groups=groups,
+            partials=each_item(partials, "partials", read_keys),
         )
 
 
@@ -194,13 +203,18 @@ class LookupReply(Message):
     op: ClassVar[str] = LOOKUP
     hit_chunks: int = 0
     tiers: list[str] = field(default_factory=list)
+    partial: int = -1  # index into partials[hit_chunks] of the partial found; -1: none
+    partial_tier: str = ""
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> LookupReply:
         tiers = read_list(required(body, "tiers"), "tiers")
+        partial = body.get("partial", -1)
         return cls(
             hit_chunks=read_int(required(body, "hit_chunks"), "hit_chunks"),
             tiers=each_item(tiers, "tiers", lambda t, n: read_str(t, n, 32)),
+            partial=-1 if partial == -1 else read_int(partial, "partial"),
+            partial_tier=read_str(body.get("partial_tier", ""), "partial_tier", 32),
         )
 
 
@@ -212,6 +226,8 @@ class PrepareStoreRequest(Message):
     dtype: str = "uint8"
     shape: tuple[int, ...] = ()
     owner: str = ""
+    blocks: int = 0  # 0: full chunks; else partial chunks of this many blocks
+    covers: list[ChunkKey] = field(default_factory=list)  # partials these supersede
 
     def to_wire(self) -> dict[str, Any]:
         body = Message.to_wire(self)
@@ -226,6 +242,8 @@ class PrepareStoreRequest(Message):
             dtype=read_str(required(body, "dtype"), "dtype", 16),
             shape=read_shape(required(body, "shape")),
             owner=read_str(required(body, "owner"), "owner"),
+            blocks=read_int(body.get("blocks", 0), "blocks", 0, 0xFFFF),
+            covers=read_keys(body.get("covers", []), "covers"),
         )
 
 
@@ -280,6 +298,7 @@ class PrepareRetrieveRequest(Message):
     keys: list[ChunkKey] = field(default_factory=list)
     owner: str = ""
     runs: list[int] = field(default_factory=list)  # prefix lengths; empty: one run
+    blocks: int = 0  # the block count every key must hold (0: full chunks)
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> PrepareRetrieveRequest:
@@ -289,7 +308,12 @@ class PrepareRetrieveRequest(Message):
             raise ProtocolError(
                 E_BAD_REQUEST, f"field 'runs': sums to {sum(runs)}, not {len(keys)}"
             )
-        return cls(keys=keys, owner=read_str(required(body, "owner"), "owner"), runs=runs)
+        return cls(
+            keys=keys,
+            owner=read_str(required(body, "owner"), "owner"),
+            runs=runs,
+            blocks=read_int(body.get("blocks", 0), "blocks", 0, 0xFFFF),
+        )
 
 
 @dataclass(slots=True)

@@ -101,6 +101,16 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "chunks not written below L1 (evicted before their write-behind)"),
     MetricSpec("kvstrata_promotions_total", "counter", ("tier",), "chunks",
                "chunks promoted into L1, by source tier", from_start=False),
+    MetricSpec("kvstrata_partial_stored_total", "counter", (), "chunks",
+               "partial chunks (a prompt's full blocks after its last full chunk) stored"),
+    MetricSpec("kvstrata_partial_replaced_total", "counter", (), "chunks",
+               "partial chunks removed because a longer partial of the same prefix was stored"),
+    MetricSpec("kvstrata_partial_dropped_total", "counter", (), "chunks",
+               "partial chunks removed because the full chunk covering them was stored"),
+    MetricSpec("kvstrata_partial_hits_total", "counter", (), "lookups",
+               "lookups that found a partial chunk after the full prefix"),
+    MetricSpec("kvstrata_partial_mismatch_total", "counter", (), "chunks",
+               "reads refused because the object's block count was not the one expected"),
 )  # fmt: skip
 
 SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOGUE}
@@ -291,6 +301,11 @@ _ENGINE_COUNTERS = {
     "store_deduplicated_total": "kvstrata_store_deduplicated_total",
     "promotion_failed_total": "kvstrata_promotion_failures_total",
     "writeback_skipped_total": "kvstrata_writeback_skipped_total",
+    "partial_stored_total": "kvstrata_partial_stored_total",
+    "partial_replaced_total": "kvstrata_partial_replaced_total",
+    "partial_dropped_total": "kvstrata_partial_dropped_total",
+    "partial_hits_total": "kvstrata_partial_hits_total",
+    "partial_mismatch_total": "kvstrata_partial_mismatch_total",
 }
 
 

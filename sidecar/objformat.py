@@ -5,7 +5,7 @@ Layout (little endian)::
 
     offset size  field
     0      4     magic            b"KVS1"
-    4      2     format version   1
+    4      2     format version   2
     6      1     codec id         0 none, 1 zstd, 2 lz4 (see codecs.py)
     7      1     ndim             0..8
     8      16    dtype            ASCII, NUL padded ("bfloat16", "uint8", ...)
@@ -14,13 +14,18 @@ Layout (little endian)::
     40     8     checksum         xxh3_64 of the stored payload
     48     8     header checksum  xxh3_64 of bytes 0..48 + shape + key
     56     8*nd  shape            uint64 each
+    ..     2     blocks           uint16: 0 for a full chunk, else the block
+                                  count of a partial chunk (a prompt's tail)
     ..     1+k   key              length byte, then the chunk key
     ..     n     payload          stored length bytes
 
 The key is repeated inside the object so that a file or value that ends up
-under the wrong name is refused. Any mismatch (magic, version, lengths,
-either checksum, key) raises :class:`CorruptObjectError`; callers count it
-and treat it as a miss: a bad object is never returned as KV.
+under the wrong name is refused. The block count travels with the object so
+that a partial chunk is never taken for a full one: a reader that expects a
+full chunk refuses any other count (:mod:`kvstrata.sidecar.partials`).
+Any mismatch (magic, version, lengths, either checksum, key) raises
+:class:`CorruptObjectError`; callers count it and treat it as a miss: a bad
+object is never returned as KV.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import xxhash
 from kvstrata.sidecar.codecs import CODEC_IDS, CODEC_NAMES, CodecError, compress, decompress
 
 MAGIC = b"KVS1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_NDIM = 8
 _FIXED = struct.Struct("<4sHBB16sQQQQ")
 FIXED_HEADER_BYTES = _FIXED.size  # 56
@@ -49,6 +54,7 @@ class ChunkMeta:
 
     dtype: str = "uint8"
     shape: tuple[int, ...] = ()
+    blocks: int = 0  # 0: a full chunk; else the blocks of a partial chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,12 +77,14 @@ def encode(
     dtype = meta.dtype.encode("ascii")
     if len(dtype) > 16:
         raise ValueError(f"dtype name {meta.dtype!r} longer than 16 bytes")
+    if not 0 <= meta.blocks <= 0xFFFF:
+        raise ValueError(f"block count {meta.blocks} out of range")
     raw = memoryview(payload).cast("B")
     stored = compress(codec, raw)
     if codec != "none" and len(stored) >= len(raw):
         codec, stored = "none", raw  # incompressible: store raw, skip decode cost
     checksum = xxhash.xxh3_64_intdigest(stored)
-    tail = struct.pack(f"<{len(meta.shape)}Q", *meta.shape) + bytes([len(key)]) + key
+    tail = struct.pack(f"<{len(meta.shape)}QH", *meta.shape, meta.blocks) + bytes([len(key)]) + key
     fixed_wo_hc = _FIXED.pack(
         MAGIC,
         FORMAT_VERSION,
@@ -105,7 +113,7 @@ def header_length(blob_prefix: bytes | memoryview) -> int:
     if len(blob_prefix) < FIXED_HEADER_BYTES:
         raise CorruptObjectError("object shorter than its fixed header")
     ndim = blob_prefix[7]
-    key_len_at = FIXED_HEADER_BYTES + 8 * ndim
+    key_len_at = FIXED_HEADER_BYTES + 8 * ndim + 2
     if len(blob_prefix) <= key_len_at:
         return key_len_at + 1  # caller must read more to learn the key length
     return key_len_at + 1 + blob_prefix[key_len_at]
@@ -142,7 +150,7 @@ def decode_header(prefix: bytes | memoryview, expected_key: bytes | None = None)
         raise CorruptObjectError(f"unsupported format version {version}")
     if ndim > MAX_NDIM or codec_id not in CODEC_NAMES:
         raise CorruptObjectError("bad ndim or codec id")
-    shape_end = FIXED_HEADER_BYTES + 8 * ndim
+    shape_end = FIXED_HEADER_BYTES + 8 * ndim + 2  # shape, then the block count
     if len(view) < shape_end + 1:
         raise CorruptObjectError("object truncated inside its header")
     header_end = shape_end + 1 + view[shape_end]
@@ -151,11 +159,13 @@ def decode_header(prefix: bytes | memoryview, expected_key: bytes | None = None)
     tail = bytes(view[FIXED_HEADER_BYTES:header_end])
     if xxhash.xxh3_64_intdigest(bytes(view[:48]) + tail) != header_checksum:
         raise CorruptObjectError("header checksum mismatch")
-    key = tail[8 * ndim + 1 :]
+    key = tail[8 * ndim + 3 :]
     if expected_key is not None and key != expected_key:
         raise CorruptObjectError("object holds a different key")
-    shape = struct.unpack_from(f"<{ndim}Q", view, FIXED_HEADER_BYTES)
-    meta = ChunkMeta(dtype=dtype_raw.rstrip(b"\0").decode("ascii"), shape=tuple(shape))
+    *shape, blocks = struct.unpack_from(f"<{ndim}QH", view, FIXED_HEADER_BYTES)
+    meta = ChunkMeta(
+        dtype=dtype_raw.rstrip(b"\0").decode("ascii"), shape=tuple(shape), blocks=blocks
+    )
     return ObjectHeader(meta, CODEC_NAMES[codec_id], raw_len, stored_len, checksum, key, header_end)
 
 

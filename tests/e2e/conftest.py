@@ -63,6 +63,7 @@ def tokens(n: int, seed: int) -> list[int]:
 def _workloads() -> dict[str, list[list[int]]]:
     shared_prefix = tokens(320, 2)
     long_prompt = tokens(1100, 7)
+    partial_base = tokens(3 * CHUNK + 40, 300)  # three chunks and one full block
     return {
         "repeated": [tokens(300, 1)],
         "shared_prefix": [shared_prefix + tokens(50 + 7 * i, 20 + i) for i in range(4)],
@@ -84,6 +85,10 @@ def _workloads() -> dict[str, list[list[int]]]:
         "load_failure": [tokens(330, 18)],
         "events": [tokens(300, 19)],
         "events_tiers": [tokens(200, 20), tokens(520, 21)],
+        # 0, 1, block-1, block, block+1 and chunk-1 tokens past three chunks
+        "partial_lengths": [tokens(3 * CHUNK + r, 200 + r) for r in (0, 1, 31, 32, 33, 63)],
+        "partial_extend": [partial_base, partial_base + tokens(90, 301), partial_base],
+        "partial_restart": [tokens(2 * CHUNK + 50, 310)],
     }
 
 

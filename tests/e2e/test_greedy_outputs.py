@@ -24,9 +24,10 @@ def test_repeated_prompt_hits_and_matches_the_reference(
     assert kit.generate(cached_llm, prompts) == reference["repeated"]
     assert kit.generate(cached_llm, prompts) == reference["repeated"]
     d = kit.delta(before, counters.snapshot())
-    # 300 tokens: four whole chunks below the last token, loaded twice.
-    assert d["hit_tokens"] == 2 * 4 * kit.CHUNK, d
-    assert d["loaded_chunks"] == 8 and d["failed_chunks"] == 0, d
+    # 300 tokens: four whole chunks and a partial one of one block (the nine
+    # full blocks below the last token), loaded twice.
+    assert d["hit_tokens"] == 2 * (4 * kit.CHUNK + kit.BLOCK), d
+    assert d["loaded_chunks"] == 10 and d["failed_chunks"] == 0, d
 
 
 def test_prompts_sharing_a_prefix_load_the_prefix_and_match(
@@ -52,11 +53,12 @@ def test_mixed_batch_of_hits_misses_and_short_prompts_matches(
     d = kit.delta(before, counters.snapshot())
     assert d["hit_tokens"] >= (4 + 5) * kit.CHUNK, d
     assert d["saved_chunks"] > 0, d  # the new prompts were stored
-    # Again: now every prompt with a whole chunk before its last token hits.
+    # Again: now every prompt with a whole block before its last token hits,
+    # up to that block (whole chunks, then a partial chunk of the rest).
     before = counters.snapshot()
     assert kit.generate(cached_llm, kit.WORKLOADS["mixed"]) == reference["mixed"]
     d = kit.delta(before, counters.snapshot())
-    assert d["hit_tokens"] == (4 + 7 + 0 + 2 + 5 + 3) * kit.CHUNK, d
+    assert d["hit_tokens"] == (4 + 7 + 0 + 2 + 5 + 3) * kit.CHUNK + 4 * kit.BLOCK, d
 
 
 def test_long_prompts_under_chunked_prefill_store_and_load_every_chunk(

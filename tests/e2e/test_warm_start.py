@@ -75,8 +75,9 @@ def _run_replicas(
     finally:
         b.stop()
         b.cleanup()
-    # Every whole chunk below each prompt's last token came from Valkey.
-    chunks = sum((len(p) - 1) // kit.CHUNK for p in prompts)
-    assert d["hit_tokens_shared"] == chunks * kit.CHUNK, d
+    # Every whole block below each prompt's last token came from Valkey: the
+    # whole chunks and, after them, the partial chunk of the remaining blocks.
+    blocks = sum((len(p) - 1) // kit.BLOCK for p in prompts)
+    assert d["hit_tokens_shared"] == blocks * kit.BLOCK, d
     assert d["hit_tokens_l1"] == d["hit_tokens_l2"] == 0, d
     assert d["failed_chunks"] == 0, d

@@ -167,3 +167,22 @@ def test_the_csrc_host_library_and_the_torch_copier_write_the_same_chunk_bytes(
     fast.gather([6, 0, 11], a)
     slow.gather([6, 0, 11], b)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", CASES[:12], ids=lambda c: c.name)
+def test_a_partial_chunk_round_trips_and_both_copy_paths_lay_it_out_alike(
+    case: KVLayoutCase, copies: str
+) -> None:
+    layout = layout_for(case, blocks_per_chunk=3, copies=copies)
+    torch_path = layout_for(case, blocks_per_chunk=3, copies="torch")
+    nbytes = layout.partial_nbytes(2)
+    assert nbytes * 3 == layout.chunk_nbytes * 2
+    buf = torch.full((nbytes,), POISON, dtype=torch.uint8)
+    layout.gather([5, 2], buf)
+    ref = torch.full((nbytes,), POISON, dtype=torch.uint8)
+    torch_path.gather([5, 2], ref)
+    assert torch.equal(buf, ref)
+    layout.scatter(buf, [9, 10])
+    for kv in case.layers.values():
+        assert torch.equal(block_bytes(case, kv, 9), block_bytes(case, kv, 5))
+        assert torch.equal(block_bytes(case, kv, 10), block_bytes(case, kv, 2))
