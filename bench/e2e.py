@@ -288,18 +288,7 @@ def _result(samples: dict[str, Any], prefix_tokens: int, reps: int) -> dict[str,
         "odd_vllm_prefix_cache_hit",
     )
     ttft = {k: round(statistics.median(samples[k]), 4) for k in keys}
-    cold = ttft["cold"]
-    ratios = {
-        "l1_hit_vs_cold": round(ttft["l1_hit"] / cold, 4),
-        "l2_hit_vs_cold": round(ttft["l2_hit"] / cold, 4),
-        "vllm_prefix_cache_hit_vs_cold": round(ttft["vllm_prefix_cache_hit"] / cold, 4),
-        "save_overhead_vs_cold": round(samples["save_seconds_per_cold_request"] / cold, 4),
-        "cold_with_connector_vs_cold": round(ttft["cold_with_connector"] / cold, 4),
-        **{f"{k}_vs_cold": round(ttft[k] / cold, 4) for k in warm_keys},
-        "odd_l1_hit_vs_odd_vllm_prefix_cache_hit": round(
-            ttft["odd_l1_hit"] / ttft["odd_vllm_prefix_cache_hit"], 4
-        ),
-    }
+    ratios = _ratios(ttft, samples, warm_keys)
     warm_start = {
         k: {
             "hit_tokens_by_tier": samples[f"{k}_hit_tokens"],
@@ -327,17 +316,36 @@ def _result(samples: dict[str, Any], prefix_tokens: int, reps: int) -> dict[str,
             "hit_tokens_per_request": samples["odd_hit_tokens_per_request"],
             "outputs_equal_no_cache": samples["odd_hit_outputs"] == samples["odd_outputs"],
         },
-        "targets": {
-            "l1_hit_vs_cold_max": TARGET_L1_RATIO,
-            "save_overhead_max": TARGET_SAVE_OVERHEAD,
-            "l1_hit_met": ratios["l1_hit_vs_cold"] <= TARGET_L1_RATIO,
-            "save_overhead_met": ratios["save_overhead_vs_cold"] <= TARGET_SAVE_OVERHEAD,
-            "odd_l1_hit_vs_vllm_max": TARGET_ODD_VS_VLLM,
-            "odd_l1_hit_met": (
-                ratios["odd_l1_hit_vs_odd_vllm_prefix_cache_hit"] <= TARGET_ODD_VS_VLLM
-            ),
-        },
+        "targets": _targets(ratios),
         "samples_seconds": {k: [round(x, 4) for x in samples[k]] for k in keys},
+    }
+
+
+def _ratios(
+    ttft: dict[str, float], samples: dict[str, Any], warm_keys: tuple[str, ...]
+) -> dict[str, float]:
+    cold = ttft["cold"]
+    return {
+        "l1_hit_vs_cold": round(ttft["l1_hit"] / cold, 4),
+        "l2_hit_vs_cold": round(ttft["l2_hit"] / cold, 4),
+        "vllm_prefix_cache_hit_vs_cold": round(ttft["vllm_prefix_cache_hit"] / cold, 4),
+        "save_overhead_vs_cold": round(samples["save_seconds_per_cold_request"] / cold, 4),
+        "cold_with_connector_vs_cold": round(ttft["cold_with_connector"] / cold, 4),
+        **{f"{k}_vs_cold": round(ttft[k] / cold, 4) for k in warm_keys},
+        "odd_l1_hit_vs_odd_vllm_prefix_cache_hit": round(
+            ttft["odd_l1_hit"] / ttft["odd_vllm_prefix_cache_hit"], 4
+        ),
+    }
+
+
+def _targets(ratios: dict[str, float]) -> dict[str, Any]:
+    return {
+        "l1_hit_vs_cold_max": TARGET_L1_RATIO,
+        "save_overhead_max": TARGET_SAVE_OVERHEAD,
+        "l1_hit_met": ratios["l1_hit_vs_cold"] <= TARGET_L1_RATIO,
+        "save_overhead_met": ratios["save_overhead_vs_cold"] <= TARGET_SAVE_OVERHEAD,
+        "odd_l1_hit_vs_vllm_max": TARGET_ODD_VS_VLLM,
+        "odd_l1_hit_met": ratios["odd_l1_hit_vs_odd_vllm_prefix_cache_hit"] <= TARGET_ODD_VS_VLLM,
     }
 
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import zmq
 
+from kvstrata.connector.client_ipc import IpcOps
 from kvstrata.connector.transport import Channel, CurveKeys
 from kvstrata.sidecar import liveness
 from kvstrata.sidecar import protocol as p
@@ -87,7 +88,7 @@ class _Arena:
         self.arena.close()
 
 
-class SidecarClient:
+class SidecarClient(IpcOps):
     """See the module docstring; the method contracts are in client_api terms:
     every method returns None/False on any sidecar problem."""
 
@@ -156,17 +157,6 @@ class SidecarClient:
         """``ipc`` while the sidecar serves this client's registered KV by block
         ids, else ``host`` (copies through the arena). Changes only at a HELLO."""
         return self._granted_mode
-
-    def register_kv(self, body: p.RegisterKVRequest) -> None:
-        """Share the KV tensors for ipc mode: sent now and after every re-HELLO.
-
-        When the sidecar refuses (no GPU it can see, bad handles), the client
-        stays in host mode, says why once and counts ``ipc_fallback``.
-        """
-        with self._lock:
-            self._kv_registration = body
-            if self._connected and self._granted_mode == "ipc":
-                self._send_registration(time.monotonic() + self.call_timeout_s)
 
     def available(self) -> bool:
         """Connected now, as of the last call (no I/O)."""
@@ -282,44 +272,6 @@ class SidecarClient:
         """Drop every lease (prefetch pins included) held for ``owner``."""
         reply = self._call(p.END_REQUEST, p.EndRequestRequest(owner=owner))
         return isinstance(reply, p.CountReply)
-
-    def save_blocks(
-        self,
-        keys: Sequence[ChunkKey],
-        block_ids: Sequence[Sequence[int]],
-        after_event: bytes | None,
-        owner: str,
-    ) -> list[bool] | None:
-        """ipc mode: the sidecar copies these blocks (after ``after_event``) and
-        stores them; one bool per key (False: skipped or failed)."""
-        body = p.SaveBlocksRequest(
-            keys=list(keys),
-            block_ids=[[int(b) for b in ids] for ids in block_ids],
-            after_event=after_event,
-            owner=owner,
-        )
-        reply = self._call(p.SAVE_BLOCKS, body)
-        if not isinstance(reply, p.CommitStoreReply):
-            return None
-        committed = list(reply.committed)
-        if len(committed) != len(keys):
-            return self._bad_reply(p.SAVE_BLOCKS, "wrong number of results")
-        return committed
-
-    def load_blocks(
-        self, keys: Sequence[ChunkKey], block_ids: Sequence[Sequence[int]], owner: str
-    ) -> int | None:
-        """ipc mode: the sidecar copies the longest stored prefix of ``keys``
-        into these blocks; how many chunks it loaded (done when this returns)."""
-        body = p.LoadBlocksRequest(
-            keys=list(keys), block_ids=[[int(b) for b in ids] for ids in block_ids], owner=owner
-        )
-        reply = self._call(p.LOAD_BLOCKS, body)
-        if not isinstance(reply, p.LoadBlocksReply):
-            return None
-        if reply.loaded > len(keys):
-            return self._bad_reply(p.LOAD_BLOCKS, "more chunks loaded than asked for")
-        return reply.loaded
 
     def ping(self) -> bool:
         reply = self._call(p.PING, p.PingRequest())
@@ -455,21 +407,6 @@ class SidecarClient:
             self._granted_mode,
         )
         return True
-
-    def _send_registration(self, deadline: float) -> None:
-        body = self._kv_registration
-        assert body is not None  # callers check
-        reply = self._roundtrip(p.REGISTER_KV, body, deadline)
-        if not isinstance(reply, p.RegisterKVReply):
-            why = reply.message if isinstance(reply, p.ErrorReply) else "no answer"
-            self._granted_mode = "host"
-            self._ipc_fallback(f"REGISTER_KV refused: {why}")
-
-    def _ipc_fallback(self, why: str) -> None:
-        self._count("ipc_fallback")
-        if not self._ipc_refused_logged:
-            self._ipc_refused_logged = True
-            logger.warning("kvstrata: ipc transfer mode unavailable (%s); using host mode", why)
 
     def _open_live(self, session_id: str) -> None:
         """Hold the sidecar's liveness connection for this session (ipc:// only)."""

@@ -52,15 +52,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstrata.connector.client import SidecarClient
 from kvstrata.connector.events import ChunkRegistry, KVEventFeed, describe_chunks
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, ReqId, RequestTransfer
-from kvstrata.connector.settings import NULL_BLOCK_ID, KVGroup
+from kvstrata.connector.partial_chunks import partial_candidates, partial_position
+from kvstrata.connector.settings import NULL_BLOCK_ID, KVGroup, rank_namespaces
 from kvstrata.sidecar import protocol as p
-from kvstrata.sidecar.keys import Namespace, chunk_keys_from_block_hashes, make_key
+from kvstrata.sidecar.keys import Namespace, chunk_keys_from_block_hashes
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -188,40 +189,14 @@ class KVStrataScheduler:
         max_blocks = min(max_blocks, (loadable + 1) * bpc - 1)
         if max_blocks * s.block_size <= num_computed_tokens:
             return 0
-        if state.pinned and state.asked_blocks == max_blocks:
-            # Asked again (a waiting request, every step): the chunks found
-            # last time stay pinned for it; no second call, no second lease.
-            hit_chunks, tiers, partial_blocks = state.hit_chunks, state.tiers, state.partial_blocks
-        else:
-            if state.pending is None or state.pending_blocks != max_blocks:
-                state.pending = self._start_lookup(request, loadable, max_blocks)
-                state.pending_blocks = max_blocks
-            if not state.pending.done():
-                return None
-            reply = state.pending.result()
-            state.pending = None
-            self._check_chunk_size()
-            if reply is None:
-                self.counters.lookup_failures += 1
-                return 0
-            hit_chunks, tiers = min(reply.hit_chunks, loadable), list(reply.tiers)
-            partial_blocks = 0
-            if reply.partial >= 0 and reply.hit_chunks <= loadable:
-                # candidates are longest first: index j holds (longest - j) blocks
-                longest = min(bpc - 1, max_blocks - reply.hit_chunks * bpc)
-                partial_blocks = longest - reply.partial
-                state.partial_tier = reply.partial_tier
-                self.counters.partial_hits += 1
-            state.pinned = state.pinned or hit_chunks > 0 or partial_blocks > 0
-            state.asked_blocks, state.hit_chunks, state.tiers = max_blocks, hit_chunks, tiers
-            state.partial_blocks = partial_blocks
-            self._describe(request, range(hit_chunks))  # promotions into L1 become events
+        answer = self._lookup_answer(state, request, loadable, max_blocks)
+        if answer is None:
+            return None  # in flight: vLLM asks again next step
+        hit_chunks, tiers, partial_blocks = answer
         hit_end = hit_chunks * chunk + partial_blocks * s.block_size
         if hit_end <= num_computed_tokens:
             state.partial_blocks = 0
             return 0
-        if state.partial_blocks:
-            self.counters.partial_hits += 1
         state.hit_tokens = hit_end
         logger.debug(
             "kvstrata: %s hits %d tokens (%d local) in %s",
@@ -231,6 +206,41 @@ class KVStrataScheduler:
             tiers,
         )
         return hit_end - num_computed_tokens
+
+    def _lookup_answer(
+        self, state: _RequestState, request: Request, loadable: int, max_blocks: int
+    ) -> tuple[int, list[str], int] | None:
+        """(hit chunks, their tiers, partial blocks) of ``request``'s first
+        ``max_blocks`` blocks: the pinned answer of an earlier lookup or that of
+        a finished one (a failed lookup is a miss); None while one is in flight."""
+        if state.pinned and state.asked_blocks == max_blocks:
+            # Asked again (a waiting request, every step): the chunks found
+            # last time stay pinned for it; no second call, no second lease.
+            return state.hit_chunks, state.tiers, state.partial_blocks
+        if state.pending is None or state.pending_blocks != max_blocks:
+            state.pending = self._start_lookup(request, loadable, max_blocks)
+            state.pending_blocks = max_blocks
+        if not state.pending.done():
+            return None
+        reply = state.pending.result()
+        state.pending = None
+        self._check_chunk_size()
+        if reply is None:
+            self.counters.lookup_failures += 1
+            return 0, [], 0
+        hit_chunks, tiers = min(reply.hit_chunks, loadable), list(reply.tiers)
+        partial_blocks = 0
+        if reply.partial >= 0 and reply.hit_chunks <= loadable:
+            bpc = self.settings.blocks_per_chunk
+            # candidates are longest first: index j holds (longest - j) blocks
+            partial_blocks = min(bpc - 1, max_blocks - reply.hit_chunks * bpc) - reply.partial
+            state.partial_tier = reply.partial_tier
+            self.counters.partial_hits += 1
+        state.pinned = state.pinned or hit_chunks > 0 or partial_blocks > 0
+        state.asked_blocks, state.hit_chunks, state.tiers = max_blocks, hit_chunks, tiers
+        state.partial_blocks = partial_blocks
+        self._describe(request, range(hit_chunks))  # promotions into L1 become events
+        return hit_chunks, tiers, partial_blocks
 
     def _start_lookup(
         self, request: Request, loadable: int, max_blocks: int
@@ -243,7 +253,13 @@ class KVStrataScheduler:
         hashes = request.block_hashes[: loadable * bpc]
         fingerprints = [self.client.fingerprint, *self.client.more_fingerprints]
         keys = [k for fp in fingerprints for k in chunk_keys_from_block_hashes(fp, hashes, bpc)]
-        partials = self._partial_candidates(request, loadable, max_blocks) if self._partials else []
+        partials = (
+            partial_candidates(
+                self.client.fingerprint, request.block_hashes, bpc, loadable, max_blocks
+            )
+            if self._partials
+            else []
+        )
         return self._calls.submit(
             self.client.lookup,
             keys,
@@ -252,22 +268,6 @@ class KVStrataScheduler:
             groups=len(fingerprints),
             partials=partials,
         )
-
-    def _partial_candidates(
-        self, request: Request, loadable: int, max_blocks: int
-    ) -> list[list[bytes]]:
-        """Keys of the partial chunks that may follow ``i`` full chunks, for
-        every ``i`` up to ``loadable``, longest first; none past ``max_blocks``."""
-        bpc = self.settings.blocks_per_chunk
-        fp = self.client.fingerprint
-        hashes = request.block_hashes
-        out: list[list[bytes]] = []
-        for i in range(loadable + 1):
-            longest = min(bpc - 1, max_blocks - i * bpc)
-            out.append([make_key(fp, hashes[i * bpc + b - 1]) for b in range(longest, 0, -1)])
-        while out and not out[-1]:
-            out.pop()
-        return out
 
     def _check_chunk_size(self) -> None:
         theirs = self.client.chunk_size
@@ -414,7 +414,9 @@ class KVStrataScheduler:
         )
         bpc = s.blocks_per_chunk
         hashes = request.block_hashes
-        own = self._partial_position(request) if self._partials else -1
+        own = (
+            partial_position(request.num_prompt_tokens, s.block_size, bpc) if self._partials else -1
+        )
         chunks: list[ChunkTransfer] = []
         for c in range(state.stored_chunks, n_chunks):
             chunk_hash = bytes(hashes[(c + 1) * bpc - 1])
@@ -422,7 +424,7 @@ class KVStrataScheduler:
             # prompt's own (a prompt that ends in chunk c never loads c whole).
             covers = (
                 []
-                if own < 0 or c == own
+                if not self._partials or c == own
                 else [bytes(h) for h in hashes[c * bpc : (c + 1) * bpc - 1]]
             )
             for group in self.groups:
@@ -444,17 +446,10 @@ class KVStrataScheduler:
             chunks += self._plan_partial_save(state, n_chunks)
         return RequestTransfer(request.request_id, chunks) if chunks else None
 
-    def _partial_position(self, request: Request) -> int:
-        """The chunk position of the prompt's partial chunk: its full blocks
-        below the block of its last token, after its last full chunk of
-        those; -1 when they end on a chunk boundary."""
-        blocks = (request.num_prompt_tokens - 1) // self.settings.block_size
-        bpc = self.settings.blocks_per_chunk
-        return blocks // bpc if blocks % bpc else -1
-
     def _plan_partial_save(self, state: _RequestState, n_chunks: int) -> list[ChunkTransfer]:
         """The prompt's partial chunk, once its prefill is done (see
-        :meth:`_partial_position`); none when a lookup already hit it. Like a
+        :func:`~kvstrata.connector.partial_chunks.partial_position`); none when a
+        lookup already hit it. Like a
         hit, it stops before the block of the prompt's last token, so the same
         prompt again hits all of it (a prompt of whole chunks keeps the blocks
         of its last chunk but one as a partial chunk). One namespace only."""
@@ -462,7 +457,7 @@ class KVStrataScheduler:
         bpc = s.blocks_per_chunk
         request = state.request
         state.partial_done = True
-        position = self._partial_position(request)
+        position = partial_position(request.num_prompt_tokens, s.block_size, bpc)
         blocks = (request.num_prompt_tokens - 1) // s.block_size
         if position < 0 or position > n_chunks:
             return []  # none, or the full chunks before it are not all there
@@ -508,12 +503,3 @@ class KVStrataScheduler:
         if self.events is not None:
             self.events.close()
         self.client.close()
-
-
-def rank_namespaces(namespace: Namespace) -> list[Namespace]:
-    """The namespace of every TP/PP rank of the engine, rank (0, 0) first."""
-    return [
-        replace(namespace, tp_rank=tp, pp_rank=pp)
-        for pp in range(max(1, namespace.pp_size))
-        for tp in range(max(1, namespace.tp_size))
-    ]

@@ -258,3 +258,12 @@ def _float(extra: dict[str, Any], key: str, default: float) -> float:
     if out <= 0:
         raise ValueError(f"kv_connector_extra_config.{key} must be > 0, not {value!r}")
     return out
+
+
+def rank_namespaces(namespace: Namespace) -> list[Namespace]:
+    """The namespace of every TP/PP rank of the engine, rank (0, 0) first."""
+    return [
+        replace(namespace, tp_rank=tp, pp_rank=pp)
+        for pp in range(max(1, namespace.pp_size))
+        for tp in range(max(1, namespace.tp_size))
+    ]

@@ -54,6 +54,7 @@ from kvstrata.sidecar.lookup import LookupResult, PrefixLookup
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.partials import blocks_match, entry_is_partial, is_partial
 from kvstrata.sidecar.prefetch import Prefetcher
+from kvstrata.sidecar.promotion import Promotion
 from kvstrata.sidecar.tiers.base import Tier, TierStats
 from kvstrata.sidecar.tiers.disk import DiskTier
 from kvstrata.sidecar.writeback import WriteBehind
@@ -74,7 +75,7 @@ class EngineStats:
     counters: dict[str, int] = field(default_factory=dict)
 
 
-class StorageManager:
+class StorageManager(Promotion):
     """L1 + L2 + shared tier behind one thread-safe API (module docstring)."""
 
     def __init__(self, config: SidecarConfig, shared_tier: Tier | None = None) -> None:
@@ -322,87 +323,6 @@ class StorageManager:
             if left <= 0:
                 return None
             self._cond.wait(left)
-
-    def _promote(self, key: ChunkKey, owner: str) -> Slot | None:
-        if self.l2 is not None:
-            slot = self._promote_from_l2(key, owner)
-            if slot is not None:
-                return slot
-        if self.shared is not None:
-            return self._promote_from_shared(key, owner)
-        return None
-
-    def _reserve_promotion(
-        self, key: ChunkKey, nbytes: int, meta: ChunkMeta, owner: str
-    ) -> tuple[Entry | None, Slot | None]:
-        """(entry to fill, None) or (None, a read lease when it appeared meanwhile)."""
-        with self._lock:
-            entry = self._store.reserve(key, nbytes, meta)
-            if entry is not None:
-                entry.promoting = True
-                return entry, None
-            slot = self._acquire_local(key, owner)
-        self._wb.submit()
-        return None, slot
-
-    def _finish_promotion(
-        self, entry: Entry, meta: ChunkMeta, owner: str, tier: str
-    ) -> Slot | None:
-        with self._lock:
-            entry.promoting = False
-            self._cond.notify_all()
-            if tier != "l2":
-                self._wb.note_shared(entry.key)
-            if entry.dead:
-                self._store.unpin(entry)
-                return None
-            entry.meta = meta
-            self._store.publish(entry)
-            self._count(f"promotions_total_{tier}")
-            self._wb.promoted(entry, tier)
-            slot = self._read_lease(entry, owner)
-            self._store.unpin(entry)  # the fill pin; the read lease keeps its own
-        self._wb.submit()
-        return slot
-
-    def _promote_from_l2(self, key: ChunkKey, owner: str) -> Slot | None:
-        if self.l2 is None:
-            return None
-        info = self.l2.peek(key)
-        if info is None:
-            return None
-        entry, slot = self._reserve_promotion(key, info.payload_bytes, info.meta, owner)
-        if entry is None:
-            return slot
-        view = self._buf[entry.offset : entry.offset + entry.length]
-        try:
-            meta = self.l2.read_into(key, view)
-        except Exception:
-            logger.exception("L2 read of a chunk failed")
-            meta = None
-        if meta is None:
-            with self._lock:
-                self._count("promotion_failed_total")
-                self._abort_entry(entry)
-            return None
-        return self._finish_promotion(entry, meta, owner, "l2")
-
-    def _promote_from_shared(self, key: ChunkKey, owner: str) -> Slot | None:
-        if self.shared is None:
-            return None
-        try:
-            obj = self.shared.get(key)
-        except Exception:  # a tier must not raise; a failure is a miss
-            logger.exception("shared tier %s raised from get", self.shared.name)
-            obj = None
-        if obj is None:
-            return None
-        payload = memoryview(obj.payload).cast("B")
-        entry, slot = self._reserve_promotion(key, len(payload), obj.meta, owner)
-        if entry is None:
-            return slot
-        self._buf[entry.offset : entry.offset + entry.length] = payload
-        return self._finish_promotion(entry, obj.meta, owner, self.shared.name)
 
     def release(self, slot: Slot) -> None:
         """End a read lease."""

@@ -1,0 +1,115 @@
+"""The ipc-mode calls of :class:`~kvstrata.connector.client.SidecarClient`.
+
+In ipc mode the worker shares its KV tensors once (REGISTER_KV, sent again
+after every re-HELLO) and then names block ids only: the sidecar copies
+between vLLM's KV and its arena itself (SAVE_BLOCKS, LOAD_BLOCKS). A
+sidecar that refuses the registration leaves the client in host mode,
+said once and counted as ``ipc_fallback``.
+
+:class:`IpcOps` is a part of the client (its base class): it uses the
+client's lock, call path and counters, and keeps no state of its own but
+the registration to resend.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvstrata.sidecar import protocol as p
+from kvstrata.sidecar.keys import ChunkKey
+
+__all__ = ["IpcOps"]
+
+logger = logging.getLogger("kvstrata.connector.client")
+
+
+class IpcOps:
+    """The client's ipc-mode operations (module docstring)."""
+
+    # Provided by the client.
+    _lock: threading.Lock
+    _connected: bool
+    _granted_mode: str
+    _kv_registration: p.RegisterKVRequest | None
+    _ipc_refused_logged: bool
+    call_timeout_s: float
+
+    def _call(self, op: str, body: p.Message) -> p.Message | None:
+        raise NotImplementedError
+
+    def _roundtrip(self, op: str, body: p.Message, deadline: float) -> p.Message | None:
+        raise NotImplementedError
+
+    def _count(self, kind: str) -> None:
+        raise NotImplementedError
+
+    def _bad_reply(self, op: str, why: str) -> Any:
+        raise NotImplementedError
+
+    def register_kv(self, body: p.RegisterKVRequest) -> None:
+        """Share the KV tensors for ipc mode: sent now and after every re-HELLO.
+
+        When the sidecar refuses (no GPU it can see, bad handles), the client
+        stays in host mode, says why once and counts ``ipc_fallback``.
+        """
+        with self._lock:
+            self._kv_registration = body
+            if self._connected and self._granted_mode == "ipc":
+                self._send_registration(time.monotonic() + self.call_timeout_s)
+
+    def save_blocks(
+        self,
+        keys: Sequence[ChunkKey],
+        block_ids: Sequence[Sequence[int]],
+        after_event: bytes | None,
+        owner: str,
+    ) -> list[bool] | None:
+        """ipc mode: the sidecar copies these blocks (after ``after_event``) and
+        stores them; one bool per key (False: skipped or failed)."""
+        body = p.SaveBlocksRequest(
+            keys=list(keys),
+            block_ids=[[int(b) for b in ids] for ids in block_ids],
+            after_event=after_event,
+            owner=owner,
+        )
+        reply = self._call(p.SAVE_BLOCKS, body)
+        if not isinstance(reply, p.CommitStoreReply):
+            return None
+        committed = list(reply.committed)
+        if len(committed) != len(keys):
+            return self._bad_reply(p.SAVE_BLOCKS, "wrong number of results")
+        return committed
+
+    def load_blocks(
+        self, keys: Sequence[ChunkKey], block_ids: Sequence[Sequence[int]], owner: str
+    ) -> int | None:
+        """ipc mode: the sidecar copies the longest stored prefix of ``keys``
+        into these blocks; how many chunks it loaded (done when this returns)."""
+        body = p.LoadBlocksRequest(
+            keys=list(keys), block_ids=[[int(b) for b in ids] for ids in block_ids], owner=owner
+        )
+        reply = self._call(p.LOAD_BLOCKS, body)
+        if not isinstance(reply, p.LoadBlocksReply):
+            return None
+        if reply.loaded > len(keys):
+            return self._bad_reply(p.LOAD_BLOCKS, "more chunks loaded than asked for")
+        return reply.loaded
+
+    def _send_registration(self, deadline: float) -> None:
+        body = self._kv_registration
+        assert body is not None  # callers check
+        reply = self._roundtrip(p.REGISTER_KV, body, deadline)
+        if not isinstance(reply, p.RegisterKVReply):
+            why = reply.message if isinstance(reply, p.ErrorReply) else "no answer"
+            self._granted_mode = "host"
+            self._ipc_fallback(f"REGISTER_KV refused: {why}")
+
+    def _ipc_fallback(self, why: str) -> None:
+        self._count("ipc_fallback")
+        if not self._ipc_refused_logged:
+            self._ipc_refused_logged = True
+            logger.warning("kvstrata: ipc transfer mode unavailable (%s); using host mode", why)
