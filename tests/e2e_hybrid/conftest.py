@@ -11,8 +11,6 @@ theirs, so ``pytest tests/e2e tests/e2e_hybrid`` runs in one process.
 
 from __future__ import annotations
 
-import os
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,10 +20,13 @@ import pytest
 
 from kvstrata.testing import sidecarproc
 from kvstrata.testing.localstack import (
+    greedy_outputs,
     hold_engine,
+    random_tokens,
     release_held_engine,
     shutdown_engine,
     transfer_config,
+    vllm_environment,
 )
 from kvstrata.testing.poll import wait_until
 
@@ -35,20 +36,9 @@ CHUNK = 64  # tokens per chunk: two 32-token blocks
 BLOCK = 32
 WINDOW = 64  # the sliding window of the even layers
 MAX_TOKENS = 12
-VLLM_ENV = {
-    "VLLM_HOST_IP": "127.0.0.1",
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "PYTHONHASHSEED": "0",
-}
 
 
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 500) for _ in range(n)]
+tokens = random_tokens
 
 
 # Prompts several chunks longer than the window (token ids: exact lengths).
@@ -75,14 +65,8 @@ class SidecarProcess(sidecarproc.SidecarProcess):
 
 @pytest.fixture(scope="session")
 def hybrid_env() -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in VLLM_ENV}
-    os.environ.update(VLLM_ENV)
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with vllm_environment():
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -108,11 +92,7 @@ def engine_args(model: Path) -> dict[str, Any]:
 
 
 def generate(llm: Any, prompts: list[list[int]]) -> list[list[int]]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return greedy_outputs(llm, prompts, MAX_TOKENS)
 
 
 def kv_groups(llm: Any) -> list[str]:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,40 @@ def set_vllm_env(quiet: bool = True) -> None:
         os.environ.setdefault(key, value)
     if quiet:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+# The end-to-end suites: the same, with a 1 GiB KV cache (their tiny models need no more).
+E2E_VLLM_ENV = {**VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+@contextlib.contextmanager
+def vllm_environment(env: Mapping[str, str] = E2E_VLLM_ENV) -> Iterator[None]:
+    """``env`` set in ``os.environ`` while the block runs; restored after."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    """``n`` token ids from a fixed seed (exact prompt lengths, no tokenizer)."""
+    rng = random.Random(seed)
+    return [rng.randrange(10, 500) for _ in range(n)]
+
+
+def greedy_outputs(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy completions of token-id prompts, exactly ``max_tokens`` each."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 class LocalSidecar(SidecarProcess):
