@@ -35,7 +35,7 @@ import logging
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -271,7 +271,7 @@ def describe_chunks(
     registry: ChunkRegistry | None,
     request: Request,
     fingerprint: bytes,
-    chunks: Sequence[int] | range,
+    chunks: range,
     block_size: int,
     bpc: int,
 ) -> None:
@@ -279,6 +279,6 @@ def describe_chunks(
     if registry is None or not chunks:
         return
     try:
-        registry.describe(request, fingerprint, range(chunks[0], chunks[-1] + 1), block_size, bpc)
+        registry.describe(request, fingerprint, chunks, block_size, bpc)
     except Exception:
         logger.exception("kvstrata: cannot describe chunks of %s for KV events", request.request_id)
