@@ -105,6 +105,7 @@ class SidecarClient(IpcOps):
         backoff_s: float = BACKOFF_MIN_S,
         backoff_max_s: float = BACKOFF_MAX_S,
         more_namespaces: Sequence[Namespace] = (),
+        kv_events: bool = False,
     ) -> None:
         if not 0 < backoff_s <= backoff_max_s:
             raise ValueError(f"bad back-off {backoff_s}..{backoff_max_s} s")
@@ -117,6 +118,7 @@ class SidecarClient(IpcOps):
         self.fingerprint: bytes = namespace.fingerprint()
         # Further namespaces this session may name (a scheduler's other ranks).
         self.more_fingerprints: list[bytes] = [ns.fingerprint() for ns in more_namespaces]
+        self.kv_events = kv_events  # HELLO asks the sidecar to record tier events
         self.chunk_size: int | None = None
         self.write_budget = 0  # uncommitted write bytes the sidecar lets this session hold
         self.server_version: str | None = None
@@ -369,6 +371,7 @@ class SidecarClient(IpcOps):
             transfer_mode=self.requested_mode,
             pid=os.getpid(),
             fingerprints=self.more_fingerprints,
+            kv_events=self.kv_events,
         )
         reply = self._roundtrip(p.HELLO, hello, deadline)
         if not isinstance(reply, p.HelloReply):

@@ -31,7 +31,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvstrata.connector.events import events_enabled
 from kvstrata.connector.metadata import KVStrataMetadata
 from kvstrata.connector.settings import settings_from_config
 from kvstrata.connector.stats import KVStrataPromMetrics, KVStrataStats, StatsDelta
@@ -128,9 +127,7 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             from kvstrata.connector.scheduler import KVStrataScheduler
 
-            self._scheduler = KVStrataScheduler(
-                self.settings, kv_events=events_enabled(vllm_config)
-            )
+            self._scheduler = KVStrataScheduler(self.settings)
         else:
             from kvstrata.connector.worker import KVStrataWorker
 

@@ -261,12 +261,6 @@ def _vllm_event_classes() -> _EventClasses:
     return _EventClasses(BlockStored, BlockRemoved, maybe_convert_block_hash)
 
 
-def events_enabled(vllm_config: Any) -> bool:
-    """Whether vLLM publishes KV events (``--kv-events-config``)."""
-    config = getattr(vllm_config, "kv_events_config", None)
-    return bool(config is not None and getattr(config, "enable_kv_cache_events", False))
-
-
 def describe_chunks(
     registry: ChunkRegistry | None,
     request: Request,

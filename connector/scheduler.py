@@ -111,7 +111,7 @@ class SchedulerCounters:
 
 
 class KVStrataScheduler:
-    def __init__(self, settings: ConnectorSettings, kv_events: bool = False) -> None:
+    def __init__(self, settings: ConnectorSettings) -> None:
         self.settings = settings
         self.enabled = settings.layout is not None
         # Every rank stores under its own namespace, and with several KV cache
@@ -128,7 +128,7 @@ class KVStrataScheduler:
         # only, so that each chunk is one event.
         self.events: KVEventFeed | None = None
         self._described: ChunkRegistry | None = None
-        if kv_events and self.enabled:
+        if settings.kv_events and self.enabled:
             self.events = KVEventFeed(self._new_client(), settings.block_size)
             self._described = self.events.registry
         self.counters = SchedulerCounters()
@@ -146,6 +146,7 @@ class KVStrataScheduler:
             call_timeout_s=s.call_timeout_s,
             curve=s.curve,
             more_namespaces=more_namespaces,
+            kv_events=s.kv_events,
         )
 
     def take_events(self) -> list:

@@ -92,6 +92,9 @@ class ConnectorSettings:
     curve: CurveKeys | None = None  # CURVE keys for an authenticated tcp:// sidecar
     # vLLM's KV cache groups; one (namespace == ``namespace``) unless hybrid.
     groups: tuple[KVGroup, ...] = ()
+    # vLLM publishes KV events (--kv-events-config): the sidecar records its
+    # tiers' changes for them from this client's HELLO on.
+    kv_events: bool = False
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -130,7 +133,14 @@ def settings_from_config(
         layout=layout,
         namespace=namespace,
         groups=kv_groups,
+        kv_events=events_enabled(vllm_config),
     )
+
+
+def events_enabled(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV events (``--kv-events-config``)."""
+    config = getattr(vllm_config, "kv_events_config", None)
+    return bool(config is not None and getattr(config, "enable_kv_cache_events", False))
 
 
 def _groups(kv_cache_config: KVCacheConfig, namespace: Namespace) -> tuple[KVGroup, ...]:

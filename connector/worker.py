@@ -101,6 +101,7 @@ class KVStrataWorker:
             call_timeout_s=settings.call_timeout_s,
             curve=settings.curve,
             more_namespaces=namespaces[1:],
+            kv_events=settings.kv_events,
         )
         # Key fingerprint per KV cache group (this rank's).
         self._fingerprints = [self.client.fingerprint, *self.client.more_fingerprints]

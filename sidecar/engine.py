@@ -116,18 +116,23 @@ class StorageManager(Promotion):
             raise
         self._lookup = PrefixLookup(self._lock, self._store, self.l2, shared_tier, self._count)
         self._prefetcher = Prefetcher(self._cond, self.acquire, self._pop_lease)
-        self.journal = self._open_journal()
+        self.journal = EventJournal()
         self._closed = False
 
-    def _open_journal(self) -> EventJournal:
-        """Every tier tells one journal what arrives and leaves (KV events)."""
-        journal = EventJournal()
-        self._store.events = journal.for_tier("l1")
-        if self.l2 is not None:
-            self.l2.events = journal.for_tier(self.l2.name)
-        if self.shared is not None:
-            self._wb.tell_shared_writes(journal.for_tier(self.shared.name))
-        return journal
+    def record_events(self) -> None:
+        """From now on every tier tells the journal what arrives and leaves
+        (KV events). Idempotent. Off until a client asks for events: with no
+        reader, recording every store and eviction is pure cost on the
+        hottest path."""
+        with self._lock:
+            if self._store.events is not None:
+                return
+            journal = self.journal
+            self._store.events = journal.for_tier("l1")
+            if self.l2 is not None:
+                self.l2.events = journal.for_tier(self.l2.name)
+            if self.shared is not None:
+                self._wb.tell_shared_writes(journal.for_tier(self.shared.name))
 
     # -- counters -----------------------------------------------------------
 

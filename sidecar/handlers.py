@@ -150,6 +150,8 @@ class Handlers:
         )
         for old in replaced:
             self.reclaim(old)
+        if body.kv_events:
+            self.engine.record_events()
         logger.info("HELLO from %s (role %s, pid %s)", body.client_id, body.role, body.pid)
         arena = self.engine.arena
         return p.HelloReply(
@@ -281,6 +283,7 @@ class Handlers:
     def _events(self, body: p.EventsRequest, session: Session) -> p.EventsReply:
         """The journal's records of this session's namespace only: another
         tenant's keys are neither shown nor counted."""
+        self.engine.record_events()  # a reader from an older client, whose HELLO did not ask
         fingerprint = session.fingerprint
         n = len(fingerprint)
         read = self.engine.journal.read(

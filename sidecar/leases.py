@@ -76,10 +76,18 @@ class LeaseTable:
 
     def new(self, entry: Entry, owner: str, write: bool) -> Slot:
         """A lease on ``entry``; the caller has already pinned it."""
-        slot = Slot(next(self._ids), entry.key, entry.offset, entry.length, entry.meta)
-        client = owner.partition(OWNER_SEP)[0]  # client_of, inlined: a hot path
-        self._leases[slot.lease_id] = Lease(slot, entry, owner, client, write, time.monotonic())
-        self._by_owner.setdefault(owner, set()).add(slot.lease_id)
+        # A hot path (every chunk of every request): Slot._make skips the
+        # named tuple's Python-level __new__, and the owner's set is built
+        # only when it is the owner's first lease.
+        lease_id = next(self._ids)
+        slot = Slot._make((lease_id, entry.key, entry.offset, entry.length, entry.meta))
+        client = owner.partition(OWNER_SEP)[0]  # client_of, inlined
+        self._leases[lease_id] = Lease(slot, entry, owner, client, write, time.monotonic())
+        ids = self._by_owner.get(owner)
+        if ids is None:
+            self._by_owner[owner] = {lease_id}
+        else:
+            ids.add(lease_id)
         if write:
             self._write_bytes[client] = self._write_bytes.get(client, 0) + slot.length
         return slot

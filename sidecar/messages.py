@@ -106,6 +106,7 @@ class HelloRequest(Message):
     transfer_mode: str = "host"
     pid: int = 0
     fingerprints: list[bytes] = field(default_factory=list)  # more namespaces it may name
+    kv_events: bool = False  # its vLLM publishes KV events: record the tiers' changes
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> HelloRequest:
@@ -125,6 +126,7 @@ class HelloRequest(Message):
             fingerprints=read_items(
                 body.get("fingerprints") or [], "fingerprints", _read_fingerprint, MAX_GROUPS
             ),
+            kv_events=read_bool(body.get("kv_events", False), "kv_events"),
         )
 
 

@@ -288,7 +288,8 @@ class PrefixAwarePolicy(EvictionPolicy):
         self._children: dict[Key, set[Key]] = {}
 
     def on_insert(self, key: Key, size: int, parent: Key | None = None) -> None:
-        self.on_remove(key)
+        if key in self.inner:  # a re-insert: forget its old links (rare; keeps the hot path short)
+            self.on_remove(key)
         self.inner.on_insert(key, size, parent)
         if parent is not None and parent != key and parent in self.inner:
             self._parent[key] = parent

@@ -39,8 +39,8 @@ the exact types):
 op             request                                   reply
 ============== ========================================= ==========================================
 HELLO          client_id, role, fingerprint, namespace,  session_id, arena_name, arena_size,
-               transfer_mode, pid, [fingerprints]        chunk_size, server_version, transfer_mode,
-                                                         lease_seconds
+               transfer_mode, pid, [fingerprints],       chunk_size, server_version, transfer_mode,
+               [kv_events]                               lease_seconds
 LOOKUP         keys, prefetch, owner, [groups]           hit_chunks, tiers
 PREPARE_STORE  keys, nbytes, dtype, shape, owner         slots (one per key, nil = skip the key)
 COMMIT_STORE   lease_ids, ok                             committed (one bool per lease id)
@@ -65,6 +65,10 @@ bytes from the start of the handle's allocation), then moves chunks by
 block ids (``block_ids``: one list per key, ``-1`` = skip that block) while
 the sidecar runs the copies on the GPU. ``after_event`` is the IPC handle of
 a CUDA event the sidecar waits for before reading vLLM's KV (nil: none).
+
+The sidecar records its tiers' changes for EVENTS from the first HELLO with
+``kv_events`` true (or the first EVENTS) on: nothing is recorded while no
+vLLM publishes events, so the store path pays nothing for them.
 
 A slot on the wire is ``[lease_id, offset, length, dtype, shape]``: a byte
 range of the shared L1 arena the client copies KV into (store) or out of

@@ -28,7 +28,7 @@ def _read_all(client: SidecarClient, after: int = 0) -> tuple[list[p.TierEvent],
 
 
 def test_stores_reach_the_journal_per_tier_in_order(sidecar: Any, kit: Any):
-    client = sidecar.client()
+    client = sidecar.client(kv_events=True)
     keys = kit.make_keys(3, seed=700)
     assert kit.store(client, keys, NBYTES, owner="w") == 3
 
@@ -50,7 +50,7 @@ def test_stores_reach_the_journal_per_tier_in_order(sidecar: Any, kit: Any):
 
 
 def test_an_l1_eviction_is_a_removed_record(sidecar: Any, kit: Any):
-    client = sidecar.client()
+    client = sidecar.client(kv_events=True)
     # The test sidecar's L1 is 16 MiB: 40 chunks of 1 MiB evict the oldest.
     keys = kit.make_keys(40, seed=710)
     for i in range(0, 40, 4):
@@ -67,7 +67,7 @@ def test_an_l1_eviction_is_a_removed_record(sidecar: Any, kit: Any):
 
 
 def test_a_session_sees_only_its_own_namespaces_records(sidecar: Any, kit: Any):
-    tenant = sidecar.client()
+    tenant = sidecar.client(kv_events=True)
     kit.store(tenant, kit.make_keys(2, seed=720), NBYTES, owner="w")
     other = SidecarClient(sidecar.endpoint, OTHER_TENANT, role="scheduler", call_timeout_s=2)
     events, _ = _read_all(other)
@@ -76,6 +76,33 @@ def test_a_session_sees_only_its_own_namespaces_records(sidecar: Any, kit: Any):
     assert len([e for e in mine if e.tier == "l1"]) == 2
     tenant.close()
     other.close()
+
+
+def test_nothing_is_recorded_until_a_client_asks_for_events(sidecar: Any, kit: Any):
+    """No vLLM publishes events: stores and evictions are not journaled (the
+    store path pays nothing). The first reader turns recording on, from then
+    on; a HELLO with ``kv_events`` does so before its client's first store."""
+    quiet = sidecar.client()
+    keys = kit.make_keys(4, seed=730)
+    assert kit.store(quiet, keys[:2], NBYTES, owner="w") == 2
+    reader = sidecar.client(role="scheduler")
+    events, last = _read_all(reader)
+    # (The L2 copies of those two may still land after the read armed it.)
+    assert [e for e in events if e.tier == "l1"] == []
+    assert kit.store(quiet, keys[2:3], NBYTES, owner="w") == 1
+    events, last = _read_all(reader, last)
+    assert [(e.tier, e.kind, bytes(e.key)) for e in events if e.tier == "l1"] == [
+        ("l1", "stored", bytes(keys[2]))
+    ]
+    quiet.close()
+    reader.close()
+
+    sidecar.restart()  # a new sidecar: recording is off again
+    asking = sidecar.client(kv_events=True)
+    assert kit.store(asking, keys[3:], NBYTES, owner="w") == 1
+    events, _ = _read_all(asking)
+    assert ("l1", "stored", bytes(keys[3])) in [(e.tier, e.kind, bytes(e.key)) for e in events]
+    asking.close()
 
 
 def test_a_bad_events_request_is_refused_naming_the_field(sidecar: Any):
@@ -130,7 +157,7 @@ def test_the_feed_turns_records_into_vllm_events_and_follows_a_restarted_sidecar
     request = _Request(list(range(100, 164)), block)  # four blocks, four chunks
     feed.registry.describe(request, fingerprint, range(4), block, bpc)
     keys = [ChunkKey(fingerprint + h) for h in request.block_hashes]
-    writer = sidecar.client()
+    writer = sidecar.client(kv_events=True)
 
     def stored_after_polls(expected: int) -> list[Any]:
         got: list[Any] = []
@@ -152,7 +179,7 @@ def test_the_feed_turns_records_into_vllm_events_and_follows_a_restarted_sidecar
 
     writer.close()
     sidecar.restart()  # a new journal; L2 keeps the first two chunks
-    writer = sidecar.client()
+    writer = sidecar.client(kv_events=True)
     assert kit.store(writer, keys[2:], NBYTES, owner="b") == 2
     after = [e for e in stored_after_polls(2) if e.medium == "CPU"]
     assert [e.block_hashes for e in after] == [[as_vllm(h)] for h in request.block_hashes[2:]]
