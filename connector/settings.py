@@ -13,6 +13,10 @@ Configuration (``kv_transfer_config.kv_connector_extra_config``):
                            should equal the sidecar's ``chunk_size``)
 ``transfer_mode``          ``auto`` (default: ipc when the KV is on a GPU the sidecar sees,
                            else host), ``ipc`` or ``host``; see :mod:`kvstrata.connector.ipc`
+``load_async``             ``auto`` (default: a hit that reaches below L1 loads in the
+                           background while vLLM schedules other work), ``always`` or
+                           ``never``; hybrid models always load in the background (see
+                           :mod:`kvstrata.connector.async_loads`)
 ``kv_cache_layout``        a vLLM KVCacheLayout to ask for (e.g. ``BLNHC``: cross-layer
                            blocks, one copy per block); vLLM uses it when its backends can
 ``curve_server_certificate`` / ``curve_client_certificate``
@@ -48,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_SIZE = 256
 TRANSFER_MODES = ("auto", "ipc", "host")
+LOAD_ASYNC_MODES = ("auto", "always", "never")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +100,7 @@ class ConnectorSettings:
     # vLLM publishes KV events (--kv-events-config): the sidecar records its
     # tiers' changes for them from this client's HELLO on.
     kv_events: bool = False
+    load_async: str = "auto"  # LOAD_ASYNC_MODES
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -112,7 +118,7 @@ def settings_from_config(
     groups = kv_cache_config.kv_cache_groups
     spec = groups[0].kv_cache_spec if groups else None
     block_size = int(getattr(spec, "block_size", vllm_config.cache_config.block_size))
-    transfer_mode = _transfer_mode(extra)
+    transfer_mode = _choice(extra, "transfer_mode", TRANSFER_MODES, "auto")
     chunk_size = _chunk_size(extra, block_size)
     namespace = _namespace(vllm_config, layout, block_size, chunk_size)
     kv_groups = _groups(kv_cache_config, namespace) if layout is not None else ()
@@ -134,6 +140,7 @@ def settings_from_config(
         namespace=namespace,
         groups=kv_groups,
         kv_events=events_enabled(vllm_config),
+        load_async=_choice(extra, "load_async", LOAD_ASYNC_MODES, "auto"),
     )
 
 
@@ -194,14 +201,13 @@ def _layout(vllm_config: VllmConfig, kv_cache_layout: str | None) -> str | None:
     return layout
 
 
-def _transfer_mode(extra: dict[str, Any]) -> str:
-    transfer_mode = str(extra.get("transfer_mode", "auto"))
-    if transfer_mode not in TRANSFER_MODES:
+def _choice(extra: dict[str, Any], key: str, allowed: tuple[str, ...], default: str) -> str:
+    value = str(extra.get(key, default))
+    if value not in allowed:
         raise ValueError(
-            "kv_connector_extra_config.transfer_mode must be auto, ipc or host, "
-            f"not {transfer_mode!r}"
+            f"kv_connector_extra_config.{key} must be one of {', '.join(allowed)}, not {value!r}"
         )
-    return transfer_mode
+    return value
 
 
 def _chunk_size(extra: dict[str, Any], block_size: int) -> int:

@@ -40,16 +40,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import warnings
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvstrata.connector import ipc
-from kvstrata.connector.client import ArenaSlot, SidecarClient
+from kvstrata.connector.client import SidecarClient
 from kvstrata.connector.device import DeviceCopies, copies_for
 from kvstrata.connector.layout import ChunkLayout, UnsupportedLayoutError, detect_layout
+from kvstrata.connector.leased_reads import STEP_OWNER, LeasedReads, Sources
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, RequestTransfer
 from kvstrata.sidecar.keys import make_key
 
@@ -61,8 +61,6 @@ if TYPE_CHECKING:
     from kvstrata.connector.settings import ConnectorSettings, KVGroup
 
 logger = logging.getLogger(__name__)
-
-STEP_OWNER = "kvstrata-step"  # owner of a step's arena leases (released by id)
 
 
 @dataclass
@@ -109,12 +107,11 @@ class KVStrataWorker:
         self.layouts: tuple[ChunkLayout, ...] = ()  # one per KV cache group
         self.counters = WorkerCounters()
         self._load_errors: set[int] = set()
-        self._arena_view: torch.Tensor | None = None
-        self._arena_epoch = -1
         self.copies: DeviceCopies = DeviceCopies()
+        # Loads vLLM waits for, on our main session; leases held until the copies end.
+        self.reads = LeasedReads(self.client, self._fingerprints, self.copies)
         self._layer_index: dict[str, int] = {}
         self._layer_offsets: list[int] = []  # per group: its first copy-event layer
-        self._pending_leases: list[int] = []  # held until the load copies finish
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         s = self.settings
@@ -138,8 +135,10 @@ class KVStrataWorker:
         hybrid = len(self.layouts) > 1
         if self.layout.device.type == "cuda" and s.transfer_mode != "host" and not hybrid:
             self._ask_for_ipc()
+        self.reads.forget_arena()
         self.copies.close()
         self.copies = copies_for(self.layout.device, sum(g.plan.num_layers for g in self.layouts))
+        self.reads.copies, self.reads.layouts = self.copies, self.layouts
         self._layer_index, self._layer_offsets = {}, []
         for layout in self.layouts:
             offset = sum(g.plan.num_layers for g in self.layouts[: len(self._layer_offsets)])
@@ -174,38 +173,6 @@ class KVStrataWorker:
         self.client.register_kv(body)
         self.client.stats()  # connect now: the mode is decided at HELLO
 
-    # -- arena --------------------------------------------------------------------
-
-    def _arena(self) -> torch.Tensor | None:
-        """The arena as one uint8 tensor, for the client's current epoch."""
-        epoch = self.client.epoch
-        if self._arena_view is None or epoch != self._arena_epoch:
-            self.copies.unregister_arena()
-            self._arena_view = None
-            view = self.client.arena
-            if view is None:
-                return None
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                self._arena_view = torch.frombuffer(view, dtype=torch.uint8)
-            self._arena_epoch = epoch
-            self.copies.register_arena(self._arena_view)
-        return self._arena_view
-
-    def _slot_fits(self, slot: ArenaSlot, layout: ChunkLayout | None, blocks: int = 0) -> bool:
-        """Whether ``slot`` holds a chunk of ``layout`` (of ``blocks`` blocks
-        for a partial chunk, 0 for a full one)."""
-        if layout is None:
-            return False
-        nbytes = layout.partial_nbytes(blocks) if blocks else layout.chunk_nbytes
-        shape = layout.partial_shape(blocks) if blocks else layout.chunk_shape
-        return (
-            slot.length == nbytes
-            and slot.dtype == layout.dtype_str
-            and tuple(slot.shape) == shape
-            and slot.offset % layout.dtype.itemsize == 0
-        )
-
     # -- loads --------------------------------------------------------------------
 
     def start_load(self, meta: KVStrataMetadata | None) -> None:
@@ -219,10 +186,11 @@ class KVStrataWorker:
                 self._load_by_sidecar(req)
             self.counters.load_seconds += time.perf_counter() - started
             return
-        work: list[tuple[ChunkTransfer, torch.Tensor]] = []
+        work: Sources = []
         loads = [req for req in meta.loads if req.chunks]
+        deadline = time.monotonic() + self.settings.load_timeout_s
         try:
-            ready = self._leased_sources(loads) if self.layout is not None else []
+            ready = self.reads.lease(loads, deadline) if self.layout is not None else []
         except Exception:
             logger.exception("kvstrata: this step's loads failed; vLLM recomputes them")
             ready = []
@@ -244,7 +212,7 @@ class KVStrataWorker:
     def _load_by_sidecar(self, req: RequestTransfer) -> None:
         """ipc mode: the sidecar scatters the stored prefix; the rest is a load error."""
         full = [c for c in req.chunks if not c.partial]  # partial chunks: host mode only
-        keys = [self._key(c) for c in full]
+        keys = [self.reads.key(c) for c in full]
         blocks = [ipc.load_block_ids(c) for c in full]
         loaded = (self.client.load_blocks(keys, blocks, req.req_id) or 0) if full else 0
         self.counters.loaded_chunks += loaded
@@ -256,63 +224,7 @@ class KVStrataWorker:
             self._load_errors.update(chunk.block_ids[chunk.first_block :])
         self.counters.failed_chunks += len(chunks)
 
-    def _leased_sources(
-        self, reqs: list[RequestTransfer]
-    ) -> list[list[tuple[ChunkTransfer, torch.Tensor]]]:
-        """Lease every request's chunks in one call; per request, the arena
-        bytes of its leading chunks that fit.
-
-        The leases of every returned chunk stay held (``_pending_leases``)
-        until the copies from them have finished; the others are released now.
-        """
-        deadline = time.monotonic() + self.settings.load_timeout_s
-        fulls = [[c for c in r.chunks if not c.partial] for r in reqs]
-        out = self._lease_runs(fulls, 0, deadline)
-        for i, req in enumerate(reqs):
-            tail = req.chunks[len(fulls[i]) :]  # at most one partial chunk, after the full ones
-            if len(out[i]) == len(fulls[i]) and len(tail) == 1:
-                out[i] += self._lease_runs([tail], len(tail[0].block_ids), deadline)[0]
-        return out
-
-    def _lease_runs(
-        self, runs: list[list[ChunkTransfer]], blocks: int, deadline: float
-    ) -> list[list[tuple[ChunkTransfer, torch.Tensor]]]:
-        """One PREPARE_RETRIEVE for every run's chunks, all of ``blocks`` blocks
-        (0: full chunks), each run a prefix of its own; per run, the arena bytes
-        of its leading chunks that fit (their leases held until the copies end)."""
-        out: list[list[tuple[ChunkTransfer, torch.Tensor]]] = [[] for _ in runs]
-        asked = [i for i, run in enumerate(runs) if run]
-        keys = [self._key(c) for i in asked for c in runs[i]]
-        if not keys:
-            return out
-        slots = self.client.prepare_retrieve(
-            keys, owner=STEP_OWNER, runs=[len(runs[i]) for i in asked], blocks=blocks
-        )
-        if slots is None:
-            return out
-        epoch = self.client.epoch
-        arena = self._arena()
-        rest: list[int] = []
-        start = 0
-        for i in asked:
-            run_slots = slots[start : start + len(runs[i])]
-            start += len(runs[i])
-            ready = out[i]
-            for chunk, slot in zip(runs[i], run_slots, strict=True):
-                if slot is None or arena is None or self.client.epoch != epoch:
-                    break
-                layout = self._group_layout(chunk)
-                if time.monotonic() > deadline or not self._slot_fits(slot, layout, blocks):
-                    logger.debug("kvstrata: slot %s refused (deadline or shape)", slot)
-                    break
-                ready.append((chunk, arena[slot.offset : slot.offset + slot.length]))
-            self._pending_leases.extend(s.lease_id for s in run_slots[: len(ready)] if s)
-            rest.extend(s.lease_id for s in run_slots[len(ready) :] if s is not None)
-        if rest:
-            self.client.release(rest)
-        return out
-
-    def _copy_in(self, work: list[tuple[ChunkTransfer, torch.Tensor]]) -> None:
+    def _copy_in(self, work: Sources) -> None:
         """Scatter every chunk into vLLM's KV.
 
         Asynchronous copies (CUDA) go layer by layer, one event per layer, so
@@ -340,10 +252,9 @@ class KVStrataWorker:
 
     def _finish_loads(self) -> None:
         """Release the leases of finished loads (waits for the copies on CUDA)."""
-        if self._pending_leases:
+        if self.reads.held:
             self.copies.loads_done()
-            leases, self._pending_leases = self._pending_leases, []
-            self.client.release(leases)
+            self.reads.release_held()
 
     def take_load_errors(self) -> set[int]:
         """Blocks a load of this step failed to fill (vLLM recomputes them)."""
@@ -384,7 +295,7 @@ class KVStrataWorker:
     ) -> None:
         """Save chunks of one KV cache group, all of ``blocks`` blocks (0: full
         chunks), in one PREPARE_STORE + COMMIT_STORE (one SAVE_BLOCKS in ipc mode)."""
-        keys = [self._key(c) for c in chunks]
+        keys = [self.reads.key(c) for c in chunks]
         covers = [make_key(self._fingerprints[c.group], h) for c in chunks for h in c.covers]
         if self.client.transfer_mode == "ipc":
             event, handle = ipc.compute_done_event()
@@ -412,14 +323,14 @@ class KVStrataWorker:
         if slots is None:
             self.counters.save_dropped_chunks += len(chunks)
             return
-        arena = self._arena()
+        arena = self.reads.arena()
         lease_ids: list[int] = []
         ok: list[bool] = []
         for chunk, slot in zip(chunks, slots, strict=False):
             if slot is None:
                 self.counters.save_skipped_chunks += 1
                 continue
-            good = arena is not None and self._slot_fits(slot, layout, blocks)
+            good = arena is not None and self.reads.slot_fits(slot, layout, blocks)
             if good and arena is not None:
                 try:
                     with self.copies.saving():
@@ -438,18 +349,11 @@ class KVStrataWorker:
         else:
             self.counters.save_dropped_chunks += len(lease_ids)
 
-    def _key(self, chunk: ChunkTransfer) -> bytes:
-        """The chunk's key in its KV cache group's namespace (this rank's)."""
-        return make_key(self._fingerprints[chunk.group], chunk.chunk_hash)
-
-    def _group_layout(self, chunk: ChunkTransfer) -> ChunkLayout | None:
-        return self.layouts[chunk.group] if chunk.group < len(self.layouts) else None
-
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._finish_loads()
+        self.reads.forget_arena()
         self.copies.close()
-        self._arena_view = None
         self.client.close()
 
 

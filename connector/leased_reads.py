@@ -1,0 +1,148 @@
+"""Stored chunks leased for reading, and the arena bytes under the leases.
+
+Why a module of its own: the worker reads chunks on two paths -- inline,
+before the forward pass (loads vLLM waits for), and on a thread of its own
+(loads vLLM lets finish in the background, :mod:`.async_loads`) -- each over
+its own sidecar session, so that a slow read never holds the other's socket.
+Both lease, check and release the same way; this is that way, for one client.
+
+A client's slots are byte ranges of the arena *it* mapped: the view here is
+re-made whenever the client's :attr:`~SidecarClient.epoch` changes (a
+sidecar restart re-maps the arena; slots of an older epoch are void).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvstrata.sidecar.keys import make_key
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from kvstrata.connector.client import ArenaSlot, SidecarClient
+    from kvstrata.connector.device import DeviceCopies
+    from kvstrata.connector.layout import ChunkLayout
+    from kvstrata.connector.metadata import ChunkTransfer, RequestTransfer
+
+logger = logging.getLogger(__name__)
+
+STEP_OWNER = "kvstrata-step"  # owner of a step's arena leases (released by id)
+
+# Per request: the chunks that can be copied, each with its arena bytes.
+Sources = list[tuple["ChunkTransfer", torch.Tensor]]
+
+
+class LeasedReads:
+    """Read leases through ``client``; leases of returned chunks are held
+    (:attr:`held`) until :meth:`release_held`, after the copies from them."""
+
+    def __init__(
+        self, client: SidecarClient, fingerprints: Sequence[bytes], copies: DeviceCopies
+    ) -> None:
+        self.client = client
+        self.fingerprints = list(fingerprints)  # per KV cache group (this rank's)
+        self.copies = copies  # registers the arena view with the device (CUDA)
+        self.layouts: tuple[ChunkLayout, ...] = ()
+        self.held: list[int] = []
+        self._view: torch.Tensor | None = None
+        self._epoch = -1
+
+    def key(self, chunk: ChunkTransfer) -> bytes:
+        """The chunk's key in its KV cache group's namespace (this rank's)."""
+        return make_key(self.fingerprints[chunk.group], chunk.chunk_hash)
+
+    def arena(self) -> torch.Tensor | None:
+        """The client's arena as one uint8 tensor, for its current epoch."""
+        epoch = self.client.epoch
+        if self._view is None or epoch != self._epoch:
+            self.copies.unregister_arena()
+            self._view = None
+            view = self.client.arena
+            if view is None:
+                return None
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a writable view over shared memory
+                self._view = torch.frombuffer(view, dtype=torch.uint8)
+            self._epoch = epoch
+            self.copies.register_arena(self._view)
+        return self._view
+
+    def forget_arena(self) -> None:
+        self.copies.unregister_arena()
+        self._view = None
+
+    def slot_fits(self, slot: ArenaSlot, layout: ChunkLayout | None, blocks: int = 0) -> bool:
+        """Whether ``slot`` holds a chunk of ``layout`` (of ``blocks`` blocks
+        for a partial chunk, 0 for a full one)."""
+        if layout is None:
+            return False
+        nbytes = layout.partial_nbytes(blocks) if blocks else layout.chunk_nbytes
+        shape = layout.partial_shape(blocks) if blocks else layout.chunk_shape
+        return (
+            slot.length == nbytes
+            and slot.dtype == layout.dtype_str
+            and tuple(slot.shape) == shape
+            and slot.offset % layout.dtype.itemsize == 0
+        )
+
+    def lease(self, reqs: Sequence[RequestTransfer], deadline: float) -> list[Sources]:
+        """Lease every request's chunks in one call; per request, the arena
+        bytes of its leading chunks that fit (a partial chunk only after all
+        the full ones). The leases of the returned chunks are held; the
+        others are released now."""
+        fulls = [[c for c in r.chunks if not c.partial] for r in reqs]
+        out = self._lease_runs(fulls, 0, deadline)
+        for i, req in enumerate(reqs):
+            tail = req.chunks[len(fulls[i]) :]  # at most one partial chunk, after the full ones
+            if len(out[i]) == len(fulls[i]) and len(tail) == 1:
+                out[i] += self._lease_runs([tail], len(tail[0].block_ids), deadline)[0]
+        return out
+
+    def _lease_runs(
+        self, runs: list[list[ChunkTransfer]], blocks: int, deadline: float
+    ) -> list[Sources]:
+        """One PREPARE_RETRIEVE for every run's chunks, all of ``blocks`` blocks
+        (0: full chunks), each run a prefix of its own."""
+        out: list[Sources] = [[] for _ in runs]
+        asked = [i for i, run in enumerate(runs) if run]
+        keys = [self.key(c) for i in asked for c in runs[i]]
+        if not keys:
+            return out
+        slots = self.client.prepare_retrieve(
+            keys, owner=STEP_OWNER, runs=[len(runs[i]) for i in asked], blocks=blocks
+        )
+        if slots is None:
+            return out
+        epoch = self.client.epoch
+        arena = self.arena()
+        rest: list[int] = []
+        start = 0
+        for i in asked:
+            run_slots = slots[start : start + len(runs[i])]
+            start += len(runs[i])
+            ready = out[i]
+            for chunk, slot in zip(runs[i], run_slots, strict=True):
+                if slot is None or arena is None or self.client.epoch != epoch:
+                    break
+                layout = self.layouts[chunk.group] if chunk.group < len(self.layouts) else None
+                if time.monotonic() > deadline or not self.slot_fits(slot, layout, blocks):
+                    logger.debug("kvstrata: slot %s refused (deadline or shape)", slot)
+                    break
+                ready.append((chunk, arena[slot.offset : slot.offset + slot.length]))
+            self.held.extend(s.lease_id for s in run_slots[: len(ready)] if s)
+            rest.extend(s.lease_id for s in run_slots[len(ready) :] if s is not None)
+        if rest:
+            self.client.release(rest)
+        return out
+
+    def release_held(self) -> None:
+        """Give back the leases of chunks whose copies have finished."""
+        if self.held:
+            leases, self.held = self.held, []
+            self.client.release(leases)
