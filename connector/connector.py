@@ -13,9 +13,15 @@ Configuration: the ``kv_connector_extra_config`` keys, read and checked by
 The cache is never the source of truth: a sidecar that is down, slow or
 restarting costs misses and dropped saves, never an exception or a hang.
 A load that fails after the scheduler counted a hit is reported through
-``get_block_ids_with_load_errors`` and vLLM recomputes those tokens, when
-the transfer config says ``kv_load_failure_policy: recompute`` (the webhook
+``get_block_ids_with_load_errors`` (or, for a hybrid model's background
+load, as a failed receive) and vLLM recomputes those tokens, when the
+transfer config says ``kv_load_failure_policy: recompute`` (the webhook
 and ``kvstrata demo`` write it; the scheduler role warns once without it).
+
+Loads: a hit in L1 loads before the step's forward pass; one that reaches
+below L1 loads in the background (``load_kv_async``): vLLM parks the
+request and schedules it once the workers report it through
+``get_finished`` (:mod:`kvstrata.connector.async_loads`).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -47,6 +54,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
     from kvstrata.connector.scheduler import KVStrataScheduler, SchedulerCounters
@@ -231,7 +239,22 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.save(self._bound_metadata())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None
+        """Requests whose background load finished (failed ones too: their
+        blocks are among this pass's load errors). No save is ever delayed."""
+        if self._worker is None:
+            return None, None
+        return None, self._worker.take_finished().req_ids or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """As :meth:`get_finished`, and the requests to recompute whole: a
+        hybrid model's load that missed anything (vLLM cannot take block-level
+        errors with several KV cache groups)."""
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        done = self._worker.take_finished()
+        return KVConnectorTransferResults(
+            finished_recving=done.req_ids, failed_recving=done.failed_req_ids
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -255,7 +278,8 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[int | None, bool]:
         if self._scheduler is None:
             return 0, False
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens), False
+        matched = self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return matched, bool(matched) and self._scheduler.loads_async(request.request_id)
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
@@ -276,6 +300,15 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is not None:
             self._scheduler.update_state_after_alloc(
                 request, blocks.get_block_ids(), num_external_tokens
+            )
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The workers' reports of this step: background loads that finished or failed."""
+        if self._scheduler is not None and connector_output.finished_recving:
+            self._scheduler.background_loads_finished(
+                set(connector_output.finished_recving),
+                set(connector_output.failed_recving or ()),
+                set(connector_output.invalid_block_ids or ()),
             )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

@@ -45,10 +45,18 @@ class ChunkTransfer:
 
 @dataclass(slots=True)
 class RequestTransfer:
-    """All chunks of one request to load (or save) in one step."""
+    """All chunks of one request to load (or save) in one step.
+
+    ``asynchronous`` (loads only): vLLM parks the request until the workers
+    report it through ``get_finished`` (``load_kv_async``); the load runs in
+    the background instead of before this step's forward pass.
+    ``plan_failed``: the scheduler could not plan such a load; the workers
+    report it as a failed receive (vLLM recomputes the request)."""
 
     req_id: ReqId
     chunks: list[ChunkTransfer]
+    asynchronous: bool = False
+    plan_failed: bool = False
 
 
 @dataclass(slots=True)

@@ -91,6 +91,8 @@ class _RequestState:
     hit_chunks: int = 0  # and how many of them it found (pinned while ``pinned``)
     pending: Future[p.LookupReply | None] | None = None  # a lookup in flight
     pending_blocks: int = 0  # the blocks it asks about
+    load_async: bool = False  # the hit of the last lookup loads in the background
+    load_failed: bool = False  # a background load of it failed: no more hits for it
 
 
 @dataclass
@@ -133,6 +135,10 @@ class KVStrataScheduler:
             self._described = self.events.registry
         self.counters = SchedulerCounters()
         self._reqs: dict[ReqId, _RequestState] = {}
+        # Background loads (load_kv_async): planned, to send with the next step;
+        # sent, by request, with their blocks until the workers report them.
+        self._async_planned: list[RequestTransfer] = []
+        self._async_blocks: dict[ReqId, set[int]] = {}
         self._warned_chunk_size = False
         # One thread: calls run in order (a request's END_REQUEST after its LOOKUP).
         self._calls = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-lookup")
@@ -176,7 +182,8 @@ class KVStrataScheduler:
         state.load = None
         state.local_tokens = num_computed_tokens
         state.hit_tokens = 0
-        if not self.enabled:
+        state.load_async = False
+        if not self.enabled or state.load_failed:
             return 0
         s = self.settings
         chunk = s.chunk_size
@@ -199,6 +206,7 @@ class KVStrataScheduler:
             state.partial_blocks = 0
             return 0
         state.hit_tokens = hit_end
+        state.load_async = self._loads_in_background(state, num_computed_tokens, hit_end)
         logger.debug(
             "kvstrata: %s hits %d tokens (%d local) in %s",
             request.request_id,
@@ -207,6 +215,28 @@ class KVStrataScheduler:
             tiers,
         )
         return hit_end - num_computed_tokens
+
+    def _loads_in_background(self, state: _RequestState, start: int, end: int) -> bool:
+        """Whether the hit ``[start, end)`` loads with ``load_kv_async``: with
+        several KV cache groups always (vLLM takes their failed loads per
+        request only, and only from background loads); else per the
+        ``load_async`` setting, ``auto`` meaning when a chunk of it is below L1
+        (it must come up from disk or the shared tier first)."""
+        if len(self.groups) > 1:
+            return True
+        mode = self.settings.load_async
+        if mode != "auto":
+            return mode == "always"
+        chunk = self.settings.chunk_size
+        tiers = state.tiers[start // chunk : -(-end // chunk)]
+        if state.partial_blocks and end > state.hit_chunks * chunk:
+            tiers = [*tiers, state.partial_tier]
+        return any(tier != "l1" for tier in tiers)
+
+    def loads_async(self, req_id: ReqId) -> bool:
+        """Whether the hit just answered for ``req_id`` loads in the background."""
+        state = self._reqs.get(req_id)
+        return state is not None and state.load_async
 
     def _lookup_answer(
         self, state: _RequestState, request: Request, loadable: int, max_blocks: int
@@ -290,10 +320,21 @@ class KVStrataScheduler:
         if state is None or num_external_tokens <= 0:
             return
         try:
-            state.load = self._plan_load(state, block_ids, num_external_tokens)
+            load = self._plan_load(state, block_ids, num_external_tokens)
         except Exception:
             logger.exception("kvstrata: cannot plan the load of %s", request.request_id)
             self.counters.errors += 1
+            if not state.load_async:
+                return
+            # vLLM waits for this request's report: it must come, as a failure.
+            load = RequestTransfer(request.request_id, [], asynchronous=True, plan_failed=True)
+        if load.asynchronous:
+            self._async_planned.append(load)
+            self._async_blocks[load.req_id] = {
+                b for c in load.chunks for b in c.block_ids[c.first_block :]
+            }
+        else:
+            state.load = load
 
     def _plan_load(
         self, state: _RequestState, block_ids: Sequence[list[int]], num_external_tokens: int
@@ -346,7 +387,7 @@ class KVStrataScheduler:
                 self.counters.hit_tokens_by_tier.get(tier, 0) + n
             )
         self.counters.chunks_to_load += len(chunks)
-        return RequestTransfer(state.request.request_id, chunks)
+        return RequestTransfer(state.request.request_id, chunks, asynchronous=state.load_async)
 
     def load_tokens_by_tier(self, req_id: ReqId) -> dict[str, int]:
         """The planned load's tokens by the tier that holds them ({} without one)."""
@@ -356,7 +397,9 @@ class KVStrataScheduler:
     # -- the per-step plan ------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStrataMetadata:
-        meta = KVStrataMetadata()
+        # Background loads go out whatever else happens: vLLM waits for them.
+        background, self._async_planned = self._async_planned, []
+        meta = KVStrataMetadata(loads=list(background))
         try:
             self._track_blocks(scheduler_output)
             for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -372,8 +415,20 @@ class KVStrataScheduler:
         except Exception:
             logger.exception("kvstrata: cannot build this step's plan; skipping it")
             self.counters.errors += 1
-            return KVStrataMetadata()
+            return KVStrataMetadata(loads=background)
         return meta
+
+    def background_loads_finished(
+        self, finished: set[ReqId], failed: set[ReqId], invalid_blocks: set[int]
+    ) -> None:
+        """The workers' reports (vLLM's aggregated connector output): a request
+        whose background load failed in any part gets no more hits, so that a
+        load that cannot succeed is not retried each time vLLM asks again."""
+        for req_id in finished:
+            blocks = self._async_blocks.pop(req_id, set())
+            state = self._reqs.get(req_id)
+            if state is not None and (req_id in failed or blocks & invalid_blocks):
+                state.load_failed = True
 
     def _track_blocks(self, so: SchedulerOutput) -> None:
         for req_id in so.preempted_req_ids or ():

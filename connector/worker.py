@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstrata.connector import ipc
+from kvstrata.connector.async_loads import AsyncLoads, FinishedLoads, LoadReports, outcome_of
 from kvstrata.connector.client import SidecarClient
 from kvstrata.connector.device import DeviceCopies, copies_for
 from kvstrata.connector.layout import ChunkLayout, UnsupportedLayoutError, detect_layout
@@ -69,6 +70,7 @@ class WorkerCounters:
 
     loaded_chunks: int = 0
     failed_chunks: int = 0
+    async_loads: int = 0  # requests whose load vLLM let finish in the background
     saved_chunks: int = 0
     save_skipped_chunks: int = 0  # already stored, or no arena space
     save_dropped_chunks: int = 0  # sidecar unavailable or copy failed
@@ -92,15 +94,8 @@ class KVStrataWorker:
         namespaces = [
             replace(g.namespace, tp_rank=tp_rank, pp_rank=pp_rank) for g in settings.groups
         ] or [replace(settings.namespace, tp_rank=tp_rank, pp_rank=pp_rank)]
-        self.client = SidecarClient(
-            settings.endpoint,
-            namespaces[0],
-            role="worker",
-            call_timeout_s=settings.call_timeout_s,
-            curve=settings.curve,
-            more_namespaces=namespaces[1:],
-            kv_events=settings.kv_events,
-        )
+        self._namespaces = namespaces
+        self.client = self._new_client(settings.call_timeout_s)
         # Key fingerprint per KV cache group (this rank's).
         self._fingerprints = [self.client.fingerprint, *self.client.more_fingerprints]
         self.layout: ChunkLayout | None = None  # group 0's (the only one but for hybrids)
@@ -110,6 +105,22 @@ class KVStrataWorker:
         self.copies: DeviceCopies = DeviceCopies()
         # Loads vLLM waits for, on our main session; leases held until the copies end.
         self.reads = LeasedReads(self.client, self._fingerprints, self.copies)
+        # Loads vLLM lets finish in the background (load_kv_async), on a session
+        # and thread of their own, made at the first; reported via get_finished.
+        self.reports = LoadReports(whole_requests=len(settings.groups) > 1)
+        self._background: AsyncLoads | None = None
+
+    def _new_client(self, call_timeout_s: float) -> SidecarClient:
+        s = self.settings
+        return SidecarClient(
+            s.endpoint,
+            self._namespaces[0],
+            role="worker",
+            call_timeout_s=call_timeout_s,
+            curve=s.curve,
+            more_namespaces=self._namespaces[1:],
+            kv_events=s.kv_events,
+        )
         self._layer_index: dict[str, int] = {}
         self._layer_offsets: list[int] = []  # per group: its first copy-event layer
 
@@ -176,47 +187,91 @@ class KVStrataWorker:
     # -- loads --------------------------------------------------------------------
 
     def start_load(self, meta: KVStrataMetadata | None) -> None:
-        """Queue this step's loads; on CUDA they finish layer by layer on our stream."""
+        """Queue this step's loads: inline ones finish before the layers that
+        need them (on CUDA layer by layer on our stream), background ones on
+        their own thread (:mod:`~kvstrata.connector.async_loads`)."""
         self._finish_loads()
         if meta is None or not meta.loads:
             return
         started = time.perf_counter()
-        if self.layout is not None and self.client.transfer_mode == "ipc":
-            for req in meta.loads:
-                self._load_by_sidecar(req)
-            self.counters.load_seconds += time.perf_counter() - started
+        background = [req for req in meta.loads if req.asynchronous]
+        inline = [req for req in meta.loads if not req.asynchronous]
+        if background:
+            self._start_background(background)
+        if inline:
+            for req, loaded in zip(inline, self._load_inline(inline), strict=True):
+                self.counters.loaded_chunks += loaded
+                self._failed_loads(req.chunks[loaded:])
+        self.counters.load_seconds += time.perf_counter() - started
+
+    def _start_background(self, reqs: list[RequestTransfer]) -> None:
+        self.counters.async_loads += len(reqs)
+        unplanned = [req for req in reqs if req.plan_failed]
+        if unplanned:  # nothing to load: report them failed at once
+            self.reports.started(unplanned)
+            self.reports.report([outcome_of(req, 0) for req in unplanned])
+            reqs = [req for req in reqs if not req.plan_failed]
+            if not reqs:
+                return
+        if self._background is None and self.layout is not None and not self._ipc():
+            self._background = AsyncLoads(
+                self._new_client(self.settings.load_timeout_s),
+                self._fingerprints,
+                self.layouts,
+                self.settings.load_timeout_s,
+                self.reports,
+            )
+        if self._background is not None and not self._ipc():
+            self._background.submit(reqs)
             return
-        work: Sources = []
-        loads = [req for req in meta.loads if req.chunks]
+        # No background path (ipc mode, where the sidecar does the copies, or
+        # no usable layout): load now, report with this step's get_finished.
+        self.reports.started(reqs)
+        loaded = self._load_inline(reqs)
+        self.reports.report([outcome_of(r, n) for r, n in zip(reqs, loaded, strict=True)])
+
+    def _ipc(self) -> bool:
+        return self.client.transfer_mode == "ipc"
+
+    def _load_inline(self, reqs: list[RequestTransfer]) -> list[int]:
+        """Load ``reqs`` before this step's forward pass; per request, how many
+        of its leading chunks were (or, on CUDA, are being) copied."""
+        if self.layout is not None and self._ipc():
+            return [self._load_by_sidecar(req) for req in reqs]
         deadline = time.monotonic() + self.settings.load_timeout_s
         try:
-            ready = self.reads.lease(loads, deadline) if self.layout is not None else []
+            ready = self.reads.lease(reqs, deadline) if self.layout is not None else []
         except Exception:
             logger.exception("kvstrata: this step's loads failed; vLLM recomputes them")
             ready = []
-        for i, req in enumerate(loads):
-            sources = ready[i] if i < len(ready) else []
-            work.extend(sources)
-            self._failed_loads(req.chunks[len(sources) :])
+        got = [ready[i] if i < len(ready) else [] for i in range(len(reqs))]
+        work: Sources = [item for per_req in got for item in per_req]
         if work:
             try:
                 self._copy_in(work)
-                self.counters.loaded_chunks += len(work)
             except Exception:
                 logger.exception("kvstrata: copy into vLLM's KV failed; vLLM recomputes it")
-                self._failed_loads([chunk for chunk, _ in work])
+                got = [[] for _ in reqs]
         if not self.copies.asynchronous:
             self._finish_loads()
-        self.counters.load_seconds += time.perf_counter() - started
+        return [len(g) for g in got]
 
-    def _load_by_sidecar(self, req: RequestTransfer) -> None:
-        """ipc mode: the sidecar scatters the stored prefix; the rest is a load error."""
+    def take_finished(self) -> FinishedLoads:
+        """Background loads finished since the last call; the blocks they
+        failed to fill go out with this pass's load errors."""
+        done = self.reports.take()
+        self.counters.loaded_chunks += done.loaded_chunks
+        self.counters.failed_chunks += done.failed_chunks
+        self.counters.load_seconds += done.seconds
+        self._load_errors |= done.failed_blocks
+        return done
+
+    def _load_by_sidecar(self, req: RequestTransfer) -> int:
+        """ipc mode: the sidecar scatters the stored prefix; how many chunks it did."""
         full = [c for c in req.chunks if not c.partial]  # partial chunks: host mode only
         keys = [self.reads.key(c) for c in full]
         blocks = [ipc.load_block_ids(c) for c in full]
-        loaded = (self.client.load_blocks(keys, blocks, req.req_id) or 0) if full else 0
-        self.counters.loaded_chunks += loaded
-        self._failed_loads(req.chunks[loaded:])
+        return (self.client.load_blocks(keys, blocks, req.req_id) or 0) if full else 0
 
     def _failed_loads(self, chunks: list[ChunkTransfer]) -> None:
         """Report chunks not loaded: vLLM recomputes their blocks."""
@@ -350,6 +405,8 @@ class KVStrataWorker:
             self.counters.save_dropped_chunks += len(lease_ids)
 
     def close(self) -> None:
+        if self._background is not None:
+            self._background.close()
         with contextlib.suppress(Exception):
             self._finish_loads()
         self.reads.forget_arena()

@@ -79,6 +79,9 @@ def _workloads() -> dict[str, list[list[int]]]:
         "partial_lengths": [tokens(3 * CHUNK + r, 200 + r) for r in (0, 1, 31, 32, 33, 63)],
         "partial_extend": [partial_base, partial_base + tokens(90, 301), partial_base],
         "partial_restart": [tokens(2 * CHUNK + 50, 310)],
+        "background_l2": [tokens(3 * CHUNK + 20, 320), tokens(2 * CHUNK + 40, 321)],
+        # a prompt behind a slow link to the shared tier, and one in L1
+        "background_slow": [tokens(2 * CHUNK + 40, 322), tokens(2 * CHUNK + 10, 323)],
     }
 
 
@@ -236,6 +239,7 @@ class Counters:
             "lookup_failures": s.lookup_failures,
             "loaded_chunks": w.loaded_chunks,
             "failed_chunks": w.failed_chunks,
+            "async_loads": w.async_loads,
             "saved_chunks": w.saved_chunks,
             "save_dropped_chunks": w.save_dropped_chunks,
             "preemptions": s.preemptions,
@@ -258,6 +262,7 @@ def kit() -> SimpleNamespace:
         CHUNK=CHUNK,
         BLOCK=BLOCK,
         tokens=tokens,
+        MAX_TOKENS=MAX_TOKENS,
         SidecarProcess=SidecarProcess,
         WORKLOADS=WORKLOADS,
         generate=generate,

@@ -13,10 +13,6 @@ the shared servers never see each other's objects.
 
 from __future__ import annotations
 
-import contextlib
-import select
-import socket
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,6 +29,7 @@ from kvstrata.sidecar.keys import ChunkKey, key_hex
 from kvstrata.sidecar.tiers.base import Tier
 from kvstrata.sidecar.tiers.disk import DiskTier
 from kvstrata.sidecar.tiers.factory import build_shared_tier
+from kvstrata.testing.netfaults import FaultyLink
 from kvstrata.testing.servers import (
     LOOPBACK,
     MotoS3Server,
@@ -272,91 +269,14 @@ def shared_backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     _close_backend(b, raw_client)
 
 
-class StallingProxy:
-    """A loopback TCP proxy that can stop forwarding (a hung S3 endpoint).
-
-    This is the one fault we cannot cause with the real server: moto never
-    hangs. While stalled, connections are accepted and held open but no byte
-    moves in either direction, which is what a hung load balancer does.
-    """
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self._listener = socket.create_server((LOOPBACK, 0))
-        self.port = int(self._listener.getsockname()[1])
-        self._flowing = threading.Event()
-        self._flowing.set()
-        self._closed = threading.Event()
-        self._sockets: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._accept, daemon=True)]
-        self._threads[0].start()
-
-    @property
-    def endpoint_url(self) -> str:
-        return f"http://{LOOPBACK}:{self.port}"
-
-    def stall(self) -> None:
-        self._flowing.clear()
-
-    def resume(self) -> None:
-        self._flowing.set()
-
-    def close(self) -> None:
-        self._closed.set()
-        self._flowing.set()
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
-        self._listener.close()
-        with self._lock:
-            for sock in self._sockets:
-                sock.close()
-        for thread in self._threads:
-            thread.join(timeout=2)
-
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection((LOOPBACK, self.upstream_port), timeout=2)
-            except OSError:
-                client.close()
-                continue
-            with self._lock:
-                self._sockets += [client, upstream]
-            thread = threading.Thread(target=self._pump, args=(client, upstream), daemon=True)
-            self._threads.append(thread)
-            thread.start()
-
-    def _pump(self, a: socket.socket, b: socket.socket) -> None:
-        peers = {a: b, b: a}
-        try:
-            while not self._closed.is_set():
-                if not self._flowing.is_set():
-                    self._flowing.wait(0.05)
-                    continue
-                readable, _, _ = select.select(list(peers), [], [], 0.05)
-                for sock in readable:
-                    data = sock.recv(1 << 16)
-                    if not data:
-                        return
-                    peers[sock].sendall(data)
-        except OSError:
-            return
-        finally:
-            a.close()
-            b.close()
-
-
 @pytest.fixture
-def stalling_proxy_to() -> Iterator[Callable[[int], StallingProxy]]:
-    proxies: list[StallingProxy] = []
+def stalling_proxy_to() -> Iterator[Callable[[int], FaultyLink]]:
+    """A :class:`~kvstrata.testing.netfaults.FaultyLink` to a port: the one
+    fault moto cannot produce is a hung endpoint."""
+    proxies: list[FaultyLink] = []
 
-    def make(upstream_port: int) -> StallingProxy:
-        proxy = StallingProxy(upstream_port)
+    def make(upstream_port: int) -> FaultyLink:
+        proxy = FaultyLink(upstream_port)
         proxies.append(proxy)
         return proxy
 

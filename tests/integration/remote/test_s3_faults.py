@@ -1,9 +1,10 @@
 """The S3 tier under faults: a stalled endpoint and a stopped one.
 
-A stall is the one fault moto cannot produce, so a :class:`StallingProxy`
-(conftest.py) sits between boto3 and the real moto server and stops
-forwarding bytes. A stop is real: the moto process is killed and a new one
-started on the same port (empty, so the tier must make its bucket again).
+A stall is the one fault moto cannot produce, so a
+:class:`~kvstrata.testing.netfaults.FaultyLink` sits between boto3 and the
+real moto server and stops forwarding bytes. A stop is real: the moto
+process is killed and a new one started on the same port (empty, so the
+tier must make its bucket again).
 """
 
 from __future__ import annotations

@@ -1,0 +1,220 @@
+"""Loads vLLM lets finish in the background (``load_kv_async``).
+
+Why: a hit that reaches below L1 -- L2 on local disk, Valkey, S3 -- must
+first come up into the arena, which can take from milliseconds to the
+whole load deadline. Loaded inline, that wait sits inside vLLM's step and
+delays every request in the batch. Loaded asynchronously, vLLM parks the
+request (``WAITING_FOR_REMOTE_KVS``) with its blocks allocated, keeps
+running the others, and schedules it once every worker has reported it
+through ``get_finished``.
+
+How: one daemon thread per worker with a sidecar session of its own (a read
+that waits for a promotion never holds the socket the step's own calls
+use), whose call deadline is the whole ``load_timeout_seconds``. The async
+loads of one step are one job: one PREPARE_RETRIEVE (one run per request),
+the copies into vLLM's KV -- inline on the CPU; on a CUDA stream of our own
+that first waits for what vLLM had queued when the step began, then
+synchronised -- the leases released, and each request reported finished.
+
+Failures: every request handed in is reported finished exactly once,
+whatever happens (vLLM holds its blocks until then, an aborted request's
+too). With one KV cache group, the blocks not filled are reported as load
+errors in the same pass (vLLM keeps the loaded prefix and recomputes the
+rest). With several groups, vLLM cannot map block ids back to requests, so
+a request missing anything is reported as a failed receive and recomputed
+whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvstrata.connector.device import DeviceCopies, copies_for
+from kvstrata.connector.leased_reads import LeasedReads, Sources
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from kvstrata.connector.client import SidecarClient
+    from kvstrata.connector.layout import ChunkLayout
+    from kvstrata.connector.metadata import RequestTransfer
+
+logger = logging.getLogger(__name__)
+
+CLOSE_JOIN_S = 5.0  # how long close() waits for a job in flight
+
+
+@dataclass(slots=True)
+class LoadOutcome:
+    """What became of one request's load."""
+
+    req_id: str
+    loaded_chunks: int
+    failed_chunks: int
+    failed_blocks: set[int] = field(default_factory=set)  # vLLM recomputes these
+    whole: bool = False  # nothing of it can be trusted: vLLM recomputes the request
+
+
+@dataclass(slots=True)
+class FinishedLoads:
+    """Loads finished since the last :meth:`AsyncLoads.take_finished`."""
+
+    req_ids: set[str] = field(default_factory=set)  # every one of them, failed or not
+    failed_req_ids: set[str] = field(default_factory=set)  # to recompute whole
+    failed_blocks: set[int] = field(default_factory=set)  # to recompute (one group)
+    loaded_chunks: int = 0
+    failed_chunks: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class _Job:
+    reqs: list[RequestTransfer]
+    after: Any = None  # a CUDA event recorded on vLLM's stream when the step began
+
+
+def outcome_of(req: RequestTransfer, loaded: int) -> LoadOutcome:
+    """The outcome of ``req`` when its first ``loaded`` chunks were copied."""
+    failed = req.chunks[loaded:]
+    blocks = {b for chunk in failed for b in chunk.block_ids[chunk.first_block :]}
+    return LoadOutcome(req.req_id, loaded, len(failed), blocks, whole=req.plan_failed)
+
+
+class LoadReports:
+    """Finished loads waiting for vLLM's next ``get_finished``; thread-safe.
+
+    ``whole_requests``: several KV cache groups, where a request missing
+    anything is a failed receive (module docstring)."""
+
+    def __init__(self, whole_requests: bool = False) -> None:
+        self.whole_requests = whole_requests
+        self._lock = threading.Lock()
+        self._done = FinishedLoads()
+        self._in_flight: set[str] = set()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests handed in and not yet taken back by :meth:`take`."""
+        with self._lock:
+            return len(self._in_flight)
+
+    def started(self, reqs: Sequence[RequestTransfer]) -> None:
+        with self._lock:
+            self._in_flight.update(r.req_id for r in reqs)
+
+    def report(self, outcomes: Sequence[LoadOutcome], seconds: float = 0.0) -> None:
+        with self._lock:
+            done = self._done
+            for o in outcomes:
+                done.req_ids.add(o.req_id)
+                done.loaded_chunks += o.loaded_chunks
+                done.failed_chunks += o.failed_chunks
+                if o.whole or (o.failed_chunks and self.whole_requests):
+                    done.failed_req_ids.add(o.req_id)
+                else:
+                    done.failed_blocks |= o.failed_blocks
+            done.seconds += seconds
+
+    def take(self) -> FinishedLoads:
+        with self._lock:
+            done, self._done = self._done, FinishedLoads()
+            self._in_flight -= done.req_ids
+        return done
+
+
+class AsyncLoads:
+    """The worker's background loads (module docstring); ``submit`` is
+    called from vLLM's worker thread, outcomes go to ``reports``."""
+
+    def __init__(
+        self,
+        client: SidecarClient,
+        fingerprints: Sequence[bytes],
+        layouts: tuple[ChunkLayout, ...],
+        load_timeout_s: float,
+        reports: LoadReports,
+    ) -> None:
+        device = layouts[0].device
+        copies: DeviceCopies = copies_for(device, 1) if device.type == "cuda" else DeviceCopies()
+        self.reads = LeasedReads(client, fingerprints, copies)
+        self.reads.layouts = layouts
+        self.load_timeout_s = load_timeout_s
+        self.reports = reports
+        self._device = device
+        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvstrata-loads", daemon=True)
+        self._thread.start()
+
+    def submit(self, reqs: list[RequestTransfer]) -> None:
+        """Load ``reqs`` in the background (one job)."""
+        if not reqs:
+            return
+        after = None
+        if self._stream is not None:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self._device))
+        self.reports.started(reqs)
+        self._jobs.put(_Job(list(reqs), after))
+
+    def close(self) -> None:
+        """Stop the thread (after the job in flight, if any) and close the session."""
+        self._jobs.put(None)
+        self._thread.join(timeout=CLOSE_JOIN_S)
+        self.reads.forget_arena()
+        self.reads.copies.close()
+        self.reads.client.close()
+
+    # -- the loader thread ------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            started = time.perf_counter()
+            try:
+                outcomes = self._load(job)
+            except Exception:  # a bug here must cost a recompute, never a stuck request
+                logger.exception("kvstrata: a background load failed; vLLM recomputes it")
+                outcomes = [outcome_of(req, 0) for req in job.reqs]
+            self.reports.report(outcomes, time.perf_counter() - started)
+
+    def _load(self, job: _Job) -> list[LoadOutcome]:
+        deadline = time.monotonic() + self.load_timeout_s
+        try:
+            sources = self.reads.lease(job.reqs, deadline)
+        except Exception:
+            logger.exception("kvstrata: leasing a background load failed")
+            sources = []
+        got = [sources[i] if i < len(sources) else [] for i in range(len(job.reqs))]
+        work: Sources = [item for per_req in got for item in per_req]
+        try:
+            if work:
+                self._copy_in(work, job.after)
+        except Exception:
+            logger.exception("kvstrata: a background copy into vLLM's KV failed")
+            got = [[] for _ in job.reqs]  # written in part: recompute all of it
+        finally:
+            self.reads.release_held()
+        return [outcome_of(req, len(g)) for req, g in zip(job.reqs, got, strict=True)]
+
+    def _copy_in(self, work: Sources, after: Any) -> None:
+        layouts = self.reads.layouts
+        if self._stream is None:  # CPU: inline, while vLLM computes other blocks
+            for chunk, src in work:
+                layouts[chunk.group].scatter(src, chunk.block_ids, chunk.first_block)
+            return
+        if after is not None:
+            self._stream.wait_event(after)
+        with torch.cuda.stream(self._stream):
+            for chunk, src in work:
+                layouts[chunk.group].scatter(src, chunk.block_ids, chunk.first_block)
+        self._stream.synchronize()

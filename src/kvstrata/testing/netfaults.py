@@ -1,0 +1,130 @@
+"""A loopback TCP proxy that injects network faults in front of a real server.
+
+Two faults the real servers (moto, Valkey) cannot produce by themselves:
+
+* a **stall**: connections are accepted and held open but no byte moves in
+  either direction (a hung load balancer);
+* a **slow link**: bytes from the server reach the client at a set rate (a
+  congested path to a shared tier): small replies (``EXISTS``, ``HEAD``)
+  still arrive at once, a chunk-sized reply takes its size over the rate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import threading
+import time
+
+from kvstrata.testing.servers import LOOPBACK
+
+__all__ = ["FaultyLink"]
+
+READ_BYTES = 1 << 16
+SLICE_BYTES = 4096  # a throttled reply goes out in slices of this size
+
+
+class FaultyLink:
+    """Forwards ``127.0.0.1:port`` to ``upstream_port``; :meth:`stall`,
+    :meth:`throttle` and :meth:`resume` change what it does to the bytes."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self._listener = socket.create_server((LOOPBACK, 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._rate: float | None = None  # bytes per second server -> client; None: full speed
+        self._closed = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """A ``redis://`` URL through the link (for a Valkey upstream)."""
+        return f"redis://{LOOPBACK}:{self.port}/0"
+
+    def stall(self) -> None:
+        self._flowing.clear()
+
+    def throttle(self, bytes_per_second: float) -> None:
+        """From now on, server-to-client bytes flow at this rate."""
+        if bytes_per_second <= 0:
+            raise ValueError(f"bytes_per_second must be > 0, got {bytes_per_second}")
+        self._rate = float(bytes_per_second)
+
+    def resume(self) -> None:
+        """Full speed, no stall."""
+        self._rate = None
+        self._flowing.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._flowing.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        self._listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                sock.close()
+        for thread in self._threads:
+            thread.join(timeout=2)
+
+    def __enter__(self) -> FaultyLink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection((LOOPBACK, self.upstream_port), timeout=2)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._sockets += [client, upstream]
+            thread = threading.Thread(target=self._pump, args=(client, upstream), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _pump(self, client: socket.socket, upstream: socket.socket) -> None:
+        peers = {client: upstream, upstream: client}
+        try:
+            while not self._closed.is_set():
+                if not self._flowing.is_set():
+                    self._flowing.wait(0.05)
+                    continue
+                readable, _, _ = select.select(list(peers), [], [], 0.05)
+                for sock in readable:
+                    data = sock.recv(READ_BYTES)
+                    if not data:
+                        return
+                    if sock is upstream and self._rate is not None:
+                        self._send_slowly(client, data, self._rate)
+                    else:
+                        peers[sock].sendall(data)
+        except OSError:
+            return
+        finally:
+            client.close()
+            upstream.close()
+
+    def _send_slowly(self, sock: socket.socket, data: bytes, rate: float) -> None:
+        for start in range(0, len(data), SLICE_BYTES):
+            piece = data[start : start + SLICE_BYTES]
+            time.sleep(len(piece) / rate)
+            sock.sendall(piece)
