@@ -46,6 +46,7 @@ WORKLOADS = {
     "l1": [tokens(400, 1), tokens(450, 2)],
     "shared_prefix": [tokens(330, 3) + tokens(40 + 9 * i, 30 + i) for i in range(3)],
     "l2": [tokens(390, 4), tokens(520, 5)],
+    "load_failure": [tokens(420, 6)],
 }
 
 
@@ -162,6 +163,7 @@ class Counters:
             "window_skipped_saves": s.window_skipped_saves,
             "loaded_chunks": w.loaded_chunks,
             "failed_chunks": w.failed_chunks,
+            "async_loads": w.async_loads,
             "saved_chunks": w.saved_chunks,
             "save_dropped_chunks": w.save_dropped_chunks,
         }

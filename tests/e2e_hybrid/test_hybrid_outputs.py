@@ -7,11 +7,14 @@ when a hit is loaded."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+_THROWAWAY_SEEDS = itertools.count(10_000)  # new prompts: each one saves, never loads
 
 
 def test_the_connector_keeps_both_kv_cache_groups(
@@ -68,18 +71,59 @@ def test_after_a_sidecar_restart_hits_come_from_l2_and_match(
     assert kit.generate(hybrid_llm, prompts) == expected  # stores in L1 and L2
     hybrid_sidecar.stop()  # SIGTERM: write-behind into L2 is flushed
     hybrid_sidecar.start()  # a new, empty L1; the same L2 directory
-    seeds = iter(range(10_000, 20_000))
-
-    def reconnected() -> bool:
-        before = counters.snapshot()
-        kit.generate(hybrid_llm, [kit.tokens(kit.CHUNK + 16, next(seeds))])
-        d = counters.delta(before)
-        return d["lookup_failures"] == 0 and d["save_dropped_chunks"] == 0
-
-    kit.wait_until(reconnected, 30, "the connector to reach the sidecar", step=0.1)
+    _reconnect(hybrid_llm, counters, kit)
     before = counters.snapshot()
     assert kit.generate(hybrid_llm, prompts) == expected
     d = counters.delta(before)
     hit = sum(kit.whole_chunk_hit(p) for p in prompts)
     assert d["hit_tokens"] == d["hit_tokens_l2"] == hit, d
     assert d["failed_chunks"] == 0, d
+    assert d["async_loads"] == len(prompts), d  # a hybrid model always loads in the background
+
+
+def test_a_failed_load_is_recomputed_whole_and_the_engine_keeps_serving(
+    hybrid_llm: Any, hybrid_sidecar: Any, hybrid_reference: dict, kit: Any
+) -> None:
+    """The prompt's L2 objects corrupted behind the sidecar's back: the lookup
+    finds them, their loads fail the checksum. With several KV cache groups
+    vLLM takes no block-level load errors (its scheduler raises on them); the
+    connector reports the request as a failed receive and vLLM recomputes it
+    whole: the output still matches, the request is not asked to load again,
+    and the engine keeps serving."""
+    prompts, expected = kit.WORKLOADS["load_failure"], hybrid_reference["outputs"]["load_failure"]
+    counters = kit.Counters(hybrid_llm)
+    l2 = hybrid_sidecar.root / "l2"
+    old = set(l2.rglob("*.kvs"))
+    assert kit.generate(hybrid_llm, prompts) == expected  # stored
+    hybrid_sidecar.stop()  # SIGTERM: write-behind into L2 is flushed
+    new = set(l2.rglob("*.kvs")) - old
+    assert len(new) == 2 * (len(prompts[0]) // kit.CHUNK), new  # one per (chunk, group)
+    for path in new:
+        _flip_last_byte(path)
+    hybrid_sidecar.start()  # an empty L1; L2 re-indexed from the (intact) headers
+    _reconnect(hybrid_llm, counters, kit)
+    before = counters.snapshot()
+    assert kit.generate(hybrid_llm, prompts) == expected
+    d = counters.delta(before)
+    assert d["async_loads"] == 1 and d["failed_chunks"] > 0, d
+    assert d["hit_tokens"] == kit.whole_chunk_hit(prompts[0]), d  # planned once, not again
+    assert kit.generate(hybrid_llm, kit.WORKLOADS["l1"]) == hybrid_reference["outputs"]["l1"]
+
+
+def _reconnect(llm: Any, counters: Any, kit: Any) -> None:
+    """Throwaway prompts until both roles reach the restarted sidecar."""
+    def reconnected() -> bool:
+        before = counters.snapshot()
+        kit.generate(llm, [kit.tokens(kit.CHUNK + 16, next(_THROWAWAY_SEEDS))])
+        d = counters.delta(before)
+        return d["lookup_failures"] == 0 and d["save_dropped_chunks"] == 0
+
+    kit.wait_until(reconnected, 30, "the connector to reach the sidecar", step=0.1)
+
+
+def _flip_last_byte(path: Any) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0xFF]))
