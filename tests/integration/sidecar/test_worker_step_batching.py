@@ -7,18 +7,10 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstrata.connector.layout import layout_id
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, RequestTransfer
-from kvstrata.connector.settings import ConnectorSettings
-from kvstrata.connector.worker import KVStrataWorker
-from kvstrata.sidecar.keys import Namespace
-from kvstrata.testing.kvlayouts import every_case
 
-BLOCK_SIZE = 8
-CHUNK = 2 * BLOCK_SIZE
 OPS = ("PREPARE_STORE", "COMMIT_STORE", "PREPARE_RETRIEVE", "RELEASE")
 
 
@@ -36,45 +28,12 @@ def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
     return {op: int(after[op] - before[op]) for op in OPS}
 
 
-def worker(sidecar: Any) -> KVStrataWorker:
-    case = every_case(torch.bfloat16)[0]
-    layout = layout_id("cuda", case.kv_cache_layout or case.name, None)
-    settings = ConnectorSettings(
-        endpoint=sidecar.endpoint,
-        call_timeout_s=2.0,
-        load_timeout_s=5.0,
-        chunk_size=CHUNK,
-        block_size=BLOCK_SIZE,
-        num_blocks=case.num_blocks,
-        kv_cache_layout=case.kv_cache_layout,
-        layout=layout,
-        transfer_mode="host",
-        namespace=Namespace(
-            model="batching-test", layout=layout or "", block_size=BLOCK_SIZE, chunk_size=CHUNK
-        ),
-    )
-    w = KVStrataWorker(settings, None)  # type: ignore[arg-type]
-    w.register_kv_caches(case.layers)
-    return w
-
-
-def requests(test: str, n_requests: int, chunks_each: int) -> list[RequestTransfer]:
-    out = []
-    block = 0
-    for r in range(n_requests):
-        chunks = []
-        for c in range(chunks_each):
-            h = hashlib.sha256(f"{test}/{r}/{c}".encode()).digest()
-            chunks.append(ChunkTransfer(h, [block, block + 1]))
-            block += 2
-        out.append(RequestTransfer(f"req-{r}", chunks))
-    return out
-
-
-def test_a_step_of_several_requests_saves_and_loads_in_one_round_trip_each(sidecar: Any) -> None:
-    w = worker(sidecar)
+def test_a_step_of_several_requests_saves_and_loads_in_one_round_trip_each(
+    sidecar: Any, kit: Any
+) -> None:
+    w = kit.host_worker(sidecar, model="batching-test")
     try:
-        reqs = requests("one-trip", 3, 2)
+        reqs = kit.chunk_requests("one-trip", 3, 2)
         before = op_counts(sidecar)
         w.save(KVStrataMetadata(saves=reqs))
         assert w.counters.saved_chunks == 6, w.client.errors
@@ -101,10 +60,12 @@ def test_a_step_of_several_requests_saves_and_loads_in_one_round_trip_each(sidec
         w.close()
 
 
-def test_a_miss_in_one_request_of_a_step_ends_only_that_requests_load(sidecar: Any) -> None:
-    w = worker(sidecar)
+def test_a_miss_in_one_request_of_a_step_ends_only_that_requests_load(
+    sidecar: Any, kit: Any
+) -> None:
+    w = kit.host_worker(sidecar, model="batching-test")
     try:
-        stored = requests("one-miss", 3, 2)
+        stored = kit.chunk_requests("one-miss", 3, 2)
         w.save(KVStrataMetadata(saves=stored))
         missing = hashlib.sha256(b"never stored").digest()
         gap = RequestTransfer(
@@ -120,20 +81,20 @@ def test_a_miss_in_one_request_of_a_step_ends_only_that_requests_load(sidecar: A
 
 
 def test_a_step_beyond_the_sessions_write_budget_is_saved_in_several_round_trips(
-    sidecar_factory: Any,
+    sidecar_factory: Any, kit: Any
 ) -> None:
     probe = sidecar_factory("probe").start()
-    nbytes = worker(probe).layout.chunk_nbytes  # type: ignore[union-attr]
+    nbytes = kit.host_worker(probe, model="batching-test").layout.chunk_nbytes  # type: ignore[union-attr]
     probe.stop()
     arena = 16 << 20  # the test sidecars' L1
     small = sidecar_factory(
         "small", {"server": {"session_write_fraction": 2 * nbytes / arena}}
     ).start()
-    w = worker(small)
+    w = kit.host_worker(small, model="batching-test")
     try:
         assert w.client.ping() and w.client.write_budget == 2 * nbytes
         before = op_counts(small)
-        w.save(KVStrataMetadata(saves=requests("budget", 3, 2)))
+        w.save(KVStrataMetadata(saves=kit.chunk_requests("budget", 3, 2)))
         assert w.counters.saved_chunks == 6, (w.counters, w.client.errors)
         d = delta(before, op_counts(small))
         assert d["PREPARE_STORE"] == d["COMMIT_STORE"] == 3
