@@ -57,7 +57,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from kvstrata.connector.scheduler import KVStrataScheduler, SchedulerCounters
+    from kvstrata.connector.scheduler import KVStrataScheduler
+    from kvstrata.connector.scheduler_state import SchedulerCounters
     from kvstrata.connector.worker import KVStrataWorker, WorkerCounters
 
 logger = logging.getLogger(__name__)

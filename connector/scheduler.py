@@ -31,11 +31,13 @@ Rules it keeps:
   token to sample from;
 * starts after ``num_computed_tokens`` (what vLLM's prefix cache already
   has) and never writes those blocks (they may be shared);
-* saves a chunk once all its tokens are computed (chunked prefill may
-  take several steps), once per request, and the prompt's partial chunk
-  once the prefill is done (naming the partials it supersedes, so the
-  sidecar keeps one per prefix and chunk position); preemption forgets
-  the blocks.
+* saves follow each step's blocks (:mod:`.step_tracking`); preemption
+  forgets the blocks;
+* a hit that reaches below L1 loads in the background (``load_kv_async``;
+  with several KV cache groups every hit does, see
+  :meth:`KVStrataScheduler._loads_in_background`): vLLM parks the request
+  until the workers report it, and a request whose background load failed
+  is offered no hit again.
 
 Lookups never block vLLM's scheduler loop: the LOOKUP runs on one
 background thread, and while it is in flight the answer is None ("ask
@@ -52,14 +54,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstrata.connector.client import SidecarClient
 from kvstrata.connector.events import ChunkRegistry, KVEventFeed, describe_chunks
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, ReqId, RequestTransfer
-from kvstrata.connector.partial_chunks import partial_candidates, partial_position
+from kvstrata.connector.partial_chunks import partial_candidates
+from kvstrata.connector.scheduler_state import RequestState, SchedulerCounters
 from kvstrata.connector.settings import NULL_BLOCK_ID, KVGroup, rank_namespaces
+from kvstrata.connector.step_tracking import StepTracking
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.keys import Namespace, chunk_keys_from_block_hashes
 
@@ -72,47 +75,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class _RequestState:
-    request: Request
-    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
-    num_computed: int = 0  # as of the last scheduled step
-    local_tokens: int = 0  # vLLM's own prefix-cache hit at the last lookup
-    hit_tokens: int = 0  # end of our hit (tokens) at the last lookup
-    tiers: list[str] = field(default_factory=list)
-    load: RequestTransfer | None = None  # to send with the next step
-    load_tiers: dict[str, int] = field(default_factory=dict)  # its tokens by tier
-    stored_chunks: int = 0  # chunks known stored or already sent for saving
-    partial_blocks: int = 0  # blocks of the partial chunk hit at the last lookup
-    partial_tier: str = ""
-    partial_done: bool = False  # the prompt's partial chunk was hit or sent for saving
-    pinned: bool = False  # a lookup hit: the sidecar pins a prefetch for us
-    asked_blocks: int = 0  # blocks the last answered lookup asked about
-    hit_chunks: int = 0  # and how many of them it found (pinned while ``pinned``)
-    pending: Future[p.LookupReply | None] | None = None  # a lookup in flight
-    pending_blocks: int = 0  # the blocks it asks about
-    load_async: bool = False  # the hit of the last lookup loads in the background
-    load_failed: bool = False  # a background load of it failed: no more hits for it
-
-
-@dataclass
-class SchedulerCounters:
-    """What the scheduler role did (read by tests, the demo and the benchmark)."""
-
-    lookups: int = 0
-    lookup_failures: int = 0
-    hit_tokens: int = 0
-    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    chunks_to_load: int = 0
-    chunks_to_save: int = 0
-    partial_hits: int = 0  # lookups whose hit ends in a partial chunk
-    partials_to_save: int = 0
-    preemptions: int = 0
-    errors: int = 0
-    window_skipped_saves: int = 0  # (chunk, group)s before a sliding window
-
-
-class KVStrataScheduler:
+class KVStrataScheduler(StepTracking):
     def __init__(self, settings: ConnectorSettings) -> None:
         self.settings = settings
         self.enabled = settings.layout is not None
@@ -134,7 +97,7 @@ class KVStrataScheduler:
             self.events = KVEventFeed(self._new_client(), settings.block_size)
             self._described = self.events.registry
         self.counters = SchedulerCounters()
-        self._reqs: dict[ReqId, _RequestState] = {}
+        self._reqs: dict[ReqId, RequestState] = {}
         # Background loads (load_kv_async): planned, to send with the next step;
         # sent, by request, with their blocks until the workers report them.
         self._async_planned: list[RequestTransfer] = []
@@ -176,7 +139,7 @@ class KVStrataScheduler:
     def _match(self, request: Request, num_computed_tokens: int) -> int | None:
         state = self._reqs.get(request.request_id)
         if state is None:
-            state = self._reqs[request.request_id] = _RequestState(request)
+            state = self._reqs[request.request_id] = RequestState(request)
         state.request = request
         state.block_ids = []  # new or preempted: blocks come with the next schedule
         state.load = None
@@ -216,7 +179,7 @@ class KVStrataScheduler:
         )
         return hit_end - num_computed_tokens
 
-    def _loads_in_background(self, state: _RequestState, start: int, end: int) -> bool:
+    def _loads_in_background(self, state: RequestState, start: int, end: int) -> bool:
         """Whether the hit ``[start, end)`` loads with ``load_kv_async``: with
         several KV cache groups always (vLLM takes their failed loads per
         request only, and only from background loads); else per the
@@ -239,7 +202,7 @@ class KVStrataScheduler:
         return state is not None and state.load_async
 
     def _lookup_answer(
-        self, state: _RequestState, request: Request, loadable: int, max_blocks: int
+        self, state: RequestState, request: Request, loadable: int, max_blocks: int
     ) -> tuple[int, list[str], int] | None:
         """(hit chunks, their tiers, partial blocks) of ``request``'s first
         ``max_blocks`` blocks: the pinned answer of an earlier lookup or that of
@@ -337,7 +300,7 @@ class KVStrataScheduler:
             state.load = load
 
     def _plan_load(
-        self, state: _RequestState, block_ids: Sequence[list[int]], num_external_tokens: int
+        self, state: RequestState, block_ids: Sequence[list[int]], num_external_tokens: int
     ) -> RequestTransfer:
         s = self.settings
         bpc = s.blocks_per_chunk
@@ -429,110 +392,6 @@ class KVStrataScheduler:
             state = self._reqs.get(req_id)
             if state is not None and (req_id in failed or blocks & invalid_blocks):
                 state.load_failed = True
-
-    def _track_blocks(self, so: SchedulerOutput) -> None:
-        for req_id in so.preempted_req_ids or ():
-            self.counters.preemptions += 1
-            state = self._reqs.get(req_id)
-            if state is not None:
-                state.block_ids = []
-                state.load = None
-        for new in so.scheduled_new_reqs:
-            state = self._reqs.get(new.req_id)
-            if state is not None:
-                state.block_ids = [list(ids) for ids in new.block_ids or ()]
-                state.num_computed = new.num_computed_tokens
-        cached = so.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self._reqs.get(req_id)
-            if state is None:
-                continue
-            new_blocks = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                state.block_ids = [list(ids) for ids in new_blocks or ()]
-            elif new_blocks:
-                if not state.block_ids:
-                    state.block_ids = [[] for _ in new_blocks]
-                for mine, ids in zip(state.block_ids, new_blocks, strict=True):
-                    mine.extend(ids)
-            state.num_computed = cached.num_computed_tokens[i]
-
-    def _plan_save(self, state: _RequestState, computed_after: int) -> RequestTransfer | None:
-        s = self.settings
-        if not self.enabled or len(state.block_ids) != len(self.groups):
-            return None
-        request = state.request
-        done = min(computed_after, request.num_prompt_tokens)
-        n_chunks = min(
-            done // s.chunk_size,
-            len(request.block_hashes) // s.blocks_per_chunk,
-            *(len(ids) // s.blocks_per_chunk for ids in state.block_ids),
-        )
-        bpc = s.blocks_per_chunk
-        hashes = request.block_hashes
-        own = (
-            partial_position(request.num_prompt_tokens, s.block_size, bpc) if self._partials else -1
-        )
-        chunks: list[ChunkTransfer] = []
-        for c in range(state.stored_chunks, n_chunks):
-            chunk_hash = bytes(hashes[(c + 1) * bpc - 1])
-            # A full chunk supersedes the partials inside it, but not this
-            # prompt's own (a prompt that ends in chunk c never loads c whole).
-            covers = (
-                []
-                if not self._partials or c == own
-                else [bytes(h) for h in hashes[c * bpc : (c + 1) * bpc - 1]]
-            )
-            for group in self.groups:
-                blocks = state.block_ids[group.index][c * bpc : (c + 1) * bpc]
-                # Blocks before a sliding window were freed when this step was
-                # scheduled (our list may still name them): not this chunk.
-                live_from = group.skipped_blocks(state.num_computed, s.block_size)
-                if c * bpc < live_from or NULL_BLOCK_ID in blocks:
-                    self.counters.window_skipped_saves += 1
-                    continue
-                chunks.append(
-                    ChunkTransfer(chunk_hash, list(blocks), group=group.index, covers=covers)
-                )
-        if n_chunks > state.stored_chunks:
-            self._describe(request, range(state.stored_chunks, n_chunks))
-            state.stored_chunks = n_chunks
-        self.counters.chunks_to_save += len(chunks)
-        if self._partials and done == request.num_prompt_tokens and not state.partial_done:
-            chunks += self._plan_partial_save(state, n_chunks)
-        return RequestTransfer(request.request_id, chunks) if chunks else None
-
-    def _plan_partial_save(self, state: _RequestState, n_chunks: int) -> list[ChunkTransfer]:
-        """The prompt's partial chunk, once its prefill is done (see
-        :func:`~kvstrata.connector.partial_chunks.partial_position`); none when a
-        lookup already hit it. Like a
-        hit, it stops before the block of the prompt's last token, so the same
-        prompt again hits all of it (a prompt of whole chunks keeps the blocks
-        of its last chunk but one as a partial chunk). One namespace only."""
-        s = self.settings
-        bpc = s.blocks_per_chunk
-        request = state.request
-        state.partial_done = True
-        position = partial_position(request.num_prompt_tokens, s.block_size, bpc)
-        blocks = (request.num_prompt_tokens - 1) // s.block_size
-        if position < 0 or position > n_chunks:
-            return []  # none, or the full chunks before it are not all there
-        block_ids = state.block_ids[0]
-        if min(len(request.block_hashes), len(block_ids)) < blocks:
-            return []
-        first, last = position * bpc, blocks
-        if state.partial_blocks and last <= state.hit_tokens // s.block_size:
-            return []  # this lookup hit it (or a longer one)
-        hashes = request.block_hashes
-        self.counters.partials_to_save += 1
-        return [
-            ChunkTransfer(
-                chunk_hash=bytes(hashes[last - 1]),
-                block_ids=block_ids[first:last],
-                partial=True,
-                covers=[bytes(h) for h in hashes[first : last - 1]],
-            )
-        ]
 
     # -- end of a request ---------------------------------------------------------
 

@@ -120,19 +120,15 @@ class StorageManager(Promotion):
         self._closed = False
 
     def record_events(self) -> None:
-        """From now on every tier tells the journal what arrives and leaves
-        (KV events). Idempotent. Off until a client asks for events: with no
-        reader, recording every store and eviction is pure cost on the
-        hottest path."""
+        """Every tier tells the journal what arrives and leaves from now on (idempotent;
+        off until a client asks: with no reader, recording is pure cost on the store path)."""
         with self._lock:
-            if self._store.events is not None:
-                return
-            journal = self.journal
-            self._store.events = journal.for_tier("l1")
-            if self.l2 is not None:
-                self.l2.events = journal.for_tier(self.l2.name)
-            if self.shared is not None:
-                self._wb.tell_shared_writes(journal.for_tier(self.shared.name))
+            if self._store.events is None:
+                self._store.events = self.journal.for_tier("l1")
+                if self.l2 is not None:
+                    self.l2.events = self.journal.for_tier(self.l2.name)
+                if self.shared is not None:
+                    self._wb.tell_shared_writes(self.journal.for_tier(self.shared.name))
 
     # -- counters -----------------------------------------------------------
 

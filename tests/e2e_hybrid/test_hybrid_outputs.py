@@ -112,6 +112,7 @@ def test_a_failed_load_is_recomputed_whole_and_the_engine_keeps_serving(
 
 def _reconnect(llm: Any, counters: Any, kit: Any) -> None:
     """Throwaway prompts until both roles reach the restarted sidecar."""
+
     def reconnected() -> bool:
         before = counters.snapshot()
         kit.generate(llm, [kit.tokens(kit.CHUNK + 16, next(_THROWAWAY_SEEDS))])

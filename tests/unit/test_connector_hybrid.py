@@ -27,7 +27,8 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvstrata.connector.metadata import ChunkTransfer
-from kvstrata.connector.scheduler import KVStrataScheduler, _RequestState
+from kvstrata.connector.scheduler import KVStrataScheduler
+from kvstrata.connector.scheduler_state import RequestState
 from kvstrata.connector.settings import NULL_BLOCK_ID, settings_from_config
 
 BLOCK = 32
@@ -158,7 +159,7 @@ def summary(chunks: list[ChunkTransfer]) -> list[tuple[int, int, list[int], int]
 
 def test_saves_are_planned_per_group_with_each_groups_blocks(scheduler: Any) -> None:
     req = request("r", 200)  # three whole chunks, then the tail
-    scheduler._reqs["r"] = _RequestState(req)
+    scheduler._reqs["r"] = RequestState(req)
     sw_blocks, full_blocks = [1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17]
     new = SimpleNamespace(
         req_id="r", block_ids=(sw_blocks[:5], full_blocks[:5]), num_computed_tokens=0
@@ -185,7 +186,7 @@ def test_saves_are_planned_per_group_with_each_groups_blocks(scheduler: Any) -> 
 
 def test_a_sliding_window_chunk_freed_before_its_save_is_not_saved(scheduler: Any) -> None:
     req = request("r", 300)
-    scheduler._reqs["r"] = _RequestState(req)
+    scheduler._reqs["r"] = RequestState(req)
     # A step from token 200: vLLM freed blocks 0..3 of the window group, but
     # chunk 1 (blocks 2, 3) was never saved (say the sidecar was down): the
     # list we track still names blocks vLLM may have handed to someone else.
@@ -207,7 +208,7 @@ def test_a_sliding_window_chunk_freed_before_its_save_is_not_saved(scheduler: An
 
 def test_a_load_never_writes_the_null_blocks_before_the_window(scheduler: Any) -> None:
     req = request("r", 400)
-    state = scheduler._reqs["r"] = _RequestState(req, tiers=["l1"] * 6)
+    state = scheduler._reqs["r"] = RequestState(req, tiers=["l1"] * 6)
     # A 384-token hit: vLLM gives the window group null blocks for the first
     # (384 - 64 + 1) // 32 = 10 blocks, real ones after.
     sw_blocks = [NULL_BLOCK_ID] * 10 + [21, 22, 23]
@@ -224,7 +225,7 @@ def test_a_load_never_writes_the_null_blocks_before_the_window(scheduler: Any) -
 
 def test_a_load_skips_null_blocks_inside_a_chunk_and_vllms_own_hit(scheduler: Any) -> None:
     req = request("r", 300)
-    state = scheduler._reqs["r"] = _RequestState(req, tiers=["l1"] * 4)
+    state = scheduler._reqs["r"] = RequestState(req, tiers=["l1"] * 4)
     state.local_tokens = 32  # vLLM's own prefix cache holds block 0
     # Hit end 256: (256 - 63) // 32 = 6 null blocks; with a longer window
     # (or extra retained tokens) vLLM may keep more, which we then load.
@@ -241,3 +242,38 @@ def test_a_load_skips_null_blocks_inside_a_chunk_and_vllms_own_hit(scheduler: An
 def test_a_lookup_names_every_groups_keys(scheduler: Any) -> None:
     fingerprints = [scheduler.client.fingerprint, *scheduler.client.more_fingerprints]
     assert fingerprints == [g.namespace.fingerprint() for g in scheduler.groups]
+
+
+def test_a_hybrid_model_loads_every_hit_in_the_background(tmp_path: Any) -> None:
+    """vLLM takes a hybrid model's failed loads per request only, and only from
+    background loads: even ``load_async: never`` and an L1 hit load there."""
+    config = vllm_config(tmp_path)
+    config.kv_transfer_config.kv_connector_extra_config["load_async"] = "never"
+    s = settings_from_config(config, gemma2_config())
+    assert s.load_async == "never"
+    hybrid = KVStrataScheduler(s)
+    try:
+        state = RequestState(request("r", 200), tiers=["l1"] * 3)
+        assert hybrid._loads_in_background(state, 0, 192)
+    finally:
+        hybrid.close()
+
+
+def test_a_background_load_that_cannot_be_planned_is_still_sent_as_failed(
+    scheduler: Any,
+) -> None:
+    """vLLM parks the request until the workers report it: a plan that raises
+    must still reach them, marked failed, or the request would wait forever."""
+    req = request("r", 200)
+    state = scheduler._reqs["r"] = RequestState(req, tiers=["l2"] * 3, load_async=True)
+    scheduler.update_state_after_alloc(req, (), 192)  # no blocks per group: planning fails
+    assert state.load is None
+    (sent,) = scheduler.build_connector_meta(output()).loads
+    assert (sent.req_id, sent.asynchronous, sent.plan_failed, sent.chunks) == ("r", True, True, [])
+
+
+def test_an_unknown_load_async_value_is_refused_naming_the_key(tmp_path: Any) -> None:
+    config = vllm_config(tmp_path)
+    config.kv_transfer_config.kv_connector_extra_config["load_async"] = "sometimes"
+    with pytest.raises(ValueError, match="load_async must be one of auto, always, never"):
+        settings_from_config(config, gemma2_config())

@@ -99,15 +99,12 @@ WORKER_BLOCK_SIZE = 8
 WORKER_CHUNK = 2 * WORKER_BLOCK_SIZE
 
 
-def host_worker(sidecar: SidecarProcess, model: str, **settings: Any) -> KVStrataWorker:
-    """A connector worker role in host mode over CPU KV tensors of vLLM's first
-    layout case (bf16), two blocks per chunk; ``settings`` override its fields."""
-    import torch
-
+def worker_settings(sidecar: SidecarProcess, model: str, **settings: Any) -> ConnectorSettings:
+    """Connector settings in host mode for :func:`host_worker`'s KV (vLLM's
+    first layout case, bf16, two blocks per chunk); ``settings`` override fields."""
     from kvstrata.connector.layout import layout_id
-    from kvstrata.testing.kvlayouts import every_case
 
-    case = every_case(torch.bfloat16)[0]
+    case = _worker_case()
     layout = layout_id("cuda", case.kv_cache_layout or case.name, None)
     namespace = Namespace(
         model=model, layout=layout or "", block_size=WORKER_BLOCK_SIZE, chunk_size=WORKER_CHUNK
@@ -124,9 +121,23 @@ def host_worker(sidecar: SidecarProcess, model: str, **settings: Any) -> KVStrat
         "transfer_mode": "host",
         "namespace": namespace,
     }
-    worker = KVStrataWorker(ConnectorSettings(**{**fields, **settings}), None)  # type: ignore[arg-type]
-    worker.register_kv_caches(case.layers)
+    return ConnectorSettings(**{**fields, **settings})
+
+
+def host_worker(sidecar: SidecarProcess, model: str, **settings: Any) -> KVStrataWorker:
+    """A connector worker role in host mode over CPU KV tensors (see
+    :func:`worker_settings`)."""
+    worker = KVStrataWorker(worker_settings(sidecar, model, **settings), None)  # type: ignore[arg-type]
+    worker.register_kv_caches(_worker_case().layers)
     return worker
+
+
+def _worker_case() -> Any:
+    import torch
+
+    from kvstrata.testing.kvlayouts import every_case
+
+    return every_case(torch.bfloat16)[0]
 
 
 def chunk_requests(test: str, n_requests: int, chunks_each: int) -> list[RequestTransfer]:

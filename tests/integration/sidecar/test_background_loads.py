@@ -7,12 +7,14 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from kvstrata.connector.async_loads import FinishedLoads
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, RequestTransfer
+from kvstrata.connector.scheduler import KVStrataScheduler
 
 
 def _background(reqs: list[RequestTransfer]) -> list[RequestTransfer]:
@@ -137,3 +139,102 @@ def test_a_stopped_sidecar_fails_background_loads_within_the_deadline(
         )
     finally:
         w.close()
+
+
+# -- the scheduler's side ---------------------------------------------------------------
+
+
+def _request(req_id: str, hashes: list[bytes], kit: Any) -> Any:
+    """What the scheduler reads of a vLLM Request (chunk i keyed by its last block)."""
+    blocks = [b for h in hashes for b in (b"\1" * 32, h)]
+    return SimpleNamespace(
+        request_id=req_id, num_prompt_tokens=len(hashes) * kit.WORKER_CHUNK + 1, block_hashes=blocks
+    )
+
+
+def _step(req_ids: list[str]) -> Any:
+    """A SchedulerOutput of a step that schedules nothing new (as when vLLM
+    only parks requests waiting for their loads)."""
+    cached = SimpleNamespace(
+        req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+    )
+    return SimpleNamespace(
+        preempted_req_ids=set(),
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=dict.fromkeys(req_ids, 0),
+    )
+
+
+def _matched(scheduler: KVStrataScheduler, req: Any, kit: Any) -> int:
+    def answer() -> tuple[int] | None:
+        n = scheduler.get_num_new_matched_tokens(req, 0)
+        return None if n is None else (n,)
+
+    return kit.wait_until(answer, 10, "the lookup's answer", step=0.005)[0]
+
+
+def test_the_scheduler_loads_hits_below_l1_in_the_background(sidecar: Any, kit: Any) -> None:
+    """After a restart the chunks are in L2 only: the hit loads in the
+    background, sent with the next step although vLLM schedules nothing for
+    the request; promoted into L1, the next hit loads inline."""
+    settings = kit.worker_settings(sidecar, model="background-sched")
+    w = kit.host_worker(sidecar, model="background-sched")
+    reqs = kit.chunk_requests("bg-sched", 1, 2)
+    w.save(KVStrataMetadata(saves=reqs))
+    w.close()
+    hashes = [c.chunk_hash for c in reqs[0].chunks]
+    sidecar.restart()  # L1 empty; L2 holds both chunks
+    scheduler = KVStrataScheduler(settings)
+    try:
+        req = _request("below-l1", hashes, kit)
+        assert _matched(scheduler, req, kit) == 2 * kit.WORKER_CHUNK
+        assert scheduler.loads_async("below-l1")
+        scheduler.update_state_after_alloc(req, [[0, 1, 2, 3]], 2 * kit.WORKER_CHUNK)
+        meta = scheduler.build_connector_meta(_step([]))
+        assert [(t.req_id, t.asynchronous, len(t.chunks)) for t in meta.loads] == [
+            ("below-l1", True, 2)
+        ]
+        assert scheduler.build_connector_meta(_step([])).loads == []  # sent once
+        scheduler.request_finished("below-l1")
+
+        kit.wait_until(
+            lambda: sidecar.status()["tiers"]["l1"]["objects"] >= 2, 10, "the promotions"
+        )
+        again = _request("in-l1", hashes, kit)
+        assert _matched(scheduler, again, kit) == 2 * kit.WORKER_CHUNK
+        assert not scheduler.loads_async("in-l1")
+        scheduler.request_finished("in-l1")
+    finally:
+        scheduler.close()
+
+
+def test_the_load_async_setting_and_a_failed_background_load(sidecar: Any, kit: Any) -> None:
+    """``always`` loads even L1 hits in the background, ``never`` not even L2
+    ones; a request whose background load failed is not offered the same hit
+    again (vLLM asks again after a failed receive)."""
+    settings = kit.worker_settings(sidecar, model="background-mode", load_async="always")
+    w = kit.host_worker(sidecar, model="background-mode")
+    reqs = kit.chunk_requests("bg-mode", 1, 2)
+    w.save(KVStrataMetadata(saves=reqs))
+    w.close()
+    hashes = [c.chunk_hash for c in reqs[0].chunks]
+    scheduler = KVStrataScheduler(settings)
+    try:
+        req = _request("r", hashes, kit)
+        assert _matched(scheduler, req, kit) == 2 * kit.WORKER_CHUNK
+        assert scheduler.loads_async("r")
+        scheduler.update_state_after_alloc(req, [[0, 1, 2, 3]], 2 * kit.WORKER_CHUNK)
+        assert scheduler.build_connector_meta(_step([])).loads[0].asynchronous
+        scheduler.background_loads_finished({"r"}, {"r"}, set())  # a failed receive
+        assert scheduler.get_num_new_matched_tokens(req, 0) == 0
+    finally:
+        scheduler.close()
+
+    sidecar.restart()  # L2 only now
+    never = KVStrataScheduler(replace(settings, load_async="never"))
+    try:
+        assert _matched(never, _request("n", hashes, kit), kit) == 2 * kit.WORKER_CHUNK
+        assert not never.loads_async("n")
+    finally:
+        never.close()
