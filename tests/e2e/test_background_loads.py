@@ -9,7 +9,6 @@ connector either way.
 
 from __future__ import annotations
 
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -56,7 +55,8 @@ def test_a_slow_shared_tier_holds_up_only_its_own_request(
     """Replica B's sidecar reaches Valkey over a slow link: a prompt only Valkey
     holds takes seconds to come up, and a prompt in B's L1 sent with it is
     answered in full before the slow one produces its first token."""
-    from kvstrata.testing.netfaults import FaultyLink
+    from kvstrata.testing.faults import FaultyLink
+    from kvstrata.testing.localstack import run_stepwise
     from kvstrata.testing.servers import RedisServer
 
     slow, fast = kit.WORKLOADS["background_slow"]
@@ -88,7 +88,7 @@ def test_a_slow_shared_tier_holds_up_only_its_own_request(
                 assert kit.generate(cached_llm, [fast]) == [want_fast]  # in B's L1
                 link.throttle(SLOW_LINK_BYTES_PER_S)
                 before = counters.snapshot()
-                run = _step_until_done(cached_llm, {"slow": slow, "fast": fast}, kit.MAX_TOKENS)
+                run = run_stepwise(cached_llm, {"slow": slow, "fast": fast}, kit.MAX_TOKENS)
                 d = kit.delta(before, counters.snapshot())
             finally:
                 link.resume()
@@ -97,42 +97,10 @@ def test_a_slow_shared_tier_holds_up_only_its_own_request(
         finally:
             live_sidecar.start()
             kit.reconnect(cached_llm, counters)
-    first_token, finished, outputs = run
-    assert outputs == {"slow": want_slow, "fast": want_fast}
+    assert run.outputs == {"slow": want_slow, "fast": want_fast}
     assert d["hit_tokens_shared"] > 0 and d["hit_tokens_l1"] > 0, d
     assert d["async_loads"] == 1 and d["failed_chunks"] == 0, d
     # The link was slow (the slow request waited for it) ...
-    assert first_token["slow"] > 0.5, run
+    assert run.first_token_s["slow"] > 0.5, run
     # ... and the other request never waited for it.
-    assert finished["fast"] < first_token["slow"], run
-
-
-def _step_until_done(
-    llm: Any, prompts: dict[str, list[int]], max_tokens: int, timeout_s: float = 60.0
-) -> tuple[dict[str, float], dict[str, float], dict[str, list[int]]]:
-    """Run ``prompts`` together through vLLM's engine one step at a time;
-    seconds from the start to each request's first token and to its end,
-    and its greedy output."""
-    from vllm import SamplingParams
-
-    engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    tag = uuid.uuid4().hex[:8]
-    names = {f"{name}-{tag}": name for name in prompts}
-    for request_id, name in names.items():
-        engine.add_request(request_id, {"prompt_token_ids": prompts[name]}, params)
-    first: dict[str, float] = {}
-    done: dict[str, float] = {}
-    outputs: dict[str, list[int]] = {}
-    started = time.monotonic()
-    while engine.has_unfinished_requests():
-        assert time.monotonic() - started < timeout_s, f"not done in {timeout_s} s: {done}"
-        for out in engine.step():
-            name = next(n for rid, n in names.items() if out.request_id.startswith(rid))
-            now = time.monotonic() - started
-            if out.outputs and out.outputs[0].token_ids:
-                first.setdefault(name, now)
-            if out.finished:
-                done[name] = now
-                outputs[name] = list(out.outputs[0].token_ids)
-    return first, done, outputs
+    assert run.finished_s["fast"] < run.first_token_s["slow"], run

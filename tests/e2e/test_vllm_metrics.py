@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from kvstrata.testing.faults import flip_last_byte
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
@@ -86,11 +88,3 @@ def test_load_failures_reach_vllm_metrics_and_vllm_recomputes(
     )
     assert d["failed_chunks"] > 0, d
     assert failed == d["failed_chunks"]
-
-
-def flip_last_byte(path: Any) -> None:
-    with open(path, "r+b") as f:
-        f.seek(-1, 2)
-        last = f.read(1)
-        f.seek(-1, 2)
-        f.write(bytes([last[0] ^ 0xFF]))

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from kvstrata.testing.faults import flip_last_byte
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 _THROWAWAY_SEEDS = itertools.count(10_000)  # new prompts: each one saves, never loads
@@ -99,7 +101,7 @@ def test_a_failed_load_is_recomputed_whole_and_the_engine_keeps_serving(
     new = set(l2.rglob("*.kvs")) - old
     assert len(new) == 2 * (len(prompts[0]) // kit.CHUNK), new  # one per (chunk, group)
     for path in new:
-        _flip_last_byte(path)
+        flip_last_byte(path)
     hybrid_sidecar.start()  # an empty L1; L2 re-indexed from the (intact) headers
     _reconnect(hybrid_llm, counters, kit)
     before = counters.snapshot()
@@ -120,11 +122,3 @@ def _reconnect(llm: Any, counters: Any, kit: Any) -> None:
         return d["lookup_failures"] == 0 and d["save_dropped_chunks"] == 0
 
     kit.wait_until(reconnected, 30, "the connector to reach the sidecar", step=0.1)
-
-
-def _flip_last_byte(path: Any) -> None:
-    with open(path, "r+b") as f:
-        f.seek(-1, 2)
-        last = f.read(1)
-        f.seek(-1, 2)
-        f.write(bytes([last[0] ^ 0xFF]))

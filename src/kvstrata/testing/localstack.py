@@ -20,6 +20,7 @@ import os
 import random
 import re
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,50 @@ def greedy_outputs(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@dataclass
+class StepwiseRun:
+    """Seconds from the start to each request's first token and to its end,
+    and its greedy output (by the names :func:`run_stepwise` was given)."""
+
+    first_token_s: dict[str, float] = field(default_factory=dict)
+    finished_s: dict[str, float] = field(default_factory=dict)
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+
+
+def run_stepwise(
+    llm: Any, prompts: Mapping[str, list[int]], max_tokens: int, timeout_s: float = 60.0
+) -> StepwiseRun:
+    """Run ``prompts`` together through vLLM's engine one step at a time
+    (``LLMEngine.add_request`` / ``step``), timing each request: what an
+    online server's clients see, in this process."""
+    import time
+    import uuid
+
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    tag = uuid.uuid4().hex[:8]
+    names = {f"{name}-{tag}": name for name in prompts}
+    for request_id, name in names.items():
+        engine.add_request(request_id, {"prompt_token_ids": prompts[name]}, params)
+    run = StepwiseRun()
+    started = time.monotonic()
+    while engine.has_unfinished_requests():
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"not done in {timeout_s} s: {run}")
+        for out in engine.step():
+            # vLLM may suffix the id it was given
+            name = next(n for rid, n in names.items() if out.request_id.startswith(rid))
+            now = time.monotonic() - started
+            if out.outputs and out.outputs[0].token_ids:
+                run.first_token_s.setdefault(name, now)
+            if out.finished:
+                run.finished_s[name] = now
+                run.outputs[name] = list(out.outputs[0].token_ids)
+    return run
 
 
 class LocalSidecar(SidecarProcess):

@@ -29,7 +29,7 @@ from kvstrata.sidecar.keys import ChunkKey, key_hex
 from kvstrata.sidecar.tiers.base import Tier
 from kvstrata.sidecar.tiers.disk import DiskTier
 from kvstrata.sidecar.tiers.factory import build_shared_tier
-from kvstrata.testing.netfaults import FaultyLink
+from kvstrata.testing.faults import FaultyLink
 from kvstrata.testing.servers import (
     LOOPBACK,
     MotoS3Server,
@@ -271,7 +271,7 @@ def shared_backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
 
 @pytest.fixture
 def stalling_proxy_to() -> Iterator[Callable[[int], FaultyLink]]:
-    """A :class:`~kvstrata.testing.netfaults.FaultyLink` to a port: the one
+    """A :class:`~kvstrata.testing.faults.FaultyLink` to a port: the one
     fault moto cannot produce is a hung endpoint."""
     proxies: list[FaultyLink] = []
 

@@ -1,7 +1,7 @@
 """The S3 tier under faults: a stalled endpoint and a stopped one.
 
 A stall is the one fault moto cannot produce, so a
-:class:`~kvstrata.testing.netfaults.FaultyLink` sits between boto3 and the
+:class:`~kvstrata.testing.faults.FaultyLink` sits between boto3 and the
 real moto server and stops forwarding bytes. A stop is real: the moto
 process is killed and a new one started on the same port (empty, so the
 tier must make its bucket again).

@@ -166,6 +166,16 @@ def _step(req_ids: list[str]) -> Any:
     )
 
 
+def _stored_chunk_hashes(sidecar: Any, kit: Any, model: str) -> list[bytes]:
+    """Two chunks saved by a worker of ``model``; their hashes."""
+    w = kit.host_worker(sidecar, model=model)
+    reqs = kit.chunk_requests(model, 1, 2)
+    w.save(KVStrataMetadata(saves=reqs))
+    assert w.counters.saved_chunks == 2, w.client.errors
+    w.close()
+    return [c.chunk_hash for c in reqs[0].chunks]
+
+
 def _matched(scheduler: KVStrataScheduler, req: Any, kit: Any) -> int:
     def answer() -> tuple[int] | None:
         n = scheduler.get_num_new_matched_tokens(req, 0)
@@ -179,11 +189,7 @@ def test_the_scheduler_loads_hits_below_l1_in_the_background(sidecar: Any, kit: 
     background, sent with the next step although vLLM schedules nothing for
     the request; promoted into L1, the next hit loads inline."""
     settings = kit.worker_settings(sidecar, model="background-sched")
-    w = kit.host_worker(sidecar, model="background-sched")
-    reqs = kit.chunk_requests("bg-sched", 1, 2)
-    w.save(KVStrataMetadata(saves=reqs))
-    w.close()
-    hashes = [c.chunk_hash for c in reqs[0].chunks]
+    hashes = _stored_chunk_hashes(sidecar, kit, "background-sched")
     sidecar.restart()  # L1 empty; L2 holds both chunks
     scheduler = KVStrataScheduler(settings)
     try:
@@ -214,11 +220,7 @@ def test_the_load_async_setting_and_a_failed_background_load(sidecar: Any, kit: 
     ones; a request whose background load failed is not offered the same hit
     again (vLLM asks again after a failed receive)."""
     settings = kit.worker_settings(sidecar, model="background-mode", load_async="always")
-    w = kit.host_worker(sidecar, model="background-mode")
-    reqs = kit.chunk_requests("bg-mode", 1, 2)
-    w.save(KVStrataMetadata(saves=reqs))
-    w.close()
-    hashes = [c.chunk_hash for c in reqs[0].chunks]
+    hashes = _stored_chunk_hashes(sidecar, kit, "background-mode")
     scheduler = KVStrataScheduler(settings)
     try:
         req = _request("r", hashes, kit)

@@ -1,17 +1,22 @@
-"""A loopback TCP proxy that injects network faults in front of a real server.
+"""Faults the real parts cannot produce by themselves, injected from outside.
 
-Two faults the real servers (moto, Valkey) cannot produce by themselves:
+:class:`FaultyLink`, a loopback TCP proxy in front of a real server (moto,
+Valkey), for two network faults:
 
 * a **stall**: connections are accepted and held open but no byte moves in
   either direction (a hung load balancer);
 * a **slow link**: bytes from the server reach the client at a set rate (a
   congested path to a shared tier): small replies (``EXISTS``, ``HEAD``)
   still arrive at once, a chunk-sized reply takes its size over the rate.
+
+:func:`flip_last_byte`: a stored object damaged on disk behind its owner's
+back (bit rot, a torn write), which the sidecar must catch by checksum.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import select
 import socket
 import threading
@@ -19,7 +24,7 @@ import time
 
 from kvstrata.testing.servers import LOOPBACK
 
-__all__ = ["FaultyLink"]
+__all__ = ["FaultyLink", "flip_last_byte"]
 
 READ_BYTES = 1 << 16
 SLICE_BYTES = 4096  # a throttled reply goes out in slices of this size
@@ -128,3 +133,12 @@ class FaultyLink:
             piece = data[start : start + SLICE_BYTES]
             time.sleep(len(piece) / rate)
             sock.sendall(piece)
+
+
+def flip_last_byte(path: str | os.PathLike[str]) -> None:
+    """Invert the last byte of a file (its payload's, for a stored object)."""
+    with open(path, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0xFF]))

