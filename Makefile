@@ -81,6 +81,9 @@ bench: dev
 	$(BIN)/kvstrata bench engine --json > bench/results/engine.json
 	$(BIN)/kvstrata bench remote --json > bench/results/remote.json
 	$(BIN)/kvstrata bench e2e --json > bench/results/e2e.json
+	$(BIN)/kvstrata bench transfer --json > bench/results/transfer.json
+	$(BIN)/kvstrata bench scheduler --json > bench/results/scheduler.json
+	$(BIN)/kvstrata bench loads --json > bench/results/loads.json
 
 # -- container images: the Dockerfile's targets, tagged $(REGISTRY)/kvstrata-TARGET:$(IMAGE_TAG)
 # The chart's default images are these names with the chart's appVersion (= VERSION).

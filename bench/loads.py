@@ -12,11 +12,11 @@ under three conditions, one after the other in this process:
 * ``background``    kvstrata with ``load_async: auto`` (the default)
 
 Each kvstrata condition: a sidecar whose shared tier is a real Valkey
-behind a :class:`~kvstrata.testing.faults.FaultyLink`; the *slow* prompts
-are stored, pushed out of the small L1 (no L2) by filler prompts, so only
-Valkey holds them; the *fast* prompts are stored last (in L1). Then the link
-is throttled and all prompts are sent together, stepped one engine step at
-a time. Reported per condition: the median seconds until a fast request has
+behind a slow link (:class:`~kvstrata.testing.faults.SpawnedLink`, its own
+process); the *slow* prompts are stored, pushed out of the small L1 (no L2)
+by filler prompts, so only Valkey holds them; the *fast* prompts are stored
+last (in L1). Then all prompts are sent together, stepped one engine step
+at a time. Reported per condition: the median seconds until a fast request has
 all its tokens and until a slow request has its first, and whether outputs
 equal vLLM's alone. ``fast_inline_vs_background`` is the headline ratio.
 """
@@ -71,9 +71,10 @@ def _greedy(llm: Any, prompts: list[list[int]]) -> None:
 
 
 def _run_condition(name: str, model: Path, prompts: dict[str, list[int]], root: Path) -> Any:
-    from kvstrata.testing.faults import FaultyLink
+    from kvstrata.testing.faults import SpawnedLink
     from kvstrata.testing.localstack import (
         LocalSidecar,
+        connector_counters,
         random_tokens,
         run_stepwise,
         shutdown_engine,
@@ -89,7 +90,11 @@ def _run_condition(name: str, model: Path, prompts: dict[str, list[int]], root: 
             shutdown_engine(llm)
     slow = [p for n, p in prompts.items() if n.startswith("slow")]
     fast = [p for n, p in prompts.items() if n.startswith("fast")]
-    with RedisServer(root / name / "valkey") as valkey, FaultyLink(valkey.port) as link:
+    with (
+        RedisServer(root / name / "valkey") as valkey,
+        # Throttled from the start: until the timed run only small replies come back.
+        SpawnedLink(valkey.port, LINK_BYTES_PER_S) as link,
+    ):
         valkey_config = {"url": link.url, "key_prefix": f"{uuid.uuid4().hex[:8]}:"}
         sidecar = LocalSidecar(
             root / name / "sidecar",
@@ -114,10 +119,21 @@ def _run_condition(name: str, model: Path, prompts: dict[str, list[int]], root: 
             _greedy(llm, slow)  # stored in L1 and Valkey
             _greedy(llm, [random_tokens(6 * CHUNK_SIZE, 700 + i) for i in range(6)])  # filler
             _greedy(llm, fast)  # in L1 now
-            link.throttle(LINK_BYTES_PER_S)
-            return run_stepwise(llm, prompts, MAX_TOKENS, timeout_s=120.0)
+            sched, work = connector_counters(llm)
+            before = (dict(sched.hit_tokens_by_tier), work.loaded_chunks, work.failed_chunks)
+            result = run_stepwise(llm, prompts, MAX_TOKENS, timeout_s=120.0)
+            result.counters = {
+                "hit_tokens_by_tier": {
+                    tier: n - before[0].get(tier, 0)
+                    for tier, n in sched.hit_tokens_by_tier.items()
+                    if n != before[0].get(tier, 0)
+                },
+                "loaded_chunks": work.loaded_chunks - before[1],
+                "failed_chunks": work.failed_chunks - before[2],
+                "background_loads": work.async_loads,
+            }
+            return result
         finally:
-            link.resume()
             shutdown_engine(llm)
             sidecar.stop()
 
@@ -140,6 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "fast_done_median_s": _median(result.finished_s, "fast"),
                 "slow_first_token_median_s": _median(result.first_token_s, "slow"),
                 "all_done_s": round(max(result.finished_s.values()), 3),
+                **getattr(result, "counters", {}),
             }
     for name, row in rows.items():
         row["outputs_equal_no_connector"] = outputs[name] == outputs["no_connector"]

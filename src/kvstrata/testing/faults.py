@@ -21,10 +21,11 @@ import select
 import socket
 import threading
 import time
+from typing import Any
 
 from kvstrata.testing.servers import LOOPBACK
 
-__all__ = ["FaultyLink", "flip_last_byte"]
+__all__ = ["FaultyLink", "SpawnedLink", "flip_last_byte"]
 
 READ_BYTES = 1 << 16
 SLICE_BYTES = 4096  # a throttled reply goes out in slices of this size
@@ -142,3 +143,57 @@ def flip_last_byte(path: str | os.PathLike[str]) -> None:
         last = f.read(1)
         f.seek(-1, 2)
         f.write(bytes([last[0] ^ 0xFF]))
+
+
+class SpawnedLink:
+    """A :class:`FaultyLink` in a child process, throttled from the start.
+
+    For timings: a link pumped by threads of a process that also runs a busy
+    vLLM engine waits for that process's GIL between slices, and so is slower
+    exactly while vLLM is busy (which would flatter inline loads, during which
+    the engine sleeps in a socket call). A child process moves bytes on its own.
+    """
+
+    def __init__(self, upstream_port: int, bytes_per_second: float | None = None) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")  # no fork of a process with threads
+        parent, child = context.Pipe()
+        self._process = context.Process(
+            target=_serve_link, args=(upstream_port, bytes_per_second, child), daemon=True
+        )
+        self._process.start()
+        if not parent.poll(30):
+            self._process.kill()
+            raise RuntimeError("the link process did not start in 30 s")
+        self.port = int(parent.recv())
+        self._pipe = parent
+
+    @property
+    def url(self) -> str:
+        return f"redis://{LOOPBACK}:{self.port}/0"
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._pipe.send("close")
+        self._process.join(timeout=5)
+        if self._process.is_alive():
+            self._process.kill()
+
+    def __enter__(self) -> SpawnedLink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _serve_link(upstream_port: int, bytes_per_second: float | None, pipe: Any) -> None:
+    with FaultyLink(upstream_port) as link:
+        if bytes_per_second is not None:
+            link.throttle(bytes_per_second)
+        pipe.send(link.port)
+        pipe.recv()  # until the parent says close (or goes away)
