@@ -15,6 +15,8 @@ loads of one step are one job: one PREPARE_RETRIEVE (one run per request),
 the copies into vLLM's KV -- inline on the CPU; on a CUDA stream of our own
 that first waits for what vLLM had queued when the step began, then
 synchronised -- the leases released, and each request reported finished.
+In ipc mode the session registers the same KV handles and the sidecar does
+the copies (one LOAD_BLOCKS per request, done when it answers).
 
 Failures: every request handed in is reported finished exactly once,
 whatever happens (vLLM holds its blocks until then, an aborted request's
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvstrata.connector import ipc
 from kvstrata.connector.device import DeviceCopies, copies_for
 from kvstrata.connector.leased_reads import LeasedReads, Sources
 
@@ -140,6 +143,7 @@ class AsyncLoads:
         layouts: tuple[ChunkLayout, ...],
         load_timeout_s: float,
         reports: LoadReports,
+        ipc: bool = False,
     ) -> None:
         device = layouts[0].device
         copies: DeviceCopies = copies_for(device, 1) if device.type == "cuda" else DeviceCopies()
@@ -147,6 +151,7 @@ class AsyncLoads:
         self.reads.layouts = layouts
         self.load_timeout_s = load_timeout_s
         self.reports = reports
+        self.ipc = ipc  # the sidecar copies (ipc mode), while it grants ipc to ``client``
         self._device = device
         self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -188,6 +193,11 @@ class AsyncLoads:
             self.reports.report(outcomes, time.perf_counter() - started)
 
     def _load(self, job: _Job) -> list[LoadOutcome]:
+        client = self.reads.client
+        if self.ipc and client.available() and client.transfer_mode != "ipc":
+            self.ipc = False  # the sidecar refused ipc for this session: copy through the arena
+        if self.ipc:
+            return [outcome_of(r, ipc.load_request(client, self.reads.key, r)) for r in job.reqs]
         deadline = time.monotonic() + self.load_timeout_s
         try:
             sources = self.reads.lease(job.reqs, deadline)

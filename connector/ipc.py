@@ -17,11 +17,16 @@ sidecar's copies have finished, so vLLM's next kernels see the blocks.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvstrata.connector.metadata import ChunkTransfer
+
+if TYPE_CHECKING:
+    from kvstrata.connector.client import SidecarClient
+    from kvstrata.connector.metadata import RequestTransfer
 from kvstrata.sidecar import protocol as p
 
 logger = logging.getLogger(__name__)
@@ -81,3 +86,16 @@ def compute_done_event() -> tuple[torch.cuda.Event, bytes]:
 def load_block_ids(chunk: ChunkTransfer) -> list[int]:
     """A chunk's block ids for LOAD_BLOCKS: ``-1`` for the blocks vLLM already holds."""
     return [-1 if i < chunk.first_block else int(b) for i, b in enumerate(chunk.block_ids)]
+
+
+def load_request(
+    client: SidecarClient, key: Callable[[ChunkTransfer], bytes], req: RequestTransfer
+) -> int:
+    """The sidecar scatters the stored prefix of ``req``'s full chunks into
+    their blocks (done when this returns); how many chunks it loaded.
+    Partial chunks load in host mode only."""
+    full = [c for c in req.chunks if not c.partial]
+    if not full:
+        return 0
+    keys = [key(c) for c in full]
+    return client.load_blocks(keys, [load_block_ids(c) for c in full], req.req_id) or 0

@@ -5,7 +5,10 @@ Why separate from the scheduler: this half runs next to the KV tensors
 
 * loads, before the forward pass (``start_load_kv``): lease the chunks
   (``prepare_retrieve``), scatter each into its paged blocks layer by
-  layer, release the leases once the copies have finished;
+  layer, release the leases once the copies have finished; loads the
+  scheduler marked asynchronous (hits below L1) go to a thread and session
+  of their own instead (:mod:`~kvstrata.connector.async_loads`), reported
+  through ``get_finished``;
 * saves, after it (``wait_for_save``): lease fresh arena space
   (``prepare_store``), gather the blocks into it, commit.
 
@@ -60,6 +63,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
     from kvstrata.connector.settings import ConnectorSettings, KVGroup
+    from kvstrata.sidecar import protocol as p
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +113,7 @@ class KVStrataWorker:
         # and thread of their own, made at the first; reported via get_finished.
         self.reports = LoadReports(whole_requests=len(settings.groups) > 1)
         self._background: AsyncLoads | None = None
+        self._ipc_registration: p.RegisterKVRequest | None = None  # ipc mode's KV handles
 
     def _new_client(self, call_timeout_s: float) -> SidecarClient:
         s = self.settings
@@ -180,6 +185,7 @@ class KVStrataWorker:
         except Exception:
             logger.exception("kvstrata: cannot export the KV for ipc mode; using host mode")
             return
+        self._ipc_registration = body
         self.client.requested_mode = "ipc"
         self.client.register_kv(body)
         self.client.stats()  # connect now: the mode is decided at HELLO
@@ -213,19 +219,24 @@ class KVStrataWorker:
             reqs = [req for req in reqs if not req.plan_failed]
             if not reqs:
                 return
-        if self._background is None and self.layout is not None and not self._ipc():
+        if self._background is None and self.layout is not None:
+            client = self._new_client(self.settings.load_timeout_s)
+            if self._ipc() and self._ipc_registration is not None:
+                # The sidecar copies into our KV for this session too.
+                client.requested_mode = "ipc"
+                client.register_kv(self._ipc_registration)
             self._background = AsyncLoads(
-                self._new_client(self.settings.load_timeout_s),
+                client,
                 self._fingerprints,
                 self.layouts,
                 self.settings.load_timeout_s,
                 self.reports,
+                ipc=client.requested_mode == "ipc",
             )
-        if self._background is not None and not self._ipc():
+        if self._background is not None:
             self._background.submit(reqs)
             return
-        # No background path (ipc mode, where the sidecar does the copies, or
-        # no usable layout): load now, report with this step's get_finished.
+        # No usable layout: nothing can load; reported with this step's get_finished.
         self.reports.started(reqs)
         loaded = self._load_inline(reqs)
         self.reports.report([outcome_of(r, n) for r, n in zip(reqs, loaded, strict=True)])
@@ -237,7 +248,7 @@ class KVStrataWorker:
         """Load ``reqs`` before this step's forward pass; per request, how many
         of its leading chunks were (or, on CUDA, are being) copied."""
         if self.layout is not None and self._ipc():
-            return [self._load_by_sidecar(req) for req in reqs]
+            return [ipc.load_request(self.client, self.reads.key, req) for req in reqs]
         deadline = time.monotonic() + self.settings.load_timeout_s
         try:
             ready = self.reads.lease(reqs, deadline) if self.layout is not None else []
@@ -265,13 +276,6 @@ class KVStrataWorker:
         self.counters.load_seconds += done.seconds
         self._load_errors |= done.failed_blocks
         return done
-
-    def _load_by_sidecar(self, req: RequestTransfer) -> int:
-        """ipc mode: the sidecar scatters the stored prefix; how many chunks it did."""
-        full = [c for c in req.chunks if not c.partial]  # partial chunks: host mode only
-        keys = [self.reads.key(c) for c in full]
-        blocks = [ipc.load_block_ids(c) for c in full]
-        return (self.client.load_blocks(keys, blocks, req.req_id) or 0) if full else 0
 
     def _failed_loads(self, chunks: list[ChunkTransfer]) -> None:
         """Report chunks not loaded: vLLM recomputes their blocks."""

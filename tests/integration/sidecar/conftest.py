@@ -17,14 +17,15 @@ from typing import Any
 import pytest
 
 from kvstrata.connector.client import SidecarClient
-from kvstrata.connector.metadata import ChunkTransfer, RequestTransfer
-from kvstrata.connector.settings import ConnectorSettings
-from kvstrata.connector.worker import KVStrataWorker
 from kvstrata.sidecar.keys import ChunkKey, Namespace
 from kvstrata.testing.poll import wait_until as wait_until
 from kvstrata.testing.servers import free_port as free_port
 from kvstrata.testing.sidecarproc import SIDECAR_COMMAND as SIDECAR_COMMAND
 from kvstrata.testing.sidecarproc import SidecarProcess
+from kvstrata.testing.workers import WORKER_CHUNK as WORKER_CHUNK
+from kvstrata.testing.workers import chunk_requests as chunk_requests
+from kvstrata.testing.workers import host_worker as host_worker
+from kvstrata.testing.workers import worker_settings as worker_settings
 
 START_TIMEOUT_S = 30.0
 
@@ -93,68 +94,6 @@ def store(client: SidecarClient, keys: list[ChunkKey], nbytes: int, owner: str) 
         oks.append(True)
     assert client.commit_store(ids, oks), client.errors
     return len(ids)
-
-
-WORKER_BLOCK_SIZE = 8
-WORKER_CHUNK = 2 * WORKER_BLOCK_SIZE
-
-
-def worker_settings(sidecar: SidecarProcess, model: str, **settings: Any) -> ConnectorSettings:
-    """Connector settings in host mode for :func:`host_worker`'s KV (vLLM's
-    first layout case, bf16, two blocks per chunk); ``settings`` override fields."""
-    from kvstrata.connector.layout import layout_id
-
-    case = _worker_case()
-    layout = layout_id("cuda", case.kv_cache_layout or case.name, None)
-    namespace = Namespace(
-        model=model, layout=layout or "", block_size=WORKER_BLOCK_SIZE, chunk_size=WORKER_CHUNK
-    )
-    fields: dict[str, Any] = {
-        "endpoint": sidecar.endpoint,
-        "call_timeout_s": 2.0,
-        "load_timeout_s": 5.0,
-        "chunk_size": WORKER_CHUNK,
-        "block_size": WORKER_BLOCK_SIZE,
-        "num_blocks": case.num_blocks,
-        "kv_cache_layout": case.kv_cache_layout,
-        "layout": layout,
-        "transfer_mode": "host",
-        "namespace": namespace,
-    }
-    return ConnectorSettings(**{**fields, **settings})
-
-
-def host_worker(sidecar: SidecarProcess, model: str, **settings: Any) -> KVStrataWorker:
-    """A connector worker role in host mode over CPU KV tensors (see
-    :func:`worker_settings`)."""
-    worker = KVStrataWorker(worker_settings(sidecar, model, **settings), None)  # type: ignore[arg-type]
-    worker.register_kv_caches(_worker_case().layers)
-    return worker
-
-
-def _worker_case() -> Any:
-    import torch
-
-    from kvstrata.testing.kvlayouts import every_case
-
-    return every_case(torch.bfloat16)[0]
-
-
-def chunk_requests(test: str, n_requests: int, chunks_each: int) -> list[RequestTransfer]:
-    """``n_requests`` requests of ``chunks_each`` two-block chunks each, on
-    distinct blocks, with hashes unique to ``test``."""
-    import hashlib
-
-    out = []
-    block = 0
-    for r in range(n_requests):
-        chunks = []
-        for c in range(chunks_each):
-            h = hashlib.sha256(f"{test}/{r}/{c}".encode()).digest()
-            chunks.append(ChunkTransfer(h, [block, block + 1]))
-            block += 2
-        out.append(RequestTransfer(f"req-{r}", chunks))
-    return out
 
 
 def retrieve(client: SidecarClient, keys: list[ChunkKey], owner: str) -> list[bytes | None]:

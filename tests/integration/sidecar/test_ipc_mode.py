@@ -197,6 +197,54 @@ def test_a_load_fills_only_the_stored_prefix_and_skips_negative_block_ids(
         client.close()
 
 
+def test_a_background_session_loads_through_the_same_handles(
+    sidecar: InProcessSidecar, kv: SharedKV, kit: Any
+) -> None:
+    """ipc background loads: a second session of the worker registers the same
+    KV handles (opened once more, closed with it) and the sidecar scatters the
+    chunks for it while the first session stays free."""
+    from kvstrata.connector.async_loads import AsyncLoads, LoadReports
+    from kvstrata.connector.layout import detect_layout
+    from kvstrata.connector.metadata import ChunkTransfer, RequestTransfer
+
+    worker, background = ipc_client(sidecar.endpoint), ipc_client(sidecar.endpoint)
+    layout = detect_layout(kv.case.layers, kv_cache_layout="LBNHC", blocks_per_chunk=2)
+    reports = LoadReports()
+    loads = None
+    try:
+        worker.register_kv(kv.registration())
+        background.register_kv(kv.registration())
+        ks = keys(2, "background")
+        assert worker.save_blocks(ks, [[3, 4], [9, 1]], None, "r1") == [True, True]
+        layers = list(kv.case.layers.values())
+        for t in layers:
+            for b in (6, 7, 0, 11):
+                t[b].view(torch.uint8).fill_(POISON)
+        loads = AsyncLoads(background, [NAMESPACE.fingerprint()], (layout,), 5.0, reports, ipc=True)
+        blocks = [[6, 7], [0, 11]]
+        chunks = [ChunkTransfer(bytes(k[-32:]), ids) for k, ids in zip(ks, blocks, strict=True)]
+        loads.submit([RequestTransfer("r2", chunks, asynchronous=True)])
+
+        def finished() -> tuple[Any] | None:
+            done = reports.take()
+            return (done,) if done.req_ids else None
+
+        (done,) = kit.wait_until(finished, 10, "the background load")
+        assert done.req_ids == {"r2"} and done.loaded_chunks == 2 and not done.failed_blocks
+        assert sidecar.device.open_handles == 2  # one per session
+        for t in layers:
+            for src, dst in ((3, 6), (4, 7), (9, 0), (1, 11)):
+                assert torch.equal(kv.block(t, dst), kv.block(t, src))
+        assert worker.ping()  # the first session was never held up
+    finally:
+        if loads is not None:
+            loads.close()
+        else:
+            background.close()
+        worker.close()
+    kit.wait_until(lambda: sidecar.device.open_handles == 0, 5, "every handle closed")
+
+
 def test_out_of_range_blocks_are_refused_and_the_sidecar_keeps_serving(
     sidecar: InProcessSidecar, kv: SharedKV
 ) -> None:
