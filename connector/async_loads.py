@@ -16,7 +16,7 @@ the copies into vLLM's KV -- inline on the CPU; on a CUDA stream of our own
 that first waits for what vLLM had queued when the step began, then
 synchronised -- the leases released, and each request reported finished.
 In ipc mode the session registers the same KV handles and the sidecar does
-the copies (one LOAD_BLOCKS per request, done when it answers).
+the copies (one LOAD_BLOCKS per job, done when it answers).
 
 Failures: every request handed in is reported finished exactly once,
 whatever happens (vLLM holds its blocks until then, an aborted request's
@@ -197,7 +197,8 @@ class AsyncLoads:
         if self.ipc and client.available() and client.transfer_mode != "ipc":
             self.ipc = False  # the sidecar refused ipc for this session: copy through the arena
         if self.ipc:
-            return [outcome_of(r, ipc.load_request(client, self.reads.key, r)) for r in job.reqs]
+            loaded = ipc.load_requests(client, self.reads.key, job.reqs)
+            return [outcome_of(r, n) for r, n in zip(job.reqs, loaded, strict=True)]
         deadline = time.monotonic() + self.load_timeout_s
         try:
             sources = self.reads.lease(job.reqs, deadline)

@@ -89,15 +89,35 @@ class IpcOps:
     ) -> int | None:
         """ipc mode: the sidecar copies the longest stored prefix of ``keys``
         into these blocks; how many chunks it loaded (done when this returns)."""
+        loaded = self.load_block_runs(keys, block_ids, owner, [len(keys)])
+        return None if loaded is None else loaded[0]
+
+    def load_block_runs(
+        self,
+        keys: Sequence[ChunkKey],
+        block_ids: Sequence[Sequence[int]],
+        owner: str,
+        runs: Sequence[int],
+    ) -> list[int] | None:
+        """As :meth:`load_blocks` for consecutive runs of ``keys`` (``runs``:
+        their lengths, one per request of a step) in one call: per run, the
+        length of its loaded prefix."""
+        if sum(runs) != len(keys) or not runs or min(runs) < 1:
+            self._count("bad_argument")
+            return None
         body = p.LoadBlocksRequest(
-            keys=list(keys), block_ids=[[int(b) for b in ids] for ids in block_ids], owner=owner
+            keys=list(keys),
+            block_ids=[[int(b) for b in ids] for ids in block_ids],
+            owner=owner,
+            runs=[int(n) for n in runs],
         )
         reply = self._call(p.LOAD_BLOCKS, body)
         if not isinstance(reply, p.LoadBlocksReply):
             return None
-        if reply.loaded > len(keys):
-            return self._bad_reply(p.LOAD_BLOCKS, "more chunks loaded than asked for")
-        return reply.loaded
+        loaded = list(reply.loaded_runs)
+        if len(loaded) != len(runs) or any(got > n for got, n in zip(loaded, runs, strict=True)):
+            return self._bad_reply(p.LOAD_BLOCKS, "loaded runs do not match the runs asked for")
+        return loaded
 
     def _send_registration(self, deadline: float) -> None:
         body = self._kv_registration

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvstrata.connector.leased_reads import STEP_OWNER
 from kvstrata.connector.metadata import ChunkTransfer
 
 if TYPE_CHECKING:
@@ -88,14 +89,24 @@ def load_block_ids(chunk: ChunkTransfer) -> list[int]:
     return [-1 if i < chunk.first_block else int(b) for i, b in enumerate(chunk.block_ids)]
 
 
-def load_request(
-    client: SidecarClient, key: Callable[[ChunkTransfer], bytes], req: RequestTransfer
-) -> int:
-    """The sidecar scatters the stored prefix of ``req``'s full chunks into
-    their blocks (done when this returns); how many chunks it loaded.
-    Partial chunks load in host mode only."""
-    full = [c for c in req.chunks if not c.partial]
-    if not full:
-        return 0
-    keys = [key(c) for c in full]
-    return client.load_blocks(keys, [load_block_ids(c) for c in full], req.req_id) or 0
+def load_requests(
+    client: SidecarClient, key: Callable[[ChunkTransfer], bytes], reqs: Sequence[RequestTransfer]
+) -> list[int]:
+    """The sidecar scatters each request's stored prefix of full chunks into
+    their blocks, all in one LOAD_BLOCKS (done when it returns); per request,
+    how many chunks it loaded. Partial chunks load in host mode only."""
+    fulls = [[c for c in req.chunks if not c.partial] for req in reqs]
+    asked = [i for i, full in enumerate(fulls) if full]
+    out = [0] * len(reqs)
+    if not asked:
+        return out
+    chunks = [c for i in asked for c in fulls[i]]
+    loaded = client.load_block_runs(
+        [key(c) for c in chunks],
+        [load_block_ids(c) for c in chunks],
+        STEP_OWNER,
+        [len(fulls[i]) for i in asked],
+    )
+    for i, n in zip(asked, loaded or [0] * len(asked), strict=True):
+        out[i] = n
+    return out

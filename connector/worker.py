@@ -248,7 +248,7 @@ class KVStrataWorker:
         """Load ``reqs`` before this step's forward pass; per request, how many
         of its leading chunks were (or, on CUDA, are being) copied."""
         if self.layout is not None and self._ipc():
-            return [ipc.load_request(self.client, self.reads.key, req) for req in reqs]
+            return ipc.load_requests(self.client, self.reads.key, reqs)
         deadline = time.monotonic() + self.settings.load_timeout_s
         try:
             ready = self.reads.lease(reqs, deadline) if self.layout is not None else []

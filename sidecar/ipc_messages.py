@@ -155,22 +155,33 @@ class LoadBlocksRequest(Message):
     keys: list[ChunkKey] = field(default_factory=list)
     block_ids: list[list[int]] = field(default_factory=list)
     owner: str = ""
+    runs: list[int] = field(default_factory=list)  # prefix lengths (one per request); empty: one
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> LoadBlocksRequest:
         keys = read_keys(required(body, "keys"))
+        runs = read_items(body.get("runs") or [], "runs", lambda v, n: read_int(v, n, 1))
+        if runs and sum(runs) != len(keys):
+            raise ProtocolError(
+                E_BAD_REQUEST, f"field 'runs': sums to {sum(runs)}, not {len(keys)}"
+            )
         return cls(
             keys=keys,
             block_ids=_read_blocks(body, keys),
             owner=read_str(required(body, "owner"), "owner"),
+            runs=runs,
         )
 
 
 @dataclass(slots=True)
 class LoadBlocksReply(Message):
     op: ClassVar[str] = LOAD_BLOCKS
-    loaded: int = 0
+    loaded: int = 0  # chunks loaded, over every run
+    loaded_runs: list[int] = field(default_factory=list)  # per run: its loaded prefix
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> LoadBlocksReply:
-        return cls(loaded=read_int(required(body, "loaded"), "loaded"))
+        return cls(
+            loaded=read_int(required(body, "loaded"), "loaded"),
+            loaded_runs=read_items(body.get("loaded_runs") or [], "loaded_runs", read_int),
+        )

@@ -53,7 +53,8 @@ EVENTS         after, limit                              events, next_seq, lost,
 REGISTER_KV    device_uuid, kv_cache_layout, block_dim,  layers, chunk_nbytes
                blocks_per_chunk, dtype, layers
 SAVE_BLOCKS    keys, block_ids, after_event, owner       committed (one bool per key)
-LOAD_BLOCKS    keys, block_ids, owner                    loaded (chunks, a prefix of keys)
+LOAD_BLOCKS    keys, block_ids, owner, [runs]            loaded (chunks, a prefix of each run),
+                                                         [loaded_runs] (per run)
 ============== ========================================= ==========================================
 
 HELLO's reply names the transfer mode granted: a client asking for ``ipc``

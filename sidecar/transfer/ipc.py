@@ -42,6 +42,7 @@ from kvstrata.sidecar.transfer.plan import (
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.engine import StorageManager
+    from kvstrata.sidecar.keys import ChunkKey
     from kvstrata.sidecar.leases import Slot
 
 logger = logging.getLogger(__name__)
@@ -287,29 +288,42 @@ class IpcTransfers:
     def _load(
         self, mapping: IpcMapping, body: p.LoadBlocksRequest, owner_key: str, session_id: str
     ) -> p.LoadBlocksReply:
-        keys = body.keys
-        blocks = body.block_ids
-        self._check_blocks(mapping, blocks)
+        """Every run (one per request of a step) loads its longest present
+        prefix; all of them in one scatter."""
+        self._check_blocks(mapping, body.block_ids)
+        runs = body.runs or [len(body.keys)]
+        slots: list[Slot] = []
+        ids: list[int] = []
+        per_run: list[int] = []
+        start = 0
+        for n in runs:
+            got = self._lease_prefix(mapping, body.keys[start : start + n], owner_key)
+            slots += got
+            ids += [b for blocks in body.block_ids[start : start + len(got)] for b in blocks]
+            per_run.append(len(got))
+            start += n
+        if not slots:
+            return p.LoadBlocksReply(loaded=0, loaded_runs=per_run if body.runs else [])
+        try:
+            addresses = [mapping.device.arena_address(s.offset) for s in slots]
+            mapping.device.scatter(mapping.plan, ids, addresses, mapping.blocks_per_chunk)
+        except Exception:
+            logger.exception("GPU scatter for session %s failed", session_id[:8])
+            per_run = [0] * len(per_run)
+        finally:
+            for slot in slots:
+                self.engine.release_lease(slot.lease_id)
+        return p.LoadBlocksReply(loaded=sum(per_run), loaded_runs=per_run if body.runs else [])
+
+    def _lease_prefix(self, mapping: IpcMapping, keys: list[ChunkKey], owner: str) -> list[Slot]:
+        """Read leases on the longest prefix of ``keys`` stored with this mapping's geometry."""
         slots: list[Slot] = []
         for key in keys:
-            slot = self.engine.acquire(key, owner_key)
+            slot = self.engine.acquire(key, owner)
             if slot is None:
                 break
             if slot.length != mapping.chunk_nbytes:  # stored under another geometry
                 self.engine.release_lease(slot.lease_id)
                 break
             slots.append(slot)
-        if not slots:
-            return p.LoadBlocksReply(loaded=0)
-        try:
-            ids = [b for ids in blocks[: len(slots)] for b in ids]
-            addresses = [mapping.device.arena_address(s.offset) for s in slots]
-            mapping.device.scatter(mapping.plan, ids, addresses, mapping.blocks_per_chunk)
-            loaded = len(slots)
-        except Exception:
-            logger.exception("GPU scatter for session %s failed", session_id[:8])
-            loaded = 0
-        finally:
-            for slot in slots:
-                self.engine.release_lease(slot.lease_id)
-        return p.LoadBlocksReply(loaded=loaded)
+        return slots

@@ -245,6 +245,38 @@ def test_a_background_session_loads_through_the_same_handles(
     kit.wait_until(lambda: sidecar.device.open_handles == 0, 5, "every handle closed")
 
 
+def test_one_load_of_several_runs_fills_each_runs_stored_prefix(
+    sidecar: InProcessSidecar, kv: SharedKV
+) -> None:
+    """A step's loads in one LOAD_BLOCKS: each run (request) stops at its own
+    first miss, and a miss in one run ends no other."""
+    client = ipc_client(sidecar.endpoint)
+    try:
+        client.register_kv(kv.registration())
+        a, b = keys(2, "run-a"), keys(2, "run-b")
+        assert client.save_blocks([a[0], a[1], b[1]], [[1, 2], [3, 4], [5, 6]], None, "s") == [
+            True,
+            True,
+            True,
+        ]
+        layers = list(kv.case.layers.values())
+        for t in layers:
+            for blk in (7, 8, 9, 10, 11, 0):
+                t[blk].view(torch.uint8).fill_(POISON)
+        # Run 1: a[0], a[1] (both stored); run 2: b[0] (missing), b[1] (stored, after the miss).
+        loaded = client.load_block_runs(a + b, [[7, 8], [9, 10], [11, 0], [11, 0]], "r", [2, 2])
+        assert loaded == [2, 0]
+        for t in layers:
+            for src, dst in ((1, 7), (2, 8), (3, 9), (4, 10)):
+                assert torch.equal(kv.block(t, dst), kv.block(t, src))
+            for blk in (11, 0):  # run 2 loaded nothing
+                assert torch.all(kv.block(t, blk) == POISON)
+        assert client.load_block_runs(a, [[7, 8], [9, 10]], "r", [1, 2]) is None  # runs != keys
+        assert client.errors.get("bad_argument") == 1
+    finally:
+        client.close()
+
+
 def test_out_of_range_blocks_are_refused_and_the_sidecar_keeps_serving(
     sidecar: InProcessSidecar, kv: SharedKV
 ) -> None:
