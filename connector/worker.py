@@ -14,10 +14,11 @@ Why separate from the scheduler: this half runs next to the KV tensors
 
 One round trip per step and direction: every request's chunks of a step go
 in one PREPARE_RETRIEVE (one run per request, so a miss ends only its own
-request's prefix) and one RELEASE, or one PREPARE_STORE and one
-COMMIT_STORE (one SAVE_BLOCKS in ipc mode; more pairs only when the step's
-chunks exceed what the sidecar lets one session hold uncommitted), under the step owner
-:data:`STEP_OWNER` (leases are ended by id, never by owner).
+request's prefix) and one RELEASE (one LOAD_BLOCKS with the same runs in ipc
+mode), or one PREPARE_STORE and one COMMIT_STORE (one SAVE_BLOCKS in ipc
+mode; more pairs only when the step's chunks exceed what the sidecar lets
+one session hold uncommitted), under the step owner :data:`STEP_OWNER`
+(leases are ended by id, never by owner).
 
 Hybrid models (several KV cache groups): one :class:`ChunkLayout` per
 group over that group's layers; a chunk names its group, whose layout and
