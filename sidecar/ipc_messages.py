@@ -22,6 +22,7 @@ from kvstrata.sidecar.wire import (
     read_items,
     read_keys,
     read_list,
+    read_runs,
     read_shape,
     read_str,
     required,
@@ -160,16 +161,11 @@ class LoadBlocksRequest(Message):
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> LoadBlocksRequest:
         keys = read_keys(required(body, "keys"))
-        runs = read_items(body.get("runs") or [], "runs", lambda v, n: read_int(v, n, 1))
-        if runs and sum(runs) != len(keys):
-            raise ProtocolError(
-                E_BAD_REQUEST, f"field 'runs': sums to {sum(runs)}, not {len(keys)}"
-            )
         return cls(
             keys=keys,
             block_ids=_read_blocks(body, keys),
             owner=read_str(required(body, "owner"), "owner"),
-            runs=runs,
+            runs=read_runs(body, keys),
         )
 
 

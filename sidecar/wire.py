@@ -141,5 +141,13 @@ def read_keys(value: Any, name: str = "keys") -> list[ChunkKey]:
     return [ChunkKey(k) for k in keys]
 
 
+def read_runs(body: Mapping[str, Any], keys: list[ChunkKey]) -> list[int]:
+    """Optional ``runs``: consecutive key counts (one prefix each) covering ``keys``."""
+    runs = read_items(body.get("runs") or [], "runs", lambda v, n: read_int(v, n, 1))
+    if runs and sum(runs) != len(keys):
+        raise ProtocolError(E_BAD_REQUEST, f"field 'runs': sums to {sum(runs)}, not {len(keys)}")
+    return runs
+
+
 def read_shape(value: Any, name: str = "shape") -> tuple[int, ...]:
     return tuple(read_items(value, name, read_int, MAX_NDIM))
