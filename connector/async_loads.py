@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstrata.connector import ipc
-from kvstrata.connector.device import DeviceCopies, copies_for
+from kvstrata.connector.device import CudaCopies, copies_for
 from kvstrata.connector.leased_reads import LeasedReads, Sources
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class LoadOutcome:
 
 @dataclass(slots=True)
 class FinishedLoads:
-    """Loads finished since the last :meth:`AsyncLoads.take_finished`."""
+    """Loads finished since the last :meth:`LoadReports.take`."""
 
     req_ids: set[str] = field(default_factory=set)  # every one of them, failed or not
     failed_req_ids: set[str] = field(default_factory=set)  # to recompute whole
@@ -100,17 +100,6 @@ class LoadReports:
         self.whole_requests = whole_requests
         self._lock = threading.Lock()
         self._done = FinishedLoads()
-        self._in_flight: set[str] = set()
-
-    @property
-    def in_flight(self) -> int:
-        """Requests handed in and not yet taken back by :meth:`take`."""
-        with self._lock:
-            return len(self._in_flight)
-
-    def started(self, reqs: Sequence[RequestTransfer]) -> None:
-        with self._lock:
-            self._in_flight.update(r.req_id for r in reqs)
 
     def report(self, outcomes: Sequence[LoadOutcome], seconds: float = 0.0) -> None:
         with self._lock:
@@ -128,7 +117,6 @@ class LoadReports:
     def take(self) -> FinishedLoads:
         with self._lock:
             done, self._done = self._done, FinishedLoads()
-            self._in_flight -= done.req_ids
         return done
 
 
@@ -146,14 +134,16 @@ class AsyncLoads:
         ipc: bool = False,
     ) -> None:
         device = layouts[0].device
-        copies: DeviceCopies = copies_for(device, 1) if device.type == "cuda" else DeviceCopies()
+        # The device's copies register our arena mapping (pinned for CUDA);
+        # their stream is the one our copies run on.
+        copies = copies_for(device, 1)
         self.reads = LeasedReads(client, fingerprints, copies)
         self.reads.layouts = layouts
         self.load_timeout_s = load_timeout_s
         self.reports = reports
         self.ipc = ipc  # the sidecar copies (ipc mode), while it grants ipc to ``client``
         self._device = device
-        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._stream = copies.stream if isinstance(copies, CudaCopies) else None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvstrata-loads", daemon=True)
         self._thread.start()
@@ -166,7 +156,6 @@ class AsyncLoads:
         if self._stream is not None:
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self._device))
-        self.reports.started(reqs)
         self._jobs.put(_Job(list(reqs), after))
 
     def close(self) -> None:
@@ -201,21 +190,12 @@ class AsyncLoads:
             return [outcome_of(r, n) for r, n in zip(job.reqs, loaded, strict=True)]
         deadline = time.monotonic() + self.load_timeout_s
         try:
-            sources = self.reads.lease(job.reqs, deadline)
-        except Exception:
-            logger.exception("kvstrata: leasing a background load failed")
-            sources = []
-        got = [sources[i] if i < len(sources) else [] for i in range(len(job.reqs))]
-        work: Sources = [item for per_req in got for item in per_req]
-        try:
-            if work:
-                self._copy_in(work, job.after)
-        except Exception:
-            logger.exception("kvstrata: a background copy into vLLM's KV failed")
-            got = [[] for _ in job.reqs]  # written in part: recompute all of it
+            loaded = self.reads.load(
+                job.reqs, deadline, lambda work: self._copy_in(work, job.after)
+            )
         finally:
-            self.reads.release_held()
-        return [outcome_of(req, len(g)) for req, g in zip(job.reqs, got, strict=True)]
+            self.reads.release_held()  # the copies are done (synchronised on CUDA)
+        return [outcome_of(r, n) for r, n in zip(job.reqs, loaded, strict=True)]
 
     def _copy_in(self, work: Sources, after: Any) -> None:
         layouts = self.reads.layouts

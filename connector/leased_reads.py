@@ -23,7 +23,7 @@ import torch
 from kvstrata.sidecar.keys import make_key
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from kvstrata.connector.client import ArenaSlot, SidecarClient
     from kvstrata.connector.device import DeviceCopies
@@ -140,6 +140,31 @@ class LeasedReads:
         if rest:
             self.client.release(rest)
         return out
+
+    def load(
+        self,
+        reqs: Sequence[RequestTransfer],
+        deadline: float,
+        copy_in: Callable[[Sources], None],
+    ) -> list[int]:
+        """Lease ``reqs``' chunks (:meth:`lease`) and hand what fits to
+        ``copy_in``; per request, how many of its leading chunks were copied
+        (none of any request when the copy fails: written in part, it is
+        recomputed whole). The leases stay held for :meth:`release_held`."""
+        try:
+            ready = self.lease(reqs, deadline)
+        except Exception:
+            logger.exception("kvstrata: leasing the chunks to load failed; vLLM recomputes them")
+            ready = []
+        got = [ready[i] if i < len(ready) else [] for i in range(len(reqs))]
+        work: Sources = [item for per_req in got for item in per_req]
+        if work:
+            try:
+                copy_in(work)
+            except Exception:
+                logger.exception("kvstrata: copy into vLLM's KV failed; vLLM recomputes it")
+                return [0] * len(reqs)
+        return [len(g) for g in got]
 
     def release_held(self) -> None:
         """Give back the leases of chunks whose copies have finished."""

@@ -213,13 +213,6 @@ class KVStrataWorker:
 
     def _start_background(self, reqs: list[RequestTransfer]) -> None:
         self.counters.async_loads += len(reqs)
-        unplanned = [req for req in reqs if req.plan_failed]
-        if unplanned:  # nothing to load: report them failed at once
-            self.reports.started(unplanned)
-            self.reports.report([outcome_of(req, 0) for req in unplanned])
-            reqs = [req for req in reqs if not req.plan_failed]
-            if not reqs:
-                return
         if self._background is None and self.layout is not None:
             client = self._new_client(self.settings.load_timeout_s)
             if self._ipc() and self._ipc_registration is not None:
@@ -236,11 +229,8 @@ class KVStrataWorker:
             )
         if self._background is not None:
             self._background.submit(reqs)
-            return
-        # No usable layout: nothing can load; reported with this step's get_finished.
-        self.reports.started(reqs)
-        loaded = self._load_inline(reqs)
-        self.reports.report([outcome_of(r, n) for r, n in zip(reqs, loaded, strict=True)])
+        else:  # no usable layout: nothing loads; reported with this step's get_finished
+            self.reports.report([outcome_of(r, 0) for r in reqs])
 
     def _ipc(self) -> bool:
         return self.client.transfer_mode == "ipc"
@@ -250,23 +240,13 @@ class KVStrataWorker:
         of its leading chunks were (or, on CUDA, are being) copied."""
         if self.layout is not None and self._ipc():
             return ipc.load_requests(self.client, self.reads.key, reqs)
+        if self.layout is None:
+            return [0] * len(reqs)
         deadline = time.monotonic() + self.settings.load_timeout_s
-        try:
-            ready = self.reads.lease(reqs, deadline) if self.layout is not None else []
-        except Exception:
-            logger.exception("kvstrata: this step's loads failed; vLLM recomputes them")
-            ready = []
-        got = [ready[i] if i < len(ready) else [] for i in range(len(reqs))]
-        work: Sources = [item for per_req in got for item in per_req]
-        if work:
-            try:
-                self._copy_in(work)
-            except Exception:
-                logger.exception("kvstrata: copy into vLLM's KV failed; vLLM recomputes it")
-                got = [[] for _ in reqs]
+        loaded = self.reads.load(reqs, deadline, self._copy_in)
         if not self.copies.asynchronous:
             self._finish_loads()
-        return [len(g) for g in got]
+        return loaded
 
     def take_finished(self) -> FinishedLoads:
         """Background loads finished since the last call; the blocks they
