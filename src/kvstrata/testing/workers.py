@@ -10,6 +10,7 @@ them, and transfers naming distinct blocks.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.connector.metadata import ChunkTransfer, RequestTransfer
@@ -24,31 +25,47 @@ WORKER_BLOCK_SIZE = 8
 WORKER_CHUNK = 2 * WORKER_BLOCK_SIZE
 
 
+def case_settings(
+    endpoint: str,
+    case: Any,
+    model: str,
+    layout: str | None = None,
+    **namespace: Any,
+) -> ConnectorSettings:
+    """Connector settings in host mode for the KV of ``case`` (a
+    :class:`~kvstrata.testing.kvlayouts.KVLayoutCase`), two blocks per chunk;
+    ``layout`` overrides the namespace layout string, ``namespace`` adds
+    fields of the :class:`Namespace` (``kv_dtype``, ``tp_size`` ...)."""
+    from kvstrata.connector.layout import layout_id
+
+    # Legacy shapes carry no vLLM layout name: the case name stands in for it.
+    layout = layout or layout_id("cuda", case.kv_cache_layout or case.name, None)
+    return ConnectorSettings(
+        endpoint=endpoint,
+        call_timeout_s=2.0,
+        load_timeout_s=5.0,
+        chunk_size=WORKER_CHUNK,
+        block_size=WORKER_BLOCK_SIZE,
+        num_blocks=case.num_blocks,
+        kv_cache_layout=case.kv_cache_layout,
+        layout=layout,
+        transfer_mode="host",
+        namespace=Namespace(
+            model=model,
+            layout=layout or "",
+            block_size=WORKER_BLOCK_SIZE,
+            chunk_size=WORKER_CHUNK,
+            **namespace,
+        ),
+    )
+
+
 def worker_settings(
     sidecar: SidecarProcess, model: str, device: str = "cpu", **settings: Any
 ) -> ConnectorSettings:
-    """Connector settings in host mode for :func:`host_worker`'s KV (vLLM's
-    first layout case, bf16, two blocks per chunk); ``settings`` override fields."""
-    from kvstrata.connector.layout import layout_id
-
-    case = _worker_case(device)
-    layout = layout_id("cuda", case.kv_cache_layout or case.name, None)
-    namespace = Namespace(
-        model=model, layout=layout or "", block_size=WORKER_BLOCK_SIZE, chunk_size=WORKER_CHUNK
-    )
-    fields: dict[str, Any] = {
-        "endpoint": sidecar.endpoint,
-        "call_timeout_s": 2.0,
-        "load_timeout_s": 5.0,
-        "chunk_size": WORKER_CHUNK,
-        "block_size": WORKER_BLOCK_SIZE,
-        "num_blocks": case.num_blocks,
-        "kv_cache_layout": case.kv_cache_layout,
-        "layout": layout,
-        "transfer_mode": "host",
-        "namespace": namespace,
-    }
-    return ConnectorSettings(**{**fields, **settings})
+    """:func:`case_settings` for :func:`host_worker`'s KV (vLLM's first layout
+    case, bf16, on ``device``); ``settings`` override fields."""
+    return replace(case_settings(sidecar.endpoint, _worker_case(device), model), **settings)
 
 
 def host_worker(

@@ -13,41 +13,21 @@ import pytest
 import torch
 
 from kvstrata.connector import worker as worker_module
-from kvstrata.connector.layout import layout_id
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, RequestTransfer
 from kvstrata.connector.scheduler import KVStrataScheduler
 from kvstrata.connector.settings import ConnectorSettings
 from kvstrata.connector.worker import KVStrataWorker
-from kvstrata.sidecar.keys import Namespace
 from kvstrata.testing.kvlayouts import every_case
+from kvstrata.testing.workers import WORKER_BLOCK_SIZE, case_settings
 
-BLOCK_SIZE = 8
+BLOCK_SIZE = WORKER_BLOCK_SIZE  # the block size case_settings gives
 BLOCKS_PER_CHUNK = 2
 CHUNK = BLOCK_SIZE * BLOCKS_PER_CHUNK
 TP = 2
 
 
 def settings(endpoint: str, case: Any) -> ConnectorSettings:
-    layout = layout_id("cuda", case.kv_cache_layout or case.name, None)
-    return ConnectorSettings(
-        endpoint=endpoint,
-        call_timeout_s=2.0,
-        load_timeout_s=5.0,
-        chunk_size=CHUNK,
-        block_size=BLOCK_SIZE,
-        num_blocks=case.num_blocks,
-        kv_cache_layout=case.kv_cache_layout,
-        layout=layout,
-        transfer_mode="host",
-        namespace=Namespace(
-            model="tp-test",
-            kv_dtype=case.name,
-            layout=layout or "",
-            block_size=BLOCK_SIZE,
-            chunk_size=CHUNK,
-            tp_size=TP,
-        ),
-    )
+    return case_settings(endpoint, case, "tp-test", kv_dtype=case.name, tp_size=TP)
 
 
 @pytest.fixture

@@ -19,10 +19,10 @@ from kvstrata.connector.layout import layout_id
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, RequestTransfer
 from kvstrata.connector.settings import ConnectorSettings
 from kvstrata.connector.worker import KVStrataWorker
-from kvstrata.sidecar.keys import Namespace
 from kvstrata.testing.kvlayouts import DTYPES, KVLayoutCase, every_case
+from kvstrata.testing.workers import WORKER_BLOCK_SIZE, case_settings
 
-BLOCK_SIZE = 8
+BLOCK_SIZE = WORKER_BLOCK_SIZE  # the block size case_settings gives
 BLOCKS_PER_CHUNK = 2
 POISON = 0xA5
 CASES = [case for dtype in DTYPES for case in every_case(dtype)]
@@ -38,27 +38,7 @@ def sidecar(kit: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]
 
 
 def settings_for(endpoint: str, case: KVLayoutCase, layout: str | None = None) -> ConnectorSettings:
-    # Legacy shapes carry no vLLM layout name: the case name stands in for it.
-    layout = layout or layout_id("cuda", case.kv_cache_layout or case.name, None)
-    chunk_size = BLOCK_SIZE * BLOCKS_PER_CHUNK
-    return ConnectorSettings(
-        endpoint=endpoint,
-        call_timeout_s=2.0,
-        load_timeout_s=5.0,
-        chunk_size=chunk_size,
-        block_size=BLOCK_SIZE,
-        num_blocks=case.num_blocks,
-        kv_cache_layout=case.kv_cache_layout,
-        layout=layout,
-        transfer_mode="host",
-        namespace=Namespace(
-            model="layout-test",
-            kv_dtype=case.name,
-            layout=layout or "",
-            block_size=BLOCK_SIZE,
-            chunk_size=chunk_size,
-        ),
-    )
+    return case_settings(endpoint, case, "layout-test", layout, kv_dtype=case.name)
 
 
 def worker_for(endpoint: str, case: KVLayoutCase, layout: str | None = None) -> KVStrataWorker:
