@@ -64,7 +64,7 @@ def test_an_annotated_pod_gets_a_native_sidecar_that_starts_before_vllm(
     assert sidecar["restartPolicy"] == "Always"
     assert sidecar["command"] == ["kvstrata", "sidecar", "--config", "/etc/kvstrata/sidecar.yaml"]
     assert sidecar["startupProbe"]["httpGet"]["path"] == "/readyz"
-    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "kvstrata-metrics"}
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert sidecar["ports"][0]["containerPort"] == 9464
     assert sidecar["resources"]["limits"]["memory"] == "2560Mi"  # L1 + 512Mi
     assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
