@@ -74,3 +74,17 @@ def test_an_unreadable_version_skips_until_known_then_keeps_the_last_known():
     steps.now = 600
     steps.answers = [RuntimeError("timeout")]
     assert cache.reason() is None  # the last version known stands
+
+
+def test_the_chart_states_the_same_floor_as_the_operator():
+    from pathlib import Path
+
+    import yaml
+
+    from kvstrata.operator.serverversion import MINIMUM
+
+    chart = Path(__file__).resolve().parents[2] / "charts" / "kvstrata" / "Chart.yaml"
+    floor = ".".join(map(str, MINIMUM))
+    assert yaml.safe_load(chart.read_text())["kubeVersion"] == f">={floor}.0-0"
+    readme = (chart.parents[2] / "README.md").read_text()
+    assert f"Supported: Kubernetes {floor} through" in readme
