@@ -61,7 +61,9 @@ format: $(STAMP)
 
 # The whole suite, the image tests (tests/images: build the images here with
 # buildah and run them) included: pyproject's addopts leave them out of a plain
-# pytest, `-m ""` takes them back in. About 12 minutes on 2 cores once the venv
+# pytest, `-m ""` takes them back in. The k8s suite (tests/k8s) runs whenever it
+# has a control plane: KUBEBUILDER_ASSETS (etcd, kube-apiserver[, kube-controller-manager],
+# started on loopback by the suite) or KUBECONFIG; without either it skips, saying so. About 12 minutes on 2 cores once the venv
 # exists, well inside CI's budget.
 test: system-deps image-deps dev lint
 	$(BIN)/python -m pytest -m "" $(PYTEST_ARGS)

@@ -14,7 +14,9 @@ brings login handlers of its own on the registry it builds itself, and
 Shared state lives in kopf's ``memo`` (set up by :func:`configure`):
 ``memo.cluster`` (a :class:`~kvstrata.operator.reconcile.Cluster`),
 ``memo.options`` (the parsed command line) and optionally ``memo.metrics``.
-Events are posted with ``kopf.event``.
+Events about a KVCache are posted with ``kopf.event`` (from its watch
+handlers, where kopf's event queue exists); the webhook's own through the
+cluster client (:mod:`~kvstrata.operator.admission`).
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ from typing import Any
 import jsonpatch
 import kopf
 
-from kvstrata.operator import kube
+from kvstrata.operator import admission, kube
 from kvstrata.operator import spec as S
 from kvstrata.operator.metrics import observe_outcome
-from kvstrata.operator.mutate import mutate_pod
 from kvstrata.operator.reconcile import Outcome, reconcile
+from kvstrata.operator.serverversion import VersionCache
 from kvstrata.operator.webhook_tls import WebhookTLSOptions, ensure_serving_tls
 
 logger = logging.getLogger(__name__)
@@ -209,36 +211,49 @@ def forget_kvcache(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 def inject_sidecar(
     body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any
 ) -> None:
-    """Mutating webhook for Pod CREATE; never refuses a pod (skips with a reason)."""
-    started = time.perf_counter()
-    pod = _raw(body)
-    meta = pod.get("metadata") or {}
-    name = (meta.get("annotations") or {}).get(S.CACHE_ANNOTATION)
-    if name is None:
-        return
-    namespace = meta.get("namespace") or "default"
-    kvcache, missing = None, None
+    """Mutating webhook for Pod CREATE; never refuses a pod (skips with a reason).
+
+    Raising here would make kopf deny the pod, so nothing does: the steps
+    are guarded in :mod:`~kvstrata.operator.admission`, and this last net
+    admits the pod unchanged should anything else fail.
+    """
     try:
-        if isinstance(name, str) and name:
-            kvcache = memo.cluster.get(S.API_VERSION, S.KIND, namespace, name)
-    except Exception as exc:  # an API hiccup must not block the pod
-        missing = f"cannot read KVCache {namespace}/{name}: {exc}"
-    result = mutate_pod(pod, kvcache, namespace, missing_reason=missing)
-    if result.patch:
-        patch.fns.append(functools.partial(_apply_ops, result.patch))
-    if result.skipped:
-        logger.warning("sidecar not injected: %s", result.skipped)
-        kopf.event(body, type="Warning", reason="InjectionSkipped", message=result.skipped)
-    elif result.injected:
-        logger.info("sidecar injected for KVCache %s/%s", namespace, name)
-    metrics = getattr(memo, "metrics", None)
-    if metrics is not None and (result.injected or result.skipped):
-        what = "injected" if result.injected else "skipped"
-        metrics.record_admission(what, result.skip_code or "", time.perf_counter() - started)
+        started = time.perf_counter()
+        pod = _raw(body)
+        cluster = getattr(memo, "cluster", None)
+        result = admission.decide(pod, cluster, _versions(memo))
+        if result.patch:
+            patch.fns.append(functools.partial(_apply_ops, result.patch))
+        admission.report(result, pod, cluster, getattr(memo, "metrics", None), _since(started))
+    except Exception:
+        logger.exception("admission failed; the pod is admitted unchanged")
+        patch.fns.clear()
+
+
+def _since(started: float) -> float:
+    return time.perf_counter() - started
+
+
+def _versions(memo: kopf.Memo) -> VersionCache | None:
+    """The API server's version, cached in ``memo`` (None: a cluster that cannot say)."""
+    versions = getattr(memo, "server_versions", None)
+    if versions is None:
+        fetch = getattr(getattr(memo, "cluster", None), "server_version", None)
+        if fetch is None:
+            return None
+        versions = memo.server_versions = VersionCache(fetch)
+    return versions
 
 
 def _apply_ops(ops: list[dict[str, Any]], raw: dict[str, Any]) -> None:
-    jsonpatch.apply_patch(raw, ops, in_place=True)
+    """Apply the decided ops to kopf's copy of the pod; a failure leaves the pod as it was."""
+    try:
+        patched = jsonpatch.apply_patch(raw, ops)
+    except Exception:
+        logging.getLogger(__name__).exception("cannot apply the pod patch; pod left unchanged")
+        return
+    raw.clear()
+    raw.update(patched)
 
 
 def _raw(body: Any) -> dict[str, Any]:

@@ -211,6 +211,10 @@ class KubeCluster:
         found = self._call("GET", group_path)
         return any(r.get("kind") == kind for r in (found or {}).get("resources") or [])
 
+    def server_version(self) -> dict:
+        """The API server's ``/version`` (major, minor, gitVersion, ...)."""
+        return self._call("GET", "/version") or {}
+
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         quoted = urllib.parse.quote(name)
         self._call("DELETE", resource_path(api_version, kind, namespace, quoted))

@@ -39,6 +39,8 @@ SKIP_REASONS: tuple[str, ...] = (
     "no_vllm_container",
     "already_configured",
     "api_error",
+    "unsupported_cluster",  # API server below the native-sidecar floor, or its version unread
+    "internal_error",  # the webhook failed; the operator's log has the traceback
     "other",
 )
 

@@ -70,6 +70,12 @@ from kvstrata.sidecar.config import SidecarConfig
 SIDECAR = "kvstrata-sidecar"
 INSTALLER = "kvstrata-install"
 SIDECAR_OVERHEAD_BYTES = 512 << 20
+# The sidecar's startup probe budget: the start itself (interpreter, imports,
+# tiers) plus the time to reserve every L1 page (posix_fallocate on /dev/shm,
+# sidecar/arena.py), at a rate well below tmpfs's: about 4 GiB/s measured on a
+# shared 2-core VM; 2 s per GiB allows for a node eight times slower.
+STARTUP_BASE_S = 120
+STARTUP_S_PER_GIB = 2
 SHM_HEADROOM_BYTES = 256 << 20
 SHELLS = {"sh", "bash", "dash", "ash", "zsh"}
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -151,12 +157,15 @@ def mutate_pod(
     namespace: str | None = None,
     missing_reason: str | None = None,
     images: S.Images | None = None,
+    unsupported_reason: str | None = None,
 ) -> MutationResult:
     """Decide what to do with a pod at CREATE; never raises for pod or spec content.
 
     ``kvcache`` None means the named KVCache is absent; ``missing_reason``
     says why when it could not be read at all. ``images``: the defaults for
     a KVCache that names no sidecar image (else the operator's environment).
+    ``unsupported_reason``: why this cluster cannot run the sidecar (e.g. an
+    API server without native sidecars); the pod is then skipped with it.
     """
     meta = pod.get("metadata") or {}
     annotations = meta.get("annotations") or {}
@@ -171,6 +180,8 @@ def mutate_pod(
     if not isinstance(name, str) or len(name) > 253 or not _DNS_SUBDOMAIN.match(name):
         reason = f"bad annotation {S.CACHE_ANNOTATION}={name!r}: not a KVCache name"
         return _skip(pod, "bad_annotation", reason)
+    if unsupported_reason:
+        return _skip(pod, "unsupported_cluster", unsupported_reason)
     ns = namespace or meta.get("namespace") or "default"
     if kvcache is None:
         if missing_reason:
@@ -208,8 +219,8 @@ def _inject(
     name = kvcache.name
     meta = pod.setdefault("metadata", {})
     meta.setdefault("annotations", {})[S.INJECTED_ANNOTATION] = digest
-    if len(name) <= 63 and "." not in name:  # label values are at most 63 chars, no dots needed
-        meta.setdefault("labels", {})[S.CACHE_LABEL] = name
+    # What the metrics Service selects and status counts (shortened when too long).
+    meta.setdefault("labels", {})[S.CACHE_LABEL] = S.cache_label_value(name)
     pod_spec = pod.setdefault("spec", {})
     vllm = pod_spec["containers"][index]
     volumes = pod_spec.setdefault("volumes", [])
@@ -402,7 +413,10 @@ def _sidecar(
     port = config.server.http_port
 
     def ready(period: int) -> dict[str, Any]:
-        return {"httpGet": {"path": "/readyz", "port": "kvstrata-metrics"}, "periodSeconds": period}
+        return {
+            "httpGet": {"path": "/readyz", "port": S.METRICS_PORT_NAME},
+            "periodSeconds": period,
+        }
 
     overrides = dict(sidecar.security_context or {})
     # Run as the vLLM container's user, so both can use the socket and the arena.
@@ -427,11 +441,11 @@ def _sidecar(
         "restartPolicy": "Always",
         "command": ["kvstrata", "sidecar", "--config", S.CONFIG_PATH],
         "env": env,
-        "ports": [{"name": "kvstrata-metrics", "containerPort": port, "protocol": "TCP"}],
-        "startupProbe": {**ready(1), "failureThreshold": 120},
+        "ports": [{"name": S.METRICS_PORT_NAME, "containerPort": port, "protocol": "TCP"}],
+        "startupProbe": {**ready(1), "failureThreshold": startup_budget_s(config.l1.size_bytes)},
         "readinessProbe": ready(5),
         "livenessProbe": {
-            "httpGet": {"path": "/healthz", "port": "kvstrata-metrics"},
+            "httpGet": {"path": "/healthz", "port": S.METRICS_PORT_NAME},
             "periodSeconds": 10,
             "failureThreshold": 3,
         },
@@ -439,6 +453,11 @@ def _sidecar(
         "securityContext": ctx,
         "volumeMounts": mounts,
     }
+
+
+def startup_budget_s(l1_bytes: int) -> int:
+    """Seconds the sidecar may take to serve /readyz (1 s probe period: the failure threshold)."""
+    return STARTUP_BASE_S + STARTUP_S_PER_GIB * math.ceil(l1_bytes / (1 << 30))
 
 
 def _configure_vllm(vllm: dict[str, Any], inject_package: bool) -> None:

@@ -394,7 +394,8 @@ def reconcile(
     apply_objects(cluster, _servable(objects, cluster, events), events)
     probe, endpoints = check_shared_tier(parsed, cluster, probes or Probes())
     roll_workloads(cluster, parsed.namespace, parsed.name, digest, events)
-    pods = cluster.list("v1", "Pod", parsed.namespace, f"{S.CACHE_LABEL}={parsed.name}")
+    selector = f"{S.CACHE_LABEL}={S.cache_label_value(parsed.name)}"
+    pods = cluster.list("v1", "Pod", parsed.namespace, selector)
     tier = parsed.spec.shared.kind
     report.status.update(
         configHash=digest,

@@ -16,6 +16,9 @@ Objects, for a KVCache ``NAME``:
   (always), and ServiceMonitor ``NAME`` when
   ``spec.metrics.serviceMonitor.enabled`` (the caller drops it when its CRD
   is absent).
+
+Each ``NAME-SUFFIX`` is shortened with a hash of NAME where it would be too
+long or otherwise illegal for its kind (:mod:`kvstrata.operator.names`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import secrets
 import shlex
 from typing import Any
 
+from kvstrata.operator import names
 from kvstrata.operator import spec as S
 from kvstrata.operator.model import (
     PASSWORD_KEY,
@@ -42,7 +46,7 @@ MANAGED_BY = "kvstrata-operator"
 def labels(name: str, component: str) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": "kvstrata",
-        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/instance": names.label_value(name),
         "app.kubernetes.io/component": component,
         "app.kubernetes.io/managed-by": MANAGED_BY,
     }
@@ -98,7 +102,10 @@ def render_valkey_secret(kvcache: KVCacheLike, password: str) -> dict[str, Any]:
 
 
 def _valkey_selector(name: str) -> dict[str, str]:
-    return {"app.kubernetes.io/instance": name, "app.kubernetes.io/component": "valkey"}
+    return {
+        "app.kubernetes.io/instance": names.label_value(name),
+        "app.kubernetes.io/component": "valkey",
+    }
 
 
 def render_valkey_services(kvcache: KVCacheLike) -> list[dict[str, Any]]:
@@ -109,7 +116,7 @@ def render_valkey_services(kvcache: KVCacheLike) -> list[dict[str, Any]]:
     headless = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(kvcache, f"{base}-headless", "valkey"),
+        "metadata": _metadata(kvcache, S.valkey_headless_name(name), "valkey"),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
@@ -161,7 +168,7 @@ def _valkey_args(managed: ManagedValkey, base: str, namespace: str, key_prefix: 
         parts.append(f"--maxmemory {parse_quantity(managed.max_memory)}")
     if managed.auth_enabled:
         parts.append(valkey_acl_args(key_prefix))
-    primary = f"{base}-0.{base}-headless.{namespace}.svc"
+    primary = f"{base}-0.{base}-headless.{namespace}.svc"  # base-headless: valkey_headless_name
     # Pod 0 is the primary; any other ordinal replicates it.
     script = " ".join(parts)
     return (
@@ -220,7 +227,7 @@ def render_valkey_statefulset(kvcache: KVCacheLike) -> dict[str, Any]:
         "enableServiceLinks": False,
     }
     sts_spec: dict[str, Any] = {
-        "serviceName": f"{base}-headless",
+        "serviceName": S.valkey_headless_name(name),
         "replicas": managed.replicas,
         "podManagementPolicy": "OrderedReady",
         "selector": {"matchLabels": _valkey_selector(name)},
@@ -260,11 +267,11 @@ def render_metrics_objects(kvcache: KVCacheLike) -> list[dict[str, Any]]:
     service = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(kvcache, f"{name}-metrics", "metrics"),
+        "metadata": _metadata(kvcache, S.metrics_service_name(name), "metrics"),
         "spec": {
             "clusterIP": "None",
-            "selector": {S.CACHE_LABEL: name},
-            "ports": [{"name": "metrics", "port": metrics.port, "targetPort": "kvstrata-metrics"}],
+            "selector": {S.CACHE_LABEL: S.cache_label_value(name)},
+            "ports": [{"name": "metrics", "port": metrics.port, "targetPort": S.METRICS_PORT_NAME}],
         },
     }
     meta = _metadata(kvcache, name, "metrics")

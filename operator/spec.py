@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstrata import __version__
+from kvstrata.operator import names
 from kvstrata.operator.model import (
     ACCESS_KEY_ID_KEY,
     CA_KEY,
@@ -47,6 +48,10 @@ SKIPPED_ANNOTATION = "kvstrata.io/injection-skipped"  # why a pod was left as it
 INJECTED_ANNOTATION = "kvstrata.io/injected"  # config hash the pod was injected with
 CONFIG_HASH_ANNOTATION = "kvstrata.io/config-hash"  # on workload pod templates: rolls them
 CACHE_LABEL = "kvstrata.io/cache"  # on injected pods: counted into status.injectedPods
+# The sidecar's HTTP port (/metrics, /readyz, /healthz) as the metrics Service
+# targets it. A port name is an IANA_SVC_NAME: at most 15 characters
+# (apimachinery validation.IsValidPortName), or the API server refuses the pod.
+METRICS_PORT_NAME = "metrics"
 
 # In-pod layout.
 SOCKET_DIR = "/var/run/kvstrata"
@@ -121,16 +126,31 @@ class Images:
         return cls(**images)
 
 
+# Names of what a KVCache owns (legal whatever the KVCache's name: see names.py).
 def configmap_name(name: str) -> str:
-    return f"{name}-sidecar"
+    return names.child_name(name, "sidecar")
 
 
 def valkey_name(name: str) -> str:
-    return f"{name}-valkey"
+    """The managed Valkey's StatefulSet and client Service (52 at most: a StatefulSet's)."""
+    return names.child_name(name, "valkey", names.STATEFULSET_NAME_MAX)
+
+
+def valkey_headless_name(name: str) -> str:
+    return f"{valkey_name(name)}-headless"  # 52 + 9: an RFC 1035 label still
 
 
 def valkey_auth_secret_name(name: str) -> str:
-    return f"{name}-valkey-auth"
+    return names.child_name(name, "valkey-auth")
+
+
+def metrics_service_name(name: str) -> str:
+    return names.child_name(name, "metrics")
+
+
+def cache_label_value(name: str) -> str:
+    """The value of :data:`CACHE_LABEL` on a KVCache's pods (and in selectors of them)."""
+    return names.label_value(name)
 
 
 def shared_tier_kind(spec: KVCacheSpec | Mapping[str, Any]) -> str:

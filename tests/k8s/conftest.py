@@ -1,11 +1,22 @@
 """A real cluster for the ``k8s`` suite, and the real operator running against it.
 
-The cluster is the one the kubeconfig names (``$KUBECONFIG``, else
-``~/.kube/config``), or the pod's service account when the suite runs in
-one: the same rules the operator follows
-(:func:`kvstrata.operator.kube.client_configuration`). The suite is skipped
-only when none of these is there; a configured cluster that cannot be
-reached, or refuses the credentials, fails every test.
+The cluster, in this order:
+
+1. a control plane of its own on loopback when ``KUBEBUILDER_ASSETS`` names
+   a folder with ``etcd`` and ``kube-apiserver`` (and optionally
+   ``kube-controller-manager``), the envtest convention
+   (:mod:`kvstrata.testing.controlplane`); it is started once per session,
+   ``KUBECONFIG`` is pointed at it for the session, and it is stopped at
+   the end;
+2. else the one the kubeconfig names (``$KUBECONFIG``, else
+   ``~/.kube/config``), or the pod's service account when the suite runs in
+   one: the same rules the operator follows
+   (:func:`kvstrata.operator.kube.client_configuration`).
+
+The suite is skipped only when none of these is there, saying so; a
+``KUBEBUILDER_ASSETS`` folder without the binaries, a control plane that
+does not start, or a configured cluster that cannot be reached or refuses
+the credentials fails every test.
 
 Nothing here waits for a pod to run: the suite passes against a control
 plane with no nodes at all (etcd + kube-apiserver + kube-controller-manager).
@@ -38,6 +49,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvstrata.testing.controlplane import ASSETS_ENV, ControlPlane, ControlPlaneError, find_assets
 from kvstrata.testing.poll import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,13 +68,51 @@ def wait_for_fixture() -> Callable[..., Any]:
 
 
 @pytest.fixture(scope="session")
-def kube_configuration() -> Any:
+def own_control_plane(tmp_path_factory) -> Iterator[ControlPlane | None]:
+    """The loopback control plane ``KUBEBUILDER_ASSETS`` asks for (None when it does not)."""
+    try:
+        assets = find_assets()
+    except ControlPlaneError as exc:
+        pytest.fail(str(exc))
+    if assets is None:
+        yield None
+        return
+    plane = ControlPlane(assets, tmp_path_factory.mktemp("control-plane"))
+    try:
+        kubeconfig = plane.start()
+    except ControlPlaneError as exc:
+        pytest.fail(f"the control plane from {ASSETS_ENV} did not start: {exc}")
+    before = os.environ.get("KUBECONFIG")
+    os.environ["KUBECONFIG"] = str(kubeconfig)  # for this process and the operator it starts
+    try:
+        yield plane
+    finally:
+        if before is None:
+            os.environ.pop("KUBECONFIG", None)
+        else:
+            os.environ["KUBECONFIG"] = before
+        plane.stop()
+
+
+@pytest.fixture(scope="session")
+def controllers(own_control_plane) -> None:
+    """Skip (saying why) where the suite's own control plane runs no controller manager."""
+    if own_control_plane is not None and not own_control_plane.has_controller_manager:
+        pytest.skip(
+            f"{ASSETS_ENV} has no kube-controller-manager: no garbage collector or "
+            "Deployment controller on this control plane"
+        )
+
+
+@pytest.fixture(scope="session")
+def kube_configuration(own_control_plane) -> Any:
     """The client configuration of the configured cluster; skip only when there is none."""
     from kvstrata.operator import kube
 
     if not kube.cluster_configured():
         pytest.skip(
-            "no Kubernetes cluster is configured (no $KUBECONFIG, no ~/.kube/config, "
+            "no Kubernetes cluster: KUBEBUILDER_ASSETS names no folder with etcd and "
+            "kube-apiserver, and none is configured (no $KUBECONFIG, no ~/.kube/config, "
             "not in a pod with a service account)"
         )
     try:
@@ -87,6 +137,14 @@ def kube(kube_configuration):
         )
     print(f"k8s suite: {kube_configuration.host}, Kubernetes {version.git_version}")
     return KubeCluster(api)
+
+
+@pytest.fixture(scope="session")
+def native_sidecars(kube) -> bool:
+    """Does this API server run native sidecars (1.29 or later), as the operator decides it?"""
+    from kvstrata.operator.serverversion import parse_version
+
+    return parse_version(kube.server_version()).native_sidecars
 
 
 def api_server_on_loopback(configuration: Any) -> bool:

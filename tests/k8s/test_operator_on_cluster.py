@@ -97,7 +97,7 @@ def wait_ready(kube, namespace: str, name: str, wait_for, generation: int = 1) -
 def resource_versions(kube, namespace: str, name: str) -> dict[str, str]:
     owned = [
         ("v1", "ConfigMap", S.configmap_name(name)),
-        ("v1", "Service", f"{name}-metrics"),
+        ("v1", "Service", S.metrics_service_name(name)),
     ]
     out = {}
     for api_version, kind, obj_name in owned:
@@ -210,7 +210,7 @@ def test_reconcile_records_events_on_the_kvcache(kube, namespace, operator, wait
 
 
 def test_a_spec_change_rolls_an_annotated_deployment_to_a_new_pod_template(
-    kube, namespace, operator, wait_for
+    kube, namespace, operator, wait_for, controllers
 ):
     name = f"roll-{uuid.uuid4().hex[:4]}"
     kube.apply(kvcache(name, namespace))
@@ -236,7 +236,9 @@ def test_a_spec_change_rolls_an_annotated_deployment_to_a_new_pod_template(
     wait_for(lambda: template_hashes() - initial, 60, "a ReplicaSet for the new pod template")
 
 
-def test_deleting_a_kvcache_garbage_collects_what_it_owned(kube, namespace, operator, wait_for):
+def test_deleting_a_kvcache_garbage_collects_what_it_owned(
+    kube, namespace, operator, wait_for, controllers
+):
     name = f"shared-{uuid.uuid4().hex[:4]}"
     kube.apply(kvcache(name, namespace, shared={"backend": "valkey", "valkey": {"managed": {}}}))
     sts = wait_for(
@@ -249,7 +251,7 @@ def test_deleting_a_kvcache_garbage_collects_what_it_owned(kube, namespace, oper
         ("v1", "ConfigMap", S.configmap_name(name)),
         ("v1", "Secret", S.valkey_auth_secret_name(name)),
         ("apps/v1", "StatefulSet", S.valkey_name(name)),
-        ("v1", "Service", f"{name}-metrics"),
+        ("v1", "Service", S.metrics_service_name(name)),
     ]
     for api_version, kind, obj_name in owned:
         assert kube.get(api_version, kind, namespace, obj_name) is not None, kind
@@ -265,7 +267,7 @@ def test_deleting_a_kvcache_garbage_collects_what_it_owned(kube, namespace, oper
 
 
 def test_an_annotated_pod_gets_the_sidecar_and_an_unannotated_pod_is_untouched(
-    kube, namespace, operator, webhook, wait_for
+    kube, namespace, operator, webhook, wait_for, native_sidecars
 ):
     if webhook is None:
         pytest.skip(
@@ -283,6 +285,11 @@ def test_an_annotated_pod_gets_the_sidecar_and_an_unannotated_pod_is_untouched(
     )
     kube.apply(pod(f"{name}-a", namespace, {S.CACHE_ANNOTATION: name}))
     injected = kube.get("v1", "Pod", namespace, f"{name}-a")
+    if not native_sidecars:  # below the floor: created as is, with the reason
+        reason = injected["metadata"]["annotations"][S.SKIPPED_ANNOTATION]
+        assert "1.29 or later" in reason
+        assert not injected["spec"].get("initContainers")
+        return
     inits = {c["name"]: c for c in injected["spec"].get("initContainers") or []}
     assert inits["kvstrata-sidecar"]["restartPolicy"] == "Always"
     assert "--kv-transfer-config" in injected["spec"]["containers"][0]["args"]
@@ -294,6 +301,17 @@ def test_an_annotated_pod_gets_the_sidecar_and_an_unannotated_pod_is_untouched(
     kube.apply(pod(f"{name}-c", namespace, {S.CACHE_ANNOTATION: "no-such-cache"}))
     skipped = kube.get("v1", "Pod", namespace, f"{name}-c")
     assert "not found" in skipped["metadata"]["annotations"][S.SKIPPED_ANNOTATION]
+
+    def skip_events() -> list[dict]:
+        return [
+            e
+            for e in kube.list("v1", "Event", namespace)
+            if e.get("reason") == "InjectionSkipped"
+            and e["involvedObject"].get("name") == f"{name}-c"
+        ]
+
+    events = wait_for(skip_events, 60, f"the InjectionSkipped Event of pod {name}-c")
+    assert "KVCache" in events[0]["message"] and "not found" in events[0]["message"]
 
 
 def test_a_pod_is_still_created_when_the_webhook_is_down(kube, namespace):

@@ -106,6 +106,12 @@ class InMemoryCluster:
     def has_kind(self, api_version: str, kind: str) -> bool:
         return (api_version, kind) in self.kinds
 
+    # What GET /version answers; a test sets another server's.
+    version_info: dict[str, str] = {"major": "1", "minor": "33", "gitVersion": "v1.33.0"}
+
+    def server_version(self) -> dict[str, str]:
+        return dict(self.version_info)
+
 
 @pytest.fixture
 def cluster() -> InMemoryCluster:

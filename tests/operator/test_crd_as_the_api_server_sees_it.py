@@ -32,8 +32,9 @@ from .apiserver import (
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "kvcache.yaml"
-# The Kubernetes versions the README promises; kubernetes-validate ships each one's schemas.
-SUPPORTED_VERSIONS = tuple(f"1.{minor}" for minor in range(28, 38))
+# The Kubernetes versions the README promises (from the native-sidecar floor,
+# operator/serverversion.py); kubernetes-validate ships each one's schemas.
+SUPPORTED_VERSIONS = tuple(f"1.{minor}" for minor in range(29, 38))
 
 
 def crd() -> dict[str, Any]:

@@ -13,8 +13,7 @@ import pytest
 from kvstrata.operator import handlers
 from kvstrata.operator import spec as S
 from kvstrata.operator.mutate import INSTALLER, SIDECAR, mutate_pod, transfer_config
-
-from .events import record_events
+from kvstrata.testing.poll import wait_until
 
 CACHE = {S.CACHE_ANNOTATION: "demo"}
 EXPECTED_FLAG = {
@@ -64,7 +63,7 @@ def test_an_annotated_pod_gets_a_native_sidecar_that_starts_before_vllm(
     assert sidecar["restartPolicy"] == "Always"
     assert sidecar["command"] == ["kvstrata", "sidecar", "--config", "/etc/kvstrata/sidecar.yaml"]
     assert sidecar["startupProbe"]["httpGet"]["path"] == "/readyz"
-    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "kvstrata-metrics"}
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert sidecar["ports"][0]["containerPort"] == 9464
     assert sidecar["resources"]["limits"]["memory"] == "2560Mi"  # L1 + 512Mi
     assert sidecar["securityContext"]["readOnlyRootFilesystem"] is True
@@ -255,15 +254,22 @@ def _admission_body(pod):
     return kopf.Body(copy.deepcopy(pod))
 
 
-def _run_webhook_handler(pod: dict, cluster) -> tuple[dict, list[dict]]:
-    """Run our kopf admission handler on ``pod``: (the patched pod, the Events posted)."""
-    events: list[dict] = []
+def _events(cluster) -> list[dict]:
+    """The Events the webhook posted to ``cluster``, as the API server would hold them."""
+    return [
+        {k: e[k] for k in ("type", "reason", "message")}
+        for (_, kind, _, _), e in cluster.objects.items()
+        if kind == "Event"
+    ]
+
+
+def _run_webhook_handler(pod: dict, cluster) -> dict:
+    """Run our kopf admission handler on ``pod``: the patched pod."""
     memo = types.SimpleNamespace(cluster=cluster)
-    record_events(events)
     body = _admission_body(pod)
     patch = kopf.Patch(body=body)
     handlers.inject_sidecar(body=body, patch=patch, memo=memo, logger=handlers.logger)
-    return jsonpatch.apply_patch(copy.deepcopy(pod), patch.as_json_patch()), events
+    return jsonpatch.apply_patch(copy.deepcopy(pod), patch.as_json_patch())
 
 
 def test_the_webhook_handler_returns_the_same_mutation_through_kopf(
@@ -271,17 +277,19 @@ def test_the_webhook_handler_returns_the_same_mutation_through_kopf(
 ):
     cluster.put(make_kvcache())
     pod = make_pod(CACHE)
-    via_kopf, events = _run_webhook_handler(pod, cluster)
+    via_kopf = _run_webhook_handler(pod, cluster)
     assert via_kopf == applied(
         pod, mutate_pod(pod, cluster.get(S.API_VERSION, S.KIND, "ml", "demo"))
     )
-    assert events == []
+    assert _events(cluster) == []
 
 
 def test_the_webhook_handler_skips_with_an_event_when_the_kvcache_is_missing(make_pod, cluster):
     pod = make_pod(CACHE)
-    out, events = _run_webhook_handler(pod, cluster)
+    out = _run_webhook_handler(pod, cluster)
     assert out["metadata"]["annotations"][S.SKIPPED_ANNOTATION] == "KVCache ml/demo not found"
+    # Posted on a thread of its own, after the answer.
+    events = wait_until(lambda: _events(cluster), 30, "the InjectionSkipped Event")
     assert events == [
         {"type": "Warning", "reason": "InjectionSkipped", "message": "KVCache ml/demo not found"}
     ]
