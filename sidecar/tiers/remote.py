@@ -78,6 +78,11 @@ class RemoteTier(Tier):
     def _delete(self, name: str) -> None:
         """Delete one object; a failure is counted, never raised."""
 
+    def _delete_many(self, names: Sequence[str]) -> None:
+        """Delete several objects (one call where the backend allows); never raises."""
+        for name in names:
+            self._delete(name)
+
     @abc.abstractmethod
     def _clear(self) -> None:
         """Delete every object of this tier's prefix; failures counted, never raised."""
@@ -130,6 +135,10 @@ class RemoteTier(Tier):
     def remove(self, key: ChunkKey) -> None:
         if self._allow():
             self._delete(self._name(key))
+
+    def remove_many(self, keys: Sequence[ChunkKey]) -> None:
+        if keys and self._allow():
+            self._delete_many([self._name(k) for k in keys])
 
     def clear(self) -> None:
         if self._allow():
