@@ -46,7 +46,7 @@ from boto3.s3.transfer import TransferConfig
 from kvstrata.sidecar.config import S3Config, SharedConfig
 from kvstrata.sidecar.keys import ChunkKey, key_hex
 from kvstrata.sidecar.tiers.base import TierStats
-from kvstrata.sidecar.tiers.remote import Fetched, RemoteTier, Stored, read_secret
+from kvstrata.sidecar.tiers.remote import Encoder, Fetched, RemoteTier, Stored, read_secret
 from kvstrata.sidecar.tiers.s3refresh import Refresher
 
 logger = logging.getLogger(__name__)
@@ -361,11 +361,10 @@ class S3Tier(RemoteTier):
         """Concurrent GETs on the pool, all within one ``timeout_seconds`` deadline."""
         return self._run_many("get", [lambda n=n: self._download(n) for n in names])
 
-    def _store_many(
-        self, names: Sequence[str], encoded: Sequence[list[bytes | memoryview]]
-    ) -> list[Stored]:
-        """Concurrent uploads, each skipped when the object already exists."""
-        fns = [lambda n=n, p=p: self._store(n, p) for n, p in zip(names, encoded, strict=True)]
+    def _store_many(self, names: Sequence[str], objects: Sequence[Encoder]) -> list[Stored]:
+        """Concurrent uploads, each skipped when the object already exists; each
+        object is encoded (checksummed) on its upload's thread."""
+        fns = [lambda n=n, e=e: self._store(n, e()) for n, e in zip(names, objects, strict=True)]
         return self._run_many("put", fns)
 
     def _delete_many(self, names: Sequence[str]) -> None:

@@ -61,7 +61,7 @@ from redis.retry import Retry
 from kvstrata.sidecar.config import SharedConfig, ValkeyConfig
 from kvstrata.sidecar.keys import ChunkKey, key_hex
 from kvstrata.sidecar.tiers.base import TierStats
-from kvstrata.sidecar.tiers.remote import Fetched, RemoteTier, Stored, read_secret
+from kvstrata.sidecar.tiers.remote import Encoder, Fetched, RemoteTier, Stored, read_secret
 
 logger = logging.getLogger(__name__)
 
@@ -270,10 +270,9 @@ class ValkeyTier(RemoteTier):
         self._breaker.record_success()
         return blobs
 
-    def _store_many(
-        self, names: Sequence[str], encoded: Sequence[list[bytes | memoryview]]
-    ) -> list[Stored]:
+    def _store_many(self, names: Sequence[str], objects: Sequence[Encoder]) -> list[Stored]:
         """Pipelined ``SET NX`` of each object, header and payload sent unjoined."""
+        encoded = [make() for make in objects]  # one pipeline sends them all at once
         ttl = self._config.ttl_seconds
         try:
             client = self._client("io")
