@@ -19,6 +19,7 @@ import abc
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvstrata.sidecar.config import SharedConfig
 from kvstrata.sidecar.keys import ChunkKey
@@ -35,9 +36,19 @@ from kvstrata.sidecar.tiers.breaker import CircuitBreaker
 
 logger = logging.getLogger(__name__)
 
-# A fetched value: its bytes, or None / the exception when it is missing or
-# the fetch failed (a failure is already counted by then).
-Fetched = bytes | memoryview | BaseException | None
+
+@dataclass(frozen=True, slots=True)
+class Validated:
+    """A fetched object the backend already decoded and checked on its own
+    thread (so one object's checksum runs while others are still arriving)."""
+
+    obj: DecodedObject
+    nbytes: int  # the stored object's length (retrieved_bytes_total)
+
+
+# A fetched value: its bytes (or already validated), or None / the exception
+# when it is missing or the fetch failed (a failure is already counted by then).
+Fetched = bytes | memoryview | Validated | BaseException | None
 # A stored object's outcome: True stored, False already there (deduplicated),
 # an exception when it was not stored (already counted).
 Stored = bool | BaseException
@@ -204,6 +215,11 @@ class RemoteTier(Tier):
         if blob is None or isinstance(blob, BaseException):
             self._count(misses=1)
             return None
+        if isinstance(blob, Validated):
+            with self._lock:
+                self._stats.hits_total += 1
+                self._stats.retrieved_bytes_total += blob.nbytes
+            return blob.obj
         try:
             obj = decode(blob, expected_key=bytes(key))
         except CorruptObjectError as exc:

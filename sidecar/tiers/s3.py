@@ -45,8 +45,16 @@ from boto3.s3.transfer import TransferConfig
 
 from kvstrata.sidecar.config import S3Config, SharedConfig
 from kvstrata.sidecar.keys import ChunkKey, key_hex
+from kvstrata.sidecar.objformat import CorruptObjectError, decode
 from kvstrata.sidecar.tiers.base import TierStats
-from kvstrata.sidecar.tiers.remote import Encoder, Fetched, RemoteTier, Stored, read_secret
+from kvstrata.sidecar.tiers.remote import (
+    Encoder,
+    Fetched,
+    RemoteTier,
+    Stored,
+    Validated,
+    read_secret,
+)
 from kvstrata.sidecar.tiers.s3refresh import Refresher
 
 logger = logging.getLogger(__name__)
@@ -444,15 +452,22 @@ class S3Tier(RemoteTier):
         )
         return True
 
-    def _download(self, object_key: str) -> bytes:
-        """One plain GET. Parallelism comes from fetching many chunks at once
-        (:meth:`get_many`), which keeps every connection busy without the
-        per-request overhead of ranged GETs on objects of a few MiB."""
+    def _download(self, object_key: str) -> Validated | bytes:
+        """One plain GET, checked on this thread. Parallelism comes from fetching
+        many chunks at once (:meth:`get_many`), which keeps every connection busy
+        without the per-request overhead of ranged GETs on objects of a few MiB;
+        checking each object here overlaps its checksum with the other GETs.
+        A body that fails the check goes back as bytes: the caller counts and
+        deletes it (never from a pool thread, which would wait on the pool)."""
         response = self._client.get_object(Bucket=self._config.bucket, Key=object_key)
         body = response["Body"].read()
         if self._refresher is not None:
             self._refresher.offer(object_key, response.get("LastModified"))
-        return body
+        expected = bytes.fromhex(object_key[len(self._config.prefix) :])
+        try:
+            return Validated(decode(body, expected_key=expected), len(body))
+        except CorruptObjectError:
+            return body
 
     def _refresh(self, object_key: str) -> None:
         """Copy an object onto itself: same bytes, a fresh LastModified (see :mod:`.s3refresh`)."""
