@@ -205,7 +205,7 @@ def forget_kvcache(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     metrics = getattr(memo, "metrics", None)
     if metrics is not None:
         meta = body.get("metadata") or {}
-        metrics.set_valkey_ready(meta.get("namespace") or "default", meta.get("name") or "", None)
+        metrics.forget_kvcache(meta.get("namespace") or "default", meta.get("name") or "")
 
 
 def inject_sidecar(

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the operator: reconciles, admissions, managed Valkey.
+"""Prometheus metrics of the operator: reconciles, admissions, managed Valkey, S3 sweeps.
 
 Why a module of its own: handlers stay thin (they call one ``record_*``
 function each) and the names are a contract with the chart's ServiceMonitor
@@ -10,7 +10,7 @@ one private :class:`~prometheus_client.CollectorRegistry`, served on
 Label values are bounded: reconcile outcomes and admission results are
 small fixed sets, skip reasons are codes (the free-text reason goes to the
 pod's annotation and an Event, never into a label), and per-KVCache series
-(managed Valkey readiness) are removed when the KVCache is deleted.
+(managed Valkey readiness, S3 sweeps) are removed when the KVCache is deleted.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from kvstrata.sidecar.metrics import MetricSpec, catalogue_table
 
 if TYPE_CHECKING:
     from kvstrata.operator.reconcile import Outcome
+    from kvstrata.operator.s3bounds import Sweep
 
 ReconcileOutcome = Literal["ready", "progressing", "invalid", "error"]
 AdmissionResult = Literal["injected", "skipped"]
@@ -57,6 +58,16 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("kvstrata_operator_managed_valkey_ready", "gauge",
                ("kvcache_namespace", "kvcache"), "boolean",
                "1 while a KVCache's operator-managed Valkey answers, else 0", from_start=False),
+    MetricSpec("kvstrata_operator_s3_swept_objects_total", "counter",
+               ("kvcache_namespace", "kvcache"), "objects",
+               "objects the size sweeper deleted from a KVCache's S3 prefix (spec.shared.s3."
+               "maxSize), least recently written or refreshed first", from_start=False),
+    MetricSpec("kvstrata_operator_s3_swept_bytes_total", "counter",
+               ("kvcache_namespace", "kvcache"), "bytes",
+               "bytes of those objects", from_start=False),
+    MetricSpec("kvstrata_operator_s3_prefix_bytes", "gauge",
+               ("kvcache_namespace", "kvcache"), "bytes",
+               "bytes under a KVCache's S3 prefix after the last sweep", from_start=False),
 )  # fmt: skip
 
 _SPECS = {spec.name: spec for spec in CATALOGUE}
@@ -87,6 +98,11 @@ class OperatorMetrics:
             *_help("kvstrata_operator_admission_duration_seconds"), buckets=_BUCKETS, registry=r
         )
         self.valkey_ready = Gauge(*_help("kvstrata_operator_managed_valkey_ready"), registry=r)
+        self.s3_swept_objects = Counter(
+            *_help("kvstrata_operator_s3_swept_objects_total"), registry=r
+        )
+        self.s3_swept_bytes = Counter(*_help("kvstrata_operator_s3_swept_bytes_total"), registry=r)
+        self.s3_prefix_bytes = Gauge(*_help("kvstrata_operator_s3_prefix_bytes"), registry=r)
         # Zeros from the start, so rates and ratios never read "no data".
         for outcome in RECONCILE_OUTCOMES:
             self.reconciles.labels(outcome=outcome)
@@ -112,6 +128,19 @@ class OperatorMetrics:
             return
         self.valkey_ready.labels(kvcache_namespace=namespace, kvcache=name).set(1 if ready else 0)
 
+    def record_sweep(self, namespace: str, name: str, swept: Sweep) -> None:
+        labels = {"kvcache_namespace": namespace, "kvcache": name}
+        self.s3_swept_objects.labels(**labels).inc(swept.deleted_objects)
+        self.s3_swept_bytes.labels(**labels).inc(swept.deleted_bytes)
+        self.s3_prefix_bytes.labels(**labels).set(swept.bytes - swept.deleted_bytes)
+
+    def forget_kvcache(self, namespace: str, name: str) -> None:
+        """Drop every per-KVCache series of a deleted KVCache."""
+        self.set_valkey_ready(namespace, name, None)
+        for family in (self.s3_swept_objects, self.s3_swept_bytes, self.s3_prefix_bytes):
+            with contextlib.suppress(KeyError):  # never set: nothing to remove
+                family.remove(namespace, name)
+
 
 def observe_outcome(
     metrics: OperatorMetrics, meta: dict[str, Any], outcome: Outcome, started: float
@@ -125,6 +154,8 @@ def observe_outcome(
         kind = "ready"
     metrics.record_reconcile(kind, time.perf_counter() - started)
     namespace, name = meta.get("namespace") or "default", meta.get("name") or ""
+    if outcome.s3_sweep is not None:
+        metrics.record_sweep(namespace, name, outcome.s3_sweep)
     if outcome.status.get("sharedTier") != "valkey-managed":
         metrics.set_valkey_ready(namespace, name, None)
         return

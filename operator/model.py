@@ -146,6 +146,8 @@ class S3Spec(_Model):
     prefix: str | None = None  # default: one per KVCache (spec.s3_prefix)
     create_bucket: bool = False
     credentials_secret_ref: S3Credentials | None = None
+    expiry_days: int | None = None  # a lifecycle rule on the prefix (operator/s3bounds.py)
+    max_size: Quantity | None = None  # the operator's LRU sweeper keeps the prefix below it
 
 
 class SharedSpec(_Model):

@@ -29,9 +29,11 @@ Reasons: ``Reconciled`` and ``AllTiersReady`` (all good); ``InvalidSpec``
 (the sidecar's loader refused the rendered config; the message is the
 loader's, naming the field); ``NoSharedTier``, ``ValkeyStarting``,
 ``ValkeyReady``, ``ValkeyReachable``, ``ValkeyUnreachable``, ``BucketReady``,
-``BucketCreated``, ``BucketMissing``, ``S3Unreachable`` (shared tier). ``Ready``
-is True when the config is applied and the shared tier usable; ``Degraded``
-is True for a bad spec or an unreachable tier, not while Valkey starts.
+``BucketCreated``, ``BucketMissing``, ``S3Unreachable`` (shared tier);
+``LifecycleNotApplied``, ``SweepFailed`` (an S3 tier usable but not bounded
+as its spec asks). ``Ready`` is True when the config is applied and the
+shared tier usable; ``Degraded`` is True for a bad spec, an unreachable tier
+or an unbounded S3 prefix, not while Valkey starts.
 
 Outcomes: a spec the sidecar's loader refuses gives ``Ready=False`` with
 reason ``InvalidSpec`` and the loader's message, and ``permanent`` set (the
@@ -92,6 +94,7 @@ class Outcome:
     events: list[Event] = field(default_factory=list)
     retry_after: float | None = None  # converging: try again after this many seconds
     permanent: str | None = None  # the spec is wrong: retrying will not help
+    s3_sweep: sharedtier.Sweep | None = None  # the S3 size sweep of this pass, when it ran
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,6 +289,8 @@ def _s3_target(kvcache: KVCache, cluster: Cluster) -> sharedtier.S3Target:
         access_key_id=access_key_id,
         secret_access_key=secret_access_key,
         create_bucket=s3.create_bucket,
+        expiry_days=s3.expiry_days,
+        max_size_bytes=S.s3_max_size_bytes(kvcache),
     )
 
 
@@ -337,7 +342,10 @@ class StatusReport:
         if probe.ok:
             msg = f"config {digest} applied; shared tier {tier} ready"
             self.set("Ready", True, "Reconciled", msg)
-            self.set("Degraded", False, "AllTiersReady", msg)
+            if probe.reason in sharedtier.USABLE_BUT_DEGRADED:
+                self.set("Degraded", True, probe.reason, f"{msg}; {probe.message}")
+            else:
+                self.set("Degraded", False, "AllTiersReady", msg)
             return
         msg = f"config {digest} applied; shared tier {tier}: {probe.message}"
         self.set("Ready", False, probe.reason, msg)
@@ -357,8 +365,11 @@ def retry_delay(probe: sharedtier.Probe) -> float | None:
 
 
 def shared_tier_event(before_reason: str | None, probe: sharedtier.Probe) -> Event | None:
-    """The Event for a shared tier that is not usable: once per new reason, not every retry."""
-    if probe.ok or before_reason == probe.reason:
+    """The Event for a shared tier that is not usable (or not bounded): once per new
+    reason, not every retry."""
+    if probe.ok and probe.reason not in sharedtier.USABLE_BUT_DEGRADED:
+        return None
+    if before_reason == probe.reason:
         return None
     return Event("Normal" if _converging(probe) else "Warning", probe.reason, probe.message)
 
@@ -409,4 +420,9 @@ def reconcile(
     event = shared_tier_event(before, probe)
     if event is not None:
         events.append(event)
-    return Outcome(status=report.status, events=events, retry_after=retry_delay(probe))
+    return Outcome(
+        status=report.status,
+        events=events,
+        retry_after=retry_delay(probe),
+        s3_sweep=probe.sweep,
+    )

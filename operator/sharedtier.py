@@ -8,6 +8,10 @@ and never raises: an unreachable tier is a condition, not a crash.
 The S3 prefix marker object ``<prefix>.kvstrata`` is written when the bucket
 is ensured; its body is JSON ``{"kvcache": "NAMESPACE/NAME"}``. It proves
 write access with the operator's credentials and marks the prefix as in use.
+Then the prefix's bounds are applied (:mod:`~kvstrata.operator.s3bounds`:
+the expiry rule, the size sweep). A bucket the sidecars can use but whose
+bounds could not be applied (no permission to change its lifecycle, say) is
+usable and degraded: ``ok`` with a reason in :data:`USABLE_BUT_DEGRADED`.
 """
 
 from __future__ import annotations
@@ -17,7 +21,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from kvstrata.operator.s3bounds import Sweep, ensure_expiry, sweep
+
 logger = logging.getLogger(__name__)
+
+
+# Reasons of a usable shared tier that still needs attention (Degraded=True).
+USABLE_BUT_DEGRADED = frozenset({"LifecycleNotApplied", "SweepFailed"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +35,7 @@ class Probe:
     ok: bool
     reason: str
     message: str
+    sweep: Sweep | None = None  # the S3 size sweep of this pass, when it ran
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +47,8 @@ class S3Target:
     access_key_id: str | None
     secret_access_key: str | None
     create_bucket: bool
+    expiry_days: int | None = None
+    max_size_bytes: int | None = None
 
 
 def ping_valkey(url: str, password: str | None, timeout_s: float = 2.0) -> Probe:
@@ -74,11 +87,12 @@ def ensure_s3(target: S3Target, owner: str, timeout_s: float = 5.0) -> Probe:
         config=config,
     )
     where = f"s3://{target.bucket}/{target.prefix}"
+    marker = f"{target.prefix}.kvstrata"
     try:
         created = _ensure_bucket(client, target, botocore.exceptions.ClientError)
         client.put_object(
             Bucket=target.bucket,
-            Key=f"{target.prefix}.kvstrata",
+            Key=marker,
             Body=json.dumps({"kvcache": owner}).encode(),
             ContentType="application/json",
         )
@@ -89,7 +103,37 @@ def ensure_s3(target: S3Target, owner: str, timeout_s: float = 5.0) -> Probe:
     except Exception as exc:
         logger.debug("s3 ensure %s failed: %s", where, exc)
         return Probe(False, "S3Unreachable", f"{where}: {exc}")
-    return Probe(True, "BucketCreated" if created else "BucketReady", f"{where} is writable")
+    ready = Probe(True, "BucketCreated" if created else "BucketReady", f"{where} is writable")
+    return _bounded(client, target, owner, marker, ready, botocore.exceptions.ClientError)
+
+
+def _bounded(
+    client: Any, target: S3Target, owner: str, marker: str, ready: Probe, client_error: type
+) -> Probe:
+    """Apply the prefix's expiry rule and size cap; ``ready`` unless one of them failed."""
+    where = f"s3://{target.bucket}/{target.prefix}"
+    try:
+        ensure_expiry(client, target.bucket, owner, target.prefix, target.expiry_days, client_error)
+    except Exception as exc:  # AccessDenied, a bucket without lifecycle support, ...
+        logger.debug("s3 lifecycle of %s failed: %s", where, exc)
+        return Probe(
+            True, "LifecycleNotApplied", f"{where} is writable; expiry rule not applied: {exc}"
+        )
+    if target.max_size_bytes is None:
+        return ready
+    try:
+        swept = sweep(client, target.bucket, target.prefix, target.max_size_bytes, keep=marker)
+    except Exception as exc:
+        logger.debug("s3 sweep of %s failed: %s", where, exc)
+        return Probe(True, "SweepFailed", f"{where} is writable; size sweep failed: {exc}")
+    if swept.failed:
+        message = f"{where} is writable; size sweep could not delete: {swept.failed}"
+        return Probe(True, "SweepFailed", message, swept)
+    message = (
+        f"{ready.message}; {swept.bytes - swept.deleted_bytes} of {target.max_size_bytes} "
+        f"bytes used ({swept.deleted_objects} objects swept)"
+    )
+    return Probe(True, ready.reason, message, swept)
 
 
 class _BucketMissing(Exception):

@@ -32,7 +32,13 @@ from kvstrata.operator.model import (
     SpecError,
 )
 from kvstrata.operator.model import DEFAULT_METRICS_PORT as DEFAULT_METRICS_PORT
-from kvstrata.sidecar.config import ConfigError, SidecarConfig, config_from_dict, dump_config
+from kvstrata.sidecar.config import (
+    ConfigError,
+    SidecarConfig,
+    config_from_dict,
+    dump_config,
+    parse_quantity,
+)
 
 GROUP = "kvstrata.io"
 VERSION = "v1alpha1"
@@ -218,6 +224,36 @@ def s3_prefix(kvcache: KVCache) -> str:
     return prefix if prefix else f"kvstrata/{kvcache.namespace}/{kvcache.name}/"
 
 
+# Reads refresh an object once it is this far into its expiry, and at least
+# daily: the sweeper's "least recently used" is then accurate to a day.
+REFRESH_FRACTION = 0.5
+REFRESH_AT_MOST_SECONDS = 86400.0
+
+
+def s3_max_size_bytes(kvcache: KVCache) -> int | None:
+    """``spec.shared.s3.maxSize`` in bytes (None: no cap); SpecError naming the field."""
+    value = kvcache.spec.shared.s3_or_default.max_size
+    if value is None:
+        return None
+    try:
+        size = parse_quantity(value)
+    except ValueError as exc:
+        raise SpecError(f"spec.shared.s3.maxSize: {exc}") from None
+    if size <= 0:
+        raise SpecError(f"spec.shared.s3.maxSize: must be > 0, got {value!r}")
+    return size
+
+
+def s3_refresh_after_seconds(kvcache: KVCache) -> float | None:
+    """When a read refreshes an object: with an expiry or a size cap, else never."""
+    s3 = kvcache.spec.shared.s3_or_default
+    if s3.expiry_days is not None:
+        return min(s3.expiry_days * 86400.0 * REFRESH_FRACTION, REFRESH_AT_MOST_SECONDS)
+    if s3.max_size is not None:
+        return REFRESH_AT_MOST_SECONDS
+    return None
+
+
 def _s3_section(kvcache: KVCache) -> dict[str, Any]:
     s3 = kvcache.spec.shared.s3_or_default
     if not s3.bucket:
@@ -234,6 +270,10 @@ def _s3_section(kvcache: KVCache) -> dict[str, Any]:
     if s3.credentials_secret_ref is not None:
         out["access_key_id_file"] = S3_ACCESS_KEY_FILE
         out["secret_access_key_file"] = S3_SECRET_KEY_FILE
+    s3_max_size_bytes(kvcache)  # a bad maxSize is refused here, with the spec's field name
+    refresh = s3_refresh_after_seconds(kvcache)
+    if refresh is not None:
+        out["refresh_after_seconds"] = refresh
     return out
 
 

@@ -176,6 +176,20 @@ class S3Config(_Section):
     multipart_chunk_bytes: ByteSize = Field(8 << 20)
     max_attempts: int = Field(3, ge=1, le=20)
     timeout_seconds: float = Field(5.0, gt=0, description="total deadline of one operation")
+    # Expiry and the size cap are the bucket's (a lifecycle rule, the operator's
+    # sweeper); the sidecar only keeps the objects it reads young.
+    refresh_after_seconds: float | None = Field(
+        None,
+        gt=0,
+        description="copy an object onto itself when a read finds it older than this, so "
+        "expiry and the LRU sweeper spare what is read (None: never)",
+    )
+    refresh_per_second: float = Field(
+        10.0, gt=0, description="most refresh copies per second (background, never on a read)"
+    )
+    refresh_queue_depth: int = Field(
+        1024, ge=1, description="refreshes waiting at most; more are dropped and counted"
+    )
 
 
 class SharedConfig(_Section):

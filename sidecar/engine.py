@@ -236,6 +236,15 @@ class StorageManager(Promotion):
                 return None
             return self._leases.new(entry, owner, write=True)
 
+    def supersede(self, slot: Slot, covers: Sequence[ChunkKey]) -> None:
+        """The chunk being written into ``slot`` supersedes the partial chunks
+        ``covers``: once it is in the shared tier they are deleted there too
+        (whoever wrote them; see :mod:`.partials`). An ended lease is ignored."""
+        with self._lock:
+            lease = self._leases.get(slot.lease_id)
+            if lease is not None and lease.write:
+                lease.entry.supersedes = tuple(covers)
+
     def commit(self, slot: Slot) -> bool:
         """The slot's bytes are written: publish the chunk and queue it below."""
         return self.commit_lease(slot.lease_id)

@@ -205,6 +205,7 @@ class Handlers:
         owner_key = session.owner_key(body.owner)
         slots: list[p.SlotInfo | None] = []
         over_budget = 0
+        deepest: Slot | None = None
         for key in _own_keys(body.keys, session):
             # One session's uncommitted writes may hold only its share of L1:
             # a client that reserves and never commits (or asks for the whole
@@ -217,6 +218,9 @@ class Handlers:
                 continue
             slot = self.engine.reserve(key, body.nbytes, meta, owner_key)
             slots.append(None if slot is None else _slot_info(slot))
+            deepest = slot or deepest
+        if body.covers and deepest is not None:
+            self.engine.supersede(deepest, _own_keys(body.covers, session))
         if over_budget:
             self.metrics.errors.labels(kind="write_budget").inc(over_budget)
         return p.SlotsReply(slots=slots)

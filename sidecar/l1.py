@@ -51,6 +51,9 @@ class Entry:
     dead: bool = False
     promoting: bool = False  # filled from a lower tier by the engine itself
     shared_pending: bool = False  # "reused" admission: upload on the first hit
+    # Partial chunks this chunk supersedes: deleted from the shared tier once
+    # this chunk is written there (kvstrata.sidecar.partials).
+    supersedes: tuple[ChunkKey, ...] = ()
 
 
 class L1Store:

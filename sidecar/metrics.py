@@ -80,6 +80,15 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "half_open), 0 for the others", from_start=False),
     MetricSpec("kvstrata_tier_breaker_opened_total", "counter", ("tier",), "events",
                "times a shared tier's circuit breaker opened", from_start=False),
+    MetricSpec("kvstrata_tier_refreshed_total", "counter", ("tier",), "objects",
+               "objects a read found near expiry and copied onto themselves to keep them "
+               "(S3 with refresh_after_seconds; 0 elsewhere)"),
+    MetricSpec("kvstrata_tier_refresh_dropped_total", "counter", ("tier",), "objects",
+               "refreshes dropped because refresh_queue_depth were already waiting"),
+    MetricSpec("kvstrata_tier_server_evicted_keys", "gauge", ("tier",), "keys",
+               "the shared server's own count of keys it evicted for maxmemory (Valkey INFO "
+               "stats evicted_keys, read at scrape; all KVCaches on that server; resets "
+               "when the server restarts)", from_start=False),
     MetricSpec("kvstrata_corrupt_objects_total", "counter", ("tier",), "objects",
                "objects refused by their checksum"),
     MetricSpec("kvstrata_tier_errors_total", "counter", ("tier", "kind"), "operations",
@@ -109,6 +118,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "partial chunks removed because the full chunk covering them was stored"),
     MetricSpec("kvstrata_partial_hits_total", "counter", (), "lookups",
                "lookups that found a partial chunk after the full prefix"),
+    MetricSpec("kvstrata_partial_superseded_deleted_total", "counter", (), "chunks",
+               "partial chunk keys deleted from the shared tier once the chunk superseding "
+               "them was written there (absent keys included)"),
     MetricSpec("kvstrata_partial_mismatch_total", "counter", (), "chunks",
                "reads refused because the object's block count was not the one expected"),
 )  # fmt: skip
@@ -255,6 +267,8 @@ _TIER_VALUES: dict[str, Callable[[Any], float]] = {
     "kvstrata_write_queue_dropped_total": lambda t: t.dropped_total,
     "kvstrata_tier_degraded": lambda t: 1 if t.degraded else 0,
     "kvstrata_corrupt_objects_total": lambda t: t.corrupt_total,
+    "kvstrata_tier_refreshed_total": lambda t: t.refreshed_total,
+    "kvstrata_tier_refresh_dropped_total": lambda t: t.refresh_dropped_total,
 }
 
 
@@ -271,6 +285,11 @@ def _tier_metrics(stats: EngineStats) -> Iterator[Metric]:
             tier_errors.add_metric([tier_name, kind], n)
     yield from families.values()
     yield tier_errors
+    evicted = _gauge("kvstrata_tier_server_evicted_keys")
+    for tier_name, tier in stats.tiers.items():
+        if tier.server_evicted_keys is not None:
+            evicted.add_metric([tier_name], tier.server_evicted_keys)
+    yield evicted
     yield from _breaker_metrics(stats)
 
 
@@ -306,6 +325,7 @@ _ENGINE_COUNTERS = {
     "partial_dropped_total": "kvstrata_partial_dropped_total",
     "partial_hits_total": "kvstrata_partial_hits_total",
     "partial_mismatch_total": "kvstrata_partial_mismatch_total",
+    "partial_superseded_deleted_total": "kvstrata_partial_superseded_deleted_total",
 }
 
 

@@ -70,15 +70,8 @@ def encode(
 
     Returned as two pieces so uncompressed payloads are never copied.
     """
-    if len(meta.shape) > MAX_NDIM:
-        raise ValueError(f"shape has {len(meta.shape)} dims; at most {MAX_NDIM}")
-    if len(key) > 255:
-        raise ValueError("key longer than 255 bytes")
+    check_meta(key, meta)
     dtype = meta.dtype.encode("ascii")
-    if len(dtype) > 16:
-        raise ValueError(f"dtype name {meta.dtype!r} longer than 16 bytes")
-    if not 0 <= meta.blocks <= 0xFFFF:
-        raise ValueError(f"block count {meta.blocks} out of range")
     raw = memoryview(payload).cast("B")
     stored = compress(codec, raw)
     if codec != "none" and len(stored) >= len(raw):
@@ -99,6 +92,18 @@ def encode(
     header_checksum = xxhash.xxh3_64_intdigest(fixed_wo_hc + tail)
     header = fixed_wo_hc + struct.pack("<Q", header_checksum) + tail
     return [header, stored]
+
+
+def check_meta(key: bytes, meta: ChunkMeta) -> None:
+    """Raise ``ValueError`` for what :func:`encode` cannot write (cheap: no payload read)."""
+    if len(meta.shape) > MAX_NDIM:
+        raise ValueError(f"shape has {len(meta.shape)} dims; at most {MAX_NDIM}")
+    if len(key) > 255:
+        raise ValueError("key longer than 255 bytes")
+    if len(meta.dtype.encode("ascii")) > 16:
+        raise ValueError(f"dtype name {meta.dtype!r} longer than 16 bytes")
+    if not 0 <= meta.blocks <= 0xFFFF:
+        raise ValueError(f"block count {meta.blocks} out of range")
 
 
 def encode_bytes(

@@ -24,8 +24,11 @@ Bounded storage: a store names the partial keys it supersedes
 for a partial, every partial inside it for a full chunk. Those found as
 partials in L1 or L2 are removed from every tier and counted
 (``partial_replaced_total`` / ``partial_dropped_total``), so one prefix
-keeps at most one partial per chunk position. Partials another sidecar wrote
-to the shared tier and this one never saw age out with that tier's eviction.
+keeps at most one partial per chunk position. In the shared tier, where other
+sidecars' partials live too, the store's deepest chunk carries the covered
+keys (``Entry.supersedes``) and write-behind deletes them there once that
+chunk is written (``partial_superseded_deleted_total``: keys sent for
+deletion, absent ones included).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ PARTIAL_COUNTERS = (
     "partial_dropped_total",
     "partial_hits_total",
     "partial_mismatch_total",
+    "partial_superseded_deleted_total",
 )
 
 

@@ -66,6 +66,7 @@ class WriteBehind:
         self._lock = lock
         self._count = count
         self._l2 = l2
+        self._shared = shared
         self._admit_all = config.shared.admission == "all"
         self.pinned = 0
         self._pin_limit = int(arena.size * WRITEBACK_PIN_FRACTION)
@@ -179,13 +180,21 @@ class WriteBehind:
 
     def _done_callback(self, entry: Entry, shared: bool) -> Callable[[bool], None]:
         def done(ok: bool) -> None:
+            superseded: tuple[ChunkKey, ...] = ()
             with self._lock:
                 self.pinned -= entry.length
                 self._store.unpin(entry)
                 if ok and shared:
                     self.note_shared(entry.key)
+                    superseded, entry.supersedes = entry.supersedes, ()
+                    if superseded:
+                        self._count("partial_superseded_deleted_total", len(superseded))
                 if ok:  # not after a drop: that would cascade through the backlog
                     self._drain_backlog()
+            if superseded and self._shared is not None:
+                # On the writer's thread, after the chunk that replaces them
+                # is there: a reader meanwhile finds one or the other.
+                self._shared.remove_many(superseded)
             self.submit()
 
         return done

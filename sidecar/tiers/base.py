@@ -59,6 +59,11 @@ class TierStats:
     # A shared tier's circuit breaker ("" for tiers without one).
     breaker_state: str = ""  # closed | open | half_open
     breaker_opened_total: int = 0
+    # S3: objects copied onto themselves to push their expiry back (tiers.s3refresh).
+    refreshed_total: int = 0
+    refresh_dropped_total: int = 0
+    # Valkey: the server's own evicted_keys (INFO stats); None for other tiers.
+    server_evicted_keys: int | None = None
 
     def count_error(self, kind: str) -> None:
         self.errors_total[kind] = self.errors_total.get(kind, 0) + 1
@@ -88,6 +93,11 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def remove(self, key: ChunkKey) -> None:
         """Forget one object; absent keys are fine."""
+
+    def remove_many(self, keys: Sequence[ChunkKey]) -> None:
+        """``remove`` for a batch; remote tiers send one request."""
+        for key in keys:
+            self.remove(key)
 
     @abc.abstractmethod
     def clear(self) -> None:

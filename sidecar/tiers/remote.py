@@ -2,8 +2,10 @@
 
 Both keep the same counters, guard every call with a :class:`CircuitBreaker`
 (while it is open a call answers miss / False without touching the network
-and counts ``errors_total["breaker_open"]``), encode objects before the
-breaker is asked (bad meta raises ``ValueError`` even while it is open),
+and counts ``errors_total["breaker_open"]``), check each object's meta
+before the breaker is asked (bad meta raises ``ValueError`` even while it
+is open) and let the backend choose where objects are encoded (S3: on
+each upload's thread),
 and treat a fetched value that fails validation the same way: counted in
 ``corrupt_total``, deleted, answered as a miss. :class:`RemoteTier` holds
 that contract once; a backend supplies only its I/O (the ``_exists``,
@@ -16,22 +18,42 @@ from __future__ import annotations
 import abc
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvstrata.sidecar.config import SharedConfig
 from kvstrata.sidecar.keys import ChunkKey
-from kvstrata.sidecar.objformat import ChunkMeta, CorruptObjectError, DecodedObject, decode, encode
+from kvstrata.sidecar.objformat import (
+    ChunkMeta,
+    CorruptObjectError,
+    DecodedObject,
+    check_meta,
+    decode,
+    encode,
+)
 from kvstrata.sidecar.tiers.base import Tier, TierStats
 from kvstrata.sidecar.tiers.breaker import CircuitBreaker
 
 logger = logging.getLogger(__name__)
 
-# A fetched value: its bytes, or None / the exception when it is missing or
-# the fetch failed (a failure is already counted by then).
-Fetched = bytes | memoryview | BaseException | None
+
+@dataclass(frozen=True, slots=True)
+class Validated:
+    """A fetched object the backend already decoded and checked on its own
+    thread (so one object's checksum runs while others are still arriving)."""
+
+    obj: DecodedObject
+    nbytes: int  # the stored object's length (retrieved_bytes_total)
+
+
+# A fetched value: its bytes (or already validated), or None / the exception
+# when it is missing or the fetch failed (a failure is already counted by then).
+Fetched = bytes | memoryview | Validated | BaseException | None
 # A stored object's outcome: True stored, False already there (deduplicated),
 # an exception when it was not stored (already counted).
 Stored = bool | BaseException
+# Encodes one object (checksum, codec) when called: its buffers, in order.
+Encoder = Callable[[], list[bytes | memoryview]]
 
 
 def read_secret(path: str, field: str) -> str:
@@ -69,14 +91,23 @@ class RemoteTier(Tier):
         """The stored values of ``names``, each as :data:`Fetched` says."""
 
     @abc.abstractmethod
-    def _store_many(
-        self, names: Sequence[str], encoded: Sequence[list[bytes | memoryview]]
-    ) -> list[Stored]:
-        """Write each encoded object unless it exists; one :data:`Stored` each."""
+    def _store_many(self, names: Sequence[str], objects: Sequence[Encoder]) -> list[Stored]:
+        """Write each object unless it exists; one :data:`Stored` each.
+
+        ``objects[i]()`` encodes object i; call each once, where the encoding
+        should run: a backend that uploads objects on threads of its own
+        encodes each on its upload's thread, so one object's checksum runs
+        while others are on the wire instead of all of them before the first.
+        """
 
     @abc.abstractmethod
     def _delete(self, name: str) -> None:
         """Delete one object; a failure is counted, never raised."""
+
+    def _delete_many(self, names: Sequence[str]) -> None:
+        """Delete several objects (one call where the backend allows); never raises."""
+        for name in names:
+            self._delete(name)
 
     @abc.abstractmethod
     def _clear(self) -> None:
@@ -115,14 +146,26 @@ class RemoteTier(Tier):
         if not items:
             return []
         # Bad meta raises ValueError before anything is sent.
-        encoded = [encode(bytes(k), payload, meta, self._codec) for k, payload, meta in items]
+        for key, _, meta in items:
+            check_meta(bytes(key), meta)
         if not self._allow():
             return [False] * len(items)
-        outcomes = self._store_many([self._name(k) for k, _, _ in items], encoded)
+        sizes = [0] * len(items)
+
+        def encoder(i: int, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta) -> Encoder:
+            def run() -> list[bytes | memoryview]:
+                parts = encode(bytes(key), payload, meta, self._codec)
+                sizes[i] = sum(len(p) for p in parts)
+                return parts
+
+            return run
+
+        encoders = [encoder(i, *item) for i, item in enumerate(items)]
+        outcomes = self._store_many([self._name(k) for k, _, _ in items], encoders)
         with self._lock:
-            for parts, outcome in zip(encoded, outcomes, strict=True):
+            for size, outcome in zip(sizes, outcomes, strict=True):
                 if outcome is True:
-                    self._stats.stored_bytes_total += sum(len(p) for p in parts)
+                    self._stats.stored_bytes_total += size
                 elif outcome is False:  # another writer stored this chunk first
                     self._stats.deduplicated_total += 1
         return [isinstance(o, bool) for o in outcomes]
@@ -130,6 +173,10 @@ class RemoteTier(Tier):
     def remove(self, key: ChunkKey) -> None:
         if self._allow():
             self._delete(self._name(key))
+
+    def remove_many(self, keys: Sequence[ChunkKey]) -> None:
+        if keys and self._allow():
+            self._delete_many([self._name(k) for k in keys])
 
     def clear(self) -> None:
         if self._allow():
@@ -168,6 +215,11 @@ class RemoteTier(Tier):
         if blob is None or isinstance(blob, BaseException):
             self._count(misses=1)
             return None
+        if isinstance(blob, Validated):
+            with self._lock:
+                self._stats.hits_total += 1
+                self._stats.retrieved_bytes_total += blob.nbytes
+            return blob.obj
         try:
             obj = decode(blob, expected_key=bytes(key))
         except CorruptObjectError as exc:

@@ -20,11 +20,19 @@ deadline: a stalled endpoint costs one deadline, then a miss). Lookups
 send their HEADs concurrently and answer False for any key not answered
 within ``lookup_timeout_seconds``. Consecutive failures open the same
 :class:`CircuitBreaker` as the Valkey tier.
+
+Bounded storage: the operator applies an expiry (a bucket lifecycle rule on
+the prefix) and a size cap (its sweeper deletes the least recently modified
+objects); with ``refresh_after_seconds`` set, reads keep the objects they
+touch young (:mod:`.s3refresh`). A chunk that supersedes partial chunks
+deletes them here once it is written (:meth:`S3Tier.remove_many`, one
+DeleteObjects call).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import datetime as dt
 import io
 import logging
 from collections.abc import Callable, Sequence
@@ -37,7 +45,17 @@ from boto3.s3.transfer import TransferConfig
 
 from kvstrata.sidecar.config import S3Config, SharedConfig
 from kvstrata.sidecar.keys import ChunkKey, key_hex
-from kvstrata.sidecar.tiers.remote import Fetched, RemoteTier, Stored, read_secret
+from kvstrata.sidecar.objformat import CorruptObjectError, decode
+from kvstrata.sidecar.tiers.base import TierStats
+from kvstrata.sidecar.tiers.remote import (
+    Encoder,
+    Fetched,
+    RemoteTier,
+    Stored,
+    Validated,
+    read_secret,
+)
+from kvstrata.sidecar.tiers.s3refresh import Refresher
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +146,11 @@ def _is_missing(exc: BaseException) -> bool:
     return _error_code(exc) in _MISSING_CODES
 
 
+def _modified(future: cf.Future[Any]) -> dt.datetime | None:
+    """The LastModified of a finished HEAD's response."""
+    return future.result().get("LastModified")
+
+
 class _PartsBody(io.RawIOBase):
     """A seekable read-only file over header + payload buffers.
 
@@ -205,6 +228,15 @@ class S3Tier(RemoteTier):
         self._lookups = cf.ThreadPoolExecutor(
             max_workers=lookup_threads(self._config), thread_name_prefix="kvstrata-s3-head"
         )
+        self._refresher: Refresher | None = None
+        if self._config.refresh_after_seconds is not None:
+            self._refresher = Refresher(
+                self._refresh,
+                after_seconds=self._config.refresh_after_seconds,
+                per_second=self._config.refresh_per_second,
+                depth=self._config.refresh_queue_depth,
+                on_error=self._refresh_failed,
+            )
         self._bucket_ready = not self._config.create_bucket
         if self._config.create_bucket:
             self._ensure_bucket_guarded()
@@ -315,7 +347,7 @@ class S3Tier(RemoteTier):
             future.cancel()
         answers: list[bool] = []
         failure: BaseException | None = None
-        for future in futures:
+        for key, future in zip(keys, futures, strict=True):
             if future not in done:
                 answers.append(False)
                 continue
@@ -323,6 +355,9 @@ class S3Tier(RemoteTier):
             if exc is not None and not _is_missing(exc):
                 failure = exc
             answers.append(exc is None)
+            if exc is None and self._refresher is not None:
+                # A lookup is a read too: what vLLM asks for stays young.
+                self._refresher.offer(self._name(key), _modified(future))
         # A slow but answering endpoint is not a failure; silence is.
         if failure is not None or (pending and not done):
             self._failed("contains_many", [failure or _DeadlineExceeded("lookup deadline")])
@@ -334,12 +369,25 @@ class S3Tier(RemoteTier):
         """Concurrent GETs on the pool, all within one ``timeout_seconds`` deadline."""
         return self._run_many("get", [lambda n=n: self._download(n) for n in names])
 
-    def _store_many(
-        self, names: Sequence[str], encoded: Sequence[list[bytes | memoryview]]
-    ) -> list[Stored]:
-        """Concurrent uploads, each skipped when the object already exists."""
-        fns = [lambda n=n, p=p: self._store(n, p) for n, p in zip(names, encoded, strict=True)]
+    def _store_many(self, names: Sequence[str], objects: Sequence[Encoder]) -> list[Stored]:
+        """Concurrent uploads, each skipped when the object already exists; each
+        object is encoded (checksummed) on its upload's thread."""
+        fns = [lambda n=n, e=e: self._store(n, e()) for n, e in zip(names, objects, strict=True)]
         return self._run_many("put", fns)
+
+    def _delete_many(self, names: Sequence[str]) -> None:
+        """One DeleteObjects call per 1000 names; absent objects are fine."""
+        bucket = self._config.bucket
+
+        def delete() -> None:
+            for i in range(0, len(names), _DELETE_BATCH):
+                batch = [{"Key": n} for n in names[i : i + _DELETE_BATCH]]
+                self._client.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
+
+        try:
+            self._call("delete", delete)
+        except Exception:  # counted by _call
+            return
 
     def _clear(self) -> None:
         """Delete every object under ``prefix`` (list + batched DeleteObjects)."""
@@ -348,7 +396,20 @@ class S3Tier(RemoteTier):
         except Exception:  # counted by _call
             return
 
+    def stats(self) -> TierStats:
+        snap = super().stats()
+        if self._refresher is not None:
+            snap.refreshed_total = self._refresher.refreshed_total
+            snap.refresh_dropped_total = self._refresher.dropped_total
+        return snap
+
+    def drain_refreshes(self, timeout: float) -> bool:
+        """Wait until queued refreshes are done (tests, shutdown); True at once without any."""
+        return self._refresher is None or self._refresher.drain(timeout)
+
     def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._lookups.shutdown(wait=False, cancel_futures=True)
         self._client.close()
@@ -391,12 +452,36 @@ class S3Tier(RemoteTier):
         )
         return True
 
-    def _download(self, object_key: str) -> bytes:
-        """One plain GET. Parallelism comes from fetching many chunks at once
-        (:meth:`get_many`), which keeps every connection busy without the
-        per-request overhead of ranged GETs on objects of a few MiB."""
+    def _download(self, object_key: str) -> Validated | bytes:
+        """One plain GET, checked on this thread. Parallelism comes from fetching
+        many chunks at once (:meth:`get_many`), which keeps every connection busy
+        without the per-request overhead of ranged GETs on objects of a few MiB;
+        checking each object here overlaps its checksum with the other GETs.
+        A body that fails the check goes back as bytes: the caller counts and
+        deletes it (never from a pool thread, which would wait on the pool)."""
         response = self._client.get_object(Bucket=self._config.bucket, Key=object_key)
-        return response["Body"].read()
+        body = response["Body"].read()
+        if self._refresher is not None:
+            self._refresher.offer(object_key, response.get("LastModified"))
+        expected = bytes.fromhex(object_key[len(self._config.prefix) :])
+        try:
+            return Validated(decode(body, expected_key=expected), len(body))
+        except CorruptObjectError:
+            return body
+
+    def _refresh(self, object_key: str) -> None:
+        """Copy an object onto itself: same bytes, a fresh LastModified (see :mod:`.s3refresh`)."""
+        bucket = self._config.bucket
+        self._client.copy_object(
+            Bucket=bucket,
+            Key=object_key,
+            CopySource={"Bucket": bucket, "Key": object_key},
+            MetadataDirective="REPLACE",
+        )
+
+    def _refresh_failed(self, exc: BaseException) -> None:
+        if not _is_missing(exc):  # swept or expired meanwhile: nothing to keep
+            self._count_error(_error_kind(exc))
 
     def _clear_prefix(self) -> None:
         bucket = self._config.bucket

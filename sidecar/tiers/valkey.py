@@ -37,6 +37,11 @@ miss / False without touching the network. Error replies from a server
 that answers (``OOM`` when ``maxmemory`` is reached under ``noeviction``)
 are counted (``errors_total["full"]``) but do not open the breaker: reads
 still work. A cache server should run with ``maxmemory-policy allkeys-lru``.
+
+Evictions: the server evicts, not the tier, so :meth:`ValkeyTier.stats`
+reads ``evicted_keys`` from ``INFO stats`` (summed over a cluster's nodes)
+at each scrape, on the lookup client's short deadline; a server that does
+not answer keeps the last value, and an open breaker skips the call.
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ from redis.retry import Retry
 
 from kvstrata.sidecar.config import SharedConfig, ValkeyConfig
 from kvstrata.sidecar.keys import ChunkKey, key_hex
-from kvstrata.sidecar.tiers.remote import Fetched, RemoteTier, Stored, read_secret
+from kvstrata.sidecar.tiers.base import TierStats
+from kvstrata.sidecar.tiers.remote import Encoder, Fetched, RemoteTier, Stored, read_secret
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +208,7 @@ class ValkeyTier(RemoteTier):
         self._client_lock = threading.Lock()
         self._clients: dict[str, Any] = {}
         connection_kwargs(self._config, 1.0)  # refuse a bad URL or secret file now, not later
+        self._server_evicted: int | None = None
 
     # -- plumbing ---------------------------------------------------------
 
@@ -263,10 +270,9 @@ class ValkeyTier(RemoteTier):
         self._breaker.record_success()
         return blobs
 
-    def _store_many(
-        self, names: Sequence[str], encoded: Sequence[list[bytes | memoryview]]
-    ) -> list[Stored]:
+    def _store_many(self, names: Sequence[str], objects: Sequence[Encoder]) -> list[Stored]:
         """Pipelined ``SET NX`` of each object, header and payload sent unjoined."""
+        encoded = [make() for make in objects]  # one pipeline sends them all at once
         ttl = self._config.ttl_seconds
         try:
             client = self._client("io")
@@ -309,11 +315,39 @@ class ValkeyTier(RemoteTier):
             except Exception:  # closing a dead connection may fail; nothing to keep
                 logger.debug("closing valkey client failed", exc_info=True)
 
+    def stats(self) -> TierStats:
+        snap = super().stats()
+        if self._breaker.state == "closed":
+            self._server_evicted = self._read_evicted_keys(self._server_evicted)
+        snap.server_evicted_keys = self._server_evicted
+        return snap
+
+    def _read_evicted_keys(self, last: int | None) -> int | None:
+        """``evicted_keys`` of INFO stats (every node's, summed); ``last`` when unanswered."""
+        try:
+            info = self._client("lookup").info("stats")
+        except Exception as exc:  # a scrape must not fail, nor count as a tier failure
+            logger.debug("valkey INFO stats failed: %s", exc)
+            return last
+        if "evicted_keys" in info:
+            return int(info["evicted_keys"])
+        # A cluster client answers one INFO per node, keyed by node.
+        per_node = [v["evicted_keys"] for v in info.values() if isinstance(v, dict)]
+        return sum(int(n) for n in per_node if n is not None) if per_node else last
+
     # -- helpers ----------------------------------------------------------
 
     def _delete(self, name: str) -> None:
         try:
             self._client("io").delete(name)
+        except Exception as exc:
+            self._failed("delete", exc)
+        else:
+            self._breaker.record_success()
+
+    def _delete_many(self, names: Sequence[str]) -> None:
+        try:
+            self._unlink(self._client("io"), list(names))
         except Exception as exc:
             self._failed("delete", exc)
         else:

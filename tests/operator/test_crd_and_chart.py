@@ -240,6 +240,9 @@ METRICS = [
     "kvstrata_operator_admissions_total",
     "kvstrata_operator_admission_duration_seconds_bucket",
     "kvstrata_operator_managed_valkey_ready",
+    "kvstrata_operator_s3_swept_objects_total",
+    "kvstrata_tier_server_evicted_keys",
+    "kvstrata_tier_refreshed_total",
 ]
 
 
@@ -257,7 +260,7 @@ def test_the_dashboard_is_grafana_json_over_the_sidecar_metrics():
     } <= titles
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
-    found = set(re.findall(r"kvstrata_[a-z_]+", exprs))
+    found = set(re.findall(r"kvstrata_[a-z0-9_]+", exprs))
     assert found <= set(METRICS), found - set(METRICS)
 
 

@@ -11,6 +11,9 @@ setup the tests check:
   yes``, joined with ``redis-cli --cluster create`` (no replicas).
 * :class:`MotoS3Server`: moto's standalone S3 endpoint (``moto_server``) in a
   child process, so the client's GIL is not shared with the server's.
+* :class:`AgeableMotoS3`: the same endpoint on a thread of the test's own
+  process, so a test can make stored objects older (``age``): expiry and
+  LRU are about days, and a test must not wait for them.
 
 Readiness is polled with a deadline (:func:`wait_for`, the shared poller
 :func:`kvstrata.testing.poll.wait_until` set up for server probes); nothing
@@ -322,8 +325,63 @@ class MotoS3Server(_ChildServer):
         return [sys.executable, "-c", code]
 
     def _ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.endpoint_url + "/", timeout=1) as resp:
-                return resp.status < 500
-        except urllib.error.HTTPError as exc:  # any HTTP answer means it is up
-            return exc.code < 500
+        return _answers_http(self.endpoint_url)
+
+
+def _answers_http(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/", timeout=1) as resp:
+            return resp.status < 500
+    except urllib.error.HTTPError as exc:  # any HTTP answer means it is up
+        return exc.code < 500
+    except OSError:
+        return False
+
+
+class AgeableMotoS3(_Managed):
+    """moto's S3 endpoint served from a thread of this process.
+
+    The objects it stores live in this process's moto backend, so
+    :meth:`age` can move an object's ``LastModified`` into the past: the
+    server's clock, as an object sees it, jumps ahead (what days of waiting
+    would do). Everything else goes through its HTTP endpoint like any S3.
+    Use it only where a test needs :meth:`age`; :class:`MotoS3Server`
+    otherwise.
+    """
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self._server: object | None = None
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> AgeableMotoS3:
+        import logging
+
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+        server = ThreadedMotoServer(ip_address=LOOPBACK, port=self.port, verbose=False)
+        server.start()
+        self._server = server
+        wait_for(lambda: _answers_http(self.endpoint_url), timeout, "in-process moto S3")
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()  # type: ignore[attr-defined]
+            self._server = None
+
+    def age(self, bucket: str, key: str, seconds: float) -> None:
+        """Make the object ``key`` ``seconds`` older (its ``LastModified`` moves back)."""
+        import datetime as dt
+
+        from moto.core import DEFAULT_ACCOUNT_ID
+        from moto.s3.models import s3_backends
+
+        stored = s3_backends[DEFAULT_ACCOUNT_ID]["global"].get_object(bucket, key)
+        if stored is None:
+            raise KeyError(f"s3://{bucket}/{key} is not stored")
+        stored.last_modified -= dt.timedelta(seconds=seconds)

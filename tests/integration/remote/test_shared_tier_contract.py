@@ -70,6 +70,17 @@ def test_remove_forgets_one_object_and_keeps_the_rest(backend) -> None:
     assert tier.get(b) is not None
 
 
+def test_remove_many_forgets_those_objects_absent_ones_included(backend) -> None:
+    tier, _ = backend.make_tier()
+    keys = [random_key() for _ in range(5)]
+    for i, key in enumerate(keys):
+        assert tier.put(key, payload(i), META)
+    never_stored = random_key()
+    tier.remove_many([keys[0], keys[2], keys[4], never_stored])
+    assert [tier.get(k) is not None for k in keys] == [False, True, False, True, False]
+    assert tier.stats().errors_total == {}
+
+
 def test_clear_forgets_only_this_tiers_prefix(backend) -> None:
     mine, _ = backend.make_tier()
     other, _ = backend.make_tier()  # another prefix on the same server

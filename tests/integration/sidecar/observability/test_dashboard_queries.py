@@ -4,7 +4,8 @@ A real sidecar (L1 small enough to evict, L2 on disk, a real Valkey as the
 shared tier) serves a workload through a real client while Prometheus scrapes
 it every second: cold stores and lookups, repeated lookups of the same
 chunks, evictions from L1, promotions back from L2, and an outage of the
-Valkey server (killed, then restarted on the same port). Then each panel's
+Valkey server (killed, then restarted on the same port), which evicts under
+its ``maxmemory``. Then each panel's
 expressions, with the dashboard's template variables substituted as Grafana
 would, go through Prometheus's HTTP API. A query that returns nothing fails;
 values must be plausible for the panel (ratios in [0, 1], rates > 0 while
@@ -120,7 +121,9 @@ class Workload:
 def observed(sidecar_factory: Any, kit: Any, tmp_path: Path, prometheus_factory: Any) -> Iterator:
     from kvstrata.testing.servers import RedisServer
 
-    with RedisServer(tmp_path / "valkey") as valkey:
+    # A small maxmemory under allkeys-lru: the server evicts, as a cache server does.
+    lru = ("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
+    with RedisServer(tmp_path / "valkey", extra_args=lru) as valkey:
         shared = {
             "backend": "valkey",
             "valkey": {"url": valkey.url, "key_prefix": f"obs-{uuid.uuid4().hex[:8]}:"},
@@ -147,6 +150,7 @@ def operator_activity() -> Iterator[int]:
     every 0.2 s while the test runs; the handlers' own counting is tested in
     tests/operator/test_operator_metrics.py."""
     from kvstrata.operator.metrics import OperatorMetrics, serve
+    from kvstrata.operator.s3bounds import Sweep
     from kvstrata.testing.servers import free_port
 
     metrics, port = OperatorMetrics(), free_port()
@@ -161,6 +165,8 @@ def operator_activity() -> Iterator[int]:
             metrics.record_admission("injected" if ticks % 4 else "skipped", "kvcache_not_found",
                                      0.002)  # fmt: skip
             metrics.set_valkey_ready("ml", "demo", ticks > 10)
+            swept = ticks % 2
+            metrics.record_sweep("ml", "demo", Sweep(10 + ticks, 4096, swept, 128 * swept))
 
     thread = threading.Thread(target=record, daemon=True)
     thread.start()
@@ -241,6 +247,12 @@ def test_every_dashboard_query_returns_plausible_data(observed: Any) -> None:
     assert max(v for _, v in during["valkey"]) == 1.0, f"the outage did not show: {during}"
     after = per_series(prom.query_range(health, end - 2, end), "tier")
     assert all(v == 0.0 for _, v in after["valkey"]), f"the recovery did not show: {after}"
+
+    # The server evicted (maxmemory, allkeys-lru) and the panel shows it.
+    evicted, _ = panel_targets(panels, "Shared tier evictions and refreshes/s")
+    evictions = substitute(evicted["expr"])
+    peaks = per_series(prom.query_range(evictions, start, end), "tier")
+    assert max(v for _, v in peaks["valkey"]) > 0, f"no server evictions seen: {peaks}"
 
     # The breaker behind the panel: it opened during the outage and is closed again.
     selector = f'tier="valkey", namespace="{NAMESPACE}", pod="{POD}"'
