@@ -308,12 +308,17 @@ class KVStrataWorker:
         if meta is None or not meta.saves or self.layout is None:
             return
         started = time.perf_counter()
+        if not self.client.write_budget:
+            # The budget is learnt at HELLO: sized without it, a first save
+            # (on a session not yet set up) asked for the whole step in one
+            # call and the sidecar refused what went beyond its share.
+            self.client.ping()
         for group, layout in enumerate(self.layouts):
             chunks = [c for req in meta.saves for c in req.chunks if c.group == group]
             full = [c for c in chunks if not c.partial]
             # As many chunks per round trip as the sidecar lets one session hold
             # uncommitted (it skips the rest): usually the whole step at once.
-            budget = self.client.write_budget  # 0 until the first HELLO: try the whole step
+            budget = self.client.write_budget  # 0 only while the sidecar cannot be reached
             per_call = max(1, budget // layout.chunk_nbytes) if budget else len(full) or 1
             batches = [(full[i : i + per_call], 0) for i in range(0, len(full), per_call)]
             # Partial chunks (one per prompt, its own block count): host mode only.
