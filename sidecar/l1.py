@@ -88,14 +88,21 @@ class L1Store:
         return self.allocator.size
 
     def reserve(
-        self, key: ChunkKey, nbytes: int, meta: ChunkMeta, parent: ChunkKey | None = None
+        self,
+        key: ChunkKey,
+        nbytes: int,
+        meta: ChunkMeta,
+        parent: ChunkKey | None = None,
+        read_now: bool = False,
     ) -> Entry | None:
         """A WRITING entry with one pin, evicting unpinned READY entries as
-        needed; None when the key exists or nothing more can be evicted."""
+        needed; None when the key exists or nothing more can be evicted.
+        ``read_now``: a promotion a reader waits for, which a partial chunk
+        may make room for like any chunk (its lookup already answered a hit)."""
         if key in self.entries or nbytes > self.allocator.size:
             return None
         namespace = key[:FINGERPRINT_BYTES]
-        partial = meta.blocks > 0  # see the module docstring
+        partial = meta.blocks > 0 and not read_now  # see the module docstring
         if self.namespace_quota is not None and not self._within_quota(namespace, nbytes, partial):
             return None
         offset = self.allocator.alloc(nbytes)

@@ -73,7 +73,7 @@ class Promotion:
     ) -> tuple[Entry | None, Slot | None]:
         """(entry to fill, None) or (None, a read lease when it appeared meanwhile)."""
         with self._lock:
-            entry = self._store.reserve(key, nbytes, meta)
+            entry = self._store.reserve(key, nbytes, meta, read_now=True)
             if entry is not None:
                 entry.promoting = True
                 return entry, None

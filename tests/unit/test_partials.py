@@ -154,3 +154,15 @@ def test_a_full_chunk_still_evicts_in_policy_order_partials_included():
     store.policy.on_access(older)  # the partial is now the coldest
     assert _put(store, make_key(302), FULL)
     assert tail not in store.entries and older in store.entries
+
+
+def test_a_partial_chunk_promoted_for_a_reader_may_evict_a_full_chunk():
+    """A promotion answers a hit a lookup already gave: refusing it would turn
+    that hit into a load error."""
+    store = _l1_of(2)
+    full = [make_key(400), make_key(401)]
+    for key in full:
+        assert _put(store, key, FULL)
+    entry = store.reserve(make_key(402), CHUNK_BYTES, partial(2), read_now=True)
+    assert entry is not None
+    assert sum(key in store.entries for key in full) == 1
