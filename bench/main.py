@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "transfer": "paged KV <-> chunk buffers (torch, csrc kernels) vs a plain copy",
     "scheduler": "vLLM scheduler time per step: healthy, stopped, absent sidecar vs none",
     "loads": "other requests' latency while a hit loads from a slow tier: inline vs background",
+    "serve": "vllm serve + vLLM's own bench client: kvstrata vs vLLM alone, same CPU binding",
 }
 
 
@@ -25,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for smoke runs")
     parser.add_argument("--out", help="also write the JSON object to this file")
+    parser.add_argument(
+        "--param",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a benchmark's own setting (serve: model and workload sizes, see bench/serve.py)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

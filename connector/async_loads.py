@@ -10,7 +10,10 @@ through ``get_finished``.
 
 How: one daemon thread per worker with a sidecar session of its own (a read
 that waits for a promotion never holds the socket the step's own calls
-use), whose call deadline is the whole ``load_timeout_seconds``. The async
+use), whose call deadline is the whole ``load_timeout_seconds``. The thread
+sets its session up before it takes any job (HELLO, the arena mapped and,
+on CUDA, registered for DMA): the worker starts it when vLLM registers its
+KV, so a new replica's first parked request does not wait for that. The async
 loads of one step are one job: one PREPARE_RETRIEVE (one run per request),
 the copies into vLLM's KV -- inline on the CPU; on a CUDA stream of our own
 that first waits for what vLLM had queued when the step began, then
@@ -168,7 +171,20 @@ class AsyncLoads:
 
     # -- the loader thread ------------------------------------------------------
 
+    @property
+    def client(self) -> SidecarClient:
+        return self.reads.client
+
+    def _set_up(self) -> None:
+        """Connect and map the arena now (a sidecar not up yet: the first job retries)."""
+        try:
+            if self.reads.client.ping():
+                self.reads.arena()
+        except Exception:  # never fatal: the first job sets the session up again
+            logger.exception("kvstrata: the background loader could not set its session up")
+
     def _run(self) -> None:
+        self._set_up()
         while True:
             job = self._jobs.get()
             if job is None:

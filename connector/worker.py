@@ -111,7 +111,8 @@ class KVStrataWorker:
         # Loads vLLM waits for, on our main session; leases held until the copies end.
         self.reads = LeasedReads(self.client, self._fingerprints, self.copies)
         # Loads vLLM lets finish in the background (load_kv_async), on a session
-        # and thread of their own, made at the first; reported via get_finished.
+        # and thread of their own, set up when the KV is registered; reported
+        # via get_finished.
         self.reports = LoadReports(whole_requests=len(settings.groups) > 1)
         self._background: AsyncLoads | None = None
         self._ipc_registration: p.RegisterKVRequest | None = None  # ipc mode's KV handles
@@ -163,6 +164,7 @@ class KVStrataWorker:
             merged = layout.plan.num_layers != len(layout.layer_names)  # coalesced into one
             for i, name in enumerate(layout.layer_names):
                 self._layer_index[name] = offset + (0 if merged else i)
+        self._start_loader()
         logger.info(
             "kvstrata: %d layers on %s, chunk of %d tokens = %d bytes %s",
             len(self.layout.layers),
@@ -211,22 +213,32 @@ class KVStrataWorker:
                 self._failed_loads(req.chunks[loaded:])
         self.counters.load_seconds += time.perf_counter() - started
 
+    def _start_loader(self) -> None:
+        """The background loader for the layouts just registered, its session
+        set up at once on its own thread (HELLO, arena mapping, the arena's
+        registration with the device): made at the first async load instead,
+        that set-up sat in front of the first request a new replica parks."""
+        if self._background is not None:
+            self._background.close()
+            self._background = None
+        if self.layout is None:
+            return
+        client = self._new_client(self.settings.load_timeout_s)
+        if self._ipc() and self._ipc_registration is not None:
+            # The sidecar copies into our KV for this session too.
+            client.requested_mode = "ipc"
+            client.register_kv(self._ipc_registration)
+        self._background = AsyncLoads(
+            client,
+            self._fingerprints,
+            self.layouts,
+            self.settings.load_timeout_s,
+            self.reports,
+            ipc=client.requested_mode == "ipc",
+        )
+
     def _start_background(self, reqs: list[RequestTransfer]) -> None:
         self.counters.async_loads += len(reqs)
-        if self._background is None and self.layout is not None:
-            client = self._new_client(self.settings.load_timeout_s)
-            if self._ipc() and self._ipc_registration is not None:
-                # The sidecar copies into our KV for this session too.
-                client.requested_mode = "ipc"
-                client.register_kv(self._ipc_registration)
-            self._background = AsyncLoads(
-                client,
-                self._fingerprints,
-                self.layouts,
-                self.settings.load_timeout_s,
-                self.reports,
-                ipc=client.requested_mode == "ipc",
-            )
         if self._background is not None:
             self._background.submit(reqs)
         else:  # no usable layout: nothing loads; reported with this step's get_finished
@@ -308,12 +320,17 @@ class KVStrataWorker:
         if meta is None or not meta.saves or self.layout is None:
             return
         started = time.perf_counter()
+        if not self.client.write_budget:
+            # The budget is learnt at HELLO: sized without it, a first save
+            # (on a session not yet set up) asked for the whole step in one
+            # call and the sidecar refused what went beyond its share.
+            self.client.ping()
         for group, layout in enumerate(self.layouts):
             chunks = [c for req in meta.saves for c in req.chunks if c.group == group]
             full = [c for c in chunks if not c.partial]
             # As many chunks per round trip as the sidecar lets one session hold
             # uncommitted (it skips the rest): usually the whole step at once.
-            budget = self.client.write_budget  # 0 until the first HELLO: try the whole step
+            budget = self.client.write_budget  # 0 only while the sidecar cannot be reached
             per_call = max(1, budget // layout.chunk_nbytes) if budget else len(full) or 1
             batches = [(full[i : i + per_call], 0) for i in range(0, len(full), per_call)]
             # Partial chunks (one per prompt, its own block count): host mode only.

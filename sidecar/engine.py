@@ -99,6 +99,7 @@ class StorageManager(Promotion):
         self._leases = LeaseTable()
         self._counters: dict[str, int] = {}
         self._hits = self._misses = self._stored_bytes = self._retrieved_bytes = 0
+        self._prefetched_bytes = 0
         self.l2: DiskTier | None = None
         self.shared = shared_tier
         try:
@@ -115,7 +116,12 @@ class StorageManager(Promotion):
             self.arena.close()
             raise
         self._lookup = PrefixLookup(self._lock, self._store, self.l2, shared_tier, self._count)
-        self._prefetcher = Prefetcher(self._cond, self.acquire, self._pop_lease)
+        # A prefetch's lease only pins a chunk ahead of the read that follows
+        # (PREPARE_RETRIEVE takes its own lease): counted apart, so that
+        # retrieved bytes and hits count each read once.
+        self._prefetcher = Prefetcher(
+            self._cond, lambda key, owner: self._acquire(key, owner, prefetch=True), self._pop_lease
+        )
         self.journal = EventJournal()
         self._closed = False
 
@@ -199,12 +205,17 @@ class StorageManager(Promotion):
         self._store.unpin(entry)
         self._cond.notify_all()
 
-    def _read_lease(self, entry: Entry, owner: str) -> Slot:
-        """Caller holds the lock (and calls ``self._wb.submit()`` after it)."""
+    def _read_lease(self, entry: Entry, owner: str, prefetch: bool = False) -> Slot:
+        """Caller holds the lock (and calls ``self._wb.submit()`` after it).
+        A ``prefetch`` lease is counted as prefetched bytes, not as a hit:
+        the read that follows it is the hit."""
         entry.pins += 1
         self._store.policy.on_access(entry.key)
-        self._hits += 1
-        self._retrieved_bytes += entry.length
+        if prefetch:
+            self._prefetched_bytes += entry.length
+        else:
+            self._hits += 1
+            self._retrieved_bytes += entry.length
         self._wb.read(entry)
         return self._leases.new(entry, owner, write=False)
 
@@ -308,17 +319,17 @@ class StorageManager(Promotion):
             self._count("partial_mismatch_total")
         return None
 
-    def _acquire(self, key: ChunkKey, owner: str) -> Slot | None:
+    def _acquire(self, key: ChunkKey, owner: str, prefetch: bool = False) -> Slot | None:
         with self._lock:
-            slot = self._acquire_local(key, owner)
-            if slot is None and key not in self._store.entries:
+            slot = self._acquire_local(key, owner, prefetch)
+            if slot is None and key not in self._store.entries and not prefetch:
                 self._misses += 1
         self._wb.submit()
         if slot is not None or key in self._store.entries:
             return slot
-        return self._promote(key, owner)
+        return self._promote(key, owner, prefetch)
 
-    def _acquire_local(self, key: ChunkKey, owner: str) -> Slot | None:
+    def _acquire_local(self, key: ChunkKey, owner: str, prefetch: bool = False) -> Slot | None:
         """Caller holds the lock. Waits for an in-flight promotion of ``key``."""
         deadline = time.monotonic() + PROMOTION_WAIT_SECONDS
         while True:
@@ -326,7 +337,7 @@ class StorageManager(Promotion):
             if entry is None:
                 return None
             if entry.state == READY:
-                return self._read_lease(entry, owner)
+                return self._read_lease(entry, owner, prefetch)
             if not entry.promoting:
                 return None  # a client is still writing it: a miss for now
             left = deadline - time.monotonic()
@@ -421,7 +432,7 @@ class StorageManager(Promotion):
                     continue
                 entry = self._store.entries.get(key)
                 if entry is not None and entry.state == READY:
-                    self._read_lease(entry, owner)
+                    self._read_lease(entry, owner, prefetch=True)
                 elif entry is not None or self.shared is not None or self._in_l2(key):
                     to_fetch.append(key)
                 else:
@@ -489,6 +500,7 @@ class StorageManager(Promotion):
             counters["writeback_pinned_bytes"] = self._wb.pinned
             counters["writeback_backlog"] = self._wb.backlog
             counters["l1_free_largest_bytes"] = store.allocator.largest_free
+            counters["prefetched_bytes_total"] = self._prefetched_bytes
         tiers = {"l1": l1}
         for tier in (self.l2, self.shared):
             if tier is not None:

@@ -15,6 +15,14 @@ model, one tenant) holds at most that many bytes; a store beyond it evicts
 that namespace's own chunks first (in policy order), never another's, and
 is refused when they are all pinned.
 
+A partial chunk (a prompt's tail after its last full chunk, ``meta.blocks``
+> 0) takes free space or evicts other partial chunks only, never a full
+chunk: every prompt leaves one, few are ever read again (only when a later
+prompt extends that exact one, as a conversation's next turn does), and
+under a small L1 they would push out full chunks that later prompts hit.
+Full chunks evict in policy order, partials included, so a partial that a
+conversation keeps using stays while it is warm.
+
 An entry is WRITING from ``reserve`` until ``publish`` (only its writer
 sees it), then READY. ``pins`` counts leases and internal holds
 (write-behind, prefetch); a pinned entry is never evicted and its extent
@@ -83,18 +91,26 @@ class L1Store:
         return self.allocator.size
 
     def reserve(
-        self, key: ChunkKey, nbytes: int, meta: ChunkMeta, parent: ChunkKey | None = None
+        self,
+        key: ChunkKey,
+        nbytes: int,
+        meta: ChunkMeta,
+        parent: ChunkKey | None = None,
+        read_now: bool = False,
     ) -> Entry | None:
         """A WRITING entry with one pin, evicting unpinned READY entries as
-        needed; None when the key exists or nothing more can be evicted."""
+        needed; None when the key exists or nothing more can be evicted.
+        ``read_now``: a promotion a reader waits for, which a partial chunk
+        may make room for like any chunk (its lookup already answered a hit)."""
         if key in self.entries or nbytes > self.allocator.size:
             return None
         namespace = key[:FINGERPRINT_BYTES]
-        if self.namespace_quota is not None and not self._within_quota(namespace, nbytes):
+        partial = meta.blocks > 0 and not read_now  # see the module docstring
+        if self.namespace_quota is not None and not self._within_quota(namespace, nbytes, partial):
             return None
         offset = self.allocator.alloc(nbytes)
         if offset is None:
-            offset = self._evict_until_fits(nbytes)
+            offset = self._evict_until_fits(nbytes, partial)
             if offset is None:
                 return None
         entry = Entry(key, offset, nbytes, meta, parent, pins=1)
@@ -102,8 +118,9 @@ class L1Store:
         self.namespace_bytes[namespace] = self.namespace_bytes.get(namespace, 0) + nbytes
         return entry
 
-    def _within_quota(self, namespace: bytes, nbytes: int) -> bool:
-        """Evict this namespace's own unpinned chunks until ``nbytes`` more fit its quota."""
+    def _within_quota(self, namespace: bytes, nbytes: int, partials_only: bool) -> bool:
+        """Evict this namespace's own unpinned chunks (only partial ones with
+        ``partials_only``) until ``nbytes`` more fit its quota."""
         quota = self.namespace_quota
         assert quota is not None  # the caller checks
         if nbytes > quota:
@@ -114,8 +131,9 @@ class L1Store:
             if victim[:FINGERPRINT_BYTES] != namespace:
                 continue
             entry = self.entries.get(victim)
-            if entry is None or entry.pins or entry.state != READY:
+            if not self._evictable(entry, partials_only):
                 continue
+            assert entry is not None  # _evictable says so
             self._drop(entry)
             self.evictions_total += 1
             self.evicted_bytes_total += entry.length
@@ -123,12 +141,19 @@ class L1Store:
                 return True
         return False
 
-    def _evict_until_fits(self, nbytes: int) -> int | None:
+    @staticmethod
+    def _evictable(entry: Entry | None, partials_only: bool) -> bool:
+        if entry is None or entry.pins or entry.state != READY:
+            return False
+        return not partials_only or entry.meta.blocks > 0
+
+    def _evict_until_fits(self, nbytes: int, partials_only: bool) -> int | None:
         entries = self.entries
         for victim in self.policy.victims():
             entry = entries.get(victim)
-            if entry is None or entry.pins or entry.state != READY:
+            if not self._evictable(entry, partials_only):
                 continue
+            assert entry is not None  # _evictable says so
             self._drop(entry)
             self.evictions_total += 1
             self.evicted_bytes_total += entry.length

@@ -98,6 +98,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "L1 bytes pinned until their write-behind ends"),
     MetricSpec("kvstrata_prefetch_chunks_total", "counter", (), "chunks",
                "chunks scheduled for prefetch"),
+    MetricSpec("kvstrata_prefetched_bytes_total", "counter", (), "bytes",
+               "bytes a lookup's prefetch pinned in L1 ahead of the read that follows (that "
+               "read is counted in kvstrata_retrieved_bytes_total, the prefetch only here)"),
     MetricSpec("kvstrata_leases_expired_total", "counter", (), "leases",
                "leases dropped after lease_seconds"),
     MetricSpec("kvstrata_store_rejected_total", "counter", (), "chunks",
@@ -315,6 +318,7 @@ def _breaker_metrics(stats: EngineStats) -> Iterator[Metric]:
 # Always exposed (0 before the first event), so rates and alerts never see gaps.
 _ENGINE_COUNTERS = {
     "prefetch_chunks_total": "kvstrata_prefetch_chunks_total",
+    "prefetched_bytes_total": "kvstrata_prefetched_bytes_total",
     "leases_expired_total": "kvstrata_leases_expired_total",
     "store_rejected_total": "kvstrata_store_rejected_total",
     "store_deduplicated_total": "kvstrata_store_deduplicated_total",

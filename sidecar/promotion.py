@@ -49,39 +49,40 @@ class Promotion:
     def _count(self, name: str, n: int = 1) -> None:
         raise NotImplementedError
 
-    def _acquire_local(self, key: ChunkKey, owner: str) -> Slot | None:
+    def _acquire_local(self, key: ChunkKey, owner: str, prefetch: bool = False) -> Slot | None:
         raise NotImplementedError
 
-    def _read_lease(self, entry: Entry, owner: str) -> Slot:
+    def _read_lease(self, entry: Entry, owner: str, prefetch: bool = False) -> Slot:
         raise NotImplementedError
 
     def _abort_entry(self, entry: Entry) -> None:
         raise NotImplementedError
 
-    def _promote(self, key: ChunkKey, owner: str) -> Slot | None:
+    def _promote(self, key: ChunkKey, owner: str, prefetch: bool = False) -> Slot | None:
+        """``prefetch``: the read lease handed back is a prefetch's (counted apart)."""
         if self.l2 is not None:
-            slot = self._promote_from_l2(key, owner)
+            slot = self._promote_from_l2(key, owner, prefetch)
             if slot is not None:
                 return slot
         if self.shared is not None:
-            return self._promote_from_shared(key, owner)
+            return self._promote_from_shared(key, owner, prefetch)
         return None
 
     def _reserve_promotion(
-        self, key: ChunkKey, nbytes: int, meta: ChunkMeta, owner: str
+        self, key: ChunkKey, nbytes: int, meta: ChunkMeta, owner: str, prefetch: bool
     ) -> tuple[Entry | None, Slot | None]:
         """(entry to fill, None) or (None, a read lease when it appeared meanwhile)."""
         with self._lock:
-            entry = self._store.reserve(key, nbytes, meta)
+            entry = self._store.reserve(key, nbytes, meta, read_now=True)
             if entry is not None:
                 entry.promoting = True
                 return entry, None
-            slot = self._acquire_local(key, owner)
+            slot = self._acquire_local(key, owner, prefetch)
         self._wb.submit()
         return None, slot
 
     def _finish_promotion(
-        self, entry: Entry, meta: ChunkMeta, owner: str, tier: str
+        self, entry: Entry, meta: ChunkMeta, owner: str, tier: str, prefetch: bool
     ) -> Slot | None:
         with self._lock:
             entry.promoting = False
@@ -95,18 +96,18 @@ class Promotion:
             self._store.publish(entry)
             self._count(f"promotions_total_{tier}")
             self._wb.promoted(entry, tier)
-            slot = self._read_lease(entry, owner)
+            slot = self._read_lease(entry, owner, prefetch)
             self._store.unpin(entry)  # the fill pin; the read lease keeps its own
         self._wb.submit()
         return slot
 
-    def _promote_from_l2(self, key: ChunkKey, owner: str) -> Slot | None:
+    def _promote_from_l2(self, key: ChunkKey, owner: str, prefetch: bool) -> Slot | None:
         if self.l2 is None:
             return None
         info = self.l2.peek(key)
         if info is None:
             return None
-        entry, slot = self._reserve_promotion(key, info.payload_bytes, info.meta, owner)
+        entry, slot = self._reserve_promotion(key, info.payload_bytes, info.meta, owner, prefetch)
         if entry is None:
             return slot
         view = self._buf[entry.offset : entry.offset + entry.length]
@@ -120,9 +121,9 @@ class Promotion:
                 self._count("promotion_failed_total")
                 self._abort_entry(entry)
             return None
-        return self._finish_promotion(entry, meta, owner, "l2")
+        return self._finish_promotion(entry, meta, owner, "l2", prefetch)
 
-    def _promote_from_shared(self, key: ChunkKey, owner: str) -> Slot | None:
+    def _promote_from_shared(self, key: ChunkKey, owner: str, prefetch: bool) -> Slot | None:
         if self.shared is None:
             return None
         try:
@@ -133,8 +134,8 @@ class Promotion:
         if obj is None:
             return None
         payload = memoryview(obj.payload).cast("B")
-        entry, slot = self._reserve_promotion(key, len(payload), obj.meta, owner)
+        entry, slot = self._reserve_promotion(key, len(payload), obj.meta, owner, prefetch)
         if entry is None:
             return slot
         self._buf[entry.offset : entry.offset + entry.length] = payload
-        return self._finish_promotion(entry, obj.meta, owner, self.shared.name)
+        return self._finish_promotion(entry, obj.meta, owner, self.shared.name, prefetch)

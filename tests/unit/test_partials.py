@@ -95,3 +95,74 @@ def test_a_partial_chunk_takes_only_its_own_bytes_in_l1(make_engine):
     key = make_key(31)
     put_partial(engine, key, 1)
     assert engine.stats().tiers["l1"].usage_bytes == 1024
+
+
+# -- admission into a full L1 ------------------------------------------------------
+
+CHUNK_BYTES = 4096
+
+
+def _l1_of(chunks: int, policy: str = "lru"):
+    from kvstrata.sidecar.l1 import L1Store
+
+    return L1Store(chunks * CHUNK_BYTES, policy=policy)
+
+
+def _put(store, key, meta: ChunkMeta, nbytes: int = CHUNK_BYTES) -> bool:
+    entry = store.reserve(key, nbytes, meta)
+    if entry is None:
+        return False
+    store.publish(entry)
+    store.unpin(entry)
+    return True
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo", "lfu", "s3fifo"])
+def test_a_partial_chunk_never_evicts_a_full_chunk(policy):
+    store = _l1_of(4, policy)
+    full = [make_key(i) for i in range(4)]
+    for key in full:
+        assert _put(store, key, FULL)
+    # L1 is full of full chunks: the prompt's tail is not admitted.
+    assert not _put(store, make_key(100), partial(2), 2 * 1024)
+    assert all(key in store.entries for key in full)
+    assert store.evictions_total == 0
+
+
+def test_a_partial_chunk_evicts_other_partial_chunks_only():
+    store = _l1_of(4)
+    full = [make_key(i) for i in range(3)]
+    for key in full:
+        assert _put(store, key, FULL)
+    tails = [make_key(200), make_key(201)]
+    for key in tails:
+        assert _put(store, key, partial(2), CHUNK_BYTES // 2)
+    # L1 is full; the least recently used entries are full chunks.
+    newer = make_key(202)
+    assert _put(store, newer, partial(3), CHUNK_BYTES // 2)
+    assert all(key in store.entries for key in full)
+    assert newer in store.entries
+    assert sum(key in store.entries for key in tails) == 1
+    assert store.evictions_total == 1
+
+
+def test_a_full_chunk_still_evicts_in_policy_order_partials_included():
+    store = _l1_of(2)
+    tail, older = make_key(300), make_key(301)
+    assert _put(store, older, FULL)
+    assert _put(store, tail, partial(2), CHUNK_BYTES)
+    store.policy.on_access(older)  # the partial is now the coldest
+    assert _put(store, make_key(302), FULL)
+    assert tail not in store.entries and older in store.entries
+
+
+def test_a_partial_chunk_promoted_for_a_reader_may_evict_a_full_chunk():
+    """A promotion answers a hit a lookup already gave: refusing it would turn
+    that hit into a load error."""
+    store = _l1_of(2)
+    full = [make_key(400), make_key(401)]
+    for key in full:
+        assert _put(store, key, FULL)
+    entry = store.reserve(make_key(402), CHUNK_BYTES, partial(2), read_now=True)
+    assert entry is not None
+    assert sum(key in store.entries for key in full) == 1

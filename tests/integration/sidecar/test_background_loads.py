@@ -240,3 +240,31 @@ def test_the_load_async_setting_and_a_failed_background_load(sidecar: Any, kit: 
         assert not never.loads_async("n")
     finally:
         never.close()
+
+
+def test_the_loader_sets_its_session_up_when_the_kv_is_registered(sidecar: Any, kit: Any) -> None:
+    """Ordered by events: the loader's HELLO comes after the KV registration
+    and before any load is asked; its first job then reuses that session."""
+    w = kit.host_worker(sidecar, model="background-test")
+    try:
+
+        def sessions() -> list[str]:
+            return [c["client_id"] for c in sidecar.status()["clients"]]
+
+        # No step has run: the step's own session is not set up, so the one
+        # session the sidecar can see is the background loader's.
+        kit.wait_until(lambda: len(sessions()) == 1, 10, "the loader's HELLO")
+        [loader_id] = sessions()
+        assert loader_id != w.client.client_id
+        assert not w.client.available()
+        reqs = kit.chunk_requests("bg-early", 1, 2)
+        w.save(KVStrataMetadata(saves=reqs))
+        w.start_load(KVStrataMetadata(loads=_background(reqs)))
+        w.save(None)
+        done = _finished(w, 1)
+        assert not done.failed_req_ids and not done.failed_blocks
+        assert w.counters.loaded_chunks == 2
+        assert sorted(sessions()) == sorted([loader_id, w.client.client_id])
+        assert sidecar.log().count(f"HELLO from {loader_id}") == 1
+    finally:
+        w.close()

