@@ -37,6 +37,7 @@ class IpcOps:
     _kv_registration: p.RegisterKVRequest | None
     _ipc_refused_logged: bool
     call_timeout_s: float
+    ipc_fallback_reason: str = ""  # why ipc mode is not used, once it was refused
 
     def _call(self, op: str, body: p.Message) -> p.Message | None:
         raise NotImplementedError
@@ -127,8 +128,25 @@ class IpcOps:
             why = reply.message if isinstance(reply, p.ErrorReply) else "no answer"
             self._granted_mode = "host"
             self._ipc_fallback(f"REGISTER_KV refused: {why}")
+        elif body.chunk_nbytes and reply.chunk_nbytes != body.chunk_nbytes:
+            # The sidecar would store chunks of another size than this worker's
+            # layout: its bytes would not be this worker's chunks.
+            self._granted_mode = "host"
+            self._ipc_fallback(
+                f"REGISTER_KV: the sidecar plans {reply.chunk_nbytes}-byte chunks, "
+                f"this worker {body.chunk_nbytes}"
+            )
+
+    def ipc_unavailable(self, why: str) -> None:
+        """The worker cannot offer ipc mode (e.g. its KV has no CUDA IPC handle):
+        host mode, said once with ``why`` and counted as ``ipc_fallback``."""
+        with self._lock:
+            self._kv_registration = None
+            self.ipc_fallback_reason = why
+            self._ipc_fallback(why)
 
     def _ipc_fallback(self, why: str) -> None:
+        self.ipc_fallback_reason = why
         self._count("ipc_fallback")
         if not self._ipc_refused_logged:
             self._ipc_refused_logged = True

@@ -115,6 +115,10 @@ class KVStrataWorker:
         self.reports = LoadReports(whole_requests=len(settings.groups) > 1)
         self._background: AsyncLoads | None = None
         self._ipc_registration: p.RegisterKVRequest | None = None  # ipc mode's KV handles
+        # Set before register_kv_caches can return early (a refused layout):
+        # wait_for_layer_load reads them on every layer whatever happened.
+        self._layer_index: dict[str, int] = {}
+        self._layer_offsets: list[int] = []  # per group: its first copy-event layer
 
     def _new_client(self, call_timeout_s: float) -> SidecarClient:
         s = self.settings
@@ -127,8 +131,6 @@ class KVStrataWorker:
             more_namespaces=self._namespaces[1:],
             kv_events=s.kv_events,
         )
-        self._layer_index: dict[str, int] = {}
-        self._layer_offsets: list[int] = []  # per group: its first copy-event layer
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         s = self.settings
@@ -182,9 +184,15 @@ class KVStrataWorker:
                 kv_cache_layout=self.settings.kv_cache_layout,
                 block_dim=layout.block_dim,
                 blocks_per_chunk=layout.blocks_per_chunk,
+                num_blocks=layout.plan.num_blocks,
+                chunk_nbytes=layout.chunk_nbytes,
             )
-        except Exception:
-            logger.exception("kvstrata: cannot export the KV for ipc mode; using host mode")
+        except ipc.IpcExportError as exc:
+            self.client.ipc_unavailable(f"cannot export the KV: {exc}")
+            return
+        except Exception as exc:
+            logger.exception("kvstrata: cannot export the KV for ipc mode")
+            self.client.ipc_unavailable(f"cannot export the KV: {exc}")
             return
         self._ipc_registration = body
         self.client.requested_mode = "ipc"

@@ -108,6 +108,29 @@ KVS_API int kvs_cuda_ipc_close(int32_t device, uint64_t address) {
   return kvs::done(cudaIpcCloseMemHandle(ptr));
 }
 
+KVS_API int kvs_cuda_mem_range(int32_t device, uint64_t address, uint64_t* base, uint64_t* size) {
+  kvs::OnDevice on(device);
+  if (on.error() != cudaSuccess) return kvs::done(on.error());
+  // A driver call reached through the runtime, so the library still needs no
+  // -lcuda: cuMemGetAddressRange(CUdeviceptr* base, size_t* size, CUdeviceptr ptr),
+  // CUdeviceptr being an unsigned 64-bit integer since CUDA 3.2 (the _v2 ABI).
+  using MemGetAddressRange = int (*)(unsigned long long*, size_t*, unsigned long long);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  const cudaError_t err = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000,
+                                                           cudaEnableDefault, &found);
+  if (err != cudaSuccess) return kvs::done(err);
+  if (fn == nullptr || found != cudaDriverEntryPointSuccess) return cudaErrorNotSupported;
+  unsigned long long first = 0;
+  size_t bytes = 0;
+  if (reinterpret_cast<MemGetAddressRange>(fn)(&first, &bytes, address) != 0) {
+    return cudaErrorInvalidValue;
+  }
+  *base = first;
+  *size = bytes;
+  return cudaSuccess;
+}
+
 KVS_API int kvs_cuda_stream_create(int32_t device, uint64_t* stream) {
   kvs::OnDevice on(device);
   if (on.error() != cudaSuccess) return kvs::done(on.error());

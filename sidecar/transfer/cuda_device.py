@@ -242,6 +242,17 @@ class CudaDevice:
             except KernelError as exc:
                 raise _failed(f"closing a CUDA IPC handle on device {self.index}", exc) from None
 
+    def mapped_nbytes(self, address: int) -> int | None:
+        """Bytes of the allocation from ``address`` on, as the driver knows it;
+        None when this driver cannot say (the worker's size is then the bound)."""
+        self._check_open()
+        try:
+            base, size = self._lib.mem_range(self.index, address)
+        except KernelError as exc:
+            logger.warning("device %d: allocation size unknown: %s", self.index, exc)
+            return None
+        return base + size - address if base <= address < base + size else 0
+
     def gather(
         self,
         plan: CopyPlan,

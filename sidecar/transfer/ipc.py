@@ -37,6 +37,7 @@ from kvstrata.sidecar.transfer.plan import (
     CopyPlan,
     TensorGeometry,
     UnsupportedLayoutError,
+    per_manager_block,
     plan_from_geometry,
 )
 
@@ -57,6 +58,11 @@ class TransferDevice(Protocol):
         ...
 
     def close_memory(self, address: int) -> None: ...
+
+    def mapped_nbytes(self, address: int) -> int | None:
+        """How many bytes the allocation opened at ``address`` has; None when
+        the device cannot tell (the worker's ``mapped_nbytes`` is then the bound)."""
+        ...
 
     def gather(
         self,
@@ -98,6 +104,27 @@ class IpcMapping:
     @property
     def chunk_nbytes(self) -> int:
         return self.plan.chunk_nbytes(self.blocks_per_chunk)
+
+
+def _check_extent(
+    index: int, layer: p.KVLayerHandle, itemsize: int, device_nbytes: int | None
+) -> None:
+    """Refuse a tensor that reaches past the allocation it is mapped from: the
+    kernels trust the plan, and a block past the mapping is an illegal address
+    (a fault for the sidecar's whole CUDA context) or another tenant's bytes."""
+    bounds = [n for n in (device_nbytes, layer.mapped_nbytes or None) if n is not None]
+    if not bounds:
+        raise UnsupportedLayoutError(
+            f"field 'layers[{index}].mapped_nbytes': not given, and the device cannot tell "
+            "the allocation's size"
+        )
+    limit = min(bounds)
+    extent = layer.extent_nbytes(itemsize)
+    if extent > limit:
+        raise UnsupportedLayoutError(
+            f"layer {index}: shape {layer.shape} strides {layer.strides} at offset "
+            f"{layer.offset} reach byte {extent}, past the {limit} bytes mapped"
+        )
 
 
 class IpcTransfers:
@@ -144,8 +171,11 @@ class IpcTransfers:
         try:
             geometries = []
             for i, layer in enumerate(body.layers):
+                if any(n < 1 for n in layer.shape):
+                    raise UnsupportedLayoutError(f"layer {i}: empty shape {layer.shape}")
                 if layer.handle not in opened:
                     opened[layer.handle] = device.open_memory(layer.handle)
+                _check_extent(i, layer, body.itemsize, device.mapped_nbytes(opened[layer.handle]))
                 geometries.append(
                     TensorGeometry(
                         address=opened[layer.handle] + layer.offset,
@@ -154,14 +184,20 @@ class IpcTransfers:
                         itemsize=body.itemsize,
                     )
                 )
-                if any(n < 1 for n in layer.shape):
-                    raise UnsupportedLayoutError(f"layer {i}: empty shape {layer.shape}")
-            plan = plan_from_geometry(geometries, body.block_dim).coalesced()
+            plan = plan_from_geometry(geometries, body.block_dim)
+            if body.num_blocks:
+                plan = per_manager_block(plan, body.num_blocks)
+            plan = plan.coalesced()
+            chunk_nbytes = plan.chunk_nbytes(body.blocks_per_chunk)
+            if body.chunk_nbytes and chunk_nbytes != body.chunk_nbytes:
+                raise UnsupportedLayoutError(
+                    f"field 'chunk_nbytes': the worker makes a chunk {body.chunk_nbytes} bytes, "
+                    f"these tensors make it {chunk_nbytes}"
+                )
         except (UnsupportedLayoutError, OSError) as exc:
             for address in opened.values():
                 device.close_memory(address)
             raise p.ProtocolError(p.E_UNSUPPORTED, f"REGISTER_KV: {exc}") from None
-        chunk_nbytes = plan.chunk_nbytes(body.blocks_per_chunk)
         if chunk_nbytes > self.engine.arena.size:
             for address in opened.values():
                 device.close_memory(address)
@@ -224,8 +260,12 @@ class IpcTransfers:
                 mapping.copies -= 1
                 self._idle.notify_all()
 
-    def _check_blocks(self, mapping: IpcMapping, block_ids: list[list[int]]) -> None:
-        """Refuse a wrong block count or a block past the KV (the kernels trust ids)."""
+    def _check_blocks(
+        self, mapping: IpcMapping, block_ids: list[list[int]], *, save: bool = False
+    ) -> None:
+        """Refuse a wrong block count or a block past the KV (the kernels trust
+        ids), and for a save a skipped block (-1): its bytes in the slot would
+        never be written, and such a slot must never be committed."""
         for i, ids in enumerate(block_ids):
             if len(ids) != mapping.blocks_per_chunk:
                 raise p.ProtocolError(
@@ -234,6 +274,11 @@ class IpcTransfers:
                     f"{mapping.blocks_per_chunk}",
                 )
             for b in ids:
+                if save and b < 0:
+                    raise p.ProtocolError(
+                        p.E_BAD_REQUEST,
+                        f"field 'block_ids[{i}]': a save names every block of a chunk (no -1)",
+                    )
                 if b >= mapping.plan.num_blocks:
                     raise p.ProtocolError(
                         p.E_BAD_REQUEST,
@@ -257,7 +302,7 @@ class IpcTransfers:
     ) -> p.CommitStoreReply:
         keys = body.keys
         blocks = body.block_ids
-        self._check_blocks(mapping, blocks)
+        self._check_blocks(mapping, blocks, save=True)
         slots: list[Slot | None] = [
             self.engine.reserve(key, mapping.chunk_nbytes, mapping.meta, owner_key) for key in keys
         ]

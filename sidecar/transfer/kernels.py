@@ -235,6 +235,15 @@ class TransferLibrary:
             "kvs_cuda_ipc_close", abi.device_index(device), abi.address_arg(address, "address")
         )
 
+    def mem_range(self, device: int, address: int) -> tuple[int, int]:
+        """``(base, size)`` of the allocation ``address`` lies in (cuMemGetAddressRange)."""
+        base, size = ctypes.c_uint64(0), ctypes.c_uint64(0)
+        self._cuda_call(
+            "kvs_cuda_mem_range", abi.device_index(device), abi.address_arg(address, "address"),
+            ctypes.byref(base), ctypes.byref(size),
+        )  # fmt: skip
+        return base.value, size.value
+
     def stream_create(self, device: int) -> int:
         """A new non-blocking stream of ``device`` (a ``cudaStream_t`` as an integer)."""
         stream = ctypes.c_uint64(0)

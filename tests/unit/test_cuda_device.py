@@ -98,6 +98,13 @@ class RecordingCuda:
         self.calls.append(("ipc_close", device))
         self.open[address] -= 1
 
+    def mem_range(self, device: int, address: int) -> tuple[int, int]:
+        for t in self.exports.values():
+            start = t.data_ptr()
+            if start <= address < start + t.numel() * t.element_size():
+                return start, t.numel() * t.element_size()
+        raise self._fail("kvs_cuda_mem_range", "cudaErrorInvalidValue")
+
     def stream_create(self, device: int) -> int:
         self.calls.append(("stream_create", device))
         return 0x5000 + device

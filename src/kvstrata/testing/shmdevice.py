@@ -65,6 +65,9 @@ class SharedMemoryDevice:
         del view
         mm.close()
 
+    def mapped_nbytes(self, address: int) -> int | None:
+        return len(self._maps[address][0])
+
     def gather(
         self,
         plan: CopyPlan,
