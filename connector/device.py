@@ -58,6 +58,10 @@ class DeviceCopies:
     def wait_for_layer(self, layer: int) -> None:
         """Make vLLM's compute wait until plan layer ``layer`` is loaded."""
 
+    def wait_for_all_loads(self) -> None:
+        """Make vLLM's compute wait until every queued load has finished (for
+        a step replayed as a full CUDA graph, where no per-layer wait runs)."""
+
     def loads_done(self) -> None:
         """Return once every queued load copy has finished (blocks on CUDA)."""
 
@@ -80,6 +84,7 @@ class CudaCopies(DeviceCopies):
         self.stream = torch.cuda.Stream(device=device)
         self._layer_events = [torch.cuda.Event() for _ in range(num_layers)]
         self._loads_queued = False
+        self._recorded = 0  # layer events recorded by the loads being queued
         self._registered: int | None = None  # data_ptr of the registered arena
 
     def register_arena(self, arena: torch.Tensor) -> None:
@@ -101,16 +106,30 @@ class CudaCopies(DeviceCopies):
     @contextlib.contextmanager
     def loading(self) -> Iterator[None]:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            yield
-        self._loads_queued = True
+        self._recorded = 0
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            # Even when a copy failed part-way, what was queued is waited for:
+            # the layers not reached get their events recorded after it (a
+            # wait on an older event would not wait), and loads_done then
+            # synchronises before the leases go back to the sidecar.
+            for event in self._layer_events[self._recorded :]:
+                event.record(self.stream)
+            self._loads_queued = True
 
     def layer_loaded(self, layer: int) -> None:
         self._layer_events[layer].record(self.stream)
+        self._recorded = max(self._recorded, layer + 1)
 
     def wait_for_layer(self, layer: int) -> None:
         if self._loads_queued:
             torch.cuda.current_stream(self.device).wait_event(self._layer_events[layer])
+
+    def wait_for_all_loads(self) -> None:
+        if self._loads_queued:
+            torch.cuda.current_stream(self.device).wait_event(self._layer_events[-1])
 
     def loads_done(self) -> None:
         if self._loads_queued:

@@ -201,10 +201,16 @@ class KVStrataWorker:
 
     # -- loads --------------------------------------------------------------------
 
-    def start_load(self, meta: KVStrataMetadata | None) -> None:
+    def start_load(
+        self, meta: KVStrataMetadata | None, *, whole_before_compute: bool = False
+    ) -> None:
         """Queue this step's loads: inline ones finish before the layers that
         need them (on CUDA layer by layer on our stream), background ones on
-        their own thread (:mod:`~kvstrata.connector.async_loads`)."""
+        their own thread (:mod:`~kvstrata.connector.async_loads`).
+
+        ``whole_before_compute``: the step replays a full CUDA graph, where no
+        ``wait_for_layer_load`` runs; vLLM's stream then waits for every
+        inline load before anything it queues next."""
         self._finish_loads()
         if meta is None or not meta.loads:
             return
@@ -217,6 +223,8 @@ class KVStrataWorker:
             for req, loaded in zip(inline, self._load_inline(inline), strict=True):
                 self.counters.loaded_chunks += loaded
                 self._failed_loads(req.chunks[loaded:])
+            if whole_before_compute:
+                self.copies.wait_for_all_loads()
         self.counters.load_seconds += time.perf_counter() - started
 
     def _start_background(self, reqs: list[RequestTransfer]) -> None:
