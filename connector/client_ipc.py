@@ -99,10 +99,12 @@ class IpcOps:
         block_ids: Sequence[Sequence[int]],
         owner: str,
         runs: Sequence[int],
+        after_event: bytes | None = None,
     ) -> list[int] | None:
         """As :meth:`load_blocks` for consecutive runs of ``keys`` (``runs``:
         their lengths, one per request of a step) in one call: per run, the
-        length of its loaded prefix."""
+        length of its loaded prefix. The sidecar's copies wait for
+        ``after_event`` (an interprocess event's handle) when given."""
         if sum(runs) != len(keys) or not runs or min(runs) < 1:
             self._count("bad_argument")
             return None
@@ -111,6 +113,7 @@ class IpcOps:
             block_ids=[[int(b) for b in ids] for ids in block_ids],
             owner=owner,
             runs=[int(n) for n in runs],
+            after_event=after_event,
         )
         reply = self._call(p.LOAD_BLOCKS, body)
         if not isinstance(reply, p.LoadBlocksReply):

@@ -10,8 +10,10 @@ the bytes never pass through the vLLM process.
 
 Ordering: before a save the worker records an interprocess CUDA event on
 vLLM's current stream (after the forward pass wrote the KV) and sends its
-handle; the sidecar's stream waits for it. A load's reply comes after the
-sidecar's copies have finished, so vLLM's next kernels see the blocks.
+handle; the sidecar's stream waits for it. A load does the same (vLLM may
+still have the previous step queued, reading or writing blocks the load
+fills), and its reply comes after the sidecar's copies have finished, so
+vLLM's next kernels see the blocks.
 """
 
 from __future__ import annotations
@@ -159,23 +161,37 @@ def load_block_ids(chunk: ChunkTransfer) -> list[int]:
 
 
 def load_requests(
-    client: SidecarClient, key: Callable[[ChunkTransfer], bytes], reqs: Sequence[RequestTransfer]
+    client: SidecarClient,
+    key: Callable[[ChunkTransfer], bytes],
+    reqs: Sequence[RequestTransfer],
+    after_event: bytes | None = None,
 ) -> list[int]:
     """The sidecar scatters each request's stored prefix of full chunks into
     their blocks, all in one LOAD_BLOCKS (done when it returns); per request,
-    how many chunks it loaded. Partial chunks load in host mode only."""
+    how many chunks it loaded. Partial chunks load in host mode only.
+
+    The scatter waits for ``after_event`` (an interprocess event's handle):
+    with vLLM's asynchronous scheduling, the previous step's kernels may
+    still be queued and read or write blocks that this load now fills
+    (blocks freed by a finished request are handed out again at once).
+    ``None`` here on CUDA records one on vLLM's current stream now."""
     fulls = [[c for c in req.chunks if not c.partial] for req in reqs]
     asked = [i for i, full in enumerate(fulls) if full]
     out = [0] * len(reqs)
     if not asked:
         return out
     chunks = [c for i in asked for c in fulls[i]]
+    event = None
+    if after_event is None and torch.cuda.is_available():
+        event, after_event = compute_done_event()  # kept alive until the reply
     loaded = client.load_block_runs(
         [key(c) for c in chunks],
         [load_block_ids(c) for c in chunks],
         STEP_OWNER,
         [len(fulls[i]) for i in asked],
+        after_event=after_event,
     )
+    del event
     for i, n in zip(asked, loaded or [0] * len(asked), strict=True):
         out[i] = n
     return out

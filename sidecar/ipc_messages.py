@@ -192,15 +192,18 @@ class LoadBlocksRequest(Message):
     block_ids: list[list[int]] = field(default_factory=list)
     owner: str = ""
     runs: list[int] = field(default_factory=list)  # prefix lengths (one per request); empty: one
+    after_event: bytes | None = None  # the copies wait for it (vLLM's queued work)
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> LoadBlocksRequest:
         keys = read_keys(required(body, "keys"))
+        event = body.get("after_event")
         return cls(
             keys=keys,
             block_ids=_read_blocks(body, keys),
             owner=read_str(required(body, "owner"), "owner"),
             runs=read_runs(body, keys),
+            after_event=None if event is None else _read_handle(event, "after_event"),
         )
 
 

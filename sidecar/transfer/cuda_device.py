@@ -292,12 +292,17 @@ class CudaDevice:
         block_ids: Sequence[int],
         chunk_addresses: Sequence[int],
         blocks_per_chunk: int,
+        after_event: bytes | None = None,
     ) -> None:
-        """Arena chunks -> paged KV; done when it returns (errors as :meth:`gather`)."""
+        """Arena chunks -> paged KV, after the peer's event (vLLM's queued work,
+        which may still use these blocks); done when it returns (errors as
+        :meth:`gather`)."""
         with self._lock:
             self._check_open()
             try:
                 self._lib.set_device(self.index)
+                if after_event is not None:
+                    self._lib.stream_wait_ipc_event(self.index, self.stream, after_event)
                 batch = self._batch_chunks(plan, blocks_per_chunk)
                 if batch:
                     self._staged(

@@ -81,8 +81,9 @@ class TransferDevice(Protocol):
         block_ids: Sequence[int],
         chunk_addresses: Sequence[int],
         blocks_per_chunk: int,
+        after_event: bytes | None = None,
     ) -> None:
-        """Chunks in the arena -> paged KV."""
+        """Chunks in the arena -> paged KV, after the peer's event (if any)."""
         ...
 
     def arena_address(self, offset: int) -> int:
@@ -351,7 +352,9 @@ class IpcTransfers:
             return p.LoadBlocksReply(loaded=0, loaded_runs=per_run if body.runs else [])
         try:
             addresses = [mapping.device.arena_address(s.offset) for s in slots]
-            mapping.device.scatter(mapping.plan, ids, addresses, mapping.blocks_per_chunk)
+            mapping.device.scatter(
+                mapping.plan, ids, addresses, mapping.blocks_per_chunk, body.after_event
+            )
         except Exception:
             logger.exception("GPU scatter for session %s failed", session_id[:8])
             per_run = [0] * len(per_run)

@@ -308,6 +308,20 @@ def test_gather_waits_for_the_peer_event_on_its_stream_before_copying_and_syncs_
     assert torch.equal(got, chunkref.chunk_bytes(case, [3, 7], 0))
 
 
+def test_scatter_waits_for_vllms_event_on_its_stream_before_filling_blocks(arena: Arena) -> None:
+    lib = RecordingCuda({GPU0: 0})
+    device = CudaDevice(lib, GPU0, arena)  # type: ignore[arg-type]
+    case = vllm_layers("LBNHC", seed=4)
+    plan = plan_from_geometry([TensorGeometry.of(t) for t in case.layers.values()], 0).coalesced()
+    event = b"\x17" * 64
+    lib.calls.clear()
+
+    device.scatter(plan, [5, 6], [device.arena_address(0)], 2, event)
+
+    assert [c[0] for c in lib.calls] == ["set_device", "wait_event", "scatter", "synchronize"]
+    assert lib.calls[1] == ("wait_event", 0, device.stream, event)
+
+
 def test_gather_without_an_event_and_scatter_copy_on_the_device_stream_and_sync(
     arena: Arena,
 ) -> None:

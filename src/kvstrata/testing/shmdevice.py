@@ -86,7 +86,10 @@ class SharedMemoryDevice:
         block_ids: Sequence[int],
         chunk_addresses: Sequence[int],
         blocks_per_chunk: int,
+        after_event: bytes | None = None,
     ) -> None:
+        if after_event is not None:
+            self.events_waited.append(after_event)
         self.lib.scatter(plan, block_ids, chunk_addresses, blocks_per_chunk)
 
     def arena_address(self, offset: int) -> int:

@@ -413,3 +413,20 @@ def test_a_session_ending_during_a_copy_closes_its_handles_only_after_the_copy(
     finally:
         release.set()
         engine.close()
+
+
+def test_a_load_waits_for_the_event_vllm_recorded_before_it_fills_blocks(
+    sidecar: InProcessSidecar, kv: SharedKV
+) -> None:
+    # With asynchronous scheduling vLLM's previous step may still be queued and
+    # use blocks this load fills: the scatter is ordered after vLLM's event.
+    client = ipc_client(sidecar.endpoint)
+    try:
+        client.register_kv(kv.registration())
+        ks = keys(1, "ordered-load")
+        assert client.save_blocks(ks, [[3, 4]], None, "r1") == [True]
+        event = b"\x42" * p.IPC_HANDLE_BYTES
+        assert client.load_block_runs(ks, [[6, 7]], "r2", [1], after_event=event) == [1]
+        assert sidecar.device.events_waited == [event]
+    finally:
+        client.close()
