@@ -26,6 +26,12 @@ __all__ = ["IpcOps"]
 
 logger = logging.getLogger("kvstrata.connector.client")
 
+# The first REGISTER_KV on a GPU makes the sidecar page-lock its arena for that
+# GPU (it cannot before: it would create a CUDA context on another GPU), seconds
+# for tens of GiB. register_kv runs when vLLM registers its KV caches, outside
+# any step, so it may wait that long; resends after a re-HELLO keep the call deadline.
+REGISTER_TIMEOUT_S = 120.0
+
 
 class IpcOps:
     """The client's ipc-mode operations (module docstring)."""
@@ -60,7 +66,8 @@ class IpcOps:
         with self._lock:
             self._kv_registration = body
             if self._connected and self._granted_mode == "ipc":
-                self._send_registration(time.monotonic() + self.call_timeout_s)
+                timeout = max(self.call_timeout_s, REGISTER_TIMEOUT_S)
+                self._send_registration(time.monotonic() + timeout)
 
     def save_blocks(
         self,

@@ -52,6 +52,7 @@ import torch
 from kvstrata.connector import ipc
 from kvstrata.connector.async_loads import AsyncLoads, FinishedLoads, LoadReports, outcome_of
 from kvstrata.connector.client import SidecarClient
+from kvstrata.connector.client_ipc import REGISTER_TIMEOUT_S
 from kvstrata.connector.device import DeviceCopies, copies_for
 from kvstrata.connector.layout import ChunkLayout, UnsupportedLayoutError, detect_layout
 from kvstrata.connector.leased_reads import STEP_OWNER, LeasedReads, Sources
@@ -197,7 +198,14 @@ class KVStrataWorker:
         self._ipc_registration = body
         self.client.requested_mode = "ipc"
         self.client.register_kv(body)
-        self.client.stats()  # connect now: the mode is decided at HELLO
+        # Connect now (the mode is decided at HELLO) with the patience of a first
+        # registration: the sidecar page-locks its arena for our GPU then.
+        call_timeout_s = self.client.call_timeout_s
+        self.client.call_timeout_s = max(call_timeout_s, REGISTER_TIMEOUT_S)
+        try:
+            self.client.stats()
+        finally:
+            self.client.call_timeout_s = call_timeout_s
 
     # -- loads --------------------------------------------------------------------
 

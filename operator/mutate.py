@@ -392,6 +392,10 @@ def _gpu_env(vllm: Mapping[str, Any], mode: str) -> list[dict[str, Any]]:
         wants = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
         if not any(k.endswith("/gpu") and str(v) != "0" for k, v in wants.items()):
             return []
+        # Which GPUs the device plugin gives vLLM is not known at admission, so
+        # the sidecar sees them all and opens only the one each worker names by
+        # UUID; it creates no CUDA context before that (CudaDevices), so no
+        # other GPU of the node is touched.
         visible = "all"
     return [
         {"name": "NVIDIA_VISIBLE_DEVICES", "value": visible},

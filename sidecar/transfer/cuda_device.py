@@ -445,7 +445,14 @@ class CudaDevice:
 class CudaDevices:
     """The factory ``IpcTransfers`` opens GPUs with: ``devices(uuid) -> CudaDevice``.
 
-    Every device shares one :class:`ArenaRegistration`. :meth:`close`
+    Every device shares one :class:`ArenaRegistration`, made when the first
+    device is opened, with that device current. Why not at start: whatever
+    first touches the CUDA runtime creates a context on the current device,
+    device 0 unless set, and a sidecar that sees every GPU of the node
+    (``NVIDIA_VISIBLE_DEVICES=all``) would spend ~0.5 GiB on a GPU that is
+    not its vLLM's, or fail where that GPU is in EXCLUSIVE_PROCESS mode.
+    The first REGISTER_KV names the GPU (by UUID); the device is made
+    current before anything else runs on it. :meth:`close`
     closes every device opened through it, then unregisters the arena:
     call it before the arena is unmapped (before the engine closes).
     ``copy_path`` / ``staging_bytes`` apply to every device (ValueError, before
@@ -466,16 +473,18 @@ class CudaDevices:
         self.max_ctas = max_ctas
         self.copy_path = copy_path
         self.staging_bytes = staging_bytes
-        self.registration = ArenaRegistration(lib, arena)
+        self.registration: ArenaRegistration | None = None  # at the first device
         self._devices: list[CudaDevice] = []
         self._lock = threading.Lock()
 
     def __call__(self, uuid: str) -> CudaDevice:
-        device = CudaDevice(
-            self._lib, uuid, self._arena, self.registration, self.max_ctas,
-            self.copy_path, self.staging_bytes,
-        )  # fmt: skip
         with self._lock:
+            if self.registration is None:
+                self.registration = self._register_on(uuid)
+            device = CudaDevice(
+                self._lib, uuid, self._arena, self.registration, self.max_ctas,
+                self.copy_path, self.staging_bytes,
+            )  # fmt: skip
             self._devices.append(device)
         logger.info(
             "GPU %s is device %d here; arena mapped for it; copy path %s",
@@ -483,12 +492,28 @@ class CudaDevices:
         )  # fmt: skip
         return device
 
+    def _register_on(self, uuid: str) -> ArenaRegistration:
+        """The arena registration, made with GPU ``uuid`` current (see the class)."""
+        try:
+            index = self._lib.device_by_uuid(uuid)
+        except ValueError as exc:
+            raise CudaDeviceError(str(exc)) from None
+        except KernelError as exc:
+            raise _failed(f"GPU {uuid} is not visible to this process", exc) from None
+        try:
+            self._lib.set_device(index)
+        except KernelError as exc:
+            raise _failed(f"GPU {uuid} (device {index})", exc) from None
+        return ArenaRegistration(self._lib, self._arena)
+
     def close(self) -> None:
         with self._lock:
             devices, self._devices = self._devices, []
+            registration, self.registration = self.registration, None
         for device in devices:
             device.close()
-        self.registration.close()
+        if registration is not None:
+            registration.close()
 
 
 def open_cuda_devices(
@@ -501,8 +526,9 @@ def open_cuda_devices(
 
     The reason names what is missing: the CUDA library (not built, disabled
     by ``KVSTRATA_CUDA_KERNELS=0``), a driver, a visible device, or the
-    arena's registration. On success the arena is registered with CUDA
-    before this returns, and the reason is "". Every device copies by
+    arena's registration. On success the reason is ""; the arena is
+    registered with CUDA when the first GPU is opened (see
+    :class:`CudaDevices`). Every device copies by
     ``copy_path`` (``staging``: through ``staging_bytes`` of device memory
     each); ValueError for values :func:`check_copy_path` refuses.
     """

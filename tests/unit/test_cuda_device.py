@@ -700,3 +700,18 @@ def test_the_binding_refuses_runtime_calls_on_the_host_library() -> None:
     host: TransferLibrary = kernels.load_host()
     with pytest.raises(RuntimeError, match="CUDA library only"):
         host.stream_create(0)
+
+
+def test_the_arena_is_registered_on_the_first_registered_gpu_with_it_current(arena: Arena) -> None:
+    # RecordingCuda is the CUDA runtime's double: it records the call order.
+    # Registering with no device set would create a context on device 0 (of
+    # every GPU of the node, with NVIDIA_VISIBLE_DEVICES=all).
+    lib = RecordingCuda({GPU0: 0, GPU1: 1})
+    devices = CudaDevices(lib, arena)  # type: ignore[arg-type]
+    assert lib.calls == []  # nothing touches CUDA before a worker names its GPU
+    devices(GPU1)
+    first_register = names(lib.calls).index("host_register")
+    assert ("set_device", 1) in lib.calls[:first_register]
+    assert all(call == ("host_register", 1) for call in lib.calls if call[0] == "host_register")
+    devices.close()
+    assert lib.registered == set()

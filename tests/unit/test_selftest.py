@@ -186,6 +186,12 @@ class SharedMemoryCuda:
     def ipc_close(self, device: int, address: int) -> None:
         self.opens[address] -= 1
 
+    def mem_range(self, device: int, address: int) -> tuple[int, int]:
+        for mm, view in self.maps.values():
+            if ctypes.addressof(view) == address:
+                return address, len(mm)
+        raise KeyError(address)
+
     def stream_create(self, device: int) -> int:
         return 1
 
