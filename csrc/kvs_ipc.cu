@@ -165,6 +165,21 @@ KVS_API int kvs_cuda_stream_wait_ipc_event(int32_t device, uint64_t stream,
   return kvs::done(err != cudaSuccess ? err : destroyed);
 }
 
+KVS_API int kvs_cuda_ipc_event_query(int32_t device, const void* event_handle, int32_t* done) {
+  kvs::OnDevice on(device);
+  if (on.error() != cudaSuccess) return kvs::done(on.error());
+  cudaIpcEventHandle_t h;
+  memcpy(&h, event_handle, sizeof(h));
+  cudaEvent_t event = nullptr;
+  cudaError_t err = cudaIpcOpenEventHandle(&event, h);
+  if (err != cudaSuccess) return kvs::done(err);
+  const cudaError_t state = cudaEventQuery(event);
+  const cudaError_t destroyed = cudaEventDestroy(event);
+  if (state != cudaSuccess && state != cudaErrorNotReady) return kvs::done(state);
+  *done = state == cudaSuccess ? 1 : 0;
+  return kvs::done(destroyed);
+}
+
 KVS_API int kvs_cuda_host_register(void* ptr, uint64_t nbytes, uint64_t* device_address,
                                    int32_t* registered) {
   *registered = 0;

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal
@@ -68,6 +69,13 @@ DEFAULT_STAGING_BYTES = 256 << 20
 # multiple of 16 does not push the kernel's accesses of every later chunk below
 # 16 bytes (the width is chosen once per launch from every address).
 _STAGING_ALIGN = 256
+
+# Polling a peer's event: first after 20 us (a forward pass usually ends soon
+# after vLLM asks to save), backing off to 1 ms; the default bound is far above
+# any forward pass.
+_POLL_FIRST_S = 20e-6
+_POLL_MAX_S = 1e-3
+DEFAULT_PEER_EVENT_TIMEOUT_S = 60.0
 
 
 def check_copy_path(copy_path: str, staging_bytes: int) -> None:
@@ -168,9 +176,11 @@ class CudaDevice:
         max_ctas: int = 0,
         copy_path: CopyPath = "zero_copy",
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        peer_event_timeout_s: float = DEFAULT_PEER_EVENT_TIMEOUT_S,
     ) -> None:
         check_copy_path(copy_path, staging_bytes)
         self.uuid = uuid
+        self.peer_event_timeout_s = peer_event_timeout_s
         self.max_ctas = max_ctas
         self.copy_path = copy_path
         self.staging_bytes = staging_bytes
@@ -260,18 +270,24 @@ class CudaDevice:
         chunk_addresses: Sequence[int],
         blocks_per_chunk: int,
         after_event: bytes | None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> None:
         """Paged KV -> arena chunks, after the peer's event; done when it returns.
 
+        The event is waited for on the host, without the device lock, until
+        it completes, ``cancelled()`` says the session ended, or
+        ``peer_event_timeout_s`` passes (see :meth:`_wait_for_peer`).
+
         Raises ValueError for inputs the kernels' binding refuses and
-        :class:`CudaDeviceError` naming the CUDA error of a failed step.
+        :class:`CudaDeviceError` naming the CUDA error of a failed step, or
+        the peer's event that did not complete.
         """
+        if after_event is not None:
+            self._wait_for_peer(after_event, cancelled)
         with self._lock:
             self._check_open()
             try:
                 self._lib.set_device(self.index)
-                if after_event is not None:
-                    self._lib.stream_wait_ipc_event(self.index, self.stream, after_event)
                 batch = self._batch_chunks(plan, blocks_per_chunk)
                 if batch:
                     self._staged(
@@ -285,6 +301,36 @@ class CudaDevice:
                     self._lib.synchronize(self.stream)
             except KernelError as exc:
                 raise _failed(f"gather on device {self.index}", exc) from None
+
+    def _wait_for_peer(self, event: bytes, cancelled: Callable[[], bool] | None) -> None:
+        """Return once the peer's interprocess event has completed.
+
+        Why on the host and not ``cudaStreamWaitEvent`` plus a stream sync:
+        a vLLM killed between recording the event and its forward pass
+        finishing leaves a device-side wait that may never end, and a sync
+        on it would hold this device's lock (every session's copies) and
+        the dead worker's mapping forever (``IpcTransfers.close`` waits for
+        running copies). Polling the event keeps vLLM's side free of any
+        host sync (its forward pass stays asynchronous) and bounds the wait:
+        by the session's end (its process gone) and by a deadline.
+        """
+        deadline = time.monotonic() + self.peer_event_timeout_s
+        pause = _POLL_FIRST_S
+        while True:
+            try:
+                if self._lib.ipc_event_done(self.index, event):
+                    return
+            except KernelError as exc:
+                raise _failed(f"querying the peer's event on device {self.index}", exc) from None
+            if cancelled is not None and cancelled():
+                raise CudaDeviceError("the session ended while its save waited for vLLM's event")
+            if time.monotonic() >= deadline:
+                raise CudaDeviceError(
+                    f"vLLM's event did not complete within {self.peer_event_timeout_s} s "
+                    "(its process may have died); the save is dropped"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
 
     def scatter(
         self,

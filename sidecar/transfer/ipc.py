@@ -28,7 +28,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from kvstrata.sidecar import protocol as p
@@ -71,8 +71,10 @@ class TransferDevice(Protocol):
         chunk_addresses: Sequence[int],
         blocks_per_chunk: int,
         after_event: bytes | None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> None:
-        """Paged KV -> chunks in the arena, after the peer's event (if any)."""
+        """Paged KV -> chunks in the arena, after the peer's event (if any);
+        gives up (raising) once ``cancelled()`` is true: the session ended."""
         ...
 
     def scatter(
@@ -101,6 +103,7 @@ class IpcMapping:
     blocks_per_chunk: int
     meta: ChunkMeta  # dtype and shape recorded with every chunk saved
     copies: int = 0  # copies running on it now (its handles stay open until 0)
+    closing: threading.Event = field(default_factory=threading.Event)  # a waiting copy gives up
 
     @property
     def chunk_nbytes(self) -> int:
@@ -237,6 +240,7 @@ class IpcTransfers:
             mapping = self._mappings.pop(session_id, None)
             if mapping is None:
                 return False
+            mapping.closing.set()  # a save waiting for the dead peer's event stops
             self._idle.wait_for(lambda: mapping.copies == 0)
         for address in mapping.opened:
             try:
@@ -315,8 +319,9 @@ class IpcTransfers:
         addresses = [mapping.device.arena_address(s.offset) for _, s in todo]
         try:
             mapping.device.gather(
-                mapping.plan, ids, addresses, mapping.blocks_per_chunk, body.after_event
-            )
+                mapping.plan, ids, addresses, mapping.blocks_per_chunk, body.after_event,
+                cancelled=mapping.closing.is_set,
+            )  # fmt: skip
         except Exception:
             logger.exception("GPU gather for session %s failed", session_id[:8])
             for _, slot in todo:

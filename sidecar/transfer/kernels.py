@@ -267,6 +267,16 @@ class TransferLibrary:
             abi.ipc_handle_arg(event_handle, "event_handle"),
         )
 
+    def ipc_event_done(self, device: int, event_handle: bytes) -> bool:
+        """Whether another process's interprocess event (its 64-byte
+        ``cudaIpcEventHandle_t``) has completed its last record; never blocks."""
+        done = ctypes.c_int32(0)
+        self._cuda_call(
+            "kvs_cuda_ipc_event_query", abi.device_index(device),
+            abi.ipc_handle_arg(event_handle, "event_handle"), ctypes.byref(done),
+        )  # fmt: skip
+        return bool(done.value)
+
     def host_register(self, address: int, nbytes: int) -> tuple[int, bool]:
         """Page-lock and map ``nbytes`` of host memory at ``address`` for the GPUs, on
         the current device: ``(device address, registered here)``.

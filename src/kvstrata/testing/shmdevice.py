@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvstrata.sidecar.protocol import IPC_HANDLE_BYTES
 from kvstrata.sidecar.transfer import kernels
@@ -75,6 +75,7 @@ class SharedMemoryDevice:
         chunk_addresses: Sequence[int],
         blocks_per_chunk: int,
         after_event: bytes | None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> None:
         if after_event is not None:
             self.events_waited.append(after_event)
