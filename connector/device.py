@@ -19,13 +19,18 @@ compute, and are ordered against it with events:
 
 The shared arena is registered with CUDA as page-locked memory
 (``cudaHostRegister``) so copies to and from it are DMA, not staged through
-a bounce buffer; it is unregistered before its mapping can go away.
+a bounce buffer; it is unregistered before its mapping can go away. The
+registration runs on a thread of its own: page-locking tens of GiB takes
+seconds, and the first ``arena()`` call (and the first after a sidecar
+restart) comes inside a vLLM step. Until it is done, copies work as from
+pageable memory (the driver stages them): correct, only slower.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -86,18 +91,33 @@ class CudaCopies(DeviceCopies):
         self._loads_queued = False
         self._recorded = 0  # layer events recorded by the loads being queued
         self._registered: int | None = None  # data_ptr of the registered arena
+        self._pinning: threading.Thread | None = None  # registering it now
 
     def register_arena(self, arena: torch.Tensor) -> None:
+        """Page-lock ``arena`` on a thread of its own (see the module docstring);
+        returns at once."""
         self.unregister_arena()
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), _HOST_REGISTER_FLAGS)
+        self._pinning = threading.Thread(
+            target=self._pin, args=(arena.data_ptr(), arena.numel()),
+            name="kvstrata-pin-arena", daemon=True,
+        )  # fmt: skip
+        self._pinning.start()
+
+    def _pin(self, address: int, nbytes: int) -> None:
+        # This thread's current device first: without it the registration would
+        # create a context on device 0, another rank's GPU.
+        torch.cuda.set_device(self.device)
+        err = torch.cuda.cudart().cudaHostRegister(address, nbytes, _HOST_REGISTER_FLAGS)
         if int(err) != 0:
             # Copies still work (staged by the driver), only slower.
             logger.warning("kvstrata: cudaHostRegister of the arena failed (%s)", err)
             return
-        self._registered = arena.data_ptr()
+        self._registered = address
 
     def unregister_arena(self) -> None:
+        pinning, self._pinning = self._pinning, None
+        if pinning is not None:
+            pinning.join()  # a registration in flight ends before the mapping may go
         if self._registered is not None:
             torch.cuda.synchronize(self.device)  # nothing may still copy from it
             torch.cuda.cudart().cudaHostUnregister(self._registered)

@@ -149,3 +149,46 @@ def test_vllm_keeps_full_cuda_graphs_with_the_connector() -> None:
     assert (
         connector_cls.requires_piecewise_for_cudagraph(transfer.kv_connector_extra_config) is False
     )
+
+
+class BlockingCudart:
+    """A double of torch.cuda.cudart(): cudaHostRegister blocks until released,
+    as page-locking tens of GiB takes seconds."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.calls: list[str] = []
+        self.finished = False
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
+        self.calls.append("register")
+        self.entered.set()
+        self.release.wait(30)
+        self.finished = True
+        return 0
+
+    def cudaHostUnregister(self, address: int) -> int:
+        self.calls.append("unregister")
+        return 0
+
+
+def test_the_arena_is_page_locked_off_the_step_and_unregistered_only_after(
+    streams: RecordingStreams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cudart = BlockingCudart()
+    devices_set: list[Any] = []
+    cuda = device_module.torch.cuda
+    monkeypatch.setattr(cuda, "cudart", lambda: cudart, raising=False)
+    monkeypatch.setattr(cuda, "set_device", devices_set.append, raising=False)
+    monkeypatch.setattr(cuda, "synchronize", lambda device=None: None, raising=False)
+    copies = device_module.CudaCopies(torch.device("cuda", 1), 2)
+    arena = torch.zeros(4096, dtype=torch.uint8)
+    copies.register_arena(arena)  # inside a step: must not wait for the registration
+    assert cudart.entered.wait(10)
+    assert not cudart.finished  # returned while the registration still runs
+    assert devices_set == [torch.device("cuda", 1)]  # on this rank's GPU, not device 0
+    cudart.release.set()
+    copies.unregister_arena()
+    assert cudart.calls == ["register", "unregister"]
