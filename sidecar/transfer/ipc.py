@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -131,6 +132,24 @@ def _check_extent(
         )
 
 
+# cudaError_t names after which the CUDA context is unusable: every later call
+# of the process fails too (CUDA Runtime API, "sticky" errors).
+STICKY_CUDA_ERRORS = frozenset(
+    {
+        "cudaErrorIllegalAddress",
+        "cudaErrorLaunchFailure",
+        "cudaErrorHardwareStackError",
+        "cudaErrorIllegalInstruction",
+        "cudaErrorMisalignedAddress",
+        "cudaErrorInvalidAddressSpace",
+        "cudaErrorInvalidPc",
+        "cudaErrorAssert",
+        "cudaErrorECCUncorrectable",
+        "cudaErrorUnknown",
+    }
+)
+
+
 class IpcTransfers:
     """The ipc-mode ops against the engine (see the module docstring).
 
@@ -147,6 +166,8 @@ class IpcTransfers:
         self._mappings: dict[str, IpcMapping] = {}
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # a mapping's copies reached 0
+        self.copy_failures: Counter[str] = Counter()  # op (save, load) -> failed copies
+        self.fault = ""  # the CUDA fault that broke the GPU context; "" while healthy
 
     def _device(self, uuid: str) -> TransferDevice:
         """The GPU with this UUID (opened once); OSError when this sidecar cannot see it."""
@@ -160,10 +181,42 @@ class IpcTransfers:
         with self._lock:
             return len(self._mappings)
 
+    def gpu_stats(self) -> dict[str, object]:
+        """What the metrics export: copy failures by op, staging fallbacks, the fault."""
+        with self._lock:
+            devices = list(self._devices.values())
+            failures = dict(self.copy_failures)
+        return {
+            "copy_failures": failures,
+            "staging_fallbacks": sum(int(getattr(d, "fallbacks", 0)) for d in devices),
+            "fault": self.fault,
+        }
+
+    def _copy_failed(self, op: str, session_id: str, exc: Exception) -> None:
+        """Count a failed copy; a sticky CUDA error also marks the GPU context broken."""
+        logger.error("GPU %s for session %s failed: %s", op, session_id[:8], exc)
+        with self._lock:
+            self.copy_failures[op] += 1
+            if getattr(exc, "name", "") in STICKY_CUDA_ERRORS and not self.fault:
+                self.fault = f"{op}: {exc}"
+                logger.critical(
+                    "the GPU context is broken (%s): ipc calls are refused and /readyz "
+                    "fails until the sidecar restarts",
+                    exc,
+                )
+
+    def _check_healthy(self) -> None:
+        if self.fault:
+            raise p.ProtocolError(
+                p.E_UNSUPPORTED,
+                f"the sidecar's GPU context is broken ({self.fault}); use host mode",
+            )
+
     # -- registration ---------------------------------------------------------
 
     def register(self, session_id: str, body: p.RegisterKVRequest) -> p.RegisterKVReply:
         """Open the worker's handles and plan its copies; replaces an earlier one."""
+        self._check_healthy()
         try:
             device = self._device(body.device_uuid)
         except OSError as exc:
@@ -253,6 +306,7 @@ class IpcTransfers:
     @contextlib.contextmanager
     def _using(self, session_id: str) -> Iterator[IpcMapping]:
         """The session's mapping, kept open (not closed under us) while in use."""
+        self._check_healthy()
         with self._lock:
             mapping = self._mappings.get(session_id)
             if mapping is None:
@@ -322,8 +376,8 @@ class IpcTransfers:
                 mapping.plan, ids, addresses, mapping.blocks_per_chunk, body.after_event,
                 cancelled=mapping.closing.is_set,
             )  # fmt: skip
-        except Exception:
-            logger.exception("GPU gather for session %s failed", session_id[:8])
+        except Exception as exc:
+            self._copy_failed("save", session_id, exc)
             for _, slot in todo:
                 self.engine.abort(slot)
             return p.CommitStoreReply(committed=committed)
@@ -360,8 +414,8 @@ class IpcTransfers:
             mapping.device.scatter(
                 mapping.plan, ids, addresses, mapping.blocks_per_chunk, body.after_event
             )
-        except Exception:
-            logger.exception("GPU scatter for session %s failed", session_id[:8])
+        except Exception as exc:
+            self._copy_failed("load", session_id, exc)
             per_run = [0] * len(per_run)
         finally:
             for slot in slots:
