@@ -123,5 +123,5 @@ def test_the_copy_kernels_thread_blocks_are_capped_by_ipc_max_ctas(
 def test_a_bad_ipc_max_ctas_is_refused_naming_the_key(value: Any) -> None:
     from kvstrata.sidecar.config import ConfigError
 
-    with pytest.raises(ConfigError, match="ipc.max_ctas"):
+    with pytest.raises(ConfigError, match=r"ipc\.max_ctas"):
         config_from_dict({"ipc": {"max_ctas": value}})
