@@ -321,7 +321,11 @@ class CudaDevice:
                 if self._lib.ipc_event_done(self.index, event):
                     return
             except KernelError as exc:
-                raise _failed(f"querying the peer's event on device {self.index}", exc) from None
+                # The peer's event, not this context: no error name, so it is
+                # never taken for a fault of the sidecar's GPU context.
+                raise CudaDeviceError(
+                    f"querying the peer's event on device {self.index}: {exc}"
+                ) from None
             if cancelled is not None and cancelled():
                 raise CudaDeviceError("the session ended while its save waited for vLLM's event")
             if time.monotonic() >= deadline:

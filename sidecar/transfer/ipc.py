@@ -381,6 +381,12 @@ class IpcTransfers:
             for _, slot in todo:
                 self.engine.abort(slot)
             return p.CommitStoreReply(committed=committed)
+        if mapping.closing.is_set():
+            # The session ended while its copy ran (its process died): what the
+            # event guarded may be a dead forward pass's unfinished KV.
+            for _, slot in todo:
+                self.engine.abort(slot)
+            return p.CommitStoreReply(committed=committed)
         for i, slot in todo:
             committed[i] = bool(self.engine.commit(slot))
         return p.CommitStoreReply(committed=committed)
