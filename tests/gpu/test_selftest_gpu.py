@@ -55,6 +55,12 @@ def test_gpu_memory_of_a_killed_exporter_comes_back_once_its_handle_is_closed(
     gpuipc.check_handle_cleanup(lib)
 
 
+def test_host_mode_loads_on_the_connectors_stream_are_ordered_before_attention_reads() -> None:
+    from kvstrata.testing import gpuconnector
+
+    gpuconnector.check_connector_stream()
+
+
 def test_a_worker_killed_while_the_sidecar_waits_for_its_event_wedges_nothing(
     lib: TransferLibrary,
 ) -> None:

@@ -17,6 +17,8 @@ where a GPU is, e.g. in the sidecar's CUDA image on a GPU node:
    node's last GPU, the event wait shown to have waited);
 5. ``killed-peer``: a worker SIGKILLed while the sidecar waits for its
    event (:mod:`kvstrata.testing.gpupeers`);
+   and ``connector-stream``: host-mode loads on the connector's own stream
+   under concurrent compute, per-layer events (:mod:`kvstrata.testing.gpuconnector`);
 6. ``bench``: ``kvstrata bench transfer`` (printed as JSON).
 
 The workers run in one PID namespace with this process, as the
@@ -297,6 +299,12 @@ def check_handle_cleanup() -> str:
     return gpuipc.check_handle_cleanup(cuda_library())
 
 
+def check_connector_stream() -> str:
+    from kvstrata.testing import gpuconnector
+
+    return gpuconnector.check_connector_stream()
+
+
 def check_killed_peer() -> str:
     from kvstrata.testing import gpupeers
 
@@ -306,6 +314,7 @@ def check_killed_peer() -> str:
 CHECKS: dict[str, Callable[[], str]] = {
     "kernels": check_kernels,
     "torch-copier": check_torch_copier,
+    "connector-stream": check_connector_stream,
     "ipc-round-trip": check_ipc_round_trip,
     "handle-cleanup": check_handle_cleanup,
     "killed-peer": check_killed_peer,
