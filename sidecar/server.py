@@ -54,6 +54,10 @@ MAX_BATCH = 256  # messages read per loop turn before replies of the pool are se
 MAX_POOL_BACKLOG = 1024  # pooled requests waiting; beyond it requests get E_BUSY
 
 
+def _no_gpu_stats() -> dict[str, object]:
+    return {"copy_failures": {}, "staging_fallbacks": 0, "fault": ""}
+
+
 class SidecarServer:
     """Serves the protocol of :mod:`.protocol` for one engine.
 
@@ -84,8 +88,8 @@ class SidecarServer:
         )
         self.metrics.expect_tiers(engine.stats().tiers)
         self._ipc = ipc
-        if ipc is not None:
-            self.metrics.attach(IpcCollector(ipc.gpu_stats))
+        # Served without ipc too (zeros): one catalogue for every sidecar.
+        self.metrics.attach(IpcCollector(ipc.gpu_stats if ipc is not None else _no_gpu_stats))
         self.pooled_ops = POOLED_OPS_REMOTE if remote_lookups else POOLED_OPS
         self.endpoint = config.server.endpoint
         self.admission = ClientAdmission(config.server.client_uids)
