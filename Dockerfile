@@ -127,9 +127,19 @@ RUN if ! command -v python3 >/dev/null; then \
     && useradd --uid 65532 --gid 65532 --home-dir /home/kvstrata --create-home \
        --shell /usr/sbin/nologin kvstrata
 COPY --from=sidecar-cuda-env /opt/kvstrata /opt/kvstrata
+# The CUDA base says NVIDIA_REQUIRE_CUDA=cuda>=12.8, and the NVIDIA container
+# runtime refuses to start a container whose requirement the node's driver
+# does not meet: the whole Pod, vLLM included, would not start. Our CUDA
+# library links cudart statically and ships SASS for its architectures, so
+# CUDA's minor-version compatibility runs it on any 12.x driver (>= 525).
+# The requirement says that; and because a cache must never take its vLLM
+# down, the check is off: on a driver too old for it, the sidecar's first CUDA
+# call fails, it says why and serves host mode.
 ENV PATH=/opt/kvstrata/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1
+    PYTHONUNBUFFERED=1 \
+    NVIDIA_REQUIRE_CUDA="cuda>=12.0" \
+    NVIDIA_DISABLE_REQUIRE=true
 WORKDIR /home/kvstrata
 USER 65532:65532
 EXPOSE 9464

@@ -84,6 +84,7 @@ class FinishedLoads:
 class _Job:
     reqs: list[RequestTransfer]
     after: Any = None  # a CUDA event recorded on vLLM's stream when the step began
+    after_handle: bytes | None = None  # ipc mode: that event's interprocess handle
 
 
 def outcome_of(req: RequestTransfer, loaded: int) -> LoadOutcome:
@@ -155,11 +156,14 @@ class AsyncLoads:
         """Load ``reqs`` in the background (one job)."""
         if not reqs:
             return
-        after = None
-        if self._stream is not None:
+        after, handle = None, None
+        if self.ipc and self._device.type == "cuda":
+            # The sidecar scatters into our blocks: after the work vLLM queued.
+            after, handle = ipc.compute_done_event()
+        elif self._stream is not None:
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self._device))
-        self._jobs.put(_Job(list(reqs), after))
+        self._jobs.put(_Job(list(reqs), after, handle))
 
     def close(self) -> None:
         """Stop the thread (after the job in flight, if any) and close the session."""
@@ -202,7 +206,7 @@ class AsyncLoads:
         if self.ipc and client.available() and client.transfer_mode != "ipc":
             self.ipc = False  # the sidecar refused ipc for this session: copy through the arena
         if self.ipc:
-            loaded = ipc.load_requests(client, self.reads.key, job.reqs)
+            loaded = ipc.load_requests(client, self.reads.key, job.reqs, job.after_handle)
             return [outcome_of(r, n) for r, n in zip(job.reqs, loaded, strict=True)]
         deadline = time.monotonic() + self.load_timeout_s
         try:

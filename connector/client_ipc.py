@@ -26,6 +26,12 @@ __all__ = ["IpcOps"]
 
 logger = logging.getLogger("kvstrata.connector.client")
 
+# The first REGISTER_KV on a GPU makes the sidecar page-lock its arena for that
+# GPU (it cannot before: it would create a CUDA context on another GPU), seconds
+# for tens of GiB. register_kv runs when vLLM registers its KV caches, outside
+# any step, so it may wait that long; resends after a re-HELLO keep the call deadline.
+REGISTER_TIMEOUT_S = 120.0
+
 
 class IpcOps:
     """The client's ipc-mode operations (module docstring)."""
@@ -37,6 +43,7 @@ class IpcOps:
     _kv_registration: p.RegisterKVRequest | None
     _ipc_refused_logged: bool
     call_timeout_s: float
+    ipc_fallback_reason: str = ""  # why ipc mode is not used, once it was refused
 
     def _call(self, op: str, body: p.Message) -> p.Message | None:
         raise NotImplementedError
@@ -59,7 +66,8 @@ class IpcOps:
         with self._lock:
             self._kv_registration = body
             if self._connected and self._granted_mode == "ipc":
-                self._send_registration(time.monotonic() + self.call_timeout_s)
+                timeout = max(self.call_timeout_s, REGISTER_TIMEOUT_S)
+                self._send_registration(time.monotonic() + timeout)
 
     def save_blocks(
         self,
@@ -98,10 +106,12 @@ class IpcOps:
         block_ids: Sequence[Sequence[int]],
         owner: str,
         runs: Sequence[int],
+        after_event: bytes | None = None,
     ) -> list[int] | None:
         """As :meth:`load_blocks` for consecutive runs of ``keys`` (``runs``:
         their lengths, one per request of a step) in one call: per run, the
-        length of its loaded prefix."""
+        length of its loaded prefix. The sidecar's copies wait for
+        ``after_event`` (an interprocess event's handle) when given."""
         if sum(runs) != len(keys) or not runs or min(runs) < 1:
             self._count("bad_argument")
             return None
@@ -110,6 +120,7 @@ class IpcOps:
             block_ids=[[int(b) for b in ids] for ids in block_ids],
             owner=owner,
             runs=[int(n) for n in runs],
+            after_event=after_event,
         )
         reply = self._call(p.LOAD_BLOCKS, body)
         if not isinstance(reply, p.LoadBlocksReply):
@@ -127,8 +138,25 @@ class IpcOps:
             why = reply.message if isinstance(reply, p.ErrorReply) else "no answer"
             self._granted_mode = "host"
             self._ipc_fallback(f"REGISTER_KV refused: {why}")
+        elif body.chunk_nbytes and reply.chunk_nbytes != body.chunk_nbytes:
+            # The sidecar would store chunks of another size than this worker's
+            # layout: its bytes would not be this worker's chunks.
+            self._granted_mode = "host"
+            self._ipc_fallback(
+                f"REGISTER_KV: the sidecar plans {reply.chunk_nbytes}-byte chunks, "
+                f"this worker {body.chunk_nbytes}"
+            )
+
+    def ipc_unavailable(self, why: str) -> None:
+        """The worker cannot offer ipc mode (e.g. its KV has no CUDA IPC handle):
+        host mode, said once with ``why`` and counted as ``ipc_fallback``."""
+        with self._lock:
+            self._kv_registration = None
+            self.ipc_fallback_reason = why
+            self._ipc_fallback(why)
 
     def _ipc_fallback(self, why: str) -> None:
+        self.ipc_fallback_reason = why
         self._count("ipc_fallback")
         if not self._ipc_refused_logged:
             self._ipc_refused_logged = True

@@ -19,13 +19,18 @@ compute, and are ordered against it with events:
 
 The shared arena is registered with CUDA as page-locked memory
 (``cudaHostRegister``) so copies to and from it are DMA, not staged through
-a bounce buffer; it is unregistered before its mapping can go away.
+a bounce buffer; it is unregistered before its mapping can go away. The
+registration runs on a thread of its own: page-locking tens of GiB takes
+seconds, and the first ``arena()`` call (and the first after a sidecar
+restart) comes inside a vLLM step. Until it is done, copies work as from
+pageable memory (the driver stages them): correct, only slower.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -58,6 +63,10 @@ class DeviceCopies:
     def wait_for_layer(self, layer: int) -> None:
         """Make vLLM's compute wait until plan layer ``layer`` is loaded."""
 
+    def wait_for_all_loads(self) -> None:
+        """Make vLLM's compute wait until every queued load has finished (for
+        a step replayed as a full CUDA graph, where no per-layer wait runs)."""
+
     def loads_done(self) -> None:
         """Return once every queued load copy has finished (blocks on CUDA)."""
 
@@ -80,19 +89,35 @@ class CudaCopies(DeviceCopies):
         self.stream = torch.cuda.Stream(device=device)
         self._layer_events = [torch.cuda.Event() for _ in range(num_layers)]
         self._loads_queued = False
+        self._recorded = 0  # layer events recorded by the loads being queued
         self._registered: int | None = None  # data_ptr of the registered arena
+        self._pinning: threading.Thread | None = None  # registering it now
 
     def register_arena(self, arena: torch.Tensor) -> None:
+        """Page-lock ``arena`` on a thread of its own (see the module docstring);
+        returns at once."""
         self.unregister_arena()
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(arena.data_ptr(), arena.numel(), _HOST_REGISTER_FLAGS)
+        self._pinning = threading.Thread(
+            target=self._pin, args=(arena.data_ptr(), arena.numel()),
+            name="kvstrata-pin-arena", daemon=True,
+        )  # fmt: skip
+        self._pinning.start()
+
+    def _pin(self, address: int, nbytes: int) -> None:
+        # This thread's current device first: without it the registration would
+        # create a context on device 0, another rank's GPU.
+        torch.cuda.set_device(self.device)
+        err = torch.cuda.cudart().cudaHostRegister(address, nbytes, _HOST_REGISTER_FLAGS)
         if int(err) != 0:
             # Copies still work (staged by the driver), only slower.
             logger.warning("kvstrata: cudaHostRegister of the arena failed (%s)", err)
             return
-        self._registered = arena.data_ptr()
+        self._registered = address
 
     def unregister_arena(self) -> None:
+        pinning, self._pinning = self._pinning, None
+        if pinning is not None:
+            pinning.join()  # a registration in flight ends before the mapping may go
         if self._registered is not None:
             torch.cuda.synchronize(self.device)  # nothing may still copy from it
             torch.cuda.cudart().cudaHostUnregister(self._registered)
@@ -101,16 +126,30 @@ class CudaCopies(DeviceCopies):
     @contextlib.contextmanager
     def loading(self) -> Iterator[None]:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            yield
-        self._loads_queued = True
+        self._recorded = 0
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            # Even when a copy failed part-way, what was queued is waited for:
+            # the layers not reached get their events recorded after it (a
+            # wait on an older event would not wait), and loads_done then
+            # synchronises before the leases go back to the sidecar.
+            for event in self._layer_events[self._recorded :]:
+                event.record(self.stream)
+            self._loads_queued = True
 
     def layer_loaded(self, layer: int) -> None:
         self._layer_events[layer].record(self.stream)
+        self._recorded = max(self._recorded, layer + 1)
 
     def wait_for_layer(self, layer: int) -> None:
         if self._loads_queued:
             torch.cuda.current_stream(self.device).wait_event(self._layer_events[layer])
+
+    def wait_for_all_loads(self) -> None:
+        if self._loads_queued:
+            torch.cuda.current_stream(self.device).wait_event(self._layer_events[-1])
 
     def loads_done(self) -> None:
         if self._loads_queued:

@@ -10,8 +10,10 @@ the bytes never pass through the vLLM process.
 
 Ordering: before a save the worker records an interprocess CUDA event on
 vLLM's current stream (after the forward pass wrote the KV) and sends its
-handle; the sidecar's stream waits for it. A load's reply comes after the
-sidecar's copies have finished, so vLLM's next kernels see the blocks.
+handle; the sidecar's stream waits for it. A load does the same (vLLM may
+still have the previous step queued, reading or writing blocks the load
+fills), and its reply comes after the sidecar's copies have finished, so
+vLLM's next kernels see the blocks.
 """
 
 from __future__ import annotations
@@ -40,28 +42,95 @@ def device_uuid(device: torch.device) -> str:
     return text if text.startswith("GPU-") else f"GPU-{text}"
 
 
+# What ``UntypedStorage._share_cuda_()[1]`` is. torch's StorageSharing.cpp
+# returns the string ``c10::cuda::CUDACachingAllocator::shareIpcHandle()`` builds
+# (declared in the venv's torch/include/c10/cuda/CUDACachingAllocator.h,
+# ``ShareableHandle{offset, handle}``): one format-version byte
+# (SHAREABLE_HANDLE_VERSION: 1 when the format appeared, 2 in torch 2.13), one
+# type byte, then the payload. Type 'c' is a plain cudaMalloc segment and its
+# payload is the 64-byte cudaIpcMemHandle_t; type 'e' is an expandable segment
+# (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), whose payload is a cuMem
+# shareable handle that cudaIpcOpenMemHandle cannot open. Torch releases before
+# the format returned the bare 64-byte handle.
+SHAREABLE_HANDLE_VERSIONS = (1, 2)
+SHAREABLE_CUDA_MALLOC = ord("c")
+SHAREABLE_CUDA_EXPANDABLE_SEGMENT = ord("e")
+
+
+class IpcExportError(ValueError):
+    """The KV cannot be shared by a legacy CUDA IPC handle; the message says why."""
+
+
+def cuda_memory_handle(shared: bytes) -> bytes:
+    """The ``cudaIpcMemHandle_t`` inside a storage handle torch exported.
+
+    Raises :class:`IpcExportError` naming the reason for an expandable
+    segment, an unknown format version or type, or a wrong length.
+    """
+    if not isinstance(shared, bytes):
+        raise IpcExportError(f"torch exported a {type(shared).__name__}, not bytes")
+    if len(shared) == p.IPC_HANDLE_BYTES:  # torch before the versioned format
+        return shared
+    if len(shared) < 2:
+        raise IpcExportError(f"torch exported a {len(shared)}-byte storage handle")
+    version, kind = shared[0], shared[1]
+    if version not in SHAREABLE_HANDLE_VERSIONS:
+        raise IpcExportError(
+            f"torch's storage handle has format version {version}; "
+            f"this connector reads {SHAREABLE_HANDLE_VERSIONS}"
+        )
+    if kind == SHAREABLE_CUDA_EXPANDABLE_SEGMENT:
+        raise IpcExportError(
+            "the KV lives in an expandable segment (PYTORCH_CUDA_ALLOC_CONF="
+            "expandable_segments:True), which has no legacy CUDA IPC handle; "
+            "unset expandable_segments for ipc transfer mode"
+        )
+    if kind != SHAREABLE_CUDA_MALLOC:
+        raise IpcExportError(f"torch's storage handle has unknown type byte {kind:#04x}")
+    payload = shared[2:]
+    if len(payload) != p.IPC_HANDLE_BYTES:
+        raise IpcExportError(
+            f"a cudaMalloc storage handle carries {len(payload)} bytes, "
+            f"not a {p.IPC_HANDLE_BYTES}-byte cudaIpcMemHandle_t"
+        )
+    return payload
+
+
 def kv_registration(
     tensors: Sequence[torch.Tensor],
     *,
     kv_cache_layout: str | None,
     block_dim: int,
     blocks_per_chunk: int,
+    num_blocks: int = 0,
+    chunk_nbytes: int = 0,
 ) -> p.RegisterKVRequest:
-    """The REGISTER_KV body for CUDA KV tensors (in model order)."""
+    """The REGISTER_KV body for CUDA KV tensors (in model order).
+
+    ``num_blocks``: vLLM's block count, when its kernels split each block
+    into several of the tensors' (0: the tensors' own); ``chunk_nbytes``:
+    the chunk size the worker's layout expects (0: not checked). Raises
+    :class:`IpcExportError` when the KV cannot be shared by CUDA IPC.
+    """
     layers: list[p.KVLayerHandle] = []
+    # One export per allocation: vLLM often backs every layer with one storage,
+    # and each _share_cuda_() takes another reference on the block it shares.
+    exported: dict[int, tuple[bytes, int, int]] = {}
     for t in tensors:
         storage = t.untyped_storage()
-        shared = storage._share_cuda_()
-        handle, storage_offset_bytes = shared[1], int(shared[3])
-        if not isinstance(handle, bytes) or len(handle) != p.IPC_HANDLE_BYTES:
-            # e.g. PYTORCH_CUDA_ALLOC_CONF=expandable_segments: not a cudaIpcMemHandle_t
-            raise ValueError("the KV allocation has no CUDA IPC memory handle")
+        key = int(storage.data_ptr())
+        if key not in exported:
+            shared = storage._share_cuda_()
+            # (device, handle, storage size in bytes, storage offset in the allocation, ...)
+            exported[key] = (cuda_memory_handle(shared[1]), int(shared[2]), int(shared[3]))
+        handle, storage_nbytes, storage_offset_bytes = exported[key]
         layers.append(
             p.KVLayerHandle(
-                handle=bytes(handle),
+                handle=handle,
                 offset=storage_offset_bytes + t.storage_offset() * t.element_size(),
                 shape=tuple(int(d) for d in t.shape),
                 strides=tuple(int(s) for s in t.stride()),
+                mapped_nbytes=storage_offset_bytes + storage_nbytes,
             )
         )
     first = tensors[0]
@@ -73,6 +142,8 @@ def kv_registration(
         dtype=str(first.dtype).removeprefix("torch."),
         itemsize=first.element_size(),
         layers=layers,
+        num_blocks=num_blocks,
+        chunk_nbytes=chunk_nbytes,
     )
 
 
@@ -90,23 +161,37 @@ def load_block_ids(chunk: ChunkTransfer) -> list[int]:
 
 
 def load_requests(
-    client: SidecarClient, key: Callable[[ChunkTransfer], bytes], reqs: Sequence[RequestTransfer]
+    client: SidecarClient,
+    key: Callable[[ChunkTransfer], bytes],
+    reqs: Sequence[RequestTransfer],
+    after_event: bytes | None = None,
 ) -> list[int]:
     """The sidecar scatters each request's stored prefix of full chunks into
     their blocks, all in one LOAD_BLOCKS (done when it returns); per request,
-    how many chunks it loaded. Partial chunks load in host mode only."""
+    how many chunks it loaded. Partial chunks load in host mode only.
+
+    The scatter waits for ``after_event`` (an interprocess event's handle):
+    with vLLM's asynchronous scheduling, the previous step's kernels may
+    still be queued and read or write blocks that this load now fills
+    (blocks freed by a finished request are handed out again at once).
+    ``None`` here on CUDA records one on vLLM's current stream now."""
     fulls = [[c for c in req.chunks if not c.partial] for req in reqs]
     asked = [i for i, full in enumerate(fulls) if full]
     out = [0] * len(reqs)
     if not asked:
         return out
     chunks = [c for i in asked for c in fulls[i]]
+    event = None
+    if after_event is None and torch.cuda.is_available():
+        event, after_event = compute_done_event()  # kept alive until the reply
     loaded = client.load_block_runs(
         [key(c) for c in chunks],
         [load_block_ids(c) for c in chunks],
         STEP_OWNER,
         [len(fulls[i]) for i in asked],
+        after_event=after_event,
     )
+    del event
     for i, n in zip(asked, loaded or [0] * len(asked), strict=True):
         out[i] = n
     return out

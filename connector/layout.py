@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from kvstrata.sidecar.transfer.plan import (
     CopyPlan,
     TensorGeometry,
     UnsupportedLayoutError,
+    per_manager_block,
     plan_from_geometry,
 )
 from kvstrata.sidecar.transfer.torch_copy import TorchCopier
@@ -172,25 +173,6 @@ def _check_view_order(name: str, kv: torch.Tensor, kv_cache_layout: str) -> None
         )
 
 
-def _per_manager_block(plan: CopyPlan, num_blocks: int) -> CopyPlan:
-    """A plan over kernel blocks as one over vLLM's (larger) manager blocks."""
-    if plan.num_blocks == num_blocks:
-        return plan
-    ratio, rest = divmod(plan.num_blocks, num_blocks)
-    dense = plan.num_segments == 1 and plan.segment_bytes == plan.block_stride
-    if rest or not dense:
-        raise UnsupportedLayoutError(
-            f"{plan.num_blocks} kernel blocks for {num_blocks} cache blocks in a layout "
-            "whose pages are not dense"
-        )
-    return replace(
-        plan,
-        num_blocks=num_blocks,
-        block_stride=plan.block_stride * ratio,
-        segment_bytes=plan.segment_bytes * ratio,
-    )
-
-
 def _legacy_block_dim(kv: torch.Tensor, num_blocks: int | None) -> int:
     dims = [d for d, n in enumerate(kv.shape) if n == num_blocks]
     if num_blocks is None or len(dims) != 1:
@@ -239,7 +221,7 @@ def detect_layout(
             f"their strides do not follow the {kv_cache_layout} layout"
         )
     if num_blocks is not None:
-        plan = _per_manager_block(plan, num_blocks)
+        plan = per_manager_block(plan, num_blocks)
     plan = plan.coalesced()
     return ChunkLayout(
         layer_names=tuple(names),

@@ -52,6 +52,7 @@ import torch
 from kvstrata.connector import ipc
 from kvstrata.connector.async_loads import AsyncLoads, FinishedLoads, LoadReports, outcome_of
 from kvstrata.connector.client import SidecarClient
+from kvstrata.connector.client_ipc import REGISTER_TIMEOUT_S
 from kvstrata.connector.device import DeviceCopies, copies_for
 from kvstrata.connector.layout import ChunkLayout, UnsupportedLayoutError, detect_layout
 from kvstrata.connector.leased_reads import STEP_OWNER, LeasedReads, Sources
@@ -116,6 +117,10 @@ class KVStrataWorker:
         self.reports = LoadReports(whole_requests=len(settings.groups) > 1)
         self._background: AsyncLoads | None = None
         self._ipc_registration: p.RegisterKVRequest | None = None  # ipc mode's KV handles
+        # Set before register_kv_caches can return early (a refused layout):
+        # wait_for_layer_load reads them on every layer whatever happened.
+        self._layer_index: dict[str, int] = {}
+        self._layer_offsets: list[int] = []  # per group: its first copy-event layer
 
     def _new_client(self, call_timeout_s: float) -> SidecarClient:
         s = self.settings
@@ -128,8 +133,6 @@ class KVStrataWorker:
             more_namespaces=self._namespaces[1:],
             kv_events=s.kv_events,
         )
-        self._layer_index: dict[str, int] = {}
-        self._layer_offsets: list[int] = []  # per group: its first copy-event layer
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         s = self.settings
@@ -184,21 +187,40 @@ class KVStrataWorker:
                 kv_cache_layout=self.settings.kv_cache_layout,
                 block_dim=layout.block_dim,
                 blocks_per_chunk=layout.blocks_per_chunk,
+                num_blocks=layout.plan.num_blocks,
+                chunk_nbytes=layout.chunk_nbytes,
             )
-        except Exception:
-            logger.exception("kvstrata: cannot export the KV for ipc mode; using host mode")
+        except ipc.IpcExportError as exc:
+            self.client.ipc_unavailable(f"cannot export the KV: {exc}")
+            return
+        except Exception as exc:
+            logger.exception("kvstrata: cannot export the KV for ipc mode")
+            self.client.ipc_unavailable(f"cannot export the KV: {exc}")
             return
         self._ipc_registration = body
         self.client.requested_mode = "ipc"
         self.client.register_kv(body)
-        self.client.stats()  # connect now: the mode is decided at HELLO
+        # Connect now (the mode is decided at HELLO) with the patience of a first
+        # registration: the sidecar page-locks its arena for our GPU then.
+        call_timeout_s = self.client.call_timeout_s
+        self.client.call_timeout_s = max(call_timeout_s, REGISTER_TIMEOUT_S)
+        try:
+            self.client.stats()
+        finally:
+            self.client.call_timeout_s = call_timeout_s
 
     # -- loads --------------------------------------------------------------------
 
-    def start_load(self, meta: KVStrataMetadata | None) -> None:
+    def start_load(
+        self, meta: KVStrataMetadata | None, *, whole_before_compute: bool = False
+    ) -> None:
         """Queue this step's loads: inline ones finish before the layers that
         need them (on CUDA layer by layer on our stream), background ones on
-        their own thread (:mod:`~kvstrata.connector.async_loads`)."""
+        their own thread (:mod:`~kvstrata.connector.async_loads`).
+
+        ``whole_before_compute``: the step replays a full CUDA graph, where no
+        ``wait_for_layer_load`` runs; vLLM's stream then waits for every
+        inline load before anything it queues next."""
         self._finish_loads()
         if meta is None or not meta.loads:
             return
@@ -211,6 +233,8 @@ class KVStrataWorker:
             for req, loaded in zip(inline, self._load_inline(inline), strict=True):
                 self.counters.loaded_chunks += loaded
                 self._failed_loads(req.chunks[loaded:])
+            if whole_before_compute:
+                self.copies.wait_for_all_loads()
         self.counters.load_seconds += time.perf_counter() - started
 
     def _start_loader(self) -> None:

@@ -102,6 +102,10 @@ KVS_API int kvs_cuda_set_device(int32_t device);
 // the exporter frees it or dies; the last close gives it back.
 KVS_API int kvs_cuda_ipc_open(int32_t device, const void* handle, uint64_t* address);
 KVS_API int kvs_cuda_ipc_close(int32_t device, uint64_t address);
+// The allocation `address` lies in (the driver's cuMemGetAddressRange): its first
+// byte's address and its size in bytes. Returns cudaErrorNotSupported when the
+// driver does not offer the call.
+KVS_API int kvs_cuda_mem_range(int32_t device, uint64_t address, uint64_t* base, uint64_t* size);
 // A stream of `device` that does not synchronise with the legacy default stream.
 KVS_API int kvs_cuda_stream_create(int32_t device, uint64_t* stream);
 KVS_API int kvs_cuda_stream_destroy(int32_t device, uint64_t stream);
@@ -110,6 +114,9 @@ KVS_API int kvs_cuda_stream_destroy(int32_t device, uint64_t stream);
 // is opened for this call and released; the wait stays queued.
 KVS_API int kvs_cuda_stream_wait_ipc_event(int32_t device, uint64_t stream,
                                            const void* event_handle);
+// Whether the last record of another process's event has completed (`*done` 1 or
+// 0), asked from the host without blocking; the event is opened for this call only.
+KVS_API int kvs_cuda_ipc_event_query(int32_t device, const void* event_handle, int32_t* done);
 // Page-lock `nbytes` of host memory at `ptr` for every device (portable) and map it
 // for kernels (mapped), on the current device; `*device_address` is the address
 // kernels of the current device use for `ptr`. Memory that is already registered (by

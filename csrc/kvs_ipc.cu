@@ -108,6 +108,29 @@ KVS_API int kvs_cuda_ipc_close(int32_t device, uint64_t address) {
   return kvs::done(cudaIpcCloseMemHandle(ptr));
 }
 
+KVS_API int kvs_cuda_mem_range(int32_t device, uint64_t address, uint64_t* base, uint64_t* size) {
+  kvs::OnDevice on(device);
+  if (on.error() != cudaSuccess) return kvs::done(on.error());
+  // A driver call reached through the runtime, so the library still needs no
+  // -lcuda: cuMemGetAddressRange(CUdeviceptr* base, size_t* size, CUdeviceptr ptr),
+  // CUdeviceptr being an unsigned 64-bit integer since CUDA 3.2 (the _v2 ABI).
+  using MemGetAddressRange = int (*)(unsigned long long*, size_t*, unsigned long long);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  const cudaError_t err = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000,
+                                                           cudaEnableDefault, &found);
+  if (err != cudaSuccess) return kvs::done(err);
+  if (fn == nullptr || found != cudaDriverEntryPointSuccess) return cudaErrorNotSupported;
+  unsigned long long first = 0;
+  size_t bytes = 0;
+  if (reinterpret_cast<MemGetAddressRange>(fn)(&first, &bytes, address) != 0) {
+    return cudaErrorInvalidValue;
+  }
+  *base = first;
+  *size = bytes;
+  return cudaSuccess;
+}
+
 KVS_API int kvs_cuda_stream_create(int32_t device, uint64_t* stream) {
   kvs::OnDevice on(device);
   if (on.error() != cudaSuccess) return kvs::done(on.error());
@@ -140,6 +163,21 @@ KVS_API int kvs_cuda_stream_wait_ipc_event(int32_t device, uint64_t stream,
   // leaves nothing open per call.
   const cudaError_t destroyed = cudaEventDestroy(event);
   return kvs::done(err != cudaSuccess ? err : destroyed);
+}
+
+KVS_API int kvs_cuda_ipc_event_query(int32_t device, const void* event_handle, int32_t* done) {
+  kvs::OnDevice on(device);
+  if (on.error() != cudaSuccess) return kvs::done(on.error());
+  cudaIpcEventHandle_t h;
+  memcpy(&h, event_handle, sizeof(h));
+  cudaEvent_t event = nullptr;
+  cudaError_t err = cudaIpcOpenEventHandle(&event, h);
+  if (err != cudaSuccess) return kvs::done(err);
+  const cudaError_t state = cudaEventQuery(event);
+  const cudaError_t destroyed = cudaEventDestroy(event);
+  if (state != cudaSuccess && state != cudaErrorNotReady) return kvs::done(state);
+  *done = state == cudaSuccess ? 1 : 0;
+  return kvs::done(destroyed);
 }
 
 KVS_API int kvs_cuda_host_register(void* ptr, uint64_t nbytes, uint64_t* device_address,

@@ -36,7 +36,10 @@ image name contains ``vllm``; else the first one.
 GPU visibility (``transferMode`` ipc or auto): the sidecar gets the vLLM
 container's ``NVIDIA_VISIBLE_DEVICES`` when the pod spec sets it, else
 ``all`` when the vLLM container requests ``nvidia.com/gpu`` (the connector
-names its device by UUID, so the sidecar maps the right one).
+names its device by UUID, so the sidecar maps the right one; it creates a
+CUDA context only on the GPUs its workers register, never on GPU 0 of the
+node by default). Such pods also get ``shareProcessNamespace: true``: CUDA
+IPC handles do not open across PID namespaces.
 
 Never blocking: anything that cannot be done leaves the pod as it was but for
 the annotation ``kvstrata.io/injection-skipped: <reason>``.
@@ -257,8 +260,23 @@ def _inject(
     gpu_env = _gpu_env(vllm, config.transfer_mode)
     # A sidecar that sees a GPU gets the CUDA image (its kernels); else the slim one.
     image = images.sidecar_cuda if gpu_env else images.sidecar
+    if gpu_env:
+        _share_process_namespace(pod_spec)
     init.append(_sidecar(spec.sidecar, config, sidecar_mounts, gpu_env, vllm, pod_spec, image))
     _configure_vllm(vllm, inject_package)
+
+
+def _share_process_namespace(pod_spec: dict[str, Any]) -> None:
+    """One PID namespace for the pod's containers, so ipc mode can work.
+
+    Legacy CUDA IPC memory handles and interprocess events do not open
+    across PID namespaces (openucx/ucx#11514, NVIDIA/nccl#360), and a Pod's
+    containers each have their own unless ``shareProcessNamespace`` is true.
+    Set for every pod whose sidecar sees a GPU (ipc, or auto on a GPU pod):
+    those are the pods that can use ipc. A pod that says ``false`` keeps
+    it (its workers then get host mode, and say why).
+    """
+    pod_spec.setdefault("shareProcessNamespace", True)
 
 
 def _shm_volume_of(container: Mapping[str, Any]) -> str | None:
@@ -385,6 +403,10 @@ def _gpu_env(vllm: Mapping[str, Any], mode: str) -> list[dict[str, Any]]:
         wants = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
         if not any(k.endswith("/gpu") and str(v) != "0" for k, v in wants.items()):
             return []
+        # Which GPUs the device plugin gives vLLM is not known at admission, so
+        # the sidecar sees them all and opens only the one each worker names by
+        # UUID; it creates no CUDA context before that (CudaDevices), so no
+        # other GPU of the node is touched.
         visible = "all"
     return [
         {"name": "NVIDIA_VISIBLE_DEVICES", "value": visible},

@@ -332,6 +332,13 @@ class IpcConfig(_Section):
         description="device memory per GPU for copy_path staging (at least 1Mi); a chunk "
         "larger than this is copied zero-copy",
     )
+    max_ctas: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="at most this many thread blocks per copy kernel (0: as many as fill "
+        "the GPU); a few leave vLLM's kernels most of the SMs at some cost in copy speed",
+    )
 
 
 class SidecarConfig(_Section):

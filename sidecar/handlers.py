@@ -36,8 +36,9 @@ logger = logging.getLogger(__name__)
 # Ops answered on the worker pool: they may wait on L2/L3 I/O (promotion
 # into L1), which must never stall the server loop. LOOKUP joins them when
 # a shared tier is configured (its existence checks are network calls); a
-# local lookup is cheaper than the hop to a worker thread.
-POOLED_OPS = frozenset({p.PREPARE_RETRIEVE, p.SAVE_BLOCKS, p.LOAD_BLOCKS})
+# local lookup is cheaper than the hop to a worker thread. REGISTER_KV too:
+# the first one on a GPU page-locks the arena for it (seconds for tens of GiB).
+POOLED_OPS = frozenset({p.PREPARE_RETRIEVE, p.SAVE_BLOCKS, p.LOAD_BLOCKS, p.REGISTER_KV})
 POOLED_OPS_REMOTE = POOLED_OPS | {p.LOOKUP}
 
 

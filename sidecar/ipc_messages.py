@@ -41,21 +41,29 @@ def _read_handle(value: Any, name: str) -> bytes:
 
 @dataclass(slots=True)
 class KVLayerHandle:
-    """One KV tensor shared by CUDA IPC: ``[handle, offset, shape, strides]`` on the wire."""
+    """One KV tensor shared by CUDA IPC:
+    ``[handle, offset, shape, strides, mapped_nbytes]`` on the wire.
+
+    ``mapped_nbytes`` is how many bytes of the handle's allocation the
+    worker says it shares (torch: the storage's offset plus its size; 0:
+    not said). The sidecar never lets a tensor reach past it, nor past
+    what the device says it mapped.
+    """
 
     handle: bytes
     offset: int  # bytes from the start of the handle's allocation to element 0
     shape: tuple[int, ...]
     strides: tuple[int, ...]  # in elements
+    mapped_nbytes: int = 0
 
     def to_wire(self) -> list[Any]:
-        return [self.handle, self.offset, list(self.shape), list(self.strides)]
+        return [self.handle, self.offset, list(self.shape), list(self.strides), self.mapped_nbytes]
 
     @classmethod
     def from_wire(cls, value: Any, name: str) -> KVLayerHandle:
-        items = read_list(value, name, 4)
-        if len(items) != 4:
-            raise bad_field(name, "[handle, offset, shape, strides]", value)
+        items = read_list(value, name, 5)
+        if len(items) not in (4, 5):
+            raise bad_field(name, "[handle, offset, shape, strides, mapped_nbytes]", value)
         shape = read_shape(items[2], f"{name}.shape")
         strides = read_shape(items[3], f"{name}.strides")
         if len(shape) != len(strides) or not shape:
@@ -65,7 +73,13 @@ class KVLayerHandle:
             offset=read_int(items[1], f"{name}.offset"),
             shape=shape,
             strides=strides,
+            mapped_nbytes=read_int(items[4], f"{name}.mapped_nbytes") if len(items) == 5 else 0,
         )
+
+    def extent_nbytes(self, itemsize: int) -> int:
+        """Bytes from the allocation's start to just past the tensor's last element."""
+        last = sum((n - 1) * s for n, s in zip(self.shape, self.strides, strict=True))
+        return self.offset + (last + 1) * itemsize
 
 
 @dataclass(slots=True)
@@ -78,6 +92,10 @@ class RegisterKVRequest(Message):
     dtype: str = ""
     itemsize: int = 1
     layers: list[KVLayerHandle] = field(default_factory=list)
+    # vLLM's block count when its attention kernels split each of its blocks
+    # into several of the tensors' (block ids name vLLM's blocks); 0: the same.
+    num_blocks: int = 0
+    chunk_nbytes: int = 0  # what the worker's own layout makes a chunk; 0: not checked
 
     def to_wire(self) -> dict[str, Any]:
         body = Message.to_wire(self)
@@ -99,6 +117,8 @@ class RegisterKVRequest(Message):
             dtype=read_str(required(body, "dtype"), "dtype", 32),
             itemsize=read_int(required(body, "itemsize"), "itemsize", 1, 16),
             layers=layers,
+            num_blocks=read_int(body.get("num_blocks", 0), "num_blocks"),
+            chunk_nbytes=read_int(body.get("chunk_nbytes", 0), "chunk_nbytes"),
         )
 
 
@@ -120,8 +140,23 @@ def _read_block_ids(value: Any, name: str) -> list[int]:
     return read_items(value, name, lambda v, n: read_int(v, n, -1, (1 << 62)), MAX_BLOCKS_PER_CHUNK)
 
 
-def _read_blocks(body: Mapping[str, Any], keys: list[ChunkKey]) -> list[list[int]]:
-    blocks = read_items(required(body, "block_ids"), "block_ids", _read_block_ids)
+def _read_saved_block_ids(value: Any, name: str) -> list[int]:
+    ids = _read_block_ids(value, name)
+    if any(b < 0 for b in ids):
+        # A load may skip a block vLLM already holds (-1); a save may not: the
+        # slot's bytes for a skipped block would never be written, and a slot
+        # never written must never be committed.
+        raise ProtocolError(
+            E_BAD_REQUEST, f"field {name!r}: a save names every block of a chunk (no -1)"
+        )
+    return ids
+
+
+def _read_blocks(
+    body: Mapping[str, Any], keys: list[ChunkKey], *, save: bool = False
+) -> list[list[int]]:
+    read = _read_saved_block_ids if save else _read_block_ids
+    blocks = read_items(required(body, "block_ids"), "block_ids", read)
     if len(blocks) != len(keys):
         raise ProtocolError(
             E_BAD_REQUEST,
@@ -144,7 +179,7 @@ class SaveBlocksRequest(Message):
         event = body.get("after_event")
         return cls(
             keys=keys,
-            block_ids=_read_blocks(body, keys),
+            block_ids=_read_blocks(body, keys, save=True),
             after_event=None if event is None else _read_handle(event, "after_event"),
             owner=read_str(required(body, "owner"), "owner"),
         )
@@ -157,15 +192,18 @@ class LoadBlocksRequest(Message):
     block_ids: list[list[int]] = field(default_factory=list)
     owner: str = ""
     runs: list[int] = field(default_factory=list)  # prefix lengths (one per request); empty: one
+    after_event: bytes | None = None  # the copies wait for it (vLLM's queued work)
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> LoadBlocksRequest:
         keys = read_keys(required(body, "keys"))
+        event = body.get("after_event")
         return cls(
             keys=keys,
             block_ids=_read_blocks(body, keys),
             owner=read_str(required(body, "owner"), "owner"),
             runs=read_runs(body, keys),
+            after_event=None if event is None else _read_handle(event, "after_event"),
         )
 
 

@@ -204,7 +204,10 @@ def _open_ipc(
     from kvstrata.sidecar.transfer.ipc import IpcTransfers
 
     devices, reason = open_cuda_devices(
-        engine.arena, copy_path=config.ipc.copy_path, staging_bytes=config.ipc.staging_bytes
+        engine.arena,
+        max_ctas=config.ipc.max_ctas,
+        copy_path=config.ipc.copy_path,
+        staging_bytes=config.ipc.staging_bytes,
     )
     if devices is None:
         # Asked for explicitly, a missing GPU path is worth a warning; under auto

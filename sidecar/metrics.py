@@ -126,6 +126,14 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "them was written there (absent keys included)"),
     MetricSpec("kvstrata_partial_mismatch_total", "counter", (), "chunks",
                "reads refused because the object's block count was not the one expected"),
+    MetricSpec("kvstrata_ipc_copy_failures_total", "counter", ("op",), "calls",
+               "ipc-mode GPU copies that failed (op: save or load; the chunks are dropped "
+               "or missed)"),
+    MetricSpec("kvstrata_ipc_staging_fallbacks_total", "counter", (), "calls",
+               "staging copies that ran zero-copy because one chunk exceeds the staging buffer"),
+    MetricSpec("kvstrata_ipc_gpu_faulted", "gauge", (), "boolean",
+               "1 after a CUDA error that breaks the sidecar's GPU context: ipc calls are "
+               "refused (workers use host mode) and /readyz fails until a restart"),
 )  # fmt: skip
 
 SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOGUE}
@@ -256,6 +264,29 @@ class EngineCollector(Collector):
             return
         yield from _tier_metrics(stats)
         yield from _counter_metrics(stats.counters)
+
+
+class IpcCollector(Collector):
+    """Reads ipc mode's GPU counters at scrape time (from ``IpcTransfers.gpu_stats``)."""
+
+    def __init__(self, gpu_stats: Callable[[], dict[str, Any]]) -> None:
+        self._gpu_stats = gpu_stats
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._gpu_stats()
+        failures = _counter("kvstrata_ipc_copy_failures_total")
+        for op in ("save", "load"):
+            failures.add_metric([op], stats["copy_failures"].get(op, 0))
+        yield failures
+        fallbacks = _counter("kvstrata_ipc_staging_fallbacks_total")
+        fallbacks.add_metric([], stats["staging_fallbacks"])
+        yield fallbacks
+        faulted = _gauge("kvstrata_ipc_gpu_faulted")
+        faulted.add_metric([], 1 if stats["fault"] else 0)
+        yield faulted
 
 
 # Per-tier families read from each TierSnapshot: metric name -> the value.

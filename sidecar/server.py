@@ -38,7 +38,7 @@ from kvstrata.sidecar.liveness import (
     socket_umask,
 )
 from kvstrata.sidecar.logs import request_context
-from kvstrata.sidecar.metrics import EngineCollector, ServerMetrics
+from kvstrata.sidecar.metrics import EngineCollector, IpcCollector, ServerMetrics
 from kvstrata.sidecar.peers import ClientAdmission, credentials_from_peer_address
 from kvstrata.sidecar.sessions import Session, SessionTable
 
@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 HOUSEKEEPING_SECONDS = 0.5
 MAX_BATCH = 256  # messages read per loop turn before replies of the pool are sent
 MAX_POOL_BACKLOG = 1024  # pooled requests waiting; beyond it requests get E_BUSY
+
+
+def _no_gpu_stats() -> dict[str, object]:
+    return {"copy_failures": {}, "staging_fallbacks": 0, "fault": ""}
 
 
 class SidecarServer:
@@ -83,6 +87,9 @@ class SidecarServer:
             EngineCollector(engine.stats, lambda: len(self.sessions), self._count_error)
         )
         self.metrics.expect_tiers(engine.stats().tiers)
+        self._ipc = ipc
+        # Served without ipc too (zeros): one catalogue for every sidecar.
+        self.metrics.attach(IpcCollector(ipc.gpu_stats if ipc is not None else _no_gpu_stats))
         self.pooled_ops = POOLED_OPS_REMOTE if remote_lookups else POOLED_OPS
         self.endpoint = config.server.endpoint
         self.admission = ClientAdmission(config.server.client_uids)
@@ -158,7 +165,8 @@ class SidecarServer:
 
     @property
     def ready(self) -> bool:
-        return self._serving.is_set()
+        """Serving, and the GPU context (ipc mode) is not broken by a CUDA fault."""
+        return self._serving.is_set() and not (self._ipc is not None and self._ipc.fault)
 
     def wake(self) -> None:
         """Interrupt the loop's poll (from any thread or a signal handler)."""

@@ -51,9 +51,11 @@ CUDA_IPC_ARGTYPES: dict[str, list[Any]] = {
     # Handles go as c_char_p: a pointer to the bytes object's own 64 bytes (NULs and all).
     "kvs_cuda_ipc_open": [ctypes.c_int32, ctypes.c_char_p, _U64P],
     "kvs_cuda_ipc_close": [ctypes.c_int32, ctypes.c_uint64],
+    "kvs_cuda_mem_range": [ctypes.c_int32, ctypes.c_uint64, _U64P, _U64P],
     "kvs_cuda_stream_create": [ctypes.c_int32, _U64P],
     "kvs_cuda_stream_destroy": [ctypes.c_int32, ctypes.c_uint64],
     "kvs_cuda_stream_wait_ipc_event": [ctypes.c_int32, ctypes.c_uint64, ctypes.c_char_p],
+    "kvs_cuda_ipc_event_query": [ctypes.c_int32, ctypes.c_char_p, _I32P],
     "kvs_cuda_host_register": [ctypes.c_void_p, ctypes.c_uint64, _U64P, _I32P],
     "kvs_cuda_host_unregister": [ctypes.c_void_p],
     "kvs_cuda_mem_get_info": [ctypes.c_int32, _U64P, _U64P],

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal
@@ -68,6 +69,13 @@ DEFAULT_STAGING_BYTES = 256 << 20
 # multiple of 16 does not push the kernel's accesses of every later chunk below
 # 16 bytes (the width is chosen once per launch from every address).
 _STAGING_ALIGN = 256
+
+# Polling a peer's event: first after 20 us (a forward pass usually ends soon
+# after vLLM asks to save), backing off to 1 ms; the default bound is far above
+# any forward pass.
+_POLL_FIRST_S = 20e-6
+_POLL_MAX_S = 1e-3
+DEFAULT_PEER_EVENT_TIMEOUT_S = 60.0
 
 
 def check_copy_path(copy_path: str, staging_bytes: int) -> None:
@@ -168,9 +176,11 @@ class CudaDevice:
         max_ctas: int = 0,
         copy_path: CopyPath = "zero_copy",
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        peer_event_timeout_s: float = DEFAULT_PEER_EVENT_TIMEOUT_S,
     ) -> None:
         check_copy_path(copy_path, staging_bytes)
         self.uuid = uuid
+        self.peer_event_timeout_s = peer_event_timeout_s
         self.max_ctas = max_ctas
         self.copy_path = copy_path
         self.staging_bytes = staging_bytes
@@ -242,6 +252,17 @@ class CudaDevice:
             except KernelError as exc:
                 raise _failed(f"closing a CUDA IPC handle on device {self.index}", exc) from None
 
+    def mapped_nbytes(self, address: int) -> int | None:
+        """Bytes of the allocation from ``address`` on, as the driver knows it;
+        None when this driver cannot say (the worker's size is then the bound)."""
+        self._check_open()
+        try:
+            base, size = self._lib.mem_range(self.index, address)
+        except KernelError as exc:
+            logger.warning("device %d: allocation size unknown: %s", self.index, exc)
+            return None
+        return base + size - address if base <= address < base + size else 0
+
     def gather(
         self,
         plan: CopyPlan,
@@ -249,18 +270,24 @@ class CudaDevice:
         chunk_addresses: Sequence[int],
         blocks_per_chunk: int,
         after_event: bytes | None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> None:
         """Paged KV -> arena chunks, after the peer's event; done when it returns.
 
+        The event is waited for on the host, without the device lock, until
+        it completes, ``cancelled()`` says the session ended, or
+        ``peer_event_timeout_s`` passes (see :meth:`_wait_for_peer`).
+
         Raises ValueError for inputs the kernels' binding refuses and
-        :class:`CudaDeviceError` naming the CUDA error of a failed step.
+        :class:`CudaDeviceError` naming the CUDA error of a failed step, or
+        the peer's event that did not complete.
         """
+        if after_event is not None:
+            self._wait_for_peer(after_event, cancelled)
         with self._lock:
             self._check_open()
             try:
                 self._lib.set_device(self.index)
-                if after_event is not None:
-                    self._lib.stream_wait_ipc_event(self.index, self.stream, after_event)
                 batch = self._batch_chunks(plan, blocks_per_chunk)
                 if batch:
                     self._staged(
@@ -275,18 +302,57 @@ class CudaDevice:
             except KernelError as exc:
                 raise _failed(f"gather on device {self.index}", exc) from None
 
+    def _wait_for_peer(self, event: bytes, cancelled: Callable[[], bool] | None) -> None:
+        """Return once the peer's interprocess event has completed.
+
+        Why on the host and not ``cudaStreamWaitEvent`` plus a stream sync:
+        a vLLM killed between recording the event and its forward pass
+        finishing leaves a device-side wait that may never end, and a sync
+        on it would hold this device's lock (every session's copies) and
+        the dead worker's mapping forever (``IpcTransfers.close`` waits for
+        running copies). Polling the event keeps vLLM's side free of any
+        host sync (its forward pass stays asynchronous) and bounds the wait:
+        by the session's end (its process gone) and by a deadline.
+        """
+        deadline = time.monotonic() + self.peer_event_timeout_s
+        pause = _POLL_FIRST_S
+        while True:
+            try:
+                if self._lib.ipc_event_done(self.index, event):
+                    return
+            except KernelError as exc:
+                # The peer's event, not this context: no error name, so it is
+                # never taken for a fault of the sidecar's GPU context.
+                raise CudaDeviceError(
+                    f"querying the peer's event on device {self.index}: {exc}"
+                ) from None
+            if cancelled is not None and cancelled():
+                raise CudaDeviceError("the session ended while its save waited for vLLM's event")
+            if time.monotonic() >= deadline:
+                raise CudaDeviceError(
+                    f"vLLM's event did not complete within {self.peer_event_timeout_s} s "
+                    "(its process may have died); the save is dropped"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
+
     def scatter(
         self,
         plan: CopyPlan,
         block_ids: Sequence[int],
         chunk_addresses: Sequence[int],
         blocks_per_chunk: int,
+        after_event: bytes | None = None,
     ) -> None:
-        """Arena chunks -> paged KV; done when it returns (errors as :meth:`gather`)."""
+        """Arena chunks -> paged KV, after the peer's event (vLLM's queued work,
+        which may still use these blocks); done when it returns (errors as
+        :meth:`gather`)."""
         with self._lock:
             self._check_open()
             try:
                 self._lib.set_device(self.index)
+                if after_event is not None:
+                    self._lib.stream_wait_ipc_event(self.index, self.stream, after_event)
                 batch = self._batch_chunks(plan, blocks_per_chunk)
                 if batch:
                     self._staged(
@@ -429,7 +495,14 @@ class CudaDevice:
 class CudaDevices:
     """The factory ``IpcTransfers`` opens GPUs with: ``devices(uuid) -> CudaDevice``.
 
-    Every device shares one :class:`ArenaRegistration`. :meth:`close`
+    Every device shares one :class:`ArenaRegistration`, made when the first
+    device is opened, with that device current. Why not at start: whatever
+    first touches the CUDA runtime creates a context on the current device,
+    device 0 unless set, and a sidecar that sees every GPU of the node
+    (``NVIDIA_VISIBLE_DEVICES=all``) would spend ~0.5 GiB on a GPU that is
+    not its vLLM's, or fail where that GPU is in EXCLUSIVE_PROCESS mode.
+    The first REGISTER_KV names the GPU (by UUID); the device is made
+    current before anything else runs on it. :meth:`close`
     closes every device opened through it, then unregisters the arena:
     call it before the arena is unmapped (before the engine closes).
     ``copy_path`` / ``staging_bytes`` apply to every device (ValueError, before
@@ -450,16 +523,18 @@ class CudaDevices:
         self.max_ctas = max_ctas
         self.copy_path = copy_path
         self.staging_bytes = staging_bytes
-        self.registration = ArenaRegistration(lib, arena)
+        self.registration: ArenaRegistration | None = None  # at the first device
         self._devices: list[CudaDevice] = []
         self._lock = threading.Lock()
 
     def __call__(self, uuid: str) -> CudaDevice:
-        device = CudaDevice(
-            self._lib, uuid, self._arena, self.registration, self.max_ctas,
-            self.copy_path, self.staging_bytes,
-        )  # fmt: skip
         with self._lock:
+            if self.registration is None:
+                self.registration = self._register_on(uuid)
+            device = CudaDevice(
+                self._lib, uuid, self._arena, self.registration, self.max_ctas,
+                self.copy_path, self.staging_bytes,
+            )  # fmt: skip
             self._devices.append(device)
         logger.info(
             "GPU %s is device %d here; arena mapped for it; copy path %s",
@@ -467,12 +542,28 @@ class CudaDevices:
         )  # fmt: skip
         return device
 
+    def _register_on(self, uuid: str) -> ArenaRegistration:
+        """The arena registration, made with GPU ``uuid`` current (see the class)."""
+        try:
+            index = self._lib.device_by_uuid(uuid)
+        except ValueError as exc:
+            raise CudaDeviceError(str(exc)) from None
+        except KernelError as exc:
+            raise _failed(f"GPU {uuid} is not visible to this process", exc) from None
+        try:
+            self._lib.set_device(index)
+        except KernelError as exc:
+            raise _failed(f"GPU {uuid} (device {index})", exc) from None
+        return ArenaRegistration(self._lib, self._arena)
+
     def close(self) -> None:
         with self._lock:
             devices, self._devices = self._devices, []
+            registration, self.registration = self.registration, None
         for device in devices:
             device.close()
-        self.registration.close()
+        if registration is not None:
+            registration.close()
 
 
 def open_cuda_devices(
@@ -485,8 +576,9 @@ def open_cuda_devices(
 
     The reason names what is missing: the CUDA library (not built, disabled
     by ``KVSTRATA_CUDA_KERNELS=0``), a driver, a visible device, or the
-    arena's registration. On success the arena is registered with CUDA
-    before this returns, and the reason is "". Every device copies by
+    arena's registration. On success the reason is ""; the arena is
+    registered with CUDA when the first GPU is opened (see
+    :class:`CudaDevices`). Every device copies by
     ``copy_path`` (``staging``: through ``staging_bytes`` of device memory
     each); ValueError for values :func:`check_copy_path` refuses.
     """

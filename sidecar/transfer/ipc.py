@@ -27,8 +27,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from kvstrata.sidecar import protocol as p
@@ -37,6 +38,7 @@ from kvstrata.sidecar.transfer.plan import (
     CopyPlan,
     TensorGeometry,
     UnsupportedLayoutError,
+    per_manager_block,
     plan_from_geometry,
 )
 
@@ -58,6 +60,11 @@ class TransferDevice(Protocol):
 
     def close_memory(self, address: int) -> None: ...
 
+    def mapped_nbytes(self, address: int) -> int | None:
+        """How many bytes the allocation opened at ``address`` has; None when
+        the device cannot tell (the worker's ``mapped_nbytes`` is then the bound)."""
+        ...
+
     def gather(
         self,
         plan: CopyPlan,
@@ -65,8 +72,10 @@ class TransferDevice(Protocol):
         chunk_addresses: Sequence[int],
         blocks_per_chunk: int,
         after_event: bytes | None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> None:
-        """Paged KV -> chunks in the arena, after the peer's event (if any)."""
+        """Paged KV -> chunks in the arena, after the peer's event (if any);
+        gives up (raising) once ``cancelled()`` is true: the session ended."""
         ...
 
     def scatter(
@@ -75,8 +84,9 @@ class TransferDevice(Protocol):
         block_ids: Sequence[int],
         chunk_addresses: Sequence[int],
         blocks_per_chunk: int,
+        after_event: bytes | None = None,
     ) -> None:
-        """Chunks in the arena -> paged KV."""
+        """Chunks in the arena -> paged KV, after the peer's event (if any)."""
         ...
 
     def arena_address(self, offset: int) -> int:
@@ -94,10 +104,50 @@ class IpcMapping:
     blocks_per_chunk: int
     meta: ChunkMeta  # dtype and shape recorded with every chunk saved
     copies: int = 0  # copies running on it now (its handles stay open until 0)
+    closing: threading.Event = field(default_factory=threading.Event)  # a waiting copy gives up
 
     @property
     def chunk_nbytes(self) -> int:
         return self.plan.chunk_nbytes(self.blocks_per_chunk)
+
+
+def _check_extent(
+    index: int, layer: p.KVLayerHandle, itemsize: int, device_nbytes: int | None
+) -> None:
+    """Refuse a tensor that reaches past the allocation it is mapped from: the
+    kernels trust the plan, and a block past the mapping is an illegal address
+    (a fault for the sidecar's whole CUDA context) or another tenant's bytes."""
+    bounds = [n for n in (device_nbytes, layer.mapped_nbytes or None) if n is not None]
+    if not bounds:
+        raise UnsupportedLayoutError(
+            f"field 'layers[{index}].mapped_nbytes': not given, and the device cannot tell "
+            "the allocation's size"
+        )
+    limit = min(bounds)
+    extent = layer.extent_nbytes(itemsize)
+    if extent > limit:
+        raise UnsupportedLayoutError(
+            f"layer {index}: shape {layer.shape} strides {layer.strides} at offset "
+            f"{layer.offset} reach byte {extent}, past the {limit} bytes mapped"
+        )
+
+
+# cudaError_t names after which the CUDA context is unusable: every later call
+# of the process fails too (CUDA Runtime API, "sticky" errors).
+STICKY_CUDA_ERRORS = frozenset(
+    {
+        "cudaErrorIllegalAddress",
+        "cudaErrorLaunchFailure",
+        "cudaErrorHardwareStackError",
+        "cudaErrorIllegalInstruction",
+        "cudaErrorMisalignedAddress",
+        "cudaErrorInvalidAddressSpace",
+        "cudaErrorInvalidPc",
+        "cudaErrorAssert",
+        "cudaErrorECCUncorrectable",
+        "cudaErrorUnknown",
+    }
+)
 
 
 class IpcTransfers:
@@ -116,6 +166,8 @@ class IpcTransfers:
         self._mappings: dict[str, IpcMapping] = {}
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # a mapping's copies reached 0
+        self.copy_failures: Counter[str] = Counter()  # op (save, load) -> failed copies
+        self.fault = ""  # the CUDA fault that broke the GPU context; "" while healthy
 
     def _device(self, uuid: str) -> TransferDevice:
         """The GPU with this UUID (opened once); OSError when this sidecar cannot see it."""
@@ -129,10 +181,42 @@ class IpcTransfers:
         with self._lock:
             return len(self._mappings)
 
+    def gpu_stats(self) -> dict[str, object]:
+        """What the metrics export: copy failures by op, staging fallbacks, the fault."""
+        with self._lock:
+            devices = list(self._devices.values())
+            failures = dict(self.copy_failures)
+        return {
+            "copy_failures": failures,
+            "staging_fallbacks": sum(int(getattr(d, "fallbacks", 0)) for d in devices),
+            "fault": self.fault,
+        }
+
+    def _copy_failed(self, op: str, session_id: str, exc: Exception) -> None:
+        """Count a failed copy; a sticky CUDA error also marks the GPU context broken."""
+        logger.error("GPU %s for session %s failed: %s", op, session_id[:8], exc)
+        with self._lock:
+            self.copy_failures[op] += 1
+            if getattr(exc, "name", "") in STICKY_CUDA_ERRORS and not self.fault:
+                self.fault = f"{op}: {exc}"
+                logger.critical(
+                    "the GPU context is broken (%s): ipc calls are refused and /readyz "
+                    "fails until the sidecar restarts",
+                    exc,
+                )
+
+    def _check_healthy(self) -> None:
+        if self.fault:
+            raise p.ProtocolError(
+                p.E_UNSUPPORTED,
+                f"the sidecar's GPU context is broken ({self.fault}); use host mode",
+            )
+
     # -- registration ---------------------------------------------------------
 
     def register(self, session_id: str, body: p.RegisterKVRequest) -> p.RegisterKVReply:
         """Open the worker's handles and plan its copies; replaces an earlier one."""
+        self._check_healthy()
         try:
             device = self._device(body.device_uuid)
         except OSError as exc:
@@ -144,8 +228,11 @@ class IpcTransfers:
         try:
             geometries = []
             for i, layer in enumerate(body.layers):
+                if any(n < 1 for n in layer.shape):
+                    raise UnsupportedLayoutError(f"layer {i}: empty shape {layer.shape}")
                 if layer.handle not in opened:
                     opened[layer.handle] = device.open_memory(layer.handle)
+                _check_extent(i, layer, body.itemsize, device.mapped_nbytes(opened[layer.handle]))
                 geometries.append(
                     TensorGeometry(
                         address=opened[layer.handle] + layer.offset,
@@ -154,14 +241,20 @@ class IpcTransfers:
                         itemsize=body.itemsize,
                     )
                 )
-                if any(n < 1 for n in layer.shape):
-                    raise UnsupportedLayoutError(f"layer {i}: empty shape {layer.shape}")
-            plan = plan_from_geometry(geometries, body.block_dim).coalesced()
+            plan = plan_from_geometry(geometries, body.block_dim)
+            if body.num_blocks:
+                plan = per_manager_block(plan, body.num_blocks)
+            plan = plan.coalesced()
+            chunk_nbytes = plan.chunk_nbytes(body.blocks_per_chunk)
+            if body.chunk_nbytes and chunk_nbytes != body.chunk_nbytes:
+                raise UnsupportedLayoutError(
+                    f"field 'chunk_nbytes': the worker makes a chunk {body.chunk_nbytes} bytes, "
+                    f"these tensors make it {chunk_nbytes}"
+                )
         except (UnsupportedLayoutError, OSError) as exc:
             for address in opened.values():
                 device.close_memory(address)
             raise p.ProtocolError(p.E_UNSUPPORTED, f"REGISTER_KV: {exc}") from None
-        chunk_nbytes = plan.chunk_nbytes(body.blocks_per_chunk)
         if chunk_nbytes > self.engine.arena.size:
             for address in opened.values():
                 device.close_memory(address)
@@ -200,6 +293,7 @@ class IpcTransfers:
             mapping = self._mappings.pop(session_id, None)
             if mapping is None:
                 return False
+            mapping.closing.set()  # a save waiting for the dead peer's event stops
             self._idle.wait_for(lambda: mapping.copies == 0)
         for address in mapping.opened:
             try:
@@ -212,6 +306,7 @@ class IpcTransfers:
     @contextlib.contextmanager
     def _using(self, session_id: str) -> Iterator[IpcMapping]:
         """The session's mapping, kept open (not closed under us) while in use."""
+        self._check_healthy()
         with self._lock:
             mapping = self._mappings.get(session_id)
             if mapping is None:
@@ -224,8 +319,12 @@ class IpcTransfers:
                 mapping.copies -= 1
                 self._idle.notify_all()
 
-    def _check_blocks(self, mapping: IpcMapping, block_ids: list[list[int]]) -> None:
-        """Refuse a wrong block count or a block past the KV (the kernels trust ids)."""
+    def _check_blocks(
+        self, mapping: IpcMapping, block_ids: list[list[int]], *, save: bool = False
+    ) -> None:
+        """Refuse a wrong block count or a block past the KV (the kernels trust
+        ids), and for a save a skipped block (-1): its bytes in the slot would
+        never be written, and such a slot must never be committed."""
         for i, ids in enumerate(block_ids):
             if len(ids) != mapping.blocks_per_chunk:
                 raise p.ProtocolError(
@@ -234,6 +333,11 @@ class IpcTransfers:
                     f"{mapping.blocks_per_chunk}",
                 )
             for b in ids:
+                if save and b < 0:
+                    raise p.ProtocolError(
+                        p.E_BAD_REQUEST,
+                        f"field 'block_ids[{i}]': a save names every block of a chunk (no -1)",
+                    )
                 if b >= mapping.plan.num_blocks:
                     raise p.ProtocolError(
                         p.E_BAD_REQUEST,
@@ -257,7 +361,7 @@ class IpcTransfers:
     ) -> p.CommitStoreReply:
         keys = body.keys
         blocks = body.block_ids
-        self._check_blocks(mapping, blocks)
+        self._check_blocks(mapping, blocks, save=True)
         slots: list[Slot | None] = [
             self.engine.reserve(key, mapping.chunk_nbytes, mapping.meta, owner_key) for key in keys
         ]
@@ -269,10 +373,17 @@ class IpcTransfers:
         addresses = [mapping.device.arena_address(s.offset) for _, s in todo]
         try:
             mapping.device.gather(
-                mapping.plan, ids, addresses, mapping.blocks_per_chunk, body.after_event
-            )
-        except Exception:
-            logger.exception("GPU gather for session %s failed", session_id[:8])
+                mapping.plan, ids, addresses, mapping.blocks_per_chunk, body.after_event,
+                cancelled=mapping.closing.is_set,
+            )  # fmt: skip
+        except Exception as exc:
+            self._copy_failed("save", session_id, exc)
+            for _, slot in todo:
+                self.engine.abort(slot)
+            return p.CommitStoreReply(committed=committed)
+        if mapping.closing.is_set():
+            # The session ended while its copy ran (its process died): what the
+            # event guarded may be a dead forward pass's unfinished KV.
             for _, slot in todo:
                 self.engine.abort(slot)
             return p.CommitStoreReply(committed=committed)
@@ -306,9 +417,11 @@ class IpcTransfers:
             return p.LoadBlocksReply(loaded=0, loaded_runs=per_run if body.runs else [])
         try:
             addresses = [mapping.device.arena_address(s.offset) for s in slots]
-            mapping.device.scatter(mapping.plan, ids, addresses, mapping.blocks_per_chunk)
-        except Exception:
-            logger.exception("GPU scatter for session %s failed", session_id[:8])
+            mapping.device.scatter(
+                mapping.plan, ids, addresses, mapping.blocks_per_chunk, body.after_event
+            )
+        except Exception as exc:
+            self._copy_failed("load", session_id, exc)
             per_run = [0] * len(per_run)
         finally:
             for slot in slots:

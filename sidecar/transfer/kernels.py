@@ -235,6 +235,15 @@ class TransferLibrary:
             "kvs_cuda_ipc_close", abi.device_index(device), abi.address_arg(address, "address")
         )
 
+    def mem_range(self, device: int, address: int) -> tuple[int, int]:
+        """``(base, size)`` of the allocation ``address`` lies in (cuMemGetAddressRange)."""
+        base, size = ctypes.c_uint64(0), ctypes.c_uint64(0)
+        self._cuda_call(
+            "kvs_cuda_mem_range", abi.device_index(device), abi.address_arg(address, "address"),
+            ctypes.byref(base), ctypes.byref(size),
+        )  # fmt: skip
+        return base.value, size.value
+
     def stream_create(self, device: int) -> int:
         """A new non-blocking stream of ``device`` (a ``cudaStream_t`` as an integer)."""
         stream = ctypes.c_uint64(0)
@@ -257,6 +266,16 @@ class TransferLibrary:
             abi.address_arg(stream, "stream"),
             abi.ipc_handle_arg(event_handle, "event_handle"),
         )
+
+    def ipc_event_done(self, device: int, event_handle: bytes) -> bool:
+        """Whether another process's interprocess event (its 64-byte
+        ``cudaIpcEventHandle_t``) has completed its last record; never blocks."""
+        done = ctypes.c_int32(0)
+        self._cuda_call(
+            "kvs_cuda_ipc_event_query", abi.device_index(device),
+            abi.ipc_handle_arg(event_handle, "event_handle"), ctypes.byref(done),
+        )  # fmt: skip
+        return bool(done.value)
 
     def host_register(self, address: int, nbytes: int) -> tuple[int, bool]:
         """Page-lock and map ``nbytes`` of host memory at ``address`` for the GPUs, on

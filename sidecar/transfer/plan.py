@@ -233,3 +233,30 @@ def plan_from_geometry(layers: list[TensorGeometry], block_dim: int) -> CopyPlan
         segment_bytes=seg_bytes,
         block_outer=block_outer,
     )
+
+
+def per_manager_block(plan: CopyPlan, num_blocks: int) -> CopyPlan:
+    """A plan over the tensors' kernel blocks as one over vLLM's ``num_blocks``
+    (larger) blocks, whose ids the workers send.
+
+    vLLM's attention kernels may split each of its cache blocks into several
+    smaller ones (kernel block size < block size): the tensors then have
+    ``ratio`` times more blocks, and vLLM's block ``b`` is kernel blocks
+    ``b * ratio .. b * ratio + ratio - 1``. That is one run when a page is
+    dense (one segment filling the block stride); otherwise refused.
+    """
+    if plan.num_blocks == num_blocks:
+        return plan
+    ratio, rest = divmod(plan.num_blocks, num_blocks) if num_blocks > 0 else (0, 1)
+    dense = plan.num_segments == 1 and plan.segment_bytes == plan.block_stride
+    if rest or not ratio or not dense:
+        raise UnsupportedLayoutError(
+            f"{plan.num_blocks} kernel blocks for {num_blocks} cache blocks"
+            + ("" if dense else " in a layout whose pages are not dense")
+        )
+    return replace(
+        plan,
+        num_blocks=num_blocks,
+        block_stride=plan.block_stride * ratio,
+        segment_bytes=plan.segment_bytes * ratio,
+    )

@@ -55,6 +55,20 @@ def test_gpu_memory_of_a_killed_exporter_comes_back_once_its_handle_is_closed(
     gpuipc.check_handle_cleanup(lib)
 
 
+def test_host_mode_loads_on_the_connectors_stream_are_ordered_before_attention_reads() -> None:
+    from kvstrata.testing import gpuconnector
+
+    gpuconnector.check_connector_stream()
+
+
+def test_a_worker_killed_while_the_sidecar_waits_for_its_event_wedges_nothing(
+    lib: TransferLibrary,
+) -> None:
+    from kvstrata.testing import gpupeers
+
+    gpupeers.check_killed_peer(lib)
+
+
 def test_the_device_torch_names_is_found_by_its_uuid_with_or_without_the_gpu_prefix(
     lib: TransferLibrary,
 ) -> None:

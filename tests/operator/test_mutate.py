@@ -312,3 +312,32 @@ def test_an_api_failure_in_the_webhook_still_admits_the_pod(make_pod):
     reason = out["metadata"]["annotations"][S.SKIPPED_ANNOTATION]
     assert reason == "cannot read KVCache ml/demo: apiserver unreachable"
     assert out["spec"] == pod["spec"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "vllm_extra", "shared"),
+    [
+        ("ipc", {"resources": {"limits": {"nvidia.com/gpu": 1}}}, True),
+        ("auto", {"resources": {"limits": {"nvidia.com/gpu": 1}}}, True),
+        ("ipc", {"env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "GPU-1234"}]}, True),
+        ("host", {"resources": {"limits": {"nvidia.com/gpu": 1}}}, None),
+        ("auto", {}, None),
+    ],
+)
+def test_a_pod_whose_sidecar_can_use_ipc_shares_one_process_namespace(
+    mode, vllm_extra, shared, make_pod, make_kvcache
+):
+    # CUDA IPC handles and interprocess events do not open across PID
+    # namespaces; a Pod's containers have one each unless it shares them.
+    pod = make_pod(CACHE, [{"name": "vllm", "image": "v", **vllm_extra}])
+    out = applied(pod, mutate_pod(pod, make_kvcache(transferMode=mode)))
+    assert out["spec"].get("shareProcessNamespace") is shared
+
+
+def test_a_pod_that_refuses_a_shared_process_namespace_keeps_its_choice(make_pod, make_kvcache):
+    pod = make_pod(
+        CACHE, [{"name": "vllm", "image": "v", "resources": {"limits": {"nvidia.com/gpu": 1}}}]
+    )
+    pod["spec"]["shareProcessNamespace"] = False
+    out = applied(pod, mutate_pod(pod, make_kvcache(transferMode="ipc")))
+    assert out["spec"]["shareProcessNamespace"] is False

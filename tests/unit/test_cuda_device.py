@@ -98,6 +98,13 @@ class RecordingCuda:
         self.calls.append(("ipc_close", device))
         self.open[address] -= 1
 
+    def mem_range(self, device: int, address: int) -> tuple[int, int]:
+        for t in self.exports.values():
+            start = t.data_ptr()
+            if start <= address < start + t.numel() * t.element_size():
+                return start, t.numel() * t.element_size()
+        raise self._fail("kvs_cuda_mem_range", "cudaErrorInvalidValue")
+
     def stream_create(self, device: int) -> int:
         self.calls.append(("stream_create", device))
         return 0x5000 + device
@@ -107,6 +114,16 @@ class RecordingCuda:
 
     def stream_wait_ipc_event(self, device: int, stream: int, handle: bytes) -> None:
         self.calls.append(("wait_event", device, stream, handle))
+
+    event_done = True  # a peer that never finishes (killed) sets False
+    event_queried: Any = None  # a threading.Event set at the first query, when given
+
+    def ipc_event_done(self, device: int, handle: bytes) -> bool:
+        if not self.calls or self.calls[-1][:2] != ("event_query", device):
+            self.calls.append(("event_query", device, handle))
+        if self.event_queried is not None:
+            self.event_queried.set()
+        return self.event_done
 
     def host_register(self, address: int, nbytes: int) -> tuple[int, bool]:
         self.calls.append(("host_register", self.current))
@@ -292,13 +309,27 @@ def test_gather_waits_for_the_peer_event_on_its_stream_before_copying_and_syncs_
     device.gather(plan, [3, 7], [device.arena_address(64)], 2, event)
 
     assert lib.calls == [
+        ("event_query", 1, event),  # completed before the copy is queued
         ("set_device", 1),
-        ("wait_event", 1, device.stream, event),
         ("gather", 1, device.stream, ["arena"]),
         ("synchronize", device.stream),
     ]
     got = torch.frombuffer(arena.buffer, dtype=torch.uint8)[64 : 64 + plan.chunk_nbytes(2)]
     assert torch.equal(got, chunkref.chunk_bytes(case, [3, 7], 0))
+
+
+def test_scatter_waits_for_vllms_event_on_its_stream_before_filling_blocks(arena: Arena) -> None:
+    lib = RecordingCuda({GPU0: 0})
+    device = CudaDevice(lib, GPU0, arena)  # type: ignore[arg-type]
+    case = vllm_layers("LBNHC", seed=4)
+    plan = plan_from_geometry([TensorGeometry.of(t) for t in case.layers.values()], 0).coalesced()
+    event = b"\x17" * 64
+    lib.calls.clear()
+
+    device.scatter(plan, [5, 6], [device.arena_address(0)], 2, event)
+
+    assert [c[0] for c in lib.calls] == ["set_device", "wait_event", "scatter", "synchronize"]
+    assert lib.calls[1] == ("wait_event", 0, device.stream, event)
 
 
 def test_gather_without_an_event_and_scatter_copy_on_the_device_stream_and_sync(
@@ -470,8 +501,8 @@ def test_a_staged_gather_waits_for_the_peer_event_before_its_first_copy(arena: A
     staged.gather(plan, [1, 2, 3, 4, 5, 6], [staged.arena_address(0)] * 3, 2, event)
 
     order = names(lib.calls)
-    assert order[:2] == ["set_device", "wait_event"]
-    assert order.index("wait_event") < order.index("gather") < order.index("memcpy")
+    assert order[:2] == ["event_query", "set_device"]  # completed before anything is queued
+    assert order.index("event_query") < order.index("gather") < order.index("memcpy")
     assert order[-1] == "synchronize"
     assert all(c[1] == 1 for c in lib.calls if c[0] == "gather")  # on the staging device
 
@@ -638,7 +669,7 @@ def test_the_sidecar_ipc_ops_save_and_load_blocks_through_a_cuda_device(tmp_path
         ks = chunk_keys(2, "through")
         saved = ipc.save("s1", p.SaveBlocksRequest(ks, [[3, 4], [9, 1]], event), "o")
         assert saved.committed == [True, True]
-        assert ("wait_event", 0, 0x5000, event) in lib.calls
+        assert ("event_query", 0, event) in lib.calls
 
         layers = list(case.layers.values())
         before = chunkref.clone_layers(layers)
@@ -679,3 +710,91 @@ def test_the_binding_refuses_runtime_calls_on_the_host_library() -> None:
     host: TransferLibrary = kernels.load_host()
     with pytest.raises(RuntimeError, match="CUDA library only"):
         host.stream_create(0)
+
+
+def test_the_arena_is_registered_on_the_first_registered_gpu_with_it_current(arena: Arena) -> None:
+    # RecordingCuda is the CUDA runtime's double: it records the call order.
+    # Registering with no device set would create a context on device 0 (of
+    # every GPU of the node, with NVIDIA_VISIBLE_DEVICES=all).
+    lib = RecordingCuda({GPU0: 0, GPU1: 1})
+    devices = CudaDevices(lib, arena)  # type: ignore[arg-type]
+    assert lib.calls == []  # nothing touches CUDA before a worker names its GPU
+    devices(GPU1)
+    first_register = names(lib.calls).index("host_register")
+    assert ("set_device", 1) in lib.calls[:first_register]
+    assert all(call == ("host_register", 1) for call in lib.calls if call[0] == "host_register")
+    devices.close()
+    assert lib.registered == set()
+
+
+def test_a_save_waiting_for_a_killed_peers_event_frees_the_device_and_its_mapping(
+    tmp_path: Path,
+) -> None:
+    # The vLLM that recorded the event was killed before its forward pass
+    # ended: the event never completes (RecordingCuda, the runtime's double,
+    # answers "not ready" forever). The save must not hold the device for
+    # other sessions, and ending the session must end the wait and unmap.
+    import threading
+
+    config = config_from_dict(
+        {
+            "chunk_size": 32,
+            "l1": {"size_bytes": "4Mi", "pin_memory": False},
+            "l2": {"path": str(tmp_path / "l2"), "size_bytes": "8Mi"},
+        }
+    )
+    engine = StorageManager(config)
+    lib = RecordingCuda({GPU0: 0})
+    lib.event_done = False
+    lib.event_queried = threading.Event()
+    devices = CudaDevices(lib, engine.arena)  # type: ignore[arg-type]
+    try:
+        ipc = IpcTransfers(engine, devices)
+        raw = torch.empty(3 * 12 * 2 * 16 * 128 * 2, dtype=torch.int8)
+        case = vllm_layers("LBNHC", buffer=raw, seed=5)
+        lib.exports[b"\x07" * 64] = raw
+        body = p.RegisterKVRequest(
+            device_uuid=GPU0, kv_cache_layout="LBNHC", block_dim=0,
+            blocks_per_chunk=2, dtype="bfloat16", itemsize=2,
+            layers=[
+                p.KVLayerHandle(b"\x07" * 64, t.data_ptr() - raw.data_ptr(), tuple(t.shape),
+                                tuple(t.stride()))
+                for t in case.layers.values()
+            ],
+        )  # fmt: skip
+        ipc.register("dead", body)
+        ipc.register("alive", body)
+        ks = chunk_keys(1, "dead-peer")
+        saved: list[p.CommitStoreReply] = []
+        save = p.SaveBlocksRequest(ks, [[3, 4]], b"\x0d" * 64)
+        saver = threading.Thread(target=lambda: saved.append(ipc.save("dead", save, "o")))
+        saver.start()
+        assert lib.event_queried.wait(10)  # the save is waiting for the event
+        # Another session's copy runs meanwhile: the device is not held.
+        load = p.LoadBlocksRequest(chunk_keys(1, "absent"), [[0, 1]])
+        assert ipc.load("alive", load, "o").loaded == 0
+        other = p.SaveBlocksRequest(chunk_keys(1, "alive"), [[5, 6]])
+        assert ipc.save("alive", other, "o").committed == [True]
+        # The dead worker's session ends (its liveness socket closed).
+        assert ipc.close("dead")
+        saver.join(10)
+        assert not saver.is_alive()
+        assert saved[0].committed == [False]  # never committed: its bytes were never copied
+        assert engine.acquire(ks[0], "check") is None
+        ipc.close("alive")
+        assert lib.open[raw.data_ptr()] == 0  # nothing of the dead worker stays mapped
+    finally:
+        devices.close()
+        engine.close()
+
+
+def test_a_peer_event_that_never_completes_fails_the_save_at_its_deadline(arena: Arena) -> None:
+    lib = RecordingCuda({GPU0: 0})
+    lib.event_done = False
+    device = CudaDevice(lib, GPU0, arena, peer_event_timeout_s=0.0)  # type: ignore[arg-type]
+    case = vllm_layers("LBNHC", seed=6)
+    plan = plan_from_geometry([TensorGeometry.of(t) for t in case.layers.values()], 0).coalesced()
+    lib.calls.clear()
+    with pytest.raises(CudaDeviceError, match="did not complete"):
+        device.gather(plan, [1, 2], [device.arena_address(0)], 2, b"\x0e" * 64)
+    assert "gather" not in names(lib.calls)  # nothing was copied

@@ -102,4 +102,26 @@ def test_the_gpus_are_opened_with_the_configured_copy_path_and_staging_size(
     monkeypatch.setattr(cuda_device, "open_cuda_devices", staging)
     config = config_from_dict({"ipc": {"copy_path": "staging", "staging_bytes": "32Mi"}})
     main._open_ipc(config, engine)
-    assert asked == [{"copy_path": "staging", "staging_bytes": 32 << 20}]
+    assert asked == [{"copy_path": "staging", "staging_bytes": 32 << 20, "max_ctas": 0}]
+
+
+def test_the_copy_kernels_thread_blocks_are_capped_by_ipc_max_ctas(
+    engine: StorageManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asked: list[dict[str, Any]] = []
+
+    def opened(arena: Any, **kwargs: Any) -> tuple[None, str]:
+        asked.append(kwargs)
+        return None, "no GPU (test)"
+
+    monkeypatch.setattr(cuda_device, "open_cuda_devices", opened)
+    main._open_ipc(config_from_dict({"ipc": {"max_ctas": 8}}), engine)
+    assert asked[0]["max_ctas"] == 8
+
+
+@pytest.mark.parametrize("value", [-1, 70000, "many"])
+def test_a_bad_ipc_max_ctas_is_refused_naming_the_key(value: Any) -> None:
+    from kvstrata.sidecar.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"ipc\.max_ctas"):
+        config_from_dict({"ipc": {"max_ctas": value}})

@@ -38,19 +38,25 @@ import multiprocessing
 import os
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 POISON_SOURCE = 0x3C  # under the source KV until its delayed write lands
 POISON_TARGET = 0x5A  # the load target's KV before the sidecar writes it
 BLOCKS_PER_CHUNK, CHUNKS = 4, 3
-SKIP = (0, 5)  # chunk positions both copies skip (block id -1)
+SKIP = (0, 5)  # chunk positions the load skips (block id -1; a save names every block)
 SEED = 21
-SLEEP_CYCLES = 400_000_000  # ~0.2-0.3 s of GPU time before the source KV is written
+# GPU time before the source KV is written (~1 s): long enough that the sidecar
+# asks for the event while it is pending; the check fails, never passes
+# silently, when it was not (EventWatch counts the sidecar's "not yet" answers).
+SLEEP_CYCLES = 2_000_000_000
+STALL_FACTOR = 30  # the killed-peer check's worker: ~30 s, far past its kill
 REPLY_SECONDS = 120.0
 # (vLLM layout, dtype) of the round trip: every vLLM layout, and the other dtypes once.
 ROUND_TRIP_CASES: tuple[tuple[str, str], ...] = (
@@ -106,12 +112,10 @@ def _export(case: Any, layout: str, dtype_name: str) -> ExportedKV:
     # (device, handle, storage bytes, storage offset in the allocation, ...): the
     # handle covers the caching allocator's whole allocation.
     shared = storage._share_cuda_()
-    device, handle, offset = shared[0], bytes(shared[1]), int(shared[3])
-    if len(handle) != 64:
-        raise RuntimeError(
-            f"torch exported a {len(handle)}-byte handle, not a cudaIpcMemHandle_t "
-            "(PYTORCH_CUDA_ALLOC_CONF expandable_segments?)"
-        )
+    # The connector's own reading of torch's versioned storage handle.
+    from kvstrata.connector.ipc import cuda_memory_handle
+
+    device, handle, offset = shared[0], cuda_memory_handle(shared[1]), int(shared[3])
     itemsize = layers[0].element_size()
     return ExportedKV(
         layout=layout,
@@ -141,6 +145,14 @@ def _expected_target(layout: str, dtype_name: str, src: list[int], dst: list[int
     return chunkref.storage_bytes(target)
 
 
+def worker_device() -> int:
+    """The GPU the workers use: the last one, so a node with several checks a
+    device other than 0 (the sidecar side finds it by UUID, as in production)."""
+    import torch
+
+    return torch.cuda.device_count() - 1
+
+
 @contextmanager
 def _worker(
     role: str,
@@ -148,14 +160,28 @@ def _worker(
     nbytes: int = 0,
     shape: dict[str, int] | None = None,
 ) -> Iterator[tuple[Any, Connection]]:
-    """A spawned worker and its pipe; killed on the way out if it is still there."""
+    """A spawned worker and its pipe; killed on the way out if it is still there.
+
+    It runs in the PID namespace :mod:`kvstrata.testing.pidns` chooses, on
+    :func:`worker_device`."""
+    from multiprocessing import spawn
+
+    from kvstrata.testing import pidns
     from kvstrata.testing.gpuworker import worker_main
 
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    args = (child, role, list(cases), nbytes, shape)
+    args = (child, role, list(cases), nbytes, shape, worker_device())
     proc = ctx.Process(target=worker_main, args=args, daemon=True)
-    proc.start()
+    with tempfile.TemporaryDirectory(prefix="kvstrata-worker-") as tmp:
+        wrapper = pidns.worker_executable(pidns.mode(), Path(tmp))
+        interpreter = spawn.get_executable()
+        if wrapper is not None:
+            ctx.set_executable(wrapper)
+        try:
+            proc.start()
+        finally:
+            ctx.set_executable(interpreter)
     child.close()
     try:
         yield proc, parent
@@ -216,7 +242,7 @@ def _ids() -> tuple[list[int], list[int]]:
     from kvstrata.testing.chunkref import random_block_ids
 
     n = CHUNKS * BLOCKS_PER_CHUNK
-    return random_block_ids(12, n, SEED + 1, SKIP), random_block_ids(12, n, SEED + 2, SKIP)
+    return random_block_ids(12, n, SEED + 1), random_block_ids(12, n, SEED + 2, SKIP)
 
 
 def _per_chunk(ids: list[int]) -> list[list[int]]:
@@ -241,8 +267,9 @@ def _reference_chunks(kv: ExportedKV, src: list[int]) -> list[Any]:
     return [chunkref.chunk_bytes(source, ids, chunkref.POISON) for ids in _per_chunk(src)]
 
 
-def check_ipc_round_trip(lib: Any) -> str:
-    """See the module docstring. ``lib``: the loaded CUDA library. Raises CheckFailed."""
+def check_ipc_round_trip(lib: Any, copy_paths: Sequence[str] = ("zero_copy", "staging")) -> str:
+    """See the module docstring. ``lib``: the loaded CUDA library; each of
+    ``copy_paths`` (the sidecar's ``ipc.copy_path``) is checked. Raises CheckFailed."""
     import torch
 
     from kvstrata.sidecar.config import config_from_dict
@@ -261,31 +288,59 @@ def check_ipc_round_trip(lib: Any) -> str:
                 "l2": {"path": os.path.join(tmp, "l2"), "size_bytes": "64Mi"},
             }
         )
-        engine = StorageManager(config)
-        devices = CudaDevices(lib, engine.arena)
-        ipc = IpcTransfers(engine, devices)
-        arena = torch.frombuffer(engine.arena.buffer, dtype=torch.uint8)
-        arena.fill_(chunkref.POISON)  # what the positions the copies skip keep
-        notes = [
-            f"arena pinned by torch: {engine.arena.pinned}, "
-            f"registered here: {devices.registration.owned}"
-        ]
-        try:
-            notes.append(_save_from_source_worker(lib, ipc, engine, arena, cases, src))
-            _load_into_target_worker(ipc, cases, src, dst)
-        finally:
-            del arena
-            devices.close()  # unregisters before the engine unmaps the arena
-            engine.close()
-    return f"{len(cases)} layouts x dtypes stored from one process, loaded into another; " + (
-        "; ".join(notes)
+        notes = []
+        for copy_path in copy_paths:  # a fresh engine each: the keys are stored again
+            engine = StorageManager(config)
+            arena = torch.frombuffer(engine.arena.buffer, dtype=torch.uint8)
+            arena.fill_(chunkref.POISON)  # what the positions the copies skip keep
+            watch = EventWatch(lib)
+            devices = CudaDevices(watch, engine.arena, copy_path=copy_path)  # type: ignore[arg-type]
+            try:
+                ipc = IpcTransfers(engine, devices)
+                saved = _save_from_source_worker(lib, ipc, engine, arena, cases, src, watch)
+                _load_into_target_worker(ipc, cases, src, dst)
+                notes.append(f"{copy_path} (arena pinned by torch: {engine.arena.pinned}): {saved}")
+            finally:
+                del arena
+                devices.close()  # unregisters before the engine unmaps the arena
+                engine.close()
+    return (
+        f"{len(cases)} layouts x dtypes stored from one process, loaded into another, "
+        f"workers on device {worker_device()}; " + "; ".join(notes)
     )
 
 
+class EventWatch:
+    """The CUDA library, with the sidecar's queries of a worker's event counted:
+    the check knows the copy really waited (``pending`` answers > 0)."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+        self.pending = 0  # "not yet" answers
+        self.waiting = threading.Event()  # set at the first of them
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lib, name)
+
+    def ipc_event_done(self, device: int, handle: bytes) -> bool:
+        done = bool(self._lib.ipc_event_done(device, handle))
+        if not done:
+            self.pending += 1
+            self.waiting.set()
+        return done
+
+
 def _save_from_source_worker(
-    lib: Any, ipc: Any, engine: Any, arena: Any, cases: list[tuple[str, str]], src: Any
+    lib: Any,
+    ipc: Any,
+    engine: Any,
+    arena: Any,
+    cases: list[tuple[str, str]],
+    src: Any,
+    watch: EventWatch | None = None,
 ) -> str:
-    """SAVE_BLOCKS from a source worker's KV for every case; checks the arena's bytes."""
+    """SAVE_BLOCKS from a source worker's KV for every case; checks the arena's bytes
+    and, with ``watch``, that the first save really waited for the worker's event."""
     from kvstrata.sidecar import protocol as p
 
     with _worker("source", cases) as (_, conn), _sessions(ipc) as sessions:
@@ -302,8 +357,21 @@ def _save_from_source_worker(
                     f"{kv.layout}/{kv.dtype}: SAVE_BLOCKS committed {committed} "
                     "(the log above says why)"
                 )
+            if i == 0 and watch is not None:
+                check_waited(watch)
             _check_arena(engine, arena, kv, src)
         return _check_own_registration(lib, exported[0], event, src)
+
+
+def check_waited(watch: EventWatch) -> None:
+    """CheckFailed unless the sidecar saw the worker's event pending at least once:
+    otherwise the bytes were right whether or not the copy waited for it."""
+    if watch.pending == 0:
+        raise CheckFailed(
+            "inconclusive: the worker's event had completed before the sidecar first "
+            "asked, so a copy that skipped the wait would have passed too "
+            "(raise gpuipc.SLEEP_CYCLES for this GPU)"
+        )
 
 
 def _load_into_target_worker(ipc: Any, cases: list[tuple[str, str]], src: Any, dst: Any) -> None:

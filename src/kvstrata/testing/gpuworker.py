@@ -17,6 +17,7 @@ from kvstrata.testing.gpuipc import (
     POISON_SOURCE,
     POISON_TARGET,
     SLEEP_CYCLES,
+    STALL_FACTOR,
     _build,
     _expected_target,
     _export,
@@ -29,17 +30,20 @@ def worker_main(
     cases: list[tuple[str, str]],
     nbytes: int,
     shape: dict[str, int] | None = None,
+    device: int = 0,
 ) -> None:
-    """A spawned worker. ``role``: ``source`` (KV written late, behind an exported
-    event), ``target`` (poisoned KV, checked on request), ``export`` (KV of ``shape``
-    and an event recorded after it, for benchmarks) or ``hog`` (one allocation of
-    ``nbytes``, then waits to be killed)."""
+    """A spawned worker on GPU ``device``. ``role``: ``source`` (KV written late,
+    behind an exported event), ``stall`` (the same, far later: killed while the
+    sidecar waits), ``target`` (poisoned KV, checked on request), ``export`` (KV of
+    ``shape`` and an event recorded after it, for benchmarks) or ``hog`` (one
+    allocation of ``nbytes``, then waits to be killed)."""
     try:
         import torch
 
         from kvstrata.testing import chunkref
 
         torch.cuda.init()
+        torch.cuda.set_device(device)
         if role == "hog":
             _hog(conn, nbytes)
             return
@@ -77,13 +81,13 @@ def _fill_kv(role: str, raws: list[Any], keep: list[Any]) -> Any:
             r.fill_(POISON_TARGET)
         torch.cuda.synchronize()
         return None
-    if role == "source":
+    if role in ("source", "stall"):
         truth = [r.clone() for r in raws]
         for r in raws:
             r.fill_(POISON_SOURCE)
         torch.cuda.synchronize()
-        if hasattr(torch.cuda, "_sleep"):  # hold the real bytes back on the GPU
-            torch.cuda._sleep(SLEEP_CYCLES)
+        # Hold the real bytes back on the GPU (a stalled worker: until it is killed).
+        torch.cuda._sleep(SLEEP_CYCLES * (STALL_FACTOR if role == "stall" else 1))
         for r, t in zip(raws, truth, strict=True):
             r.copy_(t)
         keep.append(truth)

@@ -12,9 +12,19 @@ where a GPU is, e.g. in the sidecar's CUDA image on a GPU node:
 2. ``torch-copier``: the connector's copier (``detect_layout`` on CUDA
    tensors) against the same reference;
 3. ``ipc-round-trip`` and 4. ``handle-cleanup``: CUDA IPC between
-   processes through the sidecar's own code
-   (:mod:`kvstrata.testing.gpuipc`);
-5. ``bench``: ``kvstrata bench transfer`` (printed as JSON).
+   processes through the sidecar's own code (:mod:`kvstrata.testing.gpuipc`:
+   the production ``CudaDevice`` path, both copy paths, the workers on the
+   node's last GPU, the event wait shown to have waited);
+5. ``killed-peer``: a worker SIGKILLed while the sidecar waits for its
+   event (:mod:`kvstrata.testing.gpupeers`);
+   and ``connector-stream``: host-mode loads on the connector's own stream
+   under concurrent compute, per-layer events (:mod:`kvstrata.testing.gpuconnector`);
+6. ``bench``: ``kvstrata bench transfer`` (printed as JSON).
+
+The workers run in one PID namespace with this process, as the
+operator's Pods run them (``shareProcessNamespace: true``);
+``--pid-namespace separate`` (root) gives each its own, as a Pod without it
+(:mod:`kvstrata.testing.pidns`).
 
 Each check prints ``PASS`` or ``FAIL`` with what it saw; the exit code is
 0 when all pass, 1 when one fails, 2 when the checks cannot run here (one
@@ -28,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 import traceback
@@ -46,6 +57,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="the benchmark's smaller sizes")
     parser.add_argument("--no-bench", action="store_true", help="skip the transfer benchmark")
+    parser.add_argument(
+        "--pid-namespace",
+        choices=["pod", "separate"],
+        default=None,
+        help="where the worker processes run: pod (default; one PID namespace, as the "
+        "operator's Pods share theirs) or separate (each its own, root only: as a Pod "
+        "without shareProcessNamespace, where CUDA IPC cannot work)",
+    )
 
 
 @dataclass
@@ -280,11 +299,25 @@ def check_handle_cleanup() -> str:
     return gpuipc.check_handle_cleanup(cuda_library())
 
 
+def check_connector_stream() -> str:
+    from kvstrata.testing import gpuconnector
+
+    return gpuconnector.check_connector_stream()
+
+
+def check_killed_peer() -> str:
+    from kvstrata.testing import gpupeers
+
+    return gpupeers.check_killed_peer(cuda_library())
+
+
 CHECKS: dict[str, Callable[[], str]] = {
     "kernels": check_kernels,
     "torch-copier": check_torch_copier,
+    "connector-stream": check_connector_stream,
     "ipc-round-trip": check_ipc_round_trip,
     "handle-cleanup": check_handle_cleanup,
+    "killed-peer": check_killed_peer,
 }
 
 
@@ -313,6 +346,10 @@ def _line(result: CheckResult) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "pid_namespace", None):
+        from kvstrata.testing import pidns
+
+        os.environ[pidns.ENV] = args.pid_namespace  # the spawned checks read it
     line = cannot_run_reason()
     if line is not None:
         print(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvstrata.sidecar.protocol import IPC_HANDLE_BYTES
 from kvstrata.sidecar.transfer import kernels
@@ -65,6 +65,9 @@ class SharedMemoryDevice:
         del view
         mm.close()
 
+    def mapped_nbytes(self, address: int) -> int | None:
+        return len(self._maps[address][0])
+
     def gather(
         self,
         plan: CopyPlan,
@@ -72,6 +75,7 @@ class SharedMemoryDevice:
         chunk_addresses: Sequence[int],
         blocks_per_chunk: int,
         after_event: bytes | None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> None:
         if after_event is not None:
             self.events_waited.append(after_event)
@@ -83,7 +87,10 @@ class SharedMemoryDevice:
         block_ids: Sequence[int],
         chunk_addresses: Sequence[int],
         blocks_per_chunk: int,
+        after_event: bytes | None = None,
     ) -> None:
+        if after_event is not None:
+            self.events_waited.append(after_event)
         self.lib.scatter(plan, block_ids, chunk_addresses, blocks_per_chunk)
 
     def arena_address(self, offset: int) -> int:

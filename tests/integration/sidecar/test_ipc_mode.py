@@ -407,9 +407,89 @@ def test_a_session_ending_during_a_copy_closes_its_handles_only_after_the_copy(
         saver.join(10)
         closer.join(10)
         assert not closer.is_alive() and device.open_handles == 0
-        assert saved[0].committed == [True]
+        # Its session ended while it copied (the process died): what it copied may
+        # be a dead forward pass's unfinished KV, so it is not stored.
+        assert saved[0].committed == [False]
+        assert engine.acquire(body.keys[0], "check") is None
         with pytest.raises(p.ProtocolError, match="REGISTER_KV first"):
             ipc.save("s1", body, "s1/o")  # no copy starts on a closed session
     finally:
         release.set()
         engine.close()
+
+
+def test_a_load_waits_for_the_event_vllm_recorded_before_it_fills_blocks(
+    sidecar: InProcessSidecar, kv: SharedKV
+) -> None:
+    # With asynchronous scheduling vLLM's previous step may still be queued and
+    # use blocks this load fills: the scatter is ordered after vLLM's event.
+    client = ipc_client(sidecar.endpoint)
+    try:
+        client.register_kv(kv.registration())
+        ks = keys(1, "ordered-load")
+        assert client.save_blocks(ks, [[3, 4]], None, "r1") == [True]
+        event = b"\x42" * p.IPC_HANDLE_BYTES
+        assert client.load_block_runs(ks, [[6, 7]], "r2", [1], after_event=event) == [1]
+        assert sidecar.device.events_waited == [event]
+    finally:
+        client.close()
+
+
+def test_a_cuda_fault_turns_the_sidecar_not_ready_refuses_ipc_and_is_exported(
+    sidecar: InProcessSidecar, kv: SharedKV
+) -> None:
+    from prometheus_client import generate_latest
+
+    from kvstrata.sidecar.transfer.cuda_device import CudaDeviceError
+
+    def illegal_address(*_args: Any, **_kwargs: Any) -> None:
+        # The double's copy hits what a stray kernel access is on a GPU: a
+        # sticky error, after which every CUDA call of the process fails.
+        raise CudaDeviceError(
+            "gather on device 0: an illegal memory access", "cudaErrorIllegalAddress"
+        )
+
+    client = ipc_client(sidecar.endpoint)
+    try:
+        client.register_kv(kv.registration())
+        assert client.save_blocks(keys(1, "before"), [[1, 2]], None, "r") == [True]
+        assert sidecar.server.ready
+        sidecar.device.gather = illegal_address  # type: ignore[method-assign]
+        assert client.save_blocks(keys(1, "fault"), [[3, 4]], None, "r") == [False]
+        assert not sidecar.server.ready
+        # Every later ipc call is refused at once with the reason ...
+        assert client.load_blocks(keys(1, "before"), [[5, 6]], "r") is None
+        assert client.errors.get(p.E_UNSUPPORTED) == 1
+        # ... and the metrics say what happened.
+        text = generate_latest(sidecar.server.metrics.registry).decode()
+        assert 'kvstrata_ipc_copy_failures_total{op="save"} 1.0' in text
+        assert "kvstrata_ipc_gpu_faulted 1.0" in text
+    finally:
+        client.close()
+
+
+def test_a_copy_failure_that_leaves_the_gpu_usable_is_counted_and_keeps_the_sidecar_ready(
+    sidecar: InProcessSidecar, kv: SharedKV
+) -> None:
+    from prometheus_client import generate_latest
+
+    from kvstrata.sidecar.transfer.cuda_device import CudaDeviceError
+
+    def out_of_memory(*_args: Any, **_kwargs: Any) -> None:
+        raise CudaDeviceError("scatter on device 0: out of memory", "cudaErrorMemoryAllocation")
+
+    client = ipc_client(sidecar.endpoint)
+    try:
+        client.register_kv(kv.registration())
+        ks = keys(1, "kept")
+        assert client.save_blocks(ks, [[1, 2]], None, "r") == [True]
+        sidecar.device.scatter = out_of_memory  # type: ignore[method-assign]
+        assert client.load_blocks(ks, [[5, 6]], "r") == 0  # a miss, not an error
+        assert sidecar.server.ready
+        sidecar.device.fallbacks = 2  # what CudaDevice counts: staging calls run zero-copy
+        text = generate_latest(sidecar.server.metrics.registry).decode()
+        assert "kvstrata_ipc_staging_fallbacks_total 2.0" in text
+        assert 'kvstrata_ipc_copy_failures_total{op="load"} 1.0' in text
+        assert "kvstrata_ipc_gpu_faulted 0.0" in text
+    finally:
+        client.close()

@@ -1,0 +1,99 @@
+"""``kvstrata selftest gpu``'s killed-peer check: a vLLM that dies mid-save.
+
+A worker process exports its KV and an interprocess event recorded behind
+a long GPU sleep (its forward pass, still running). The sidecar side
+(real :class:`~kvstrata.sidecar.transfer.ipc.IpcTransfers` and
+:class:`~kvstrata.sidecar.transfer.cuda_device.CudaDevice`) starts the
+save; once the sidecar has seen the event pending (counted by
+:class:`~kvstrata.testing.gpuipc.EventWatch`, no sleep), the worker is
+SIGKILLed and its session closed, as the liveness socket does. The save
+must return without committing, the GPU must not be marked faulted, and
+a new worker's save must then go through: nothing is wedged and nothing
+of the dead worker stays mapped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import threading
+from typing import Any
+
+from kvstrata.testing.gpuipc import (
+    CHUNKS,
+    REPLY_SECONDS,
+    CheckFailed,
+    EventWatch,
+    _ids,
+    _keys,
+    _per_chunk,
+    _receive,
+    _registration,
+    _save_from_source_worker,
+    _worker,
+)
+
+CASE = ("LBNHC", "bfloat16")
+
+
+def check_killed_peer(lib: Any) -> str:
+    """See the module docstring. Raises CheckFailed."""
+    import torch
+
+    from kvstrata.sidecar import protocol as p
+    from kvstrata.sidecar.config import config_from_dict
+    from kvstrata.sidecar.engine import StorageManager
+    from kvstrata.sidecar.transfer.cuda_device import CudaDevices
+    from kvstrata.sidecar.transfer.ipc import IpcTransfers
+
+    src, _ = _ids()
+    with tempfile.TemporaryDirectory(prefix="kvstrata-selftest-") as tmp:
+        config = config_from_dict(
+            {
+                "chunk_size": 64,
+                "l1": {"size_bytes": "64Mi", "pin_memory": True},
+                "l2": {"path": os.path.join(tmp, "l2"), "size_bytes": "64Mi"},
+            }
+        )
+        engine = StorageManager(config)
+        watch = EventWatch(lib)
+        devices = CudaDevices(watch, engine.arena)
+        arena = torch.frombuffer(engine.arena.buffer, dtype=torch.uint8)
+        try:
+            ipc = IpcTransfers(engine, devices)
+            with _worker("stall", [CASE]) as (proc, conn):
+                (kv,), event = _receive(conn, "exporting the stalled KV")
+                ipc.register("stalled", _registration(kv))
+                body = p.SaveBlocksRequest(_keys(kv), _per_chunk(src), event)
+                replies: list[Any] = []
+                saver = threading.Thread(
+                    target=lambda: replies.append(ipc.save("stalled", body, "selftest")),
+                    daemon=True,
+                )
+                saver.start()
+                if not watch.waiting.wait(REPLY_SECONDS):
+                    raise CheckFailed("the sidecar never saw the stalled worker's event pending")
+                os.kill(proc.pid, signal.SIGKILL)  # mid forward pass, as an OOM kill
+                proc.join(30)
+                ipc.close("stalled")  # what the session's closed liveness socket does
+                saver.join(REPLY_SECONDS)
+            if saver.is_alive():
+                raise CheckFailed("the save still waits for a killed worker's event: wedged")
+            if not replies or any(replies[0].committed):
+                raise CheckFailed(f"a killed worker's unfinished KV was stored: {replies}")
+            if ipc.fault:
+                raise CheckFailed(f"the GPU was marked faulted by a peer's death: {ipc.fault}")
+            if len(ipc):
+                raise CheckFailed("the killed worker's KV is still mapped")
+            # The device still serves: another worker's save goes through.
+            arena.fill_(0)
+            after = _save_from_source_worker(lib, ipc, engine, arena, [CASE], src, None)
+        finally:
+            del arena
+            devices.close()
+            engine.close()
+    return (
+        f"a save waiting for a SIGKILLed worker's event ended at its session's end, "
+        f"{CHUNKS} chunks not stored, nothing mapped; then {after}"
+    )

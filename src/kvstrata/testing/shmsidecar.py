@@ -1,0 +1,64 @@
+"""A sidecar process whose ipc-mode GPU is the shared-memory stand-in (a test double).
+
+``python -m kvstrata.testing.shmsidecar ROOT GPU_UUID`` serves a small
+engine on ``ipc://ROOT/sidecar.sock`` with the real server, protocol,
+registration checks and engine, its one "GPU" a
+:class:`~kvstrata.testing.shmdevice.SharedMemoryDevice` known by
+``GPU_UUID``. It prints ``ready <endpoint>`` once it serves and stops on
+SIGTERM. Tests use it to show that what a client sends cannot take the
+sidecar process down (a copy past a mapping is a SIGSEGV here, as it is
+an illegal address on a GPU).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from kvstrata.sidecar.config import config_from_dict
+from kvstrata.sidecar.engine import StorageManager
+from kvstrata.sidecar.server import SidecarServer
+from kvstrata.sidecar.transfer.ipc import IpcTransfers
+from kvstrata.testing.shmdevice import SharedMemoryDevice
+
+
+def main(root: Path, gpu_uuid: str) -> None:
+    config = config_from_dict(
+        {
+            "chunk_size": 32,
+            "l1": {"size_bytes": "8Mi", "pin_memory": False},
+            "l2": {"path": str(root / "l2"), "size_bytes": "16Mi"},
+            "server": {"endpoint": f"ipc://{root}/sidecar.sock", "http_port": 0},
+        }
+    )
+    engine = StorageManager(config)
+    device = SharedMemoryDevice(engine.arena.address())
+
+    def open_device(gpu: str) -> SharedMemoryDevice:
+        if gpu != gpu_uuid:
+            raise OSError(f"no GPU {gpu} visible here")
+        return device
+
+    server = SidecarServer(
+        config, engine, server_version="test", ipc=IpcTransfers(engine, open_device)
+    )
+    endpoint = server.bind()
+    stop = threading.Event()
+
+    def on_signal(_signum: int, _frame: object) -> None:
+        stop.set()
+        server.wake()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    print(f"ready {endpoint}", flush=True)
+    try:
+        server.serve(stop)
+    finally:
+        server.close()
+        engine.close()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])
