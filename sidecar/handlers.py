@@ -284,11 +284,7 @@ class Handlers:
         """The journal's records of this session's namespace only: another
         tenant's keys are neither shown nor counted."""
         self.engine.record_events()  # a reader from an older client, whose HELLO did not ask
-        fingerprint = session.fingerprint
-        n = len(fingerprint)
-        read = self.engine.journal.read(
-            body.after, body.limit, keep=lambda key: key[:n] == fingerprint
-        )
+        read = self.engine.journal.read(body.after, body.limit, namespace=session.fingerprint)
         events = [
             p.TierEvent(seq, kind, tier, ChunkKey(key)) for seq, kind, tier, key in read.records
         ]
