@@ -10,9 +10,10 @@ and is never reused, so a reader asks "everything after N" and learns from
 the first sequence number it gets whether it fell behind (records are kept
 in a bounded ring: a reader that lags by more than ``capacity`` loses the
 oldest, and is told how many of *its own namespace's* records it lost: the
-count of another tenant's records would tell it that tenant's write volume). Recording is a deque append under a lock
-that is never held while anything else is locked by this module: cheap
-enough to call from under the engine's index lock.
+count of another tenant's records would tell it that tenant's write volume).
+Recording is a deque append under a lock that is never held while anything
+else is locked by this module: cheap enough to call from under the engine's
+index lock.
 
 Only what this sidecar did is recorded: a shared tier's own evictions
 (Valkey's LRU, an S3 lifecycle rule) are invisible to it.
