@@ -234,14 +234,16 @@ class SidecarServer:
             self._on_message(frames, first)
 
     def _on_message(self, frames: list[bytes], first: zmq.Frame | None = None) -> None:
+        """Envelope, then session, then body: a frame of a peer without a
+        session is refused before any per-item work on its body, so a few
+        maximal frames cannot stall the loop for everyone else. Pooled ops
+        read their body on the pool, off this loop."""
         started = time.perf_counter()
         identity, payload = frames[0], frames[1:]
         try:
-            request = p.decode_request(payload)
+            request = p.decode_envelope(payload)
         except p.ProtocolError as exc:
-            self._count_error(exc.code)
-            logger.debug("refused a frame: %s", exc)
-            self._send(identity, p.encode_error(exc.request_id, exc.code, str(exc)))
+            self._refuse(identity, exc)
             return
         if request.op == p.HELLO and (why := self._refusal(first)) is not None:
             self._count_error(p.E_FORBIDDEN)
@@ -259,7 +261,12 @@ class SidecarServer:
             self._send(identity, p.encode_error(request.request_id, p.E_NO_SESSION, message))
             return
         if request.op not in self.pooled_ops:
-            self._send(identity, self._answer(request, session, identity, started))
+            try:
+                full = p.decode_body(request)
+            except p.ProtocolError as exc:
+                self._refuse(identity, exc)
+                return
+            self._send(identity, self._answer(full, session, identity, started))
             return
         with self._backlog_lock:
             busy = self._backlog >= MAX_POOL_BACKLOG
@@ -272,6 +279,13 @@ class SidecarServer:
             return
         self._pool.submit(self._pooled, request, session, identity, started)
 
+    def _refuse(self, identity: bytes, exc: p.ProtocolError) -> None:
+        """Answer a frame that does not follow the protocol (with its request id
+        when the envelope got that far, so the client can match the answer)."""
+        self._count_error(exc.code)
+        logger.debug("refused a frame: %s", exc)
+        self._send(identity, p.encode_error(exc.request_id, exc.code, str(exc)))
+
     def _refusal(self, first: zmq.Frame | None) -> str | None:
         """Why the process behind this HELLO may not open a session, or None."""
         address = None
@@ -283,10 +297,17 @@ class SidecarServer:
         return self.admission.refusal(credentials_from_peer_address(address))
 
     def _pooled(
-        self, request: p.Request, session: Session | None, identity: bytes, started: float
+        self, envelope: p.Envelope, session: Session | None, identity: bytes, started: float
     ) -> None:
         try:
-            reply = self._answer(request, session, identity, started)
+            try:
+                request = p.decode_body(envelope)
+            except p.ProtocolError as exc:
+                self._count_error(exc.code)
+                logger.debug("refused a frame: %s", exc)
+                reply = p.encode_error(exc.request_id, exc.code, str(exc))
+            else:
+                reply = self._answer(request, session, identity, started)
         finally:
             with self._backlog_lock:
                 self._backlog -= 1
