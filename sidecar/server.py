@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from kvstrata.sidecar import protocol as p
+from kvstrata.sidecar.fdbudget import FdBudget, ListenerCounts, plan
 from kvstrata.sidecar.handlers import POOLED_OPS, POOLED_OPS_REMOTE, Handlers
 from kvstrata.sidecar.liveness import (
     LivenessListener,
@@ -38,7 +39,7 @@ from kvstrata.sidecar.liveness import (
     socket_umask,
 )
 from kvstrata.sidecar.logs import request_context
-from kvstrata.sidecar.metrics import EngineCollector, ServerMetrics
+from kvstrata.sidecar.metrics import EngineCollector, ListenerCollector, ServerMetrics
 from kvstrata.sidecar.peers import ClientAdmission, credentials_from_peer_address
 from kvstrata.sidecar.sessions import Session, SessionTable
 
@@ -71,6 +72,7 @@ class SidecarServer:
         ipc_unavailable: str = "ipc mode is not enabled",
         workers: int = 4,
         remote_lookups: bool = False,
+        fd_budget: FdBudget | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -83,6 +85,14 @@ class SidecarServer:
             EngineCollector(engine.stats, lambda: len(self.sessions), self._count_error)
         )
         self.metrics.expect_tiers(engine.stats().tiers)
+        # Connection caps of the HTTP port and the liveness socket, from the
+        # descriptors still free now the engine is up (see .fdbudget).
+        self.fd_budget = fd_budget if fd_budget is not None else plan()
+        self.connection_counts = {
+            "http": ListenerCounts(self.fd_budget.http),
+            "liveness": ListenerCounts(self.fd_budget.liveness),
+        }
+        self.metrics.attach(ListenerCollector(self.connection_counts))
         self.pooled_ops = POOLED_OPS_REMOTE if remote_lookups else POOLED_OPS
         self.endpoint = config.server.endpoint
         self.admission = ClientAdmission(config.server.client_uids)
@@ -129,7 +139,14 @@ class SidecarServer:
         self._sock = sock
         self._bound_path = path
         if path is not None:
-            self._liveness = LivenessListener(liveness_path(path), self._client_gone, group)
+            self._liveness = LivenessListener(
+                liveness_path(path),
+                self._client_gone,
+                group,
+                max_connections=self.fd_budget.liveness,
+                known=self.sessions.exists,
+                counts=self.connection_counts["liveness"],
+            )
             self._liveness.start()
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         logger.info("serving on %s", self.endpoint)
