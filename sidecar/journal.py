@@ -15,6 +15,12 @@ Recording is a deque append under a lock that is never held while anything
 else is locked by this module: cheap enough to call from under the engine's
 index lock.
 
+Each journal has its own ``journal_id``, new with every sidecar process: a
+reader that sees another id knows the sidecar restarted, and with it that
+L1 (process memory) lost everything the old journal announced there, while
+L2's files and the shared tier's objects are still held (the connector's
+event feed says so to routers, :mod:`kvstrata.connector.events`).
+
 Only what this sidecar did is recorded: a shared tier's own evictions
 (Valkey's LRU, an S3 lifecycle rule) are invisible to it.
 """
