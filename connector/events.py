@@ -27,6 +27,15 @@ the token ids and hashes come from what the scheduler saw: every chunk it
 plans to save or finds in a lookup is described here first (a bounded
 registry). A record of a chunk this process never described (stored before
 it started) has no tokens to describe it and is skipped, counted.
+
+A restarted sidecar (a new ``journal_id``) has lost its L1: the arena is
+process memory. L2's files and the shared tier's objects survive it. So on
+a new journal the feed says ``BlockRemoved`` (medium ``CPU``) for every
+chunk it announced in L1 and has not seen leave, and nothing for the other
+tiers. Not ``AllBlocksCleared``: that event carries no medium (see
+``vllm/distributed/kv_events.py``), and these events travel through vLLM's
+own publisher beside its GPU blocks', so a router would drop the pod's GPU
+blocks and its disk and remote chunks with it, all of which are still there.
 """
 
 from __future__ import annotations
@@ -159,6 +168,9 @@ class KVEventFeed:
         self._classes = _vllm_event_classes()
         self._after = 0
         self._journal_id: int | None = None
+        # Chunks announced stored in L1 and not removed since: key -> their
+        # blocks' hashes (vLLM's form), what a restart's BlockRemoved names.
+        self._in_l1: OrderedDict[bytes, list[Any]] = OrderedDict()
         self._pending: list[Any] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -193,13 +205,18 @@ class KVEventFeed:
         if reply is None:
             return False
         if reply.journal_id != self._journal_id:  # a new sidecar: its numbering starts over
+            if self._journal_id is not None:
+                self._add(self._l1_lost())
             self._journal_id = reply.journal_id
             if self._after:
                 self._after = 0
                 return True  # this reply began at our old place: read from the start
         self._after = reply.next_seq
         self.lost_total += reply.lost
-        made = [e for e in map(self._convert, reply.events) if e is not None]
+        self._add([e for e in map(self._convert, reply.events) if e is not None])
+        return len(reply.events) > 0
+
+    def _add(self, made: list[Any]) -> None:
         if made:
             with self._lock:
                 self._pending.extend(made)
@@ -207,15 +224,31 @@ class KVEventFeed:
                 if excess > 0:
                     del self._pending[:excess]
                     self.dropped_total += excess
-        return len(reply.events) > 0
+
+    def _l1_lost(self) -> list[Any]:
+        """The restarted sidecar's L1 is empty: one BlockRemoved (CPU) naming
+        every block announced there (see the module docstring)."""
+        hashes = [h for chunk in self._in_l1.values() for h in chunk]
+        self._in_l1.clear()
+        if not hashes:
+            return []
+        medium, locality = tier_medium("l1")
+        common = {"block_hashes": hashes, "medium": medium, "locality": locality,
+                  "ownership": TIER_OWNERSHIP.format(tier="l1")}  # fmt: skip
+        return [self._classes.make(self._classes.removed, common)]
 
     def _convert(self, record: p.TierEvent) -> Any:
-        description = self.registry.get(bytes(record.key))
-        if description is None:
+        key = bytes(record.key)
+        description = self.registry.get(key)
+        announced = self._in_l1.pop(key, None) if record.tier == "l1" else None
+        if description is None and announced is None:
             self.undescribed_total += 1
             return None
         medium, locality = tier_medium(record.tier)
-        hashes = [self._classes.convert(h) for h in description.block_hashes]
+        if description is not None:
+            hashes = [self._classes.convert(h) for h in description.block_hashes]
+        else:
+            hashes = announced or []
         common = {
             "block_hashes": hashes,
             "medium": medium,
@@ -224,6 +257,13 @@ class KVEventFeed:
         }
         if record.kind == "removed":
             return self._classes.make(self._classes.removed, common)
+        if description is None:  # a store needs the tokens only a description has
+            self.undescribed_total += 1
+            return None
+        if record.tier == "l1":
+            self._in_l1[key] = hashes
+            while len(self._in_l1) > MAX_DESCRIBED_CHUNKS:
+                self._in_l1.popitem(last=False)
         parent = description.parent_hash
         return self._classes.make(
             self._classes.stored,

@@ -26,7 +26,11 @@ Data flow:
 
 Leases: every slot handed out is a lease (read or write) with an id that
 is never reused. A leased object is never evicted or freed. Leases end by
-``release``/``commit``/``abort``, ``release_owner`` or ``expire_leases``.
+``release``/``commit``/``abort``, ``release_owner``, ``release_client`` or
+``expire_leases``. A client released by ``release_client`` has ended (its
+session is gone): it gets no lease after that, so a request still running
+for it (a long PREPARE_RETRIEVE promoting from L2) stops taking leases
+instead of pinning L1 for no one until they expire.
 
 Locking: one lock guards the index, leases, counters, write-behind's and
 prefetch's state; it is never held during a copy or any I/O. L2 is asked
@@ -41,6 +45,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -49,7 +54,7 @@ from kvstrata.sidecar.config import SidecarConfig
 from kvstrata.sidecar.journal import EventJournal
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.l1 import READY, Entry, L1Store
-from kvstrata.sidecar.leases import Lease, LeaseTable, Slot
+from kvstrata.sidecar.leases import Lease, LeaseTable, Slot, client_of
 from kvstrata.sidecar.lookup import LookupResult, PrefixLookup
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.partials import blocks_match, entry_is_partial, is_partial
@@ -65,6 +70,9 @@ logger = logging.getLogger(__name__)
 
 ENGINE_OWNER = "engine"
 PROMOTION_WAIT_SECONDS = 5.0
+# Ended clients remembered (session ids are random and never reused; a
+# request for one ended longer ago than this many endings is long gone).
+MAX_ENDED_CLIENTS = 16384
 
 
 @dataclass
@@ -97,6 +105,7 @@ class StorageManager(Promotion):
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._leases = LeaseTable()
+        self._ended: OrderedDict[str, None] = OrderedDict()  # see release_client
         self._counters: dict[str, int] = {}
         self._hits = self._misses = self._stored_bytes = self._retrieved_bytes = 0
         self._prefetched_bytes = 0
@@ -241,6 +250,8 @@ class StorageManager(Promotion):
             if key in self._store.entries:
                 self._count("store_deduplicated_total")
                 return None
+            if client_of(owner) in self._ended:
+                return None
             entry = self._store.reserve(key, nbytes, meta, parent)
             if entry is None:
                 self._count("store_rejected_total")
@@ -312,6 +323,8 @@ class StorageManager(Promotion):
         None is a miss; so is an object whose block count (its header's) is
         not ``blocks`` when given (0: a full chunk; see :mod:`.partials`)."""
         slot = self._acquire(key, owner)
+        if slot is not None and self._drop_if_ended(slot, owner):
+            return None
         if slot is None or blocks is None or blocks_match(slot.meta, blocks):
             return slot
         self.release(slot)
@@ -319,8 +332,24 @@ class StorageManager(Promotion):
             self._count("partial_mismatch_total")
         return None
 
+    def _drop_if_ended(self, slot: Slot, owner: str) -> bool:
+        """End ``slot``'s lease when its client ended while it was being taken
+        (``release_client`` ran between the lease and now); True if so."""
+        with self._lock:
+            if client_of(owner) not in self._ended:
+                return False
+            self._pop_lease(slot.lease_id)
+            return True
+
+    def client_ended(self, client: str) -> bool:
+        """Whether ``release_client(client)`` was called: its session is gone."""
+        with self._lock:
+            return client in self._ended
+
     def _acquire(self, key: ChunkKey, owner: str, prefetch: bool = False) -> Slot | None:
         with self._lock:
+            if client_of(owner) in self._ended:
+                return None  # no promotion I/O for a client that is gone
             slot = self._acquire_local(key, owner, prefetch)
             if slot is None and key not in self._store.entries and not prefetch:
                 self._misses += 1
@@ -372,8 +401,12 @@ class StorageManager(Promotion):
 
     def release_client(self, client: str) -> int:
         """End every lease of ``client`` (see :mod:`.leases`); the number ended.
-        Its prefetches still running end their leases as soon as they land."""
+        Its prefetches still running end their leases as soon as they land,
+        and the client gets no lease from now on: it has ended."""
         with self._lock:
+            self._ended[client] = None
+            if len(self._ended) > MAX_ENDED_CLIENTS:
+                self._ended.popitem(last=False)
             leases = self._leases.pop_client(client)
             for lease in leases:
                 self._end_lease(lease)
@@ -422,7 +455,7 @@ class StorageManager(Promotion):
         scheduled = 0
         to_fetch: list[ChunkKey] = []
         with self._lock:
-            if self._closed:
+            if self._closed or client_of(owner) in self._ended:
                 return 0
             pinned = self._leases.read_keys(owner) | self._prefetcher.in_flight(owner)
             fresh = 0

@@ -113,6 +113,10 @@ class Handlers:
             return self._ping(request.body, session)
         if session is None:  # the server checks this first; keep the contract local too
             raise p.ProtocolError(p.E_NO_SESSION, "say HELLO first", request.request_id)
+        # A pooled request may wait its turn while its session ends: check
+        # again before any per-item work.
+        if not self.sessions.exists(session.session_id):
+            raise p.ProtocolError(p.E_NO_SESSION, "the session has ended", request.request_id)
         return self._table[request.op](request.body, session)
 
     def reclaim(self, session: Session) -> int:
@@ -244,10 +248,19 @@ class Handlers:
             for key in keys[start : start + run]:
                 slot = self.engine.acquire(key, owner_key, blocks=body.blocks)
                 if slot is None:
-                    break  # a prefix is only usable up to its first gap: skip the I/O after it
+                    # A prefix is only usable up to its first gap: skip the I/O
+                    # after it; and a session that ended meanwhile gets nothing more.
+                    self._check_alive(session)
+                    break
                 slots.append(_slot_info(slot))
             slots.extend([None] * (start + run - len(slots)))
         return p.SlotsReply(slots=slots)
+
+    def _check_alive(self, session: Session) -> None:
+        """Refuse the rest of a request whose session ended while it ran (the
+        engine already gives an ended session no lease; this ends the loop)."""
+        if self.engine.client_ended(session.session_id):
+            raise p.ProtocolError(p.E_NO_SESSION, "the session ended during the request")
 
     def _release(self, body: p.ReleaseRequest, session: Session) -> p.CountReply:
         # Releasing a write lease abandons the reservation.
@@ -289,11 +302,7 @@ class Handlers:
         """The journal's records of this session's namespace only: another
         tenant's keys are neither shown nor counted."""
         self.engine.record_events()  # a reader from an older client, whose HELLO did not ask
-        fingerprint = session.fingerprint
-        n = len(fingerprint)
-        read = self.engine.journal.read(
-            body.after, body.limit, keep=lambda key: key[:n] == fingerprint
-        )
+        read = self.engine.journal.read(body.after, body.limit, namespace=session.fingerprint)
         events = [
             p.TierEvent(seq, kind, tier, ChunkKey(key)) for seq, kind, tier, key in read.records
         ]

@@ -9,7 +9,16 @@ grows the thread count. Limits:
 
 * listen backlog :data:`LISTEN_BACKLOG`: a burst of connects is queued by
   the kernel, not dropped;
-* at most :data:`MAX_CONNECTIONS` open at once (more are closed at once);
+* at most ``max_connections`` open at once (the sidecar sizes it from the
+  descriptors it has, see :mod:`.fdbudget`; :data:`MAX_CONNECTIONS` when
+  embedded). At the cap a newcomer closes the oldest connection still
+  waiting for its request head, so idle connections, however many, never
+  keep a kubelet probe out; only when every connection is being answered is
+  the newcomer refused;
+* an ``accept`` that fails for want of descriptors pauses accepting and is
+  counted (asyncio removes the listener and retries after
+  ``asyncio.constants.ACCEPT_RETRY_DELAY``: ``_accept_connection`` in
+  ``asyncio/selector_events.py``, Python 3.11);
 * a request head must arrive within :data:`READ_TIMEOUT_S` and fit
   :data:`MAX_HEAD_BYTES`, a reply must be taken within
   :data:`WRITE_TIMEOUT_S`; otherwise the connection is closed;
@@ -32,15 +41,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import socket
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from kvstrata.sidecar.fdbudget import ListenerCounts
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +83,8 @@ class HttpEndpoints:
         registry: CollectorRegistry,
         ready: Callable[[], bool],
         status: Callable[[], dict[str, Any]],
+        max_connections: int = MAX_CONNECTIONS,
+        counts: ListenerCounts | None = None,
     ) -> None:
         self._routes: dict[str, Route] = {
             "/metrics": lambda: (200, CONTENT_TYPE_LATEST, generate_latest(registry)),
@@ -88,10 +103,14 @@ class HttpEndpoints:
         self.port: int = self._sock.getsockname()[1]
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kvstrata-http")
         self._loop = asyncio.new_event_loop()
-        self._loop.set_exception_handler(_quiet_exception_handler)
+        self._loop.set_exception_handler(self._exception_handler)
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
-        self._open = 0
+        self.counts = counts if counts is not None else ListenerCounts(max_connections)
+        self.counts.limit = max_connections
+        # Connections still waiting for their request head, oldest first: the
+        # ones closed to make room at the cap.
+        self._waiting: OrderedDict[asyncio.StreamWriter, None] = OrderedDict()
         self._thread = threading.Thread(target=self._run, name="kvstrata-http", daemon=True)
 
     def start(self) -> None:
@@ -133,12 +152,25 @@ class HttpEndpoints:
         await asyncio.gather(*others, return_exceptions=True)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._open >= MAX_CONNECTIONS:
-            writer.transport.abort()
-            return
-        self._open += 1
+        counts = self.counts
+        if counts.open >= counts.limit:
+            if not self._waiting:
+                counts.refused += 1
+                writer.transport.abort()
+                return
+            oldest, _ = self._waiting.popitem(last=False)
+            counts.made_room += 1
+            oldest.transport.abort()  # its task ends on the reset and frees its place
+        counts.open += 1
+        self._waiting[writer] = None
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                counts.idle_closed += 1
+                raise
+            finally:
+                self._waiting.pop(writer, None)
             code, ctype, body = await self._answer(head)
             writer.write(
                 (
@@ -158,7 +190,7 @@ class HttpEndpoints:
         ):
             pass  # the client went away, stalled or sent garbage: nothing to report
         finally:
-            self._open -= 1
+            counts.open -= 1
             writer.close()
 
     async def _answer(self, head: bytes) -> tuple[int, str, bytes]:
@@ -177,11 +209,17 @@ class HttpEndpoints:
             logger.exception("GET %s failed", path)
             return 500, "text/plain", b"internal error\n"
 
+    def _exception_handler(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """Connection errors of clients that went away are no news; an accept
+        that failed for want of descriptors is counted (asyncio pauses accepting
+        and logs it); anything else is logged."""
+        exc = context.get("exception")
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            return
+        if isinstance(exc, OSError) and exc.errno in _OUT_OF_DESCRIPTORS:
+            self.counts.accept_errors += 1
+        with contextlib.suppress(Exception):
+            loop.default_exception_handler(context)
 
-def _quiet_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-    """Connection errors of clients that went away are no news; anything else is."""
-    exc = context.get("exception")
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return
-    with contextlib.suppress(Exception):
-        loop.default_exception_handler(context)
+
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)

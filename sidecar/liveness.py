@@ -21,18 +21,26 @@ have one.
 from __future__ import annotations
 
 import contextlib
+import errno
 import grp
 import logging
 import os
 import selectors
 import socket
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
+
+from kvstrata.sidecar.fdbudget import ListenerCounts
 
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".live"
 MAX_LINE = 128  # a session id and a newline fit with room to spare
+ID_DEADLINE_S = 5.0  # a client writes its id line right after connecting
+ACCEPT_BACKOFF_S = 0.5  # accepting pauses this long after running out of descriptors
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 SOCKET_MODE = 0o660
@@ -72,16 +80,39 @@ def liveness_path(ipc_socket_path: str) -> str:
 class LivenessListener:
     """Accepts liveness connections; calls ``on_gone(session_id)`` when one closes.
 
-    ``on_gone`` runs on the listener's thread and must be thread-safe.
+    ``on_gone`` runs on the listener's thread and must be thread-safe. Limits
+    (they keep this socket from taking the descriptors ZeroMQ needs, see
+    :mod:`.fdbudget`): at most ``max_connections`` open; a connection must
+    send its id line within :data:`ID_DEADLINE_S` and name a session
+    ``known`` accepts, or it is closed; at the cap, the oldest connection
+    that has not yet identified itself is closed to make room, or the
+    newcomer is. An ``accept`` that fails for want of descriptors pauses
+    accepting for :data:`ACCEPT_BACKOFF_S` instead of spinning on a listener
+    that stays readable.
     """
 
-    def __init__(self, path: str, on_gone: Callable[[str], None], group: str | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        on_gone: Callable[[str], None],
+        group: str | None = None,
+        *,
+        max_connections: int = 1024,
+        known: Callable[[str], bool] | None = None,
+        counts: ListenerCounts | None = None,
+    ) -> None:
         self.path = path
         self.group = group
         self.on_gone = on_gone
+        self.known = known
+        self.counts = counts if counts is not None else ListenerCounts(max_connections)
+        self.counts.limit = max_connections
         self._sel = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
-        self._sessions: dict[socket.socket, bytearray | str] = {}
+        # Not yet identified, oldest first: (bytes so far, deadline).
+        self._pending: OrderedDict[socket.socket, tuple[bytearray, float]] = OrderedDict()
+        self._sessions: dict[socket.socket, str] = {}
+        self._paused_until: float | None = None
         self._thread: threading.Thread | None = None
         self._stop_r, self._stop_w = os.pipe()
 
@@ -109,8 +140,9 @@ class LivenessListener:
             os.write(self._stop_w, b"x")
         if self._thread is not None:
             self._thread.join(timeout=5)
-        for conn in list(self._sessions):
+        for conn in [*self._pending, *self._sessions]:
             conn.close()
+        self._pending.clear()
         self._sessions.clear()
         if self._listener is not None:
             self._listener.close()
@@ -122,23 +154,67 @@ class LivenessListener:
 
     def _run(self) -> None:
         while True:
-            for key, _ in self._sel.select():
+            for key, _ in self._sel.select(self._timeout()):
                 if key.data == "stop":
                     return
                 if key.data == "accept":
                     self._accept()
                 else:
                     self._read(key.fileobj)  # type: ignore[arg-type]
+            self._housekeeping()
+
+    def _timeout(self) -> float | None:
+        """Seconds until the next deadline (an unidentified connection's, or
+        the end of an accept pause); None: nothing to wait for."""
+        deadlines = [next(iter(self._pending.values()))[1]] if self._pending else []
+        if self._paused_until is not None:
+            deadlines.append(self._paused_until)
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        while self._pending:
+            conn, (_, deadline) = next(iter(self._pending.items()))
+            if deadline > now:
+                break
+            self.counts.idle_closed += 1
+            self._drop(conn)
+        if self._paused_until is not None and now >= self._paused_until:
+            self._paused_until = None
+            assert self._listener is not None  # paused only after start()
+            self._sel.register(self._listener, selectors.EVENT_READ, "accept")
 
     def _accept(self) -> None:
         assert self._listener is not None  # registered only after start()
-        try:
-            conn, _ = self._listener.accept()
-        except OSError:
-            return
-        conn.setblocking(False)
-        self._sessions[conn] = bytearray()
-        self._sel.register(conn, selectors.EVENT_READ, "conn")
+        for _ in range(128):  # what one wake-up takes from the backlog
+            try:
+                conn, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno in _OUT_OF_DESCRIPTORS:
+                    self._pause(exc)
+                return  # ECONNABORTED and the like: that client is gone already
+            if self.counts.open >= self.counts.limit:
+                if not self._pending:
+                    self.counts.refused += 1
+                    conn.close()
+                    continue
+                self.counts.made_room += 1
+                self._drop(next(iter(self._pending)))
+            conn.setblocking(False)
+            self._pending[conn] = (bytearray(), time.monotonic() + ID_DEADLINE_S)
+            self.counts.open += 1
+            self._sel.register(conn, selectors.EVENT_READ, "conn")
+
+    def _pause(self, exc: OSError) -> None:
+        """No descriptor for a new connection: stop accepting for a while (the
+        listener stays readable, so accepting at once again would spin)."""
+        self.counts.accept_errors += 1
+        if self._paused_until is None:
+            logger.warning("liveness: accept failed (%s); pausing %.1fs", exc, ACCEPT_BACKOFF_S)
+            self._sel.unregister(self._listener)  # type: ignore[arg-type]
+        self._paused_until = time.monotonic() + ACCEPT_BACKOFF_S
 
     def _read(self, conn: socket.socket) -> None:
         try:
@@ -147,24 +223,36 @@ class LivenessListener:
             return
         except OSError:
             data = b""
-        state = self._sessions.get(conn)
-        if data and isinstance(state, bytearray):
+        pending = self._pending.get(conn)
+        if pending is not None and data:
+            state = pending[0]
             state.extend(data)
             if b"\n" in state:
-                line = bytes(state).split(b"\n", 1)[0]
-                self._sessions[conn] = line.decode("ascii", "replace").strip()
+                line = bytes(state).split(b"\n", 1)[0].decode("ascii", "replace").strip()
+                del self._pending[conn]
+                if line and (self.known is None or self.known(line)):
+                    self._sessions[conn] = line
+                    return
+                data = b""  # no session of ours: not a client, drop it
             elif len(state) > MAX_LINE:
                 data = b""  # not a client of ours: drop it
         if data:
             return  # anything after the id line is ignored
-        self._sel.unregister(conn)
-        conn.close()
-        session_id = self._sessions.pop(conn, None)
-        if isinstance(session_id, str) and session_id:
+        session_id = self._sessions.get(conn)
+        self._drop(conn)
+        if session_id:
             try:
                 self.on_gone(session_id)
             except Exception:
                 logger.exception("ending a session whose process is gone failed")
+
+    def _drop(self, conn: socket.socket) -> None:
+        self._pending.pop(conn, None)
+        self._sessions.pop(conn, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(conn)
+        conn.close()
+        self.counts.open -= 1
 
 
 def connect(path: str, session_id: str) -> socket.socket | None:

@@ -5,6 +5,12 @@ and its per-tier denominators (``asked``) are a read-only question asked on
 every scheduler step; the engine answers it through this object, which
 reads the L1 index under the engine's lock and L2 through its tier
 interface (L2's own lock), and asks the shared tier without any lock held.
+
+A chunk counts for what a retrieve of it would get: a full-chunk key
+holding a partial chunk (its header's block count is not 0) is no hit, and
+a partial candidate holding a full chunk is none either (see
+:mod:`.partials`). L1 and L2 know each object's header; the shared tier is
+asked for existence only, so its objects are taken at their key's word.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ from dataclasses import dataclass, field
 
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.l1 import READY, L1Store
+from kvstrata.sidecar.partials import is_partial
 from kvstrata.sidecar.tiers.base import Tier
+from kvstrata.sidecar.tiers.disk import DiskTier
 
 __all__ = ["LookupResult", "PrefixLookup"]
 
@@ -42,7 +50,7 @@ class PrefixLookup:
         self,
         lock: threading.Lock,
         store: L1Store,
-        l2: Tier | None,
+        l2: DiskTier | None,
         shared: Tier | None,
         count: Callable[[str, int], None],
     ) -> None:
@@ -81,6 +89,8 @@ class PrefixLookup:
             # remote round trip ran (the first was counted by the local walk).
             for i, (key, there) in enumerate(zip(rest, remote, strict=False)):
                 tier = self._local_tier(key, asked if i > 0 else None)
+                if tier is None and self._held_locally(key):
+                    break  # here, but not as a full chunk: the shared copy is no better
                 if tier is None:
                     asked[name] += 1
                     tier = name if there else None
@@ -97,7 +107,7 @@ class PrefixLookup:
             return None
         with self._lock:
             for i, key in enumerate(keys):
-                tier = self._local_tier(key, None)
+                tier = self._local_tier(key, None, partial=True)
                 if tier is not None:
                     return i, tier
         if self.shared is None:
@@ -112,19 +122,27 @@ class PrefixLookup:
                 return i, self.shared.name
         return None
 
-    def _local_tier(self, key: ChunkKey, asked: dict[str, int] | None) -> str | None:
-        """Caller holds the lock: "l1", "l2" or None for ``key``; counts the
-        tiers consulted into ``asked`` (unless None)."""
+    def _local_tier(
+        self, key: ChunkKey, asked: dict[str, int] | None, partial: bool = False
+    ) -> str | None:
+        """Caller holds the lock: "l1", "l2" or None for ``key`` held as a full
+        chunk (as a partial one with ``partial``); counts the tiers consulted
+        into ``asked`` (unless None)."""
         if asked is not None:
             asked["l1"] += 1
         entry = self._store.entries.get(key)
-        if entry is not None and entry.state == READY:
+        if entry is not None and entry.state == READY and is_partial(entry.meta) == partial:
             return "l1"
         if self.l2 is None:
             return None
         if asked is not None:
             asked["l2"] += 1
-        return "l2" if self.l2.contains(key) else None
+        info = self.l2.peek(key)
+        return "l2" if info is not None and is_partial(info.meta) == partial else None
+
+    def _held_locally(self, key: ChunkKey) -> bool:
+        """Caller holds the lock: whether L1 or L2 holds ``key`` in any form."""
+        return key in self._store.entries or (self.l2 is not None and self.l2.contains(key))
 
     def _count_lookup(self, keys: Sequence[ChunkKey], tiers: list[str]) -> None:
         """Caller holds the lock."""

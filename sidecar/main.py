@@ -113,11 +113,15 @@ def _start(
 
     from kvstrata import __version__
     from kvstrata.sidecar.engine import StorageManager
+    from kvstrata.sidecar.fdbudget import raise_nofile_limit
     from kvstrata.sidecar.http import HttpEndpoints
     from kvstrata.sidecar.server import SidecarServer
 
     # No *_created series: /metrics serves exactly the catalogue (docs/metrics.md).
     prometheus_client.disable_created_metrics()
+    # Before anything opens descriptors; the server shares what is free once
+    # the engine is up between its listeners and a reserve (see .fdbudget).
+    raise_nofile_limit()
     shared = None
     if config.shared.backend != "none":
         from kvstrata.sidecar.tiers.factory import build_shared_tier
@@ -156,6 +160,8 @@ def _start(
             server.metrics.registry,
             ready=lambda: server.ready,
             status=server.status,
+            max_connections=server.fd_budget.http,
+            counts=server.connection_counts["http"],
         )
     except OSError as exc:
         where = f"{config.server.http_host}:{config.server.http_port}"

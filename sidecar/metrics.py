@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.engine import EngineStats
+    from kvstrata.sidecar.fdbudget import ListenerCounts
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +135,15 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("kvstrata_ipc_gpu_faulted", "gauge", (), "boolean",
                "1 after a CUDA error that breaks the sidecar's GPU context: ipc calls are "
                "refused (workers use host mode) and /readyz fails until a restart"),
+    MetricSpec("kvstrata_connections_open", "gauge", ("listener",), "connections",
+               "connections open on the HTTP port (http) or the liveness socket (liveness)"),
+    MetricSpec("kvstrata_connections_limit", "gauge", ("listener",), "connections",
+               "a listener's connection cap, from the descriptors free at start"),
+    MetricSpec("kvstrata_connections_closed_total", "counter", ("listener", "reason"),
+               "connections", "connections the sidecar closed: refused (at the cap, none "
+               "idle), made_room (idle, closed for a newcomer), idle (past its deadline)"),
+    MetricSpec("kvstrata_accept_errors_total", "counter", ("listener",), "accepts",
+               "accepts that failed for want of file descriptors (each pauses accepting)"),
 )  # fmt: skip
 
 SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOGUE}
@@ -233,6 +243,30 @@ class ServerMetrics:
 
     def attach(self, collector: Collector) -> None:
         self.registry.register(collector)
+
+
+class ListenerCollector(Collector):
+    """Reads the listeners' connection counts at scrape time."""
+
+    def __init__(self, counts: dict[str, ListenerCounts]) -> None:
+        self._counts = counts
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        opened = _gauge("kvstrata_connections_open")
+        limit = _gauge("kvstrata_connections_limit")
+        closed = _counter("kvstrata_connections_closed_total")
+        errors = _counter("kvstrata_accept_errors_total")
+        for name, c in self._counts.items():
+            opened.add_metric([name], c.open)
+            limit.add_metric([name], c.limit)
+            for reason, n in (("refused", c.refused), ("made_room", c.made_room),
+                              ("idle", c.idle_closed)):  # fmt: skip
+                closed.add_metric([name, reason], n)
+            errors.add_metric([name], c.accept_errors)
+        yield from (opened, limit, closed, errors)
 
 
 class EngineCollector(Collector):

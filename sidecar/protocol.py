@@ -215,6 +215,7 @@ __all__ = [
     "CommitStoreRequest",
     "CountReply",
     "EndRequestRequest",
+    "Envelope",
     "ErrorReply",
     "EventsReply",
     "EventsRequest",
@@ -245,6 +246,8 @@ __all__ = [
     "StatsRequest",
     "TierEvent",
     "bad_field",
+    "decode_body",
+    "decode_envelope",
     "decode_reply",
     "decode_request",
     "each_item",
@@ -313,6 +316,20 @@ class Request:
 
 
 @dataclass(slots=True)
+class Envelope:
+    """A request whose envelope is read and checked but whose body is not yet:
+    the server checks the session before it pays for the body (which may hold
+    thousands of items), and refuses a session-less frame unread."""
+
+    version: int
+    request_id: MessageId
+    op: str
+    session_id: SessionId
+    body_reader: msgpack.Unpacker  # fed the whole frame, positioned at the body
+    frame_bytes: int
+
+
+@dataclass(slots=True)
 class Reply:
     version: int
     request_id: MessageId
@@ -320,21 +337,28 @@ class Reply:
     body: Message
 
 
-def _unpack(data: bytes, strict: bool) -> Any:
+def _limits(strict: bool) -> dict[str, Any]:
     # Limits that keep a hostile frame from allocating much: msgpack checks
     # each declared length against them before allocating.
-    limit_map = 64 if strict else 4096
-    return msgpack.unpackb(
-        data,
-        raw=False,
-        strict_map_key=True,
-        use_list=True,
-        max_bin_len=KEY_MAX_BYTES if strict else MAX_MESSAGE_BYTES,
-        max_str_len=4 * MAX_STR if strict else MAX_MESSAGE_BYTES,
-        max_array_len=MAX_KEYS,
-        max_map_len=limit_map,
-        max_ext_len=0,
-    )
+    return {
+        "raw": False,
+        "strict_map_key": True,
+        "use_list": True,
+        "max_bin_len": KEY_MAX_BYTES if strict else MAX_MESSAGE_BYTES,
+        "max_str_len": 4 * MAX_STR if strict else MAX_MESSAGE_BYTES,
+        "max_array_len": MAX_KEYS,
+        "max_map_len": 64 if strict else 4096,
+        "max_ext_len": 0,
+    }
+
+
+def _unpack(data: bytes, strict: bool) -> Any:
+    return msgpack.unpackb(data, **_limits(strict))
+
+
+def _not_msgpack(exc: Exception) -> str:
+    detail = str(exc)[:200] or "malformed"
+    return f"not a msgpack frame ({type(exc).__name__}: {detail})"
 
 
 def _envelope(frames: Sequence[bytes], width: int, strict: bool) -> list[Any]:
@@ -346,10 +370,7 @@ def _envelope(frames: Sequence[bytes], width: int, strict: bool) -> list[Any]:
     try:
         env = _unpack(data, strict)
     except Exception as exc:  # msgpack raises several unrelated types
-        detail = str(exc)[:200] or "malformed"
-        raise ProtocolError(
-            E_BAD_FRAME, f"not a msgpack frame ({type(exc).__name__}: {detail})"
-        ) from None
+        raise ProtocolError(E_BAD_FRAME, _not_msgpack(exc)) from None
     if not isinstance(env, list) or len(env) != width:
         raise ProtocolError(E_BAD_FRAME, f"expected a msgpack array of {width} items")
     return env
@@ -359,9 +380,61 @@ def encode_request(op: str, request_id: MessageId, session_id: SessionId, body: 
     return msgpack.packb([PROTOCOL_VERSION, request_id, op, session_id, body.to_wire()])
 
 
+def decode_envelope(frames: Sequence[bytes]) -> Envelope:
+    """Read and check a request's envelope (version, id, op, session) without
+    its body: a few small fields, however large the frame. Raises
+    :class:`ProtocolError` naming the problem, with the request id once read."""
+    if len(frames) != 1:
+        raise ProtocolError(E_BAD_FRAME, f"expected 1 frame, got {len(frames)}")
+    data = frames[0]
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(E_BAD_FRAME, f"frame of {len(data)} bytes, at most {MAX_MESSAGE_BYTES}")
+    unpacker = msgpack.Unpacker(max_buffer_size=MAX_MESSAGE_BYTES, **_limits(strict=True))
+    unpacker.feed(data)
+    try:
+        width = unpacker.read_array_header()
+    except Exception as exc:  # msgpack raises several unrelated types
+        why = f"expected a msgpack array of 5 items: {_not_msgpack(exc)}"
+        raise ProtocolError(E_BAD_FRAME, why) from None
+    try:
+        head = [unpacker.unpack() for _ in range(4)] if width == 5 else []
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(E_BAD_FRAME, _not_msgpack(exc)) from None
+    if width != 5:
+        # read_array_header does not apply max_array_len: say it here.
+        limit = f" (exceeds max_array_len({MAX_KEYS}))" if width > MAX_KEYS else ""
+        raise ProtocolError(E_BAD_FRAME, f"expected a msgpack array of 5 items, got {width}{limit}")
+    version, request_id, op, session_id = head
+    _check_envelope(version, request_id, op, session_id)
+    return Envelope(version, request_id, op, session_id, unpacker, len(data))
+
+
+def decode_body(envelope: Envelope) -> Request:
+    """Read and validate the body of a checked envelope: the per-item work,
+    done only for a request the server is going to answer."""
+    op, request_id = envelope.op, envelope.request_id
+    try:
+        body = envelope.body_reader.unpack()
+        trailing = envelope.body_reader.tell() != envelope.frame_bytes
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(E_BAD_FRAME, f"{op}: body: {_not_msgpack(exc)}", request_id) from None
+    if trailing:
+        raise ProtocolError(E_BAD_FRAME, "bytes after the msgpack array", request_id)
+    if not isinstance(body, dict):
+        raise ProtocolError(E_BAD_REQUEST, f"{op}: body must be a map", request_id)
+    try:
+        message = REQUESTS[op].from_wire(body)
+    except ProtocolError as exc:
+        raise ProtocolError(exc.code, f"{op}: {exc}", request_id) from None
+    return Request(envelope.version, request_id, op, envelope.session_id, message)
+
+
 def decode_request(frames: Sequence[bytes]) -> Request:
     """Validate a request frame; raise :class:`ProtocolError` naming the problem."""
-    version, request_id, op, session_id, body = _envelope(frames, 5, strict=True)
+    return decode_body(decode_envelope(frames))
+
+
+def _check_envelope(version: Any, request_id: Any, op: Any, session_id: Any) -> None:
     if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
         raise ProtocolError(E_BAD_FRAME, "request_id must be a non-negative integer")
     if isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
@@ -374,13 +447,6 @@ def decode_request(frames: Sequence[bytes]) -> Request:
         raise ProtocolError(E_UNKNOWN_OP, f"unknown op {op!r}", request_id)
     if not isinstance(session_id, str) or len(session_id) > 64:
         raise ProtocolError(E_BAD_FRAME, "session_id must be a short string", request_id)
-    if not isinstance(body, dict):
-        raise ProtocolError(E_BAD_REQUEST, f"{op}: body must be a map", request_id)
-    try:
-        message = REQUESTS[op].from_wire(body)
-    except ProtocolError as exc:
-        raise ProtocolError(exc.code, f"{op}: {exc}", request_id) from None
-    return Request(version, request_id, op, session_id, message)
 
 
 def encode_reply(request_id: MessageId, body: Message) -> bytes:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from kvstrata.sidecar import protocol as p
+from kvstrata.sidecar.fdbudget import FdBudget, ListenerCounts, plan
 from kvstrata.sidecar.handlers import POOLED_OPS, POOLED_OPS_REMOTE, Handlers
 from kvstrata.sidecar.liveness import (
     LivenessListener,
@@ -38,7 +39,12 @@ from kvstrata.sidecar.liveness import (
     socket_umask,
 )
 from kvstrata.sidecar.logs import request_context
-from kvstrata.sidecar.metrics import EngineCollector, IpcCollector, ServerMetrics
+from kvstrata.sidecar.metrics import (
+    EngineCollector,
+    IpcCollector,
+    ListenerCollector,
+    ServerMetrics,
+)
 from kvstrata.sidecar.peers import ClientAdmission, credentials_from_peer_address
 from kvstrata.sidecar.sessions import Session, SessionTable
 
@@ -75,6 +81,7 @@ class SidecarServer:
         ipc_unavailable: str = "ipc mode is not enabled",
         workers: int = 4,
         remote_lookups: bool = False,
+        fd_budget: FdBudget | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -90,6 +97,14 @@ class SidecarServer:
         self._ipc = ipc
         # Served without ipc too (zeros): one catalogue for every sidecar.
         self.metrics.attach(IpcCollector(ipc.gpu_stats if ipc is not None else _no_gpu_stats))
+        # Connection caps of the HTTP port and the liveness socket, from the
+        # descriptors still free now the engine is up (see .fdbudget).
+        self.fd_budget = fd_budget if fd_budget is not None else plan()
+        self.connection_counts = {
+            "http": ListenerCounts(self.fd_budget.http),
+            "liveness": ListenerCounts(self.fd_budget.liveness),
+        }
+        self.metrics.attach(ListenerCollector(self.connection_counts))
         self.pooled_ops = POOLED_OPS_REMOTE if remote_lookups else POOLED_OPS
         self.endpoint = config.server.endpoint
         self.admission = ClientAdmission(config.server.client_uids)
@@ -136,7 +151,14 @@ class SidecarServer:
         self._sock = sock
         self._bound_path = path
         if path is not None:
-            self._liveness = LivenessListener(liveness_path(path), self._client_gone, group)
+            self._liveness = LivenessListener(
+                liveness_path(path),
+                self._client_gone,
+                group,
+                max_connections=self.fd_budget.liveness,
+                known=self.sessions.exists,
+                counts=self.connection_counts["liveness"],
+            )
             self._liveness.start()
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         logger.info("serving on %s", self.endpoint)
@@ -242,14 +264,16 @@ class SidecarServer:
             self._on_message(frames, first)
 
     def _on_message(self, frames: list[bytes], first: zmq.Frame | None = None) -> None:
+        """Envelope, then session, then body: a frame of a peer without a
+        session is refused before any per-item work on its body, so a few
+        maximal frames cannot stall the loop for everyone else. Pooled ops
+        read their body on the pool, off this loop."""
         started = time.perf_counter()
         identity, payload = frames[0], frames[1:]
         try:
-            request = p.decode_request(payload)
+            request = p.decode_envelope(payload)
         except p.ProtocolError as exc:
-            self._count_error(exc.code)
-            logger.debug("refused a frame: %s", exc)
-            self._send(identity, p.encode_error(exc.request_id, exc.code, str(exc)))
+            self._refuse(identity, exc)
             return
         if request.op == p.HELLO and (why := self._refusal(first)) is not None:
             self._count_error(p.E_FORBIDDEN)
@@ -267,7 +291,12 @@ class SidecarServer:
             self._send(identity, p.encode_error(request.request_id, p.E_NO_SESSION, message))
             return
         if request.op not in self.pooled_ops:
-            self._send(identity, self._answer(request, session, identity, started))
+            try:
+                full = p.decode_body(request)
+            except p.ProtocolError as exc:
+                self._refuse(identity, exc)
+                return
+            self._send(identity, self._answer(full, session, identity, started))
             return
         with self._backlog_lock:
             busy = self._backlog >= MAX_POOL_BACKLOG
@@ -280,6 +309,13 @@ class SidecarServer:
             return
         self._pool.submit(self._pooled, request, session, identity, started)
 
+    def _refuse(self, identity: bytes, exc: p.ProtocolError) -> None:
+        """Answer a frame that does not follow the protocol (with its request id
+        when the envelope got that far, so the client can match the answer)."""
+        self._count_error(exc.code)
+        logger.debug("refused a frame: %s", exc)
+        self._send(identity, p.encode_error(exc.request_id, exc.code, str(exc)))
+
     def _refusal(self, first: zmq.Frame | None) -> str | None:
         """Why the process behind this HELLO may not open a session, or None."""
         address = None
@@ -291,10 +327,17 @@ class SidecarServer:
         return self.admission.refusal(credentials_from_peer_address(address))
 
     def _pooled(
-        self, request: p.Request, session: Session | None, identity: bytes, started: float
+        self, envelope: p.Envelope, session: Session | None, identity: bytes, started: float
     ) -> None:
         try:
-            reply = self._answer(request, session, identity, started)
+            try:
+                request = p.decode_body(envelope)
+            except p.ProtocolError as exc:
+                self._count_error(exc.code)
+                logger.debug("refused a frame: %s", exc)
+                reply = p.encode_error(exc.request_id, exc.code, str(exc))
+            else:
+                reply = self._answer(request, session, identity, started)
         finally:
             with self._backlog_lock:
                 self._backlog -= 1

@@ -139,6 +139,11 @@ class SessionTable:
                 self.reaped_total += 1
             return session
 
+    def exists(self, session_id: str) -> bool:
+        """Whether a session with this id is open (whoever opened it)."""
+        with self._lock:
+            return session_id in self._sessions
+
     def sessions(self) -> list[Session]:
         with self._lock:
             return list(self._sessions.values())

@@ -142,8 +142,12 @@ def read_keys(value: Any, name: str = "keys") -> list[ChunkKey]:
 
 
 def read_runs(body: Mapping[str, Any], keys: list[ChunkKey]) -> list[int]:
-    """Optional ``runs``: consecutive key counts (one prefix each) covering ``keys``."""
-    runs = read_items(body.get("runs") or [], "runs", lambda v, n: read_int(v, n, 1))
+    """Optional ``runs``: consecutive key counts (one prefix each) covering ``keys``.
+
+    Absent or nil means one run; anything else must be a list (``0``, ``False``,
+    ``""`` or ``{}`` are refused by name, not read as "no runs")."""
+    raw = body.get("runs")
+    runs = [] if raw is None else read_items(raw, "runs", lambda v, n: read_int(v, n, 1))
     if runs and sum(runs) != len(keys):
         raise ProtocolError(E_BAD_REQUEST, f"field 'runs': sums to {sum(runs)}, not {len(keys)}")
     return runs

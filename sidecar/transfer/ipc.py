@@ -215,7 +215,9 @@ class IpcTransfers:
     # -- registration ---------------------------------------------------------
 
     def register(self, session_id: str, body: p.RegisterKVRequest) -> p.RegisterKVReply:
-        """Open the worker's handles and plan its copies; replaces an earlier one."""
+        """Open the worker's handles and plan its copies; replaces an earlier one
+        once the new one is complete (a refused registration leaves the one that
+        worked in place: the worker's copies keep running on it)."""
         self._check_healthy()
         try:
             device = self._device(body.device_uuid)
@@ -223,7 +225,6 @@ class IpcTransfers:
             raise p.ProtocolError(
                 p.E_UNSUPPORTED, f"field 'device_uuid': GPU {body.device_uuid!r}: {exc}"
             ) from None
-        self.close(session_id)
         opened: dict[bytes, int] = {}
         try:
             geometries = []
@@ -271,7 +272,10 @@ class IpcTransfers:
             meta=ChunkMeta(dtype=body.dtype, shape=(chunk_nbytes // body.itemsize,)),
         )
         with self._lock:
+            old = self._mappings.get(session_id)
             self._mappings[session_id] = mapping
+        if old is not None:
+            self._close_mapping(session_id, old)
         logger.info(
             "session %s registered %d KV tensors (%d plan layers, chunk %d bytes)",
             session_id[:8],
@@ -294,6 +298,13 @@ class IpcTransfers:
             if mapping is None:
                 return False
             mapping.closing.set()  # a save waiting for the dead peer's event stops
+        self._close_mapping(session_id, mapping)
+        return True
+
+    def _close_mapping(self, session_id: str, mapping: IpcMapping) -> None:
+        """Close the handles of a mapping already out of the table, once the
+        copies running on it are done."""
+        with self._lock:
             self._idle.wait_for(lambda: mapping.copies == 0)
         for address in mapping.opened:
             try:
@@ -301,7 +312,6 @@ class IpcTransfers:
             except OSError:
                 logger.exception("closing an IPC handle of session %s failed", session_id[:8])
         logger.info("session %s: %d IPC handles closed", session_id[:8], len(mapping.opened))
-        return True
 
     @contextlib.contextmanager
     def _using(self, session_id: str) -> Iterator[IpcMapping]:

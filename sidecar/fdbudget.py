@@ -1,0 +1,104 @@
+"""File descriptors: raise the process's limit, and share it so ZeroMQ never runs out.
+
+Why: every connection costs a descriptor, and the HTTP port (reachable on
+the pod IP) and the liveness socket accept connections from whoever can
+reach them. libzmq does not survive running out: an accept that fails with
+``EMFILE`` on its ``ipc://`` listener is an assertion, and the assertion
+aborts the whole process (``src/ipc_listener.cpp``, libzmq 4.3). So:
+
+* at start the soft ``RLIMIT_NOFILE`` is raised to the hard limit (the
+  kernel allows an unprivileged process that much; containers often start
+  with a soft 1,024 under a hard 1,048,576);
+* of the descriptors still free once the engine is up, a reserve (a
+  quarter, at least :data:`RESERVE_MIN`) is never handed to a listener: it
+  is what ZeroMQ's clients, L2 files and tier connections draw from;
+* the rest is split between the two listeners as their connection caps
+  (each at most its own ceiling). A listener at its cap closes its oldest
+  connection that is still idle to let a newcomer in (so a health probe is
+  served however many idle connections are held), or refuses the newcomer.
+
+:class:`ListenerCounts` is what each listener reports (``/metrics``:
+``kvstrata_connections_*``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+from dataclasses import dataclass
+
+__all__ = ["FdBudget", "ListenerCounts", "open_descriptors", "plan", "raise_nofile_limit"]
+
+logger = logging.getLogger(__name__)
+
+RESERVE_MIN = 64  # descriptors kept for ZeroMQ, files and tiers, whatever the limit
+HTTP_CEILING = 1024  # scrapers and probes: a handful in practice
+LIVENESS_CEILING = 4096  # one per client process (scheduler and workers)
+LISTENER_FLOOR = 8  # a listener always takes this many, however low the limit
+
+
+@dataclass
+class ListenerCounts:
+    """What one listener did with its connections (read by the metrics collector;
+    each field is written by the listener's own thread only)."""
+
+    limit: int  # the connection cap
+    open: int = 0
+    refused: int = 0  # newcomers closed at once: at the cap, no idle connection to close
+    made_room: int = 0  # idle connections closed to let a newcomer in
+    idle_closed: int = 0  # connections closed at their idle deadline
+    accept_errors: int = 0  # accept() failures (EMFILE, ...): each pauses accepting
+
+
+@dataclass(frozen=True, slots=True)
+class FdBudget:
+    """How the descriptors of the process are shared (module docstring)."""
+
+    nofile: int  # the soft limit in force
+    in_use: int  # open when the budget was made
+    reserve: int
+    http: int  # connection cap of the HTTP port
+    liveness: int  # connection cap of the liveness socket
+
+
+def raise_nofile_limit() -> int:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard one; the soft limit in force.
+
+    An unlimited hard limit is left as it is above ``2**20`` (the kernel's
+    ``fs.nr_open`` default caps what setrlimit takes anyway)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            logger.info("file descriptor limit raised from %d to %d", soft, target)
+            soft = target
+        except (ValueError, OSError) as exc:
+            logger.warning("cannot raise the file descriptor limit from %d: %s", soft, exc)
+    return int(soft) if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def open_descriptors() -> int:
+    """How many descriptors the process has open now."""
+    for fd_dir in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return len(os.listdir(fd_dir))
+        except OSError:
+            continue
+    return 0
+
+
+def plan(nofile: int | None = None, in_use: int | None = None) -> FdBudget:
+    """The budget for a process with limit ``nofile`` and ``in_use`` descriptors
+    open (both read from the process when not given)."""
+    if nofile is None:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        nofile = soft if soft != resource.RLIM_INFINITY else 1 << 20
+    in_use = open_descriptors() if in_use is None else in_use
+    free = max(0, nofile - in_use)
+    reserve = max(RESERVE_MIN, free // 4)
+    share = max(0, free - reserve) // 2
+    http = max(LISTENER_FLOOR, min(HTTP_CEILING, share))
+    liveness = max(LISTENER_FLOOR, min(LIVENESS_CEILING, share))
+    return FdBudget(nofile=nofile, in_use=in_use, reserve=reserve, http=http, liveness=liveness)
