@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 STAMP  := $(VENV)/.kvstrata-deps
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-APT_PACKAGES := redis-server prometheus
+APT_PACKAGES := redis-server prometheus iproute2
 
 .PHONY: help demo test test-fast bench lint format dev venv system-deps clean docs
 .PHONY: images push-images image-names image-deps image-test
@@ -23,8 +23,9 @@ help:
 	@echo "make push-images - push them;  make image-test - build and run them here"
 
 # Debian packages the tests start for real (Redis-protocol server for the
-# Valkey tier; Prometheus, which evaluates the dashboard's queries). valkey-server
-# is used instead of redis-server when the machine has it.
+# Valkey tier; Prometheus, which evaluates the dashboard's queries; iproute2's
+# ss, which reads a listener's queue back). valkey-server is used instead of
+# redis-server when the machine has it.
 system-deps:
 	@missing=""; for p in $(APT_PACKAGES); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
