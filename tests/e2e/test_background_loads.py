@@ -73,7 +73,14 @@ def test_a_slow_shared_tier_holds_up_only_its_own_request(
             "timeout_seconds": 8.0,
         }
         overrides = {
-            "shared": {"backend": "valkey", "valkey": valkey_config},
+            # The lookup's EXISTS goes through the link's proxy thread: the
+            # default 50 ms deadline is missed on a loaded machine, and the
+            # held prompt would then not be found in Valkey at all.
+            "shared": {
+                "backend": "valkey",
+                "valkey": valkey_config,
+                "lookup_timeout_seconds": 1.5,
+            },
             "server": {"endpoint": live_sidecar.endpoint},
         }
         live_sidecar.stop()
