@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 STAMP  := $(VENV)/.kvstrata-deps
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-APT_PACKAGES := redis-server prometheus etcd-server
+APT_PACKAGES := redis-server prometheus etcd-server iproute2
 
 .PHONY: help demo test test-fast bench lint format dev venv system-deps clean docs
 .PHONY: images push-images image-names image-deps image-test
@@ -25,7 +25,8 @@ help:
 # Debian packages the tests start for real (Redis-protocol server for the
 # Valkey tier; Prometheus, which evaluates the dashboard's queries; etcd, which the
 # k8s suite's loopback control plane runs, tested on its own where no kube-apiserver
-# is at hand). valkey-server is used instead of redis-server when the machine has it.
+# is at hand; iproute2's ss, which reads a listener's queue back). valkey-server is
+# used instead of redis-server when the machine has it.
 system-deps:
 	@missing=""; for p in $(APT_PACKAGES); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \

@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +106,7 @@ class SidecarClient(IpcOps):
         backoff_max_s: float = BACKOFF_MAX_S,
         more_namespaces: Sequence[Namespace] = (),
         kv_events: bool = False,
+        backoff_clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0 < backoff_s <= backoff_max_s:
             raise ValueError(f"bad back-off {backoff_s}..{backoff_max_s} s")
@@ -134,6 +135,9 @@ class SidecarClient(IpcOps):
         self.backoff_max_s = float(backoff_max_s)
         self._backoff_s = self.backoff_min_s
         self._retry_at = 0.0
+        # The back-off window's own clock (call deadlines use the real one), so
+        # a test can step through the windows instead of timing them.
+        self._backoff_clock = backoff_clock
         self._closed = False
         self.requested_mode = transfer_mode
         self._granted_mode = "host"
@@ -335,11 +339,10 @@ class SidecarClient(IpcOps):
                 if self._closed:
                     self._count("closed")
                     return None
-                now = time.monotonic()
-                if now < self._retry_at:  # backing off: an answer at once, no I/O
+                if self._backoff_clock() < self._retry_at:  # backing off: no I/O
                     self._count("backoff")
                     return None
-                deadline = now + self.call_timeout_s
+                deadline = time.monotonic() + self.call_timeout_s
                 if not self._session_id and not self._hello(deadline):
                     return None
                 reply = self._roundtrip(op, body, deadline)
@@ -428,7 +431,7 @@ class SidecarClient(IpcOps):
         """The sidecar did not answer: calls answer at once for a while, and
         for twice as long (up to the cap) after each further miss."""
         self._connected = False
-        self._retry_at = time.monotonic() + self._backoff_s
+        self._retry_at = self._backoff_clock() + self._backoff_s
         self._backoff_s = min(self.backoff_max_s, self._backoff_s * 2)
 
     def _answered(self) -> None:

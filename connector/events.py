@@ -172,7 +172,12 @@ class KVEventFeed:
         # blocks' hashes (vLLM's form), what a restart's BlockRemoved names.
         self._in_l1: OrderedDict[bytes, list[Any]] = OrderedDict()
         self._pending: list[Any] = []
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _pending (take_events runs on vLLM's thread)
+        # One poll at a time: a poll reads the cursor, asks the sidecar from
+        # it and appends what came back. Two polls at once would read the same
+        # cursor and append the same records twice (poll_once is public: a
+        # caller may poll beside the reader thread).
+        self._poll_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvstrata-events", daemon=True)
         self._thread.start()
@@ -200,7 +205,15 @@ class KVEventFeed:
                 self._stop.wait(self.poll_interval_s)
 
     def poll_once(self) -> bool:
-        """Read one batch of the journal; True if there may be more right away."""
+        """Read one batch of the journal; True if there may be more right away.
+
+        Safe beside the reader thread: polls run one at a time, so each
+        record becomes an event once.
+        """
+        with self._poll_lock:
+            return self._poll_locked()
+
+    def _poll_locked(self) -> bool:
         reply = self.client.events(self._after)
         if reply is None:
             return False

@@ -217,7 +217,9 @@ class Counters:
     def __init__(self, llm: Any) -> None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        self.scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.counters
+        connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        self.scheduler = connector.counters
+        self._scheduler_role = connector._scheduler
         self.worker = get_kv_transfer_group().counters
 
     def worker_client_errors(self) -> dict[str, int]:
@@ -226,6 +228,10 @@ class Counters:
 
         worker = get_kv_transfer_group()._worker
         return dict(worker.client.errors) if worker is not None else {}
+
+    def scheduler_client_errors(self) -> dict[str, int]:
+        """What the scheduler's sidecar client counted (timeouts, back-offs, refusals)."""
+        return dict(self._scheduler_role.client.errors)
 
     def snapshot(self) -> dict[str, int]:
         s, w = self.scheduler, self.worker

@@ -17,9 +17,9 @@ import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-# Server-to-sidecar bytes through the slow link: each chunk of this model
-# (256 KiB) takes about a second to come up from Valkey.
-SLOW_LINK_BYTES_PER_S = 256 * 1024
+# Replies from Valkey at least this large are chunk data (a chunk of this
+# model is 256 KiB); lookups' replies are a few bytes and pass the gate.
+CHUNK_REPLY_BYTES = 16 * 1024
 
 
 def test_hits_in_l2_load_in_the_background_and_hits_in_l1_inline(
@@ -52,9 +52,13 @@ def test_a_slow_shared_tier_holds_up_only_its_own_request(
     kit: Any,
     tmp_path: Path,
 ) -> None:
-    """Replica B's sidecar reaches Valkey over a slow link: a prompt only Valkey
-    holds takes seconds to come up, and a prompt in B's L1 sent with it is
-    answered in full before the slow one produces its first token."""
+    """Replica B's sidecar reaches Valkey over a link that holds chunk data
+    until the test releases it: a prompt only Valkey holds cannot come up,
+    and a prompt in B's L1 sent with it is answered in full meanwhile. The
+    gate opens once the L1 request has finished (counted in engine steps);
+    only then does the held request produce its first token. Were the held
+    load to block the engine's steps, the L1 request could not finish, the
+    gate would stay shut and the load would fail at its deadline."""
     from kvstrata.testing.faults import FaultyLink
     from kvstrata.testing.localstack import run_stepwise
     from kvstrata.testing.servers import RedisServer
@@ -65,10 +69,18 @@ def test_a_slow_shared_tier_holds_up_only_its_own_request(
         valkey_config = {
             "url": link.url,
             "key_prefix": f"bg-{uuid.uuid4().hex[:8]}:",
-            "timeout_seconds": 8.0,  # one chunk over the slow link takes ~1 s
+            # Held at the gate while the L1 request runs (a few steps), then quick.
+            "timeout_seconds": 8.0,
         }
         overrides = {
-            "shared": {"backend": "valkey", "valkey": valkey_config},
+            # The lookup's EXISTS goes through the link's proxy thread: the
+            # default 50 ms deadline is missed on a loaded machine, and the
+            # held prompt would then not be found in Valkey at all.
+            "shared": {
+                "backend": "valkey",
+                "valkey": valkey_config,
+                "lookup_timeout_seconds": 1.5,
+            },
             "server": {"endpoint": live_sidecar.endpoint},
         }
         live_sidecar.stop()
@@ -86,9 +98,19 @@ def test_a_slow_shared_tier_holds_up_only_its_own_request(
             try:
                 kit.reconnect(cached_llm, counters)
                 assert kit.generate(cached_llm, [fast]) == [want_fast]  # in B's L1
-                link.throttle(SLOW_LINK_BYTES_PER_S)
+                link.hold_replies(from_bytes=CHUNK_REPLY_BYTES)
+
+                def open_gate_once_fast_is_done(run: Any) -> None:
+                    if "fast" in run.finished_step:
+                        link.release()
+
                 before = counters.snapshot()
-                run = run_stepwise(cached_llm, {"slow": slow, "fast": fast}, kit.MAX_TOKENS)
+                run = run_stepwise(
+                    cached_llm,
+                    {"slow": slow, "fast": fast},
+                    kit.MAX_TOKENS,
+                    on_step=open_gate_once_fast_is_done,
+                )
                 d = kit.delta(before, counters.snapshot())
             finally:
                 link.resume()
@@ -100,7 +122,8 @@ def test_a_slow_shared_tier_holds_up_only_its_own_request(
     assert run.outputs == {"slow": want_slow, "fast": want_fast}
     assert d["hit_tokens_shared"] > 0 and d["hit_tokens_l1"] > 0, d
     assert d["async_loads"] == 1 and d["failed_chunks"] == 0, d
-    # The link was slow (the slow request waited for it) ...
-    assert run.first_token_s["slow"] > 0.5, run
-    # ... and the other request never waited for it.
-    assert run.finished_s["fast"] < run.first_token_s["slow"], run
+    # The held request's chunks did wait at the gate ...
+    assert link.held_total >= 1
+    # ... and the other request never waited for them: it finished in an
+    # earlier engine step than the held one's first token.
+    assert run.finished_step["fast"] < run.first_token_step["slow"], run

@@ -15,7 +15,7 @@ throwaway prompts shorter than a chunk (which store nothing) to step it.
 
 from __future__ import annotations
 
-import time
+import itertools
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -55,10 +55,27 @@ class Subscriber:
         self._ctx.term()
 
 
+_JOIN_SEEDS = itertools.count(60_000)
+
+
 @pytest.fixture
-def subscriber(cached_llm: Any, kv_events_endpoint: str) -> Iterator[Subscriber]:
+def subscriber(cached_llm: Any, kv_events_endpoint: str, kit: Any) -> Iterator[Subscriber]:
+    """A subscriber that has joined: a SUB socket misses what is published
+    before its subscription reaches the publisher, so vLLM is given new
+    one-chunk prompts (each stores a chunk: kvstrata's events of it go out at
+    a later step) until a batch arrives; what arrived until then is dropped."""
     sub = Subscriber(kv_events_endpoint)
-    time.sleep(0.5)  # a SUB socket misses what is published before it has joined
+
+    def joined() -> bool:
+        kit.generate(cached_llm, [kit.tokens(kit.CHUNK + 16, next(_JOIN_SEEDS))])
+        return bool(sub.drain())
+
+    try:
+        kit.wait_until(joined, 60, "the first batch from vLLM's KV event publisher", step=0.1)
+    except BaseException:
+        sub.close()
+        raise
+    sub.events.clear()
     yield sub
     sub.close()
 
@@ -136,17 +153,25 @@ def test_stores_in_l1_and_l2_are_published_with_vllms_hashes(
     n_chunks = (len(prompt) - 1) // kit.CHUNK
     first_hashes = {tuple(chain[c * 2 : c * 2 + 2]): c for c in range(n_chunks)}
 
-    def stored(events: list[Any], medium: str) -> dict[int, Any]:
-        return {
-            first_hashes[tuple(e.block_hashes)]: e
+    def stored_list(events: list[Any], medium: str) -> list[tuple[int, Any]]:
+        """(chunk, event) of every BlockStored of the prompt's chunks, in order:
+        a list, so a chunk announced twice shows."""
+        return [
+            (first_hashes[tuple(e.block_hashes)], e)
             for e in _ours(events, "BlockStored")
             if e.medium == medium and tuple(e.block_hashes) in first_hashes
-        }
+        ]
+
+    def stored(events: list[Any], medium: str) -> dict[int, Any]:
+        return dict(stored_list(events, medium))
 
     def both_tiers(events: list[Any]) -> bool:
         return len(stored(events, "CPU")) == len(stored(events, "STORAGE")) == n_chunks
 
     events = _pump(cached_llm, kit, subscriber, both_tiers)
+    for medium in ("CPU", "STORAGE"):  # each chunk stored once in each tier, announced once
+        chunks = [c for c, _ in stored_list(events, medium)]
+        assert sorted(chunks) == list(range(n_chunks)), (medium, chunks)
     for c, event in stored(events, "CPU").items():
         _check_describes(event, prompt, c, chain, kit)
         assert (event.locality, event.ownership) == ("LOCAL", "kvstrata/l1")

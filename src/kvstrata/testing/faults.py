@@ -7,7 +7,11 @@ Valkey), for two network faults:
   either direction (a hung load balancer);
 * a **slow link**: bytes from the server reach the client at a set rate (a
   congested path to a shared tier): small replies (``EXISTS``, ``HEAD``)
-  still arrive at once, a chunk-sized reply takes its size over the rate.
+  still arrive at once, a chunk-sized reply takes its size over the rate;
+* a **gate on large replies**: server-to-client reads of at least a set size
+  (a chunk coming up, not an ``EXISTS`` answer) wait until the test
+  releases them, so a test orders "the load is still held" against what
+  else happens by its own steps rather than by the clock.
 
 :func:`flip_last_byte`: a stored object damaged on disk behind its owner's
 back (bit rot, a torn write), which the sidecar must catch by checksum.
@@ -42,6 +46,10 @@ class FaultyLink:
         self._flowing = threading.Event()
         self._flowing.set()
         self._rate: float | None = None  # bytes per second server -> client; None: full speed
+        self._hold_from: int | None = None  # server reads this large wait at the gate
+        self._gate = threading.Event()
+        self._gate.set()
+        self.held_total = 0  # server reads that waited at the gate
         self._closed = threading.Event()
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -66,14 +74,27 @@ class FaultyLink:
             raise ValueError(f"bytes_per_second must be > 0, got {bytes_per_second}")
         self._rate = float(bytes_per_second)
 
+    def hold_replies(self, from_bytes: int) -> None:
+        """From now on, a server-to-client read of ``from_bytes`` or more
+        waits until :meth:`release` (smaller replies still flow)."""
+        self._gate.clear()
+        self._hold_from = from_bytes
+
+    def release(self) -> None:
+        """Let held replies through and hold no more."""
+        self._hold_from = None
+        self._gate.set()
+
     def resume(self) -> None:
-        """Full speed, no stall."""
+        """Full speed, no stall, no gate."""
         self._rate = None
         self._flowing.set()
+        self.release()
 
     def close(self) -> None:
         self._closed.set()
         self._flowing.set()
+        self._gate.set()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
         self._listener.close()
@@ -119,6 +140,11 @@ class FaultyLink:
                     data = sock.recv(READ_BYTES)
                     if not data:
                         return
+                    hold_from = self._hold_from
+                    if sock is upstream and hold_from is not None and len(data) >= hold_from:
+                        with self._lock:
+                            self.held_total += 1
+                        self._gate.wait()
                     if sock is upstream and self._rate is not None:
                         self._send_slowly(client, data, self._rate)
                     else:

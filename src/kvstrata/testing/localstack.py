@@ -19,7 +19,7 @@ import contextlib
 import os
 import random
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,15 +99,26 @@ class StepwiseRun:
 
     first_token_s: dict[str, float] = field(default_factory=dict)
     finished_s: dict[str, float] = field(default_factory=dict)
+    # The same moments as engine step numbers (1 = the first step): what a
+    # test orders requests by, since step order does not depend on load.
+    first_token_step: dict[str, int] = field(default_factory=dict)
+    finished_step: dict[str, int] = field(default_factory=dict)
+    steps: int = 0
     outputs: dict[str, list[int]] = field(default_factory=dict)
 
 
 def run_stepwise(
-    llm: Any, prompts: Mapping[str, list[int]], max_tokens: int, timeout_s: float = 60.0
+    llm: Any,
+    prompts: Mapping[str, list[int]],
+    max_tokens: int,
+    timeout_s: float = 60.0,
+    on_step: Callable[[StepwiseRun], None] | None = None,
 ) -> StepwiseRun:
     """Run ``prompts`` together through vLLM's engine one step at a time
     (``LLMEngine.add_request`` / ``step``), timing each request: what an
-    online server's clients see, in this process."""
+    online server's clients see, in this process. Each request's first token
+    and finish are also recorded as step numbers; ``on_step`` is called with
+    the run after every step (a test releases a gate there)."""
     import time
     import uuid
 
@@ -124,15 +135,21 @@ def run_stepwise(
     while engine.has_unfinished_requests():
         if time.monotonic() - started > timeout_s:
             raise TimeoutError(f"not done in {timeout_s} s: {run}")
-        for out in engine.step():
+        outputs = engine.step()
+        run.steps += 1
+        for out in outputs:
             # vLLM may suffix the id it was given
             name = next(n for rid, n in names.items() if out.request_id.startswith(rid))
             now = time.monotonic() - started
             if out.outputs and out.outputs[0].token_ids:
                 run.first_token_s.setdefault(name, now)
+                run.first_token_step.setdefault(name, run.steps)
             if out.finished:
                 run.finished_s[name] = now
+                run.finished_step[name] = run.steps
                 run.outputs[name] = list(out.outputs[0].token_ids)
+        if on_step is not None:
+            on_step(run)
     return run
 
 

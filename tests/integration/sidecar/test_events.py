@@ -3,6 +3,8 @@ read through the real client (the feed behind the connector's KV events)."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any
 
 import pytest
@@ -144,35 +146,34 @@ def test_the_feed_turns_records_into_vllm_events_and_follows_a_restarted_sidecar
     sidecar: Any, kit: Any
 ):
     """KVEventFeed over a real sidecar: described chunks become BlockStored
-    events of their blocks; after a restart (a new journal, numbered from 1
-    again) the feed reads the new journal from its start and misses nothing."""
+    events of their blocks, each once; after a restart (a new journal,
+    numbered from 1 again) the feed reads the new journal from its start and
+    misses nothing. Only the feed's own reader thread polls, as in vLLM."""
     pytest.importorskip("vllm", reason="the event classes are vLLM's")
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as as_vllm
 
     from kvstrata.connector.events import KVEventFeed
 
     block, bpc = 16, 1  # the test namespace: chunk_size 16 = one block
-    feed = KVEventFeed(sidecar.client(role="scheduler"), block, poll_interval_s=3600)
+    feed = KVEventFeed(sidecar.client(role="scheduler"), block, poll_interval_s=0.02)
     fingerprint = kit.NAMESPACE.fingerprint()
     request = _Request(list(range(100, 164)), block)  # four blocks, four chunks
     feed.registry.describe(request, fingerprint, range(4), block, bpc)
     keys = [ChunkKey(fingerprint + h) for h in request.block_hashes]
     writer = sidecar.client(kv_events=True)
 
-    def stored_after_polls(expected: int) -> list[Any]:
+    def l1_stored(expected: int) -> list[Any]:
         got: list[Any] = []
 
         def enough() -> bool:
-            while feed.poll_once():
-                pass
             got.extend(e for e in feed.take_events() if type(e).__name__ == "BlockStored")
             return len([e for e in got if e.medium == "CPU"]) >= expected
 
         kit.wait_until(enough, timeout=10, what=f"{expected} L1 events")
-        return got
+        return [e for e in got if e.medium == "CPU"]
 
     assert kit.store(writer, keys[:2], NBYTES, owner="a") == 2
-    first = [e for e in stored_after_polls(2) if e.medium == "CPU"]
+    first = l1_stored(2)
     assert [e.block_hashes for e in first] == [[as_vllm(h)] for h in request.block_hashes[:2]]
     assert first[1].parent_block_hash == as_vllm(request.block_hashes[0])
     assert first[0].token_ids == list(range(100, 116)) and first[0].block_size == block
@@ -181,7 +182,77 @@ def test_the_feed_turns_records_into_vllm_events_and_follows_a_restarted_sidecar
     sidecar.restart()  # a new journal; L2 keeps the first two chunks
     writer = sidecar.client(kv_events=True)
     assert kit.store(writer, keys[2:], NBYTES, owner="b") == 2
-    after = [e for e in stored_after_polls(2) if e.medium == "CPU"]
+    after = l1_stored(2)
     assert [e.block_hashes for e in after] == [[as_vllm(h)] for h in request.block_hashes[2:]]
+    writer.close()
+    feed.close()
+
+
+class _GatedEventsClient:
+    """A double around the real client: once armed, each EVENTS call waits at
+    a two-party barrier before it goes to the sidecar, so two polls that can
+    run at once both ask from the same cursor. Polls that run one at a time
+    never meet there: the first waits out the barrier's timeout (which
+    breaks it for good) and both go on in turn."""
+
+    def __init__(self, client: SidecarClient) -> None:
+        self.client = client
+        self.cursors: list[int] = []  # ``after`` of every EVENTS call, in order
+        self.answered = 0
+        self._barrier: threading.Barrier | None = None
+        self._one_call = threading.Lock()  # the real client is one socket
+
+    def arm(self) -> None:
+        self._barrier = threading.Barrier(2, timeout=1.0)
+
+    def events(self, after: int, **kwargs: Any) -> Any:
+        self.cursors.append(after)
+        if self._barrier is not None:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                self._barrier.wait()
+        with self._one_call:
+            reply = self.client.events(after, **kwargs)
+        self.answered += 1
+        return reply
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def test_two_polls_at_once_turn_each_record_into_one_event(sidecar: Any, kit: Any):
+    """poll_once beside the feed's reader thread (or another caller) reads
+    each record once: polls are serialised, so the second starts from the
+    cursor the first left. Without that both read the same cursor and every
+    event arrives twice."""
+    pytest.importorskip("vllm", reason="the event classes are vLLM's")
+    from kvstrata.connector.events import KVEventFeed
+
+    block, bpc = 16, 1
+    gated = _GatedEventsClient(sidecar.client(role="scheduler"))
+    feed = KVEventFeed(gated, block, poll_interval_s=3600)  # type: ignore[arg-type]
+    # The reader thread's first poll (of an empty journal) is over; it now
+    # sleeps for the hour, so the polls below are the only ones.
+    kit.wait_until(lambda: gated.answered >= 1, timeout=10, what="the reader's first poll")
+    request = _Request(list(range(200, 232)), block)  # two chunks
+    fingerprint = kit.NAMESPACE.fingerprint()
+    feed.registry.describe(request, fingerprint, range(2), block, bpc)
+    writer = sidecar.client(kv_events=True)
+    keys = [ChunkKey(fingerprint + h) for h in request.block_hashes]
+    assert kit.store(writer, keys, NBYTES, owner="w") == 2
+
+    gated.arm()
+    calls_before = len(gated.cursors)
+    pollers = [threading.Thread(target=feed.poll_once) for _ in range(2)]
+    for t in pollers:
+        t.start()
+    for t in pollers:
+        t.join()
+    stored = [e for e in feed.take_events() if type(e).__name__ == "BlockStored"]
+    l1 = [tuple(e.block_hashes) for e in stored if e.medium == "CPU"]
+    assert len(l1) == len(set(l1)) == 2, l1  # each chunk once
+    second_cursor = gated.cursors[calls_before + 1]
+    assert (
+        second_cursor > gated.cursors[calls_before]
+    )  # the second poll began where the first ended
     writer.close()
     feed.close()

@@ -7,19 +7,20 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from typing import Any
 
+import pytest
 import zmq
 
 from kvstrata.sidecar import protocol as p
 
 NBYTES = 4096
 TIMEOUT_S = 0.3
-# Scheduling slack on a loaded 2-core machine; a call that blocked on a
-# dead socket would never return, and one that retried blindly would take
-# seconds.
-SLACK_S = 0.4
+# How a call to a sidecar that is gone may end: its deadline passed, nothing
+# listened, or it fell in the back-off window (answered without I/O). A call
+# that blocked on a dead socket would never return (pytest-timeout ends the
+# test); one that retried blindly would count one of these per attempt.
+MISS_KINDS = {"timeout", "unavailable", "backoff"}
 
 
 def _all_calls(client: Any, keys: list[bytes]) -> dict[str, Any]:
@@ -35,6 +36,7 @@ def _all_calls(client: Any, keys: list[bytes]) -> dict[str, Any]:
     }
 
 
+@pytest.mark.timeout(120)
 def test_every_call_fails_within_its_deadline_while_the_sidecar_is_killed(
     sidecar_factory: Any, kit: Any
 ):
@@ -47,11 +49,15 @@ def test_every_call_fails_within_its_deadline_while_the_sidecar_is_killed(
     sidecar.kill()
     for _ in range(3):
         for name, call in _all_calls(client, keys).items():
-            started = time.monotonic()
+            before = dict(client.errors)
             result = call()
-            elapsed = time.monotonic() - started
             assert result in (None, False), name
-            assert elapsed < TIMEOUT_S + SLACK_S, f"{name} took {elapsed:.3f}s"
+            grew = {k: n - before.get(k, 0) for k, n in client.errors.items()}
+            grew = {k: n for k, n in grew.items() if n}
+            # Answered through its deadline or the back-off, at most one
+            # network attempt (an unreachable peer counts twice: send, call).
+            assert grew and set(grew) <= MISS_KINDS, (name, grew)
+            assert grew.get("timeout", 0) <= 1 and grew.get("unavailable", 0) <= 2, (name, grew)
     assert not client.available()
     assert client.arena is None
     assert sum(client.errors.values()) >= 24
@@ -70,15 +76,11 @@ def test_calls_in_flight_when_the_sidecar_dies_return_in_time_and_recover(
     sidecar = sidecar_factory().start()
     client = sidecar.client(call_timeout_s=TIMEOUT_S)
     keys = kit.make_keys(2, seed=11)
-    # One entry per round: (seconds of its slowest call, whether all succeeded).
-    outcomes: list[tuple[float, bool]] = []
+    # One entry per round of three calls: whether all succeeded. Rounds keep
+    # coming while the sidecar is dead: no call in flight hangs.
+    outcomes: list[bool] = []
     failures: list[BaseException] = []
     stop = threading.Event()
-
-    def timed(call: Any) -> tuple[float, Any]:
-        started = time.monotonic()
-        result = call()
-        return time.monotonic() - started, result
 
     def traffic() -> None:
         i = 0
@@ -86,36 +88,34 @@ def test_calls_in_flight_when_the_sidecar_dies_return_in_time_and_recover(
             i += 1
             fresh = kit.make_keys(1, seed=1000 + i)
             try:
-                t1, slots = timed(
-                    lambda k=fresh: client.prepare_store(k, NBYTES, "uint8", (NBYTES,), "w")
-                )
+                slots = client.prepare_store(fresh, NBYTES, "uint8", (NBYTES,), "w")
                 ids = [s.lease_id for s in slots or [] if s is not None]
-                t2, _ = timed(lambda ids=ids: client.commit_store(ids, [False] * len(ids)))
-                t3, found = timed(lambda: client.lookup(keys, prefetch=False, owner="w"))
+                client.commit_store(ids, [False] * len(ids))
+                found = client.lookup(keys, prefetch=False, owner="w")
             except BaseException as exc:  # the test asserts there are none
                 failures.append(exc)
                 return
-            outcomes.append((max(t1, t2, t3), slots is not None and found is not None))
+            outcomes.append(slots is not None and found is not None)
 
     thread = threading.Thread(target=traffic)
     thread.start()
     try:
-        kit.wait_until(lambda: sum(ok for _, ok in outcomes) >= 5, 10, "traffic flowing")
+        kit.wait_until(lambda: sum(outcomes) >= 5, 10, "traffic flowing")
         sidecar.kill()
         killed_at = len(outcomes)
         kit.wait_until(lambda: len(outcomes) >= killed_at + 10, 10, "calls after the kill")
-        assert not any(ok for _, ok in outcomes[killed_at + 1 :])
+        assert not any(outcomes[killed_at + 1 :])
         sidecar.start()
         restarted_at = len(outcomes)
-        kit.wait_until(
-            lambda: any(ok for _, ok in outcomes[restarted_at:]), 10, "traffic after restart"
-        )
+        kit.wait_until(lambda: any(outcomes[restarted_at:]), 10, "traffic after restart")
     finally:
         stop.set()
         thread.join(10)
     assert failures == []
-    slowest = max(t for t, _ in outcomes)
-    assert slowest < TIMEOUT_S + SLACK_S, f"a call took {slowest:.3f}s"
+    # The calls cut off by the kill ended through their deadline or the
+    # back-off, never an exception or another error.
+    assert set(client.errors) <= MISS_KINDS | {p.E_NO_SESSION}, client.errors
+    assert client.errors.get("timeout", 0) + client.errors.get("unavailable", 0) >= 1
     client.close()
 
 
@@ -224,15 +224,13 @@ def test_a_client_that_holds_leases_and_stops_reading_does_not_stall_another(
         rogue.send(flood, zmq.NOBLOCK)
 
     try:
-        latencies = []
         for i in range(40):
-            started = time.monotonic()
             fresh = kit.make_keys(1, seed=2000 + i)
             assert kit.store(busy, fresh, NBYTES, owner="w") == 1
             assert kit.retrieve(busy, fresh, owner="r") == [kit.payload(fresh[0], NBYTES)]
-            latencies.append(time.monotonic() - started)
+        # Every call answered within its deadline while the rogue's requests
+        # queue: a stalled sidecar would have cost timeouts and back-offs.
         assert busy.errors == {}
-        assert sorted(latencies)[-2] < 0.5, latencies
 
         assert sidecar.status()["leases_active"] > 0  # the rogue still holds its leases
         # ... until they expire after lease_seconds.
@@ -249,23 +247,23 @@ def test_a_late_reply_to_an_abandoned_request_is_discarded(sidecar: Any, kit: An
     import os
     import signal
 
-    client = sidecar.client(call_timeout_s=TIMEOUT_S)
+    backoff_clock = [0.0]  # the back-off window ends when the test moves this
+    client = sidecar.client(call_timeout_s=TIMEOUT_S, backoff_clock=lambda: backoff_clock[0])
     stored, absent = kit.make_keys(3, seed=14), kit.make_keys(3, seed=15)
     kit.store(client, stored, NBYTES, owner="w")
 
     os.kill(sidecar.proc.pid, signal.SIGSTOP)  # a sidecar that hangs, then wakes up
     try:
-        started = time.monotonic()
         assert client.lookup(stored, prefetch=False, owner="r") is None
-        assert time.monotonic() - started < TIMEOUT_S + SLACK_S
+        assert client.errors == {"timeout": 1}  # ended by its deadline
     finally:
         os.kill(sidecar.proc.pid, signal.SIGCONT)
 
-    # Inside the back-off window that timeout opened, calls answer at once.
-    started = time.monotonic()
+    # Inside the back-off window that timeout opened, calls answer at once
+    # (counted as back-off: no request reaches the sidecar).
     assert client.lookup(absent, prefetch=False, owner="r") is None
-    assert time.monotonic() - started < 0.05
-    assert client.errors.get("backoff") == 1
+    assert client.errors == {"timeout": 1, "backoff": 1}
+    backoff_clock[0] += 3600  # past the window
 
     # After it, the reply to the abandoned lookup (3 hits) arrives first; the
     # answer to this lookup must be its own (no hits).

@@ -143,21 +143,21 @@ def test_a_lookup_never_waits_for_a_stalled_sidecar(
     sidecar: Any, monkeypatch: Any, case: Any, kit: Any
 ) -> None:
     """vLLM's scheduler loop is never blocked: None (ask again) while the
-    sidecar does not answer, a miss once the call has given up."""
-    import time
+    sidecar does not answer, a miss once the call has given up.
 
-    s = replace(settings(sidecar.endpoint, case), call_timeout_s=1.0)
+    A lookup that waited for the stalled sidecar would come back with its
+    answer, a miss (0) after the deadline, not None; and no deadline has
+    passed while the scheduler still says "ask again"."""
+    s = replace(settings(sidecar.endpoint, case), call_timeout_s=5.0)
     scheduler = KVStrataScheduler(s)
     req = request("r", chunk_hashes(2, "stalled"))
     try:
         assert scheduler.client.ping()  # connected before the stall
         sidecar.pause()
         try:
-            started = time.monotonic()
             for _ in range(20):
                 assert scheduler.get_num_new_matched_tokens(req, 0) is None
-            assert time.monotonic() - started < 0.2
-            kit.wait_until(lambda: scheduler.client.errors.get("timeout"), 10, "a timeout")
+            kit.wait_until(lambda: scheduler.client.errors.get("timeout"), 30, "a timeout")
         finally:
             sidecar.resume()
         assert matched(kit, scheduler, req) == 0  # the timed-out lookup is a miss
