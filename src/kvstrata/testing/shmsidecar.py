@@ -24,7 +24,9 @@ from kvstrata.sidecar.transfer.ipc import IpcTransfers
 from kvstrata.testing.shmdevice import SharedMemoryDevice
 
 
-def main(root: Path, gpu_uuid: str) -> None:
+def build(root: Path, gpu_uuid: str) -> tuple[StorageManager, SharedMemoryDevice, SidecarServer]:
+    """The small engine, its stand-in GPU (known as ``gpu_uuid``) and the real
+    server over them, bound to nothing yet; in-process tests use it too."""
     config = config_from_dict(
         {
             "chunk_size": 32,
@@ -44,6 +46,11 @@ def main(root: Path, gpu_uuid: str) -> None:
     server = SidecarServer(
         config, engine, server_version="test", ipc=IpcTransfers(engine, open_device)
     )
+    return engine, device, server
+
+
+def main(root: Path, gpu_uuid: str) -> None:
+    engine, _device, server = build(root, gpu_uuid)
     endpoint = server.bind()
     stop = threading.Event()
 

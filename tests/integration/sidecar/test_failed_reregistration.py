@@ -20,11 +20,8 @@ import pytest
 import torch
 
 from kvstrata.sidecar import protocol as p
-from kvstrata.sidecar.config import config_from_dict
-from kvstrata.sidecar.engine import StorageManager
 from kvstrata.sidecar.keys import ChunkKey, Namespace
-from kvstrata.sidecar.server import SidecarServer
-from kvstrata.sidecar.transfer.ipc import IpcTransfers
+from kvstrata.testing import shmsidecar
 from kvstrata.testing.kvlayouts import vllm_layers
 from kvstrata.testing.rawpeer import RawPeer
 from kvstrata.testing.shmdevice import SharedMemoryDevice, handle_for
@@ -36,18 +33,7 @@ NUM_BLOCKS = 8
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[str, SharedMemoryDevice]]:
-    config = config_from_dict(
-        {
-            "chunk_size": 32,
-            "l1": {"size_bytes": "8Mi", "pin_memory": False},
-            "l2": {"path": str(tmp_path / "l2"), "size_bytes": "16Mi"},
-            "server": {"endpoint": f"ipc://{tmp_path}/sidecar.sock", "http_port": 0},
-        }
-    )
-    engine = StorageManager(config)
-    device = SharedMemoryDevice(engine.arena.address())
-    ipc = IpcTransfers(engine, lambda gpu: device)
-    server = SidecarServer(config, engine, server_version="test", ipc=ipc)
+    engine, device, server = shmsidecar.build(tmp_path, GPU_UUID)
     endpoint = server.bind()
     stop = threading.Event()
     thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)

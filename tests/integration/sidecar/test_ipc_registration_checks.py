@@ -10,6 +10,7 @@ commit bytes that were never written.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -80,6 +81,23 @@ class Segment:
         # Views of the mapping may outlive the test (a failure's traceback holds
         # them): unlink the name only; the pages go with the last reference.
         os.unlink(f"/dev/shm/{self.name}")
+
+
+@contextlib.contextmanager
+def worker_on(
+    sidecar: SidecarProcess, nbytes: int = 3 * 12 * BLOCK_BYTES
+) -> Iterator[tuple[Segment, SidecarClient]]:
+    """A stand-in allocation and an ipc-mode worker client of ``sidecar``,
+    both closed after the test's body."""
+    segment = Segment(nbytes)
+    try:
+        client = sidecar.client()
+        try:
+            yield segment, client
+        finally:
+            client.close()
+    finally:
+        segment.close()
 
 
 def registration(
@@ -180,105 +198,70 @@ def test_a_registration_claiming_more_blocks_than_its_allocation_is_refused_and_
 def test_a_registration_past_what_the_worker_says_it_shares_is_refused(
     sidecar: SidecarProcess,
 ) -> None:
-    segment = Segment(3 * 12 * BLOCK_BYTES)
-    try:
-        client = sidecar.client()
-        try:
-            # The worker's storage ends one block before the tensors do.
-            too_short = 3 * 12 * BLOCK_BYTES - BLOCK_BYTES
-            client.register_kv(registration(segment, kv_in(segment), mapped_nbytes=too_short))
-            assert client.stats() is not None
-            assert client.transfer_mode == "host"
-            assert f"past the {too_short} bytes mapped" in client.ipc_fallback_reason
-        finally:
-            client.close()
-    finally:
-        segment.close()
+    with worker_on(sidecar) as (segment, client):
+        # The worker's storage ends one block before the tensors do.
+        too_short = 3 * 12 * BLOCK_BYTES - BLOCK_BYTES
+        client.register_kv(registration(segment, kv_in(segment), mapped_nbytes=too_short))
+        assert client.stats() is not None
+        assert client.transfer_mode == "host"
+        assert f"past the {too_short} bytes mapped" in client.ipc_fallback_reason
 
 
 def test_a_save_that_names_no_block_is_refused_and_commits_nothing(
     sidecar: SidecarProcess,
 ) -> None:
-    segment = Segment(3 * 12 * BLOCK_BYTES)
-    try:
-        client = sidecar.client()
-        try:
-            client.register_kv(registration(segment, kv_in(segment)))
-            assert client.stats() is not None and client.transfer_mode == "ipc"
-            never_written = keys(1, "unwritten")
-            assert client.save_blocks(never_written, [[-1, -1]], None, "r") is None
-            assert client.save_blocks(keys(1, "half"), [[3, -1]], None, "r") is None
-            assert client.errors.get(p.E_BAD_REQUEST) == 2
-            # Nothing was committed under those keys: a load finds nothing.
-            assert client.load_blocks(never_written, [[0, 1]], "r2") == 0
-            assert client.load_blocks(keys(1, "half"), [[0, 1]], "r2") == 0
-            # The session keeps serving real saves.
-            assert client.save_blocks(keys(1, "real"), [[3, 4]], None, "r") == [True]
-            assert sidecar.alive()
-        finally:
-            client.close()
-    finally:
-        segment.close()
+    with worker_on(sidecar) as (segment, client):
+        client.register_kv(registration(segment, kv_in(segment)))
+        assert client.stats() is not None and client.transfer_mode == "ipc"
+        never_written = keys(1, "unwritten")
+        assert client.save_blocks(never_written, [[-1, -1]], None, "r") is None
+        assert client.save_blocks(keys(1, "half"), [[3, -1]], None, "r") is None
+        assert client.errors.get(p.E_BAD_REQUEST) == 2
+        # Nothing was committed under those keys: a load finds nothing.
+        assert client.load_blocks(never_written, [[0, 1]], "r2") == 0
+        assert client.load_blocks(keys(1, "half"), [[0, 1]], "r2") == 0
+        # The session keeps serving real saves.
+        assert client.save_blocks(keys(1, "real"), [[3, 4]], None, "r") == [True]
+        assert sidecar.alive()
 
 
 def test_split_kernel_blocks_are_planned_per_vllm_block(sidecar: SidecarProcess) -> None:
     # vLLM's attention kernels split each of its 6 blocks in two: the tensors
     # have 12 kernel blocks, the worker names vLLM's blocks (0..5).
-    segment = Segment(3 * 12 * BLOCK_BYTES)
-    try:
+    with worker_on(sidecar) as (segment, client):
         layers = kv_in(segment)
-        client = sidecar.client()
-        try:
-            client.register_kv(registration(segment, layers, blocks_per_chunk=1, num_blocks=6))
-            assert client.stats() is not None and client.transfer_mode == "ipc"
-            ks = keys(2, "split")
-            assert client.save_blocks(ks, [[1], [4]], None, "r") == [True, True]
-            for t in layers:
-                for kernel_block in (0, 1, 10, 11):
-                    t[kernel_block].view(torch.uint8).fill_(0x5A)
-            assert client.load_blocks(ks, [[0], [5]], "r2") == 2
-            for t in layers:
-                # vLLM block 1 = kernel blocks 2, 3; block 4 = 8, 9; 0 = 0, 1; 5 = 10, 11.
-                for src, dst in ((2, 0), (3, 1), (8, 10), (9, 11)):
-                    assert torch.equal(as_bytes(t[dst]), as_bytes(t[src]))
-            assert client.save_blocks(keys(1, "past"), [[6]], None, "r") is None  # 6 vLLM blocks
-        finally:
-            client.close()
-    finally:
-        segment.close()
+        client.register_kv(registration(segment, layers, blocks_per_chunk=1, num_blocks=6))
+        assert client.stats() is not None and client.transfer_mode == "ipc"
+        ks = keys(2, "split")
+        assert client.save_blocks(ks, [[1], [4]], None, "r") == [True, True]
+        for t in layers:
+            for kernel_block in (0, 1, 10, 11):
+                t[kernel_block].view(torch.uint8).fill_(0x5A)
+        assert client.load_blocks(ks, [[0], [5]], "r2") == 2
+        for t in layers:
+            # vLLM block 1 = kernel blocks 2, 3; block 4 = 8, 9; 0 = 0, 1; 5 = 10, 11.
+            for src, dst in ((2, 0), (3, 1), (8, 10), (9, 11)):
+                assert torch.equal(as_bytes(t[dst]), as_bytes(t[src]))
+        assert client.save_blocks(keys(1, "past"), [[6]], None, "r") is None  # 6 vLLM blocks
 
 
 def test_kernel_blocks_that_do_not_divide_into_vllm_blocks_are_refused(
     sidecar: SidecarProcess,
 ) -> None:
-    segment = Segment(3 * 12 * BLOCK_BYTES)
-    try:
-        client = sidecar.client()
-        try:
-            client.register_kv(registration(segment, kv_in(segment), num_blocks=5))
-            assert client.stats() is not None
-            assert client.transfer_mode == "host"
-            assert "12 kernel blocks for 5 cache blocks" in client.ipc_fallback_reason
-        finally:
-            client.close()
-    finally:
-        segment.close()
+    with worker_on(sidecar) as (segment, client):
+        client.register_kv(registration(segment, kv_in(segment), num_blocks=5))
+        assert client.stats() is not None
+        assert client.transfer_mode == "host"
+        assert "12 kernel blocks for 5 cache blocks" in client.ipc_fallback_reason
 
 
 def test_a_sidecar_planning_other_chunks_than_the_worker_leaves_it_in_host_mode(
     sidecar: SidecarProcess,
 ) -> None:
-    segment = Segment(3 * 12 * BLOCK_BYTES)
-    try:
-        client = sidecar.client()
-        try:
-            body = registration(segment, kv_in(segment))
-            body.chunk_nbytes = 3 * 2 * BLOCK_BYTES * 2  # the worker's split-block chunk
-            client.register_kv(body)
-            assert client.stats() is not None
-            assert client.transfer_mode == "host"
-            assert "chunk_nbytes" in client.ipc_fallback_reason
-        finally:
-            client.close()
-    finally:
-        segment.close()
+    with worker_on(sidecar) as (segment, client):
+        body = registration(segment, kv_in(segment))
+        body.chunk_nbytes = 3 * 2 * BLOCK_BYTES * 2  # the worker's split-block chunk
+        client.register_kv(body)
+        assert client.stats() is not None
+        assert client.transfer_mode == "host"
+        assert "chunk_nbytes" in client.ipc_fallback_reason
