@@ -36,6 +36,13 @@ RESERVE_MIN = 64  # descriptors kept for ZeroMQ, files and tiers, whatever the l
 HTTP_CEILING = 1024  # scrapers and probes: a handful in practice
 LIVENESS_CEILING = 4096  # one per client process (scheduler and workers)
 LISTENER_FLOOR = 8  # a listener always takes this many, however low the limit
+# What an unlimited limit counts as (the kernel's fs.nr_open default caps
+# what setrlimit takes anyway).
+UNLIMITED = 1 << 20
+
+
+def _finite(limit: int) -> int:
+    return UNLIMITED if limit == resource.RLIM_INFINITY else int(limit)
 
 
 @dataclass
@@ -65,10 +72,9 @@ class FdBudget:
 def raise_nofile_limit() -> int:
     """Raise the soft ``RLIMIT_NOFILE`` to the hard one; the soft limit in force.
 
-    An unlimited hard limit is left as it is above ``2**20`` (the kernel's
-    ``fs.nr_open`` default caps what setrlimit takes anyway)."""
+    An unlimited hard limit counts as :data:`UNLIMITED`."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, UNLIMITED)
     if soft != resource.RLIM_INFINITY and soft < target:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
@@ -76,7 +82,7 @@ def raise_nofile_limit() -> int:
             soft = target
         except (ValueError, OSError) as exc:
             logger.warning("cannot raise the file descriptor limit from %d: %s", soft, exc)
-    return int(soft) if soft != resource.RLIM_INFINITY else 1 << 20
+    return _finite(soft)
 
 
 def open_descriptors() -> int:
@@ -93,8 +99,7 @@ def plan(nofile: int | None = None, in_use: int | None = None) -> FdBudget:
     """The budget for a process with limit ``nofile`` and ``in_use`` descriptors
     open (both read from the process when not given)."""
     if nofile is None:
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        nofile = soft if soft != resource.RLIM_INFINITY else 1 << 20
+        nofile = _finite(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
     in_use = open_descriptors() if in_use is None else in_use
     free = max(0, nofile - in_use)
     reserve = max(RESERVE_MIN, free // 4)

@@ -310,11 +310,16 @@ class SidecarServer:
         self._pool.submit(self._pooled, request, session, identity, started)
 
     def _refuse(self, identity: bytes, exc: p.ProtocolError) -> None:
-        """Answer a frame that does not follow the protocol (with its request id
-        when the envelope got that far, so the client can match the answer)."""
+        """Answer a frame that does not follow the protocol."""
+        self._send(identity, self._refusal_reply(exc))
+
+    def _refusal_reply(self, exc: p.ProtocolError) -> bytes:
+        """The counted, logged answer to a frame that does not follow the
+        protocol (with its request id when the envelope got that far, so the
+        client can match the answer)."""
         self._count_error(exc.code)
         logger.debug("refused a frame: %s", exc)
-        self._send(identity, p.encode_error(exc.request_id, exc.code, str(exc)))
+        return p.encode_error(exc.request_id, exc.code, str(exc))
 
     def _refusal(self, first: zmq.Frame | None) -> str | None:
         """Why the process behind this HELLO may not open a session, or None."""
@@ -333,9 +338,7 @@ class SidecarServer:
             try:
                 request = p.decode_body(envelope)
             except p.ProtocolError as exc:
-                self._count_error(exc.code)
-                logger.debug("refused a frame: %s", exc)
-                reply = p.encode_error(exc.request_id, exc.code, str(exc))
+                reply = self._refusal_reply(exc)
             else:
                 reply = self._answer(request, session, identity, started)
         finally:
