@@ -30,6 +30,12 @@ machine it is dominated by noise between the two engines' runs (the raw
 samples are in the JSON).
 Targets: ``l1_hit <= 0.25 x cold``, save overhead ``<= 10 %`` of cold,
 ``odd_l1_hit <= 1.3 x odd_vllm_prefix_cache_hit``.
+
+Fairness (:mod:`bench.fairness`): every engine runs in this process with
+the same torch threads, set before vLLM is imported; the binding each engine
+had is read back into the JSON, vLLM alone and kvstrata run ``runs`` times
+interleaved (each run on a fresh engine and sidecar; medians are over every
+run's samples) and no ratio is given when the bindings differ.
 """
 
 from __future__ import annotations
@@ -83,8 +89,11 @@ def _ttft(llm: Any, prompt: list[int]) -> float:
     return _generate(llm, prompt)[0]
 
 
-def _engine(model: Path, max_len: int, **kwargs: Any) -> Any:
+def _engine(model: Path, max_len: int, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    """A warmed-up engine, and the CPU binding it runs with (read back once it is up)."""
     from vllm import LLM
+
+    from kvstrata.bench.fairness import in_process_binding
 
     llm = LLM(
         model=str(model),
@@ -100,14 +109,14 @@ def _engine(model: Path, max_len: int, **kwargs: Any) -> Any:
     # selection, allocator growth); two full-size ones on unrelated prefixes.
     for seed in (7, 8):
         _ttft(llm, _tokens(max_len - 64, seed))
-    return llm
+    return llm, in_process_binding()
 
 
 def _baseline(model: Path, work: _Workload, max_len: int) -> dict[str, list[float]]:
     """vLLM alone: cold prefill, then its own prefix cache."""
     from kvstrata.testing.localstack import shutdown_engine
 
-    llm = _engine(model, max_len, enable_prefix_caching=True)
+    llm, binding = _engine(model, max_len, enable_prefix_caching=True)
     try:
         reps = range(len(work.prefixes))
         cold_runs = [_generate(llm, work.prompt(r, 0)) for r in reps]
@@ -117,6 +126,7 @@ def _baseline(model: Path, work: _Workload, max_len: int) -> dict[str, list[floa
     finally:
         shutdown_engine(llm)
     return {
+        "binding": binding,
         "cold": [t for t, _ in cold_runs],
         "cold_outputs": [out for _, out in cold_runs],
         "vllm_prefix_cache_hit": cached,
@@ -138,7 +148,9 @@ def _with_connector(model: Path, work: _Workload, max_len: int, root: Path) -> d
     llm = None
     try:
         transfer = transfer_config(sidecar.endpoint, CHUNK_SIZE, call_timeout_seconds=2.0)
-        llm = _engine(model, max_len, enable_prefix_caching=False, kv_transfer_config=transfer)
+        llm, binding = _engine(
+            model, max_len, enable_prefix_caching=False, kv_transfer_config=transfer
+        )
         sched, worker = connector_counters(llm)
         reps = range(len(work.prefixes))
         save_before = worker.save_seconds
@@ -165,16 +177,17 @@ def _with_connector(model: Path, work: _Workload, max_len: int, root: Path) -> d
             shutdown_engine(llm)
         sidecar.stop()
     return {
+        "binding": binding,
         "cold_with_connector": cold,
         "l1_hit": l1,
         "l2_hit": l2,
-        "save_seconds_per_cold_request": save_seconds,
-        "load_seconds_per_l1_hit": load_seconds,
-        "hit_tokens_l1": l1_tokens,
-        "hit_tokens_l2": l2_tokens,
+        "save_seconds_per_cold_request": [save_seconds],
+        "load_seconds_per_l1_hit": [load_seconds],
+        "hit_tokens_l1": [l1_tokens],
+        "hit_tokens_l2": [l2_tokens],
         "odd_l1_hit": [t for t, _ in odd_runs],
         "odd_hit_outputs": [out for _, out in odd_runs],
-        "odd_hit_tokens_per_request": odd_tokens,
+        "odd_hit_tokens_per_request": [odd_tokens],
     }
 
 
@@ -206,9 +219,10 @@ def _shared_tier(backend: str, root: Path) -> Iterator[dict[str, Any]]:
 
 def _replica(
     model: Path, work: _Workload, max_len: int, root: Path, shared: dict[str, Any]
-) -> tuple[list[tuple[float, list[int]]], dict[str, int]]:
+) -> tuple[list[tuple[float, list[int]]], dict[str, int], dict[str, Any]]:
     """A new vLLM with a new sidecar (empty L1 and L2) on ``shared``: each prefix's
-    first request (TTFT, token), and the sidecar's hit tokens by tier for them."""
+    first request (TTFT, token), the sidecar's hit tokens by tier for them and
+    the engine's CPU binding."""
     from kvstrata.testing.localstack import LocalSidecar, shutdown_engine, transfer_config
 
     sidecar = LocalSidecar(
@@ -218,7 +232,9 @@ def _replica(
     llm = None
     try:
         transfer = transfer_config(sidecar.endpoint, CHUNK_SIZE, call_timeout_seconds=2.0)
-        llm = _engine(model, max_len, enable_prefix_caching=False, kv_transfer_config=transfer)
+        llm, binding = _engine(
+            model, max_len, enable_prefix_caching=False, kv_transfer_config=transfer
+        )
         before = sidecar.hit_tokens_by_tier()
         runs = [_generate(llm, work.prompt(r, 0)) for r in range(len(work.prefixes))]
         after = sidecar.hit_tokens_by_tier()
@@ -226,7 +242,7 @@ def _replica(
         if llm is not None:
             shutdown_engine(llm)
         sidecar.stop()  # SIGTERM flushes the write-behind into the shared tier
-    return runs, {tier: n - before.get(tier, 0) for tier, n in after.items()}
+    return runs, {tier: n - before.get(tier, 0) for tier, n in after.items()}, binding
 
 
 def _warm_start(
@@ -236,11 +252,12 @@ def _warm_start(
     goes away; a brand-new replica B serves the same prompts."""
     with _shared_tier(backend, root) as shared:
         _replica(model, work, max_len, root / "replica-a", shared)
-        runs, hits = _replica(model, work, max_len, root / "replica-b", shared)
+        runs, hits, binding = _replica(model, work, max_len, root / "replica-b", shared)
     return {
+        "binding": binding,
         f"warm_start_{backend}": [t for t, _ in runs],
         f"warm_start_{backend}_outputs": [out for _, out in runs],
-        f"warm_start_{backend}_hit_tokens": hits,
+        f"warm_start_{backend}_hit_tokens": [hits],
     }
 
 
@@ -254,28 +271,50 @@ def _reconnect(llm: Any, sched: Any) -> None:
         time.sleep(0.1)
 
 
+def _gather(samples: dict[str, Any], bindings: dict[str, list], system: str, got: dict) -> None:
+    """Append one run's samples (lists) to every run's, and its engine's binding."""
+    bindings[system].append(got.pop("binding"))
+    for key, values in got.items():
+        samples.setdefault(key, []).extend(values)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvstrata.bench.fairness import RUNS, interleaved, pin_in_process_threads
     from kvstrata.testing.localstack import set_vllm_env
+
+    pin_in_process_threads()
+    set_vllm_env()
     from kvstrata.testing.tinymodel import build_tiny_llama
 
-    set_vllm_env()
     quick = bool(getattr(args, "quick", False))
     prefix_tokens = 1024 if quick else 4096
     reps = 2 if quick else 3
+    runs = 1 if quick else RUNS
     max_len = prefix_tokens + SUFFIX_TOKENS + 64
     model = build_tiny_llama(**MODEL, vocab_size=2048, max_position_embeddings=8192)
     odd_tokens = 1000 if quick else ODD_PROMPT_TOKENS  # both no multiple of CHUNK_SIZE
     work = _Workload(prefix_tokens, reps, odd_tokens)
-    samples: dict[str, Any] = _baseline(model, work, max_len)
+    samples: dict[str, Any] = {}
+    bindings: dict[str, list] = {"vllm": [], "kvstrata": []}
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-e2e-") as tmp:
-        samples.update(_with_connector(model, work, max_len, Path(tmp)))
-        for backend in WARM_START_BACKENDS:
-            samples.update(_warm_start(model, work, max_len, Path(tmp) / backend, backend))
+        for index, system in interleaved(("vllm", "kvstrata"), runs):
+            if system == "vllm":
+                _gather(samples, bindings, system, _baseline(model, work, max_len))
+                continue
+            root = Path(tmp) / f"run{index}"
+            _gather(samples, bindings, system, _with_connector(model, work, max_len, root))
+            for backend in WARM_START_BACKENDS:
+                got = _warm_start(model, work, max_len, root / backend, backend)
+                _gather(samples, bindings, system, got)
     samples["odd_tokens"] = odd_tokens
-    return _result(samples, prefix_tokens, reps)
+    return _result(samples, bindings, prefix_tokens, reps, runs)
 
 
-def _result(samples: dict[str, Any], prefix_tokens: int, reps: int) -> dict[str, Any]:
+def _result(
+    samples: dict[str, Any], bindings: dict[str, list], prefix_tokens: int, reps: int, runs: int
+) -> dict[str, Any]:
+    from kvstrata.bench.fairness import REFUSED, bindings_equal
+
     warm_keys = tuple(f"warm_start_{b}" for b in WARM_START_BACKENDS)
     keys = (
         "cold",
@@ -288,7 +327,13 @@ def _result(samples: dict[str, Any], prefix_tokens: int, reps: int) -> dict[str,
         "odd_vllm_prefix_cache_hit",
     )
     ttft = {k: round(statistics.median(samples[k]), 4) for k in keys}
-    ratios = _ratios(ttft, samples, warm_keys)
+    connector = {
+        k: round(statistics.median(samples[k]), 4)
+        for k in ("save_seconds_per_cold_request", "load_seconds_per_l1_hit")
+    } | {k: min(samples[k]) for k in ("hit_tokens_l1", "hit_tokens_l2")}
+    equal = bindings_equal(b for per_system in bindings.values() for b in per_system)
+    ratios = _ratios(ttft, connector, warm_keys) if equal else None
+    # Each run's first requests, against vLLM alone's outputs of the same run.
     warm_start = {
         k: {
             "hit_tokens_by_tier": samples[f"{k}_hit_tokens"],
@@ -297,6 +342,10 @@ def _result(samples: dict[str, Any], prefix_tokens: int, reps: int) -> dict[str,
         for k in warm_keys
     }
     return {
+        "runs_per_system": runs,
+        "bindings": bindings,
+        "bindings_equal": equal,
+        **({} if equal else {"ratio_refused": REFUSED}),
         "model": {**MODEL, "dtype": "float32", "random_weights": True},
         "prefix_tokens": prefix_tokens,
         "suffix_tokens": SUFFIX_TOKENS,
@@ -304,32 +353,27 @@ def _result(samples: dict[str, Any], prefix_tokens: int, reps: int) -> dict[str,
         "reps": reps,
         "ttft_seconds": ttft,
         "ratios": ratios,
-        "connector": {
-            "save_seconds_per_cold_request": round(samples["save_seconds_per_cold_request"], 4),
-            "load_seconds_per_l1_hit": round(samples["load_seconds_per_l1_hit"], 4),
-            "hit_tokens_l1": samples["hit_tokens_l1"],
-            "hit_tokens_l2": samples["hit_tokens_l2"],
-        },
+        "connector": connector,
         "warm_start": warm_start,
         "odd_length": {
             "prompt_tokens": samples["odd_tokens"],
-            "hit_tokens_per_request": samples["odd_hit_tokens_per_request"],
+            "hit_tokens_per_request": min(samples["odd_hit_tokens_per_request"]),
             "outputs_equal_no_cache": samples["odd_hit_outputs"] == samples["odd_outputs"],
         },
-        "targets": _targets(ratios),
+        "targets": _targets(ratios) if ratios is not None else None,
         "samples_seconds": {k: [round(x, 4) for x in samples[k]] for k in keys},
     }
 
 
 def _ratios(
-    ttft: dict[str, float], samples: dict[str, Any], warm_keys: tuple[str, ...]
+    ttft: dict[str, float], connector: dict[str, Any], warm_keys: tuple[str, ...]
 ) -> dict[str, float]:
     cold = ttft["cold"]
     return {
         "l1_hit_vs_cold": round(ttft["l1_hit"] / cold, 4),
         "l2_hit_vs_cold": round(ttft["l2_hit"] / cold, 4),
         "vllm_prefix_cache_hit_vs_cold": round(ttft["vllm_prefix_cache_hit"] / cold, 4),
-        "save_overhead_vs_cold": round(samples["save_seconds_per_cold_request"] / cold, 4),
+        "save_overhead_vs_cold": round(connector["save_seconds_per_cold_request"] / cold, 4),
         "cold_with_connector_vs_cold": round(ttft["cold_with_connector"] / cold, 4),
         **{f"{k}_vs_cold": round(ttft[k] / cold, 4) for k in warm_keys},
         "odd_l1_hit_vs_odd_vllm_prefix_cache_hit": round(
@@ -365,10 +409,19 @@ def format_table(result: dict[str, Any]) -> str:
     ]  # fmt: skip
     lines = [
         f"TTFT, {result['prefix_tokens']}-token shared prefix + {result['suffix_tokens']} new "
-        f"tokens, median of {result['reps']}",
-        f"{'case':<46}{'TTFT':>10}{'x cold':>9}",
+        f"tokens, median of {result['reps']} per run x {result['runs_per_system']} runs "
+        "per system, interleaved",
     ]
+    if r is None:
+        # No "x cold" column: the cold run and the others had different CPUs.
+        lines.append(f"{'case':<46}{'TTFT':>10}")
+        lines += [f"{name:<46}{t[k] * 1e3:>8.0f}ms" for name, k in rows]
+        lines.append(f"no ratios: {result['ratio_refused']}: {result['bindings']}")
+        return "\n".join(lines)
+    lines.append(f"{'case':<46}{'TTFT':>10}{'x cold':>9}")
     lines += [f"{name:<46}{t[k] * 1e3:>8.0f}ms{t[k] / cold:>9.3f}" for name, k in rows]
+    binding = result["bindings"]["vllm"][0]
+    lines.append(f"every engine: cpus {binding['cpus']}, {binding['torch_threads']} torch threads")
     lines.append(
         f"connector time: save {c['save_seconds_per_cold_request'] * 1e3:.0f} ms per cold "
         f"request ({r['save_overhead_vs_cold']:.1%} of cold TTFT), load "

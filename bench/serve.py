@@ -60,6 +60,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from kvstrata.bench.fairness import REFUSED, bindings_equal, interleaved, median_spread
+
 # vLLM's CLI through its Python entry point (see bench/vllm_cli.py for why not ``vllm``).
 VLLM_MAIN = [sys.executable, "-m", "kvstrata.bench.vllm_cli"]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -450,10 +452,6 @@ def ideal(alone: dict[str, Any], first_uses: int, n: int, concurrency: int) -> d
     }
 
 
-def _median_spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def summarise(regime: str, plan: Plan, runs: dict[str, list[dict]]) -> dict[str, Any]:
     """Medians, spread, bindings, ratio and fraction of the ideal for one regime."""
     out: dict[str, Any] = {"regime": regime}
@@ -461,21 +459,18 @@ def summarise(regime: str, plan: Plan, runs: dict[str, list[dict]]) -> dict[str,
             "ttft_p99_s", "e2e_median_s")  # fmt: skip
     for system in SYSTEMS:
         done = runs[system]
-        out[system] = {key: _median_spread([r[key] for r in done]) for key in keys} | {
+        out[system] = {key: median_spread([r[key] for r in done]) for key in keys} | {
             "bindings": [r["binding"] for r in done],
             "kv_cache_tokens": [r["kv_cache_tokens"] for r in done],
             "runs": [{k: v for k, v in r.items() if k not in ("ttfts_s", "e2es_s")} for r in done],
         }
     hits = [r.get("hit_tokens", {}) for r in runs["kvstrata"]]
     out["kvstrata"]["hit_tokens"] = hits
-    bindings = [json.dumps(b, sort_keys=True) for s in SYSTEMS for b in out[s]["bindings"]]
-    out["bindings_equal"] = len(set(bindings)) == 1 and None not in (
-        b for s in SYSTEMS for b in out[s]["bindings"]
-    )
+    out["bindings_equal"] = bindings_equal(b for s in SYSTEMS for b in out[s]["bindings"])
     med = {s: out[s]["request_throughput"]["median"] for s in SYSTEMS}
     if not out["bindings_equal"]:
         out["ratio"] = None
-        out["ratio_refused"] = "the servers ran with different CPU bindings"
+        out["ratio_refused"] = REFUSED
         return out
     out["ratio"] = med["kvstrata"] / med["vllm"]
     if regime == "multi_turn":
@@ -494,7 +489,7 @@ def summarise(regime: str, plan: Plan, runs: dict[str, list[dict]]) -> dict[str,
         out["fraction_of_ideal"] = med["kvstrata"] / best["request_throughput"]
     if regime == "new_replica":
         warm = [r["warm_replica"] for r in runs["kvstrata"]]
-        out["warm_replica"] = {k: _median_spread([w[k] for w in warm]) for k in keys}
+        out["warm_replica"] = {k: median_spread([w[k] for w in warm]) for k in keys}
     return out
 
 
@@ -530,10 +525,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with _workdir() as root, shared_tier(regimes, root) as shared:
         for regime in regimes:
             runs: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
-            for i in range(plan.runs):  # interleaved: A B A B ...
-                for system in SYSTEMS:
-                    where = root / regime / f"{system}-{i}"
-                    runs[system].append(run_system(system, regime, plan, model, where, shared))
+            for i, system in interleaved(SYSTEMS, plan.runs):
+                where = root / regime / f"{system}-{i}"
+                runs[system].append(run_system(system, regime, plan, model, where, shared))
             out["regimes"][regime] = summarise(regime, plan, runs)
     if not args.quick:
         RESULTS_DIR.mkdir(exist_ok=True)
