@@ -188,13 +188,17 @@ def binding_from_log(text: str) -> dict[str, str] | None:
 class VllmServer:
     """One ``vllm serve`` process (its own process group) on a free port."""
 
-    def __init__(self, plan: Plan, model: Path, log: Path, connector: dict | None) -> None:
+    def __init__(
+        self, plan: Plan, regime: str, model: Path, log: Path, connector: dict | None
+    ) -> None:
         from kvstrata.testing.servers import free_port
 
         self.port = free_port()
         self.log = log
+        # Per regime, the same for both systems: the multi-turn bound would not
+        # fit a small plan's KV cap in the other regimes.
         max_len = plan.prefix_len + plan.suffix_len + plan.output_len + 64
-        if "multi_turn" in plan.regimes:
+        if regime == "multi_turn":
             max_len = max(max_len, _multi_turn_tokens(plan) + plan.output_len + 64)
         self.argv = [
             *VLLM_MAIN, "serve", str(model),
@@ -377,7 +381,7 @@ def run_system(
         else prefix_dataset(plan)
     )
     if system == "vllm":
-        with VllmServer(plan, model, root / "vllm.log", None) as server:
+        with VllmServer(plan, regime, model, root / "vllm.log", None) as server:
             result = bench_client(plan, model, server.url, root / "result.json", dataset)
             facts = server.facts()
         return {**_summary(result), **facts}
@@ -391,7 +395,7 @@ def run_system(
         sidecar.start()
         try:
             connector = kv_transfer_config(sidecar.endpoint, chunk_size=plan.chunk_size)
-            with VllmServer(plan, model, root / f"{name}-vllm.log", connector) as server:
+            with VllmServer(plan, regime, model, root / f"{name}-vllm.log", connector) as server:
                 before = sidecar.hit_tokens_by_tier()
                 results = [
                     bench_client(plan, model, server.url, root / f"{name}-{i}.json", dataset)
