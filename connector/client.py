@@ -49,6 +49,7 @@ from kvstrata.connector.transport import Channel, CurveKeys
 from kvstrata.sidecar import liveness
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.arena import Arena
+from kvstrata.sidecar.endpoint import ipc_path
 from kvstrata.sidecar.keys import ChunkKey, Namespace
 
 logger = logging.getLogger(__name__)
@@ -417,7 +418,7 @@ class SidecarClient(IpcOps):
     def _open_live(self, session_id: str) -> None:
         """Hold the sidecar's liveness connection for this session (ipc:// only)."""
         self._close_live()
-        path = liveness.ipc_path(self.endpoint)
+        path = ipc_path(self.endpoint)
         if path is not None:
             self._live = liveness.connect(liveness.liveness_path(path), session_id)
 

@@ -36,12 +36,12 @@ the plain namespace. Groups of other kinds (Mamba, chunked local attention,
 from __future__ import annotations
 
 import logging
-import tempfile
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.connector.layout import dtype_name, layout_id
 from kvstrata.connector.transport import CurveKeys
+from kvstrata.sidecar.endpoint import default_endpoint
 from kvstrata.sidecar.keys import Namespace
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ def settings_from_config(
 ) -> ConnectorSettings:
     """Read and check the connector's settings; ValueError names a bad key."""
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    endpoint = str(extra.get("endpoint") or f"ipc://{tempfile.gettempdir()}/kvstrata/sidecar.sock")
+    endpoint = str(extra.get("endpoint") or default_endpoint())
     kv_cache_layout = getattr(kv_cache_config, "kv_cache_layout", None)
     layout = _layout(vllm_config, kv_cache_layout)
     groups = kv_cache_config.kv_cache_groups

@@ -22,7 +22,6 @@ Sizes accept integers (bytes) or Kubernetes quantities (``512Mi``, ``4Gi``,
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import tempfile
@@ -40,6 +39,8 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+
+from kvstrata.sidecar.endpoint import check_endpoint, default_endpoint, endpoint_is_local
 
 ENV_PREFIX = "KVSTRATA_"
 ENV_NESTING = "__"
@@ -211,46 +212,12 @@ class SharedConfig(_Section):
     breaker_reset_seconds: float = Field(10.0, gt=0, description="how long an open breaker skips")
 
 
-def check_endpoint(value: str) -> str:
-    """A ZeroMQ endpoint the sidecar can bind: ``ipc://PATH`` or ``tcp://HOST:PORT``.
-
-    Refused here rather than by ZeroMQ, which binds a random port for an
-    out-of-range one and reports other mistakes as a bare errno.
-    """
-    scheme, sep, rest = value.partition("://")
-    if not sep or scheme not in ("ipc", "tcp"):
-        raise ValueError(f"{value!r} is not ipc://PATH or tcp://HOST:PORT")
-    if scheme == "ipc":
-        if not rest:
-            raise ValueError(f"{value!r} names no socket path")
-        return value
-    host, colon, port = rest.rpartition(":")
-    if not colon or not host:
-        raise ValueError(f"{value!r} names no host and port (tcp://HOST:PORT)")
-    if port != "*" and not (port.isdigit() and 0 <= int(port) <= 65535):
-        raise ValueError(f"{value!r}: port {port!r} is not 0..65535 (or *)")
-    return value
-
-
-def endpoint_is_local(endpoint: str) -> bool:
-    """True for ``ipc://`` and for ``tcp://`` on a loopback address."""
-    if not endpoint.startswith("tcp://"):
-        return True
-    host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a wildcard, an interface name or a host name
-
-
 class ServerConfig(_Section):
     """The sidecar's endpoints."""
 
     endpoint: Annotated[str, AfterValidator(check_endpoint)] = Field(
-        default_factory=lambda: f"ipc://{tempfile.gettempdir()}/kvstrata/sidecar.sock",
-        description="ZeroMQ endpoint: ipc://PATH or tcp://HOST:PORT",
+        default_factory=default_endpoint,
+        description="ZeroMQ endpoint: ipc://PATH, ipc://@NAME (abstract socket) or tcp://HOST:PORT",
     )
     socket_group: str | None = Field(
         None,
