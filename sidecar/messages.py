@@ -1,4 +1,4 @@
-"""Message bodies of the host-mode ops (see the op table in :mod:`.protocol`).
+"""Message bodies of the host-mode ops (every op and field: ``docs/protocol.md``).
 
 Each is a slotted dataclass typed as it is after validation: ``to_wire``
 gives the body map and ``from_wire`` validates one (raising

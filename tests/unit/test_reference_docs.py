@@ -1,0 +1,40 @@
+"""Every generated reference page is what its source renders now: a changed
+message field, config field description, extra-config key, CRD schema
+description or chart ``@param`` without ``make docs`` fails here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstrata.refdocs import PAGES, REPO
+from kvstrata.refdocs import chart as chart_page
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_the_committed_page_is_rendered_from_its_source(page: str) -> None:
+    committed = (REPO / page).read_text()
+    assert committed == PAGES[page](REPO), f"{page} is stale: run `make docs`"
+
+
+def test_every_chart_value_with_a_param_comment_is_listed() -> None:
+    """The chart README lists each ``@param`` once, and each names a value."""
+    text = (REPO / chart_page.VALUES).read_text()
+    params = [p for _title, section in chart_page.parse(text) for p, _desc in section]
+    lines = [line for line in text.splitlines() if line.lstrip().startswith("## @param ")]
+    assert len(params) == len(set(params)) == len(lines)
+    readme = (REPO / "charts/kvstrata/README.md").read_text()
+    for param in params:
+        assert f"| `{param}` |" in readme
+
+
+def test_a_changed_description_makes_the_page_stale(tmp_path: Path) -> None:
+    """The check compares against the source: one description edited in a copy
+    of the CRD renders a different page."""
+    (tmp_path / "crds").mkdir()
+    crd = (REPO / "crds/kvcache.yaml").read_text()
+    edited = crd.replace("Tokens per chunk;", "Tokens in each chunk;", 1)
+    assert edited != crd
+    (tmp_path / "crds/kvcache.yaml").write_text(edited)
+    assert PAGES["docs/kvcache.md"](tmp_path) != (REPO / "docs/kvcache.md").read_text()
