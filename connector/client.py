@@ -12,8 +12,9 @@ Connection life cycle (all inside calls, nothing in the background):
 * a reply ``no_session`` (the sidecar restarted or reaped us), or a sidecar
   that cannot be reached, drops the session and unmaps its arena; the
   client says HELLO again, maps the arena it names and bumps :attr:`epoch`; ops whose
-  arguments do not refer to leases (LOOKUP, PREPARE_*, PING, STATS) are
-  then retried once within the same deadline;
+  arguments do not refer to leases (``_RETRYABLE``: LOOKUP, PREPARE_STORE,
+  PREPARE_RETRIEVE, PING, STATS, EVENTS) are then retried once within the
+  same deadline;
 * one retry policy for every call: after a call the sidecar did not answer
   (unreachable, timed out, HELLO refused) the client backs off, starting at
   ``backoff_s`` and doubling up to ``backoff_max_s``; every call made inside
