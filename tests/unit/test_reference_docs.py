@@ -38,3 +38,21 @@ def test_a_changed_description_makes_the_page_stale(tmp_path: Path) -> None:
     assert edited != crd
     (tmp_path / "crds/kvcache.yaml").write_text(edited)
     assert PAGES["docs/kvcache.md"](tmp_path) != (REPO / "docs/kvcache.md").read_text()
+
+
+def test_every_sidecar_setting_has_a_description_for_the_configuration_page() -> None:
+    from pydantic import BaseModel
+
+    from kvstrata.sidecar.config import SidecarConfig
+
+    def undescribed(model: type[BaseModel], prefix: str) -> list[str]:
+        out = []
+        for name, info in model.model_fields.items():
+            sub = info.annotation
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                out += undescribed(sub, f"{prefix}{name}.")
+            elif not info.description:
+                out.append(prefix + name)
+        return out
+
+    assert undescribed(SidecarConfig, "") == []

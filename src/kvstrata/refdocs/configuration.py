@@ -1,8 +1,8 @@
 """``docs/configuration.md``: every key of the sidecar's config, from the fields of
 :class:`kvstrata.sidecar.config.SidecarConfig` (type, default, bounds, description).
 
-A default made by a factory is shown as the first line of the factory's
-docstring up to its first colon (e.g. ``default_endpoint``'s), so the text
+A default made by a factory is shown as the factory's
+docstring's first paragraph up to its first ": " (e.g. ``default_endpoint``'s), so the text
 lives beside the code that computes it.
 """
 
@@ -113,7 +113,11 @@ def _bounds(metadata: list[Any]) -> str:
 def _default(info: FieldInfo) -> str:
     if info.default_factory is not None:
         doc = (info.default_factory.__doc__ or "").strip()
-        return doc.splitlines()[0].split(":")[0].strip() if doc else "(computed)"
+        # "``DEFAULT``: why ...": the text before the first ": " (an endpoint's
+        # "://" is not a separator), double backticks made Markdown's single.
+        first = " ".join(doc.split("\n\n")[0].split())
+        head = first.split(": ")[0] if doc else "(computed)"
+        return head.replace("``", "`")
     if info.default is PydanticUndefined:
         return "required"
     if info.default is None:
