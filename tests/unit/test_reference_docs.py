@@ -56,3 +56,20 @@ def test_every_sidecar_setting_has_a_description_for_the_configuration_page() ->
         return out
 
     assert undescribed(SidecarConfig, "") == []
+
+
+def test_every_protocol_field_has_a_meaning_for_the_protocol_page() -> None:
+    """The page's meaning column is each field's comment in the message dataclass."""
+    import dataclasses
+
+    from kvstrata.refdocs.protocol import field_comments
+    from kvstrata.sidecar import protocol
+
+    bodies = {*protocol.REQUESTS.values(), *protocol.REPLIES.values(), protocol.ErrorReply}
+    missing = [
+        f"{cls.__name__}.{f.name}"
+        for cls in bodies
+        for f in dataclasses.fields(cls)
+        if f.name != "op" and f.name not in field_comments(cls)
+    ]
+    assert sorted(missing) == []
