@@ -73,3 +73,23 @@ def test_every_protocol_field_has_a_meaning_for_the_protocol_page() -> None:
         if f.name != "op" and f.name not in field_comments(cls)
     ]
     assert sorted(missing) == []
+
+
+def test_every_kvcache_field_has_a_description_for_the_kvcache_page() -> None:
+    import yaml
+
+    crd = yaml.safe_load((REPO / "crds/kvcache.yaml").read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+    def undescribed(node: dict, path: str) -> list[str]:
+        out = []
+        for name, child in node.get("properties", {}).items():
+            here = f"{path}.{name}"
+            if not child.get("description"):
+                out.append(here)
+            out += undescribed(child, here)
+            out += undescribed(child.get("items") or {}, here + "[]")
+        return out
+
+    assert undescribed(schema["properties"]["spec"], "spec") == []
+    assert undescribed(schema["properties"]["status"], "status") == []
