@@ -18,7 +18,7 @@ help:
 	@echo "make bench  - every benchmark, JSON into bench/results/"
 	@echo "make lint   - ruff check + ruff format --check"
 	@echo "make dev    - re-link the editable install (after adding a module)"
-	@echo "make docs   - regenerate docs/metrics.md from the code"
+	@echo "make docs   - regenerate the reference pages (docs/, chart README) from the code"
 	@echo "make images - the operator, sidecar and sidecar-cuda images (REGISTRY=, IMAGE_TAG=)"
 	@echo "make push-images - push them;  make image-test - build and run them here"
 
@@ -70,9 +70,11 @@ format: $(STAMP)
 test: system-deps image-deps dev lint
 	$(BIN)/python -m pytest -m "" $(PYTEST_ARGS)
 
-# Pages generated from the code (a test checks they are current).
+# Pages generated from the code (tests/unit/test_reference_docs.py checks they
+# are current): docs/metrics.md, protocol.md, configuration.md, connector.md,
+# kvcache.md, the chart's README and its copy of crds/kvcache.yaml.
 docs: dev
-	$(BIN)/python -m kvstrata.metricsdoc > docs/metrics.md
+	$(BIN)/python -m kvstrata.refdocs .
 
 test-fast: dev
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

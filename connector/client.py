@@ -12,8 +12,9 @@ Connection life cycle (all inside calls, nothing in the background):
 * a reply ``no_session`` (the sidecar restarted or reaped us), or a sidecar
   that cannot be reached, drops the session and unmaps its arena; the
   client says HELLO again, maps the arena it names and bumps :attr:`epoch`; ops whose
-  arguments do not refer to leases (LOOKUP, PREPARE_*, PING, STATS) are
-  then retried once within the same deadline;
+  arguments do not refer to leases (``_RETRYABLE``: LOOKUP, PREPARE_STORE,
+  PREPARE_RETRIEVE, PING, STATS, EVENTS) are then retried once within the
+  same deadline;
 * one retry policy for every call: after a call the sidecar did not answer
   (unreachable, timed out, HELLO refused) the client backs off, starting at
   ``backoff_s`` and doubling up to ``backoff_max_s``; every call made inside
@@ -49,6 +50,7 @@ from kvstrata.connector.transport import Channel, CurveKeys
 from kvstrata.sidecar import liveness
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.arena import Arena
+from kvstrata.sidecar.endpoint import ipc_path
 from kvstrata.sidecar.keys import ChunkKey, Namespace
 
 logger = logging.getLogger(__name__)
@@ -417,7 +419,7 @@ class SidecarClient(IpcOps):
     def _open_live(self, session_id: str) -> None:
         """Hold the sidecar's liveness connection for this session (ipc:// only)."""
         self._close_live()
-        path = liveness.ipc_path(self.endpoint)
+        path = ipc_path(self.endpoint)
         if path is not None:
             self._live = liveness.connect(liveness.liveness_path(path), session_id)
 

@@ -112,15 +112,26 @@ def hooks_skipped(forward_context: Any) -> bool:
 
 
 class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
-    """Tiered KV cache through a local kvstrata sidecar (host transfer mode).
+    """Tiered KV cache through a local kvstrata sidecar (host or ipc transfer mode).
 
-    Loads are synchronous (``get_num_new_matched_tokens`` answers
-    ``load_is_async=False``): in host mode a load is a memory copy from the
-    shared arena into the paged KV, far shorter than a scheduler step, and
-    the lookup already asked the sidecar to prefetch L2/L3 chunks into L1.
-    An asynchronous load would park the request for at least one extra
-    step. Saves are synchronous too, at ``wait_for_save``, so no block is
-    ever held past a step and ``request_finished`` never delays a free.
+    Loads: a hit whose chunks are all in L1 loads before the step's forward
+    pass (``get_num_new_matched_tokens`` answers ``load_is_async=False``);
+    a hit that reaches below L1 (L2 disk, the shared tier) loads in the
+    background (``load_is_async=True``): vLLM parks the request until the
+    workers report it through ``get_finished``, and schedules other work
+    meanwhile. The ``load_async`` extra-config key overrides this
+    (``always`` / ``never``); hybrid models always load in the background.
+
+    Transfer modes (``transfer_mode``; ``auto`` picks ipc when the KV cache
+    is on a GPU the sidecar can open): in ``host`` mode the workers copy
+    between vLLM's paged KV and the sidecar's shared-memory arena; in
+    ``ipc`` mode they register CUDA IPC handles of their KV tensors once and
+    the sidecar runs the copies on the GPU (SAVE_BLOCKS / LOAD_BLOCKS); a
+    sidecar that cannot serve ipc grants host mode instead, saying why.
+
+    Saves are synchronous, at ``wait_for_save``, so no block is held past
+    its step and ``request_finished`` never delays a free (it answers
+    ``False``).
 
     Hybrid models keep vLLM's hybrid allocator (``SupportsHMA``): each KV
     cache group is saved and loaded with its own block ids under its own

@@ -4,25 +4,9 @@ Kept apart from the connector as vLLM keeps its connectors' configs apart:
 the scheduler and worker roles take a :class:`ConnectorSettings` and never
 read vLLM's config for these values themselves.
 
-Configuration (``kv_transfer_config.kv_connector_extra_config``):
-
-``endpoint``               sidecar ZeroMQ endpoint (default ``ipc://$TMPDIR/kvstrata/sidecar.sock``)
-``call_timeout_seconds``   deadline of one sidecar call (default 0.5)
-``load_timeout_seconds``   deadline of the whole load of one request (default 5.0)
-``chunk_size``             tokens per chunk, a multiple of the block size (default 256;
-                           should equal the sidecar's ``chunk_size``)
-``transfer_mode``          ``auto`` (default: ipc when the KV is on a GPU the sidecar sees,
-                           else host), ``ipc`` or ``host``; see :mod:`kvstrata.connector.ipc`
-``load_async``             ``auto`` (default: a hit that reaches below L1 loads in the
-                           background while vLLM schedules other work), ``always`` or
-                           ``never``; hybrid models always load in the background (see
-                           :mod:`kvstrata.connector.async_loads`)
-``kv_cache_layout``        a vLLM KVCacheLayout to ask for (e.g. ``BLNHC``: cross-layer
-                           blocks, one copy per block); vLLM uses it when its backends can
-``curve_server_certificate`` / ``curve_client_certificate``
-                           ZeroMQ CURVE certificate files (the sidecar's public one, ours
-                           with its secret key) for a sidecar on a tcp:// endpoint that
-                           authenticates its clients; both or neither
+Configuration: the keys of ``kv_transfer_config.kv_connector_extra_config``
+are :data:`EXTRA_CONFIG_KEYS`, rendered into ``docs/connector.md`` by
+``make docs``; a key not among them stops vLLM at start, naming it.
 
 Hybrid models (several KV cache groups under vLLM's hybrid allocator, e.g.
 Gemma-2's sliding-window + full-attention layers): every group is stored
@@ -36,12 +20,12 @@ the plain namespace. Groups of other kinds (Mamba, chunked local attention,
 from __future__ import annotations
 
 import logging
-import tempfile
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.connector.layout import dtype_name, layout_id
 from kvstrata.connector.transport import CurveKeys
+from kvstrata.sidecar.endpoint import default_endpoint
 from kvstrata.sidecar.keys import Namespace
 
 if TYPE_CHECKING:
@@ -53,6 +37,77 @@ logger = logging.getLogger(__name__)
 DEFAULT_CHUNK_SIZE = 256
 TRANSFER_MODES = ("auto", "ipc", "host")
 LOAD_ASYNC_MODES = ("auto", "always", "never")
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraConfigKey:
+    """One key of ``kv_connector_extra_config``: its default as text and what it does."""
+
+    name: str
+    default: str
+    description: str
+
+
+EXTRA_CONFIG_KEYS: tuple[ExtraConfigKey, ...] = (
+    ExtraConfigKey(
+        "endpoint",
+        "`ipc://$TMPDIR/kvstrata/sidecar.sock`",
+        "the sidecar's ZeroMQ endpoint: `ipc://PATH`, `ipc://@NAME` (abstract socket) "
+        "or `tcp://HOST:PORT`",
+    ),
+    ExtraConfigKey("call_timeout_seconds", "0.5", "deadline of one sidecar call"),
+    ExtraConfigKey("load_timeout_seconds", "5.0", "deadline of the whole load of one request"),
+    ExtraConfigKey(
+        "chunk_size",
+        str(DEFAULT_CHUNK_SIZE),
+        "tokens per chunk, rounded up to a multiple of the block size; should equal the "
+        "sidecar's `chunk_size`",
+    ),
+    ExtraConfigKey(
+        "transfer_mode",
+        "`auto`",
+        "`auto` (ipc when the KV cache is on a GPU the sidecar sees, else host), `ipc` "
+        "(CUDA IPC: the sidecar copies straight into the KV cache) or `host` (copies "
+        "through the shared-memory arena)",
+    ),
+    ExtraConfigKey(
+        "load_async",
+        "`auto`",
+        "`auto` (a hit that reaches below L1 loads in the background while vLLM schedules "
+        "other work), `always` or `never`; hybrid models always load in the background",
+    ),
+    ExtraConfigKey(
+        "kv_cache_layout",
+        "unset",
+        "a vLLM KVCacheLayout to ask for (e.g. `BLNHC`: cross-layer blocks, one copy per "
+        "block); vLLM uses it when its attention backends can",
+    ),
+    ExtraConfigKey(
+        "curve_server_certificate",
+        "unset",
+        "the sidecar's public ZeroMQ CURVE certificate file, for a sidecar on a `tcp://` "
+        "endpoint that authenticates its clients; set with `curve_client_certificate`",
+    ),
+    ExtraConfigKey(
+        "curve_client_certificate",
+        "unset",
+        "this client's CURVE certificate file with its secret key (as `zmq.auth` writes "
+        "it); set with `curve_server_certificate`",
+    ),
+)
+KNOWN_KEYS = frozenset(key.name for key in EXTRA_CONFIG_KEYS)
+
+
+def check_known_keys(extra: dict[str, Any]) -> None:
+    """ValueError naming every key of ``extra`` the connector does not read, and
+    the keys it does: a misspelt key would otherwise be silently ignored."""
+    unknown = sorted(str(key) for key in extra if key not in KNOWN_KEYS)
+    if unknown:
+        known = ", ".join(key.name for key in EXTRA_CONFIG_KEYS)
+        raise ValueError(
+            f"kv_connector_extra_config: unknown key(s) {', '.join(map(repr, unknown))}; "
+            f"the kvstrata connector reads {known}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +167,8 @@ def settings_from_config(
 ) -> ConnectorSettings:
     """Read and check the connector's settings; ValueError names a bad key."""
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    endpoint = str(extra.get("endpoint") or f"ipc://{tempfile.gettempdir()}/kvstrata/sidecar.sock")
+    check_known_keys(extra)
+    endpoint = str(extra.get("endpoint") or default_endpoint())
     kv_cache_layout = getattr(kv_cache_config, "kv_cache_layout", None)
     layout = _layout(vllm_config, kv_cache_layout)
     groups = kv_cache_config.kv_cache_groups

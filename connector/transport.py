@@ -10,7 +10,6 @@ No vLLM or kopf imports here.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any
 import zmq
 
 from kvstrata.sidecar import protocol as p
+from kvstrata.sidecar.endpoint import listening
 
 __all__ = ["CONNECT_WAIT_S", "Channel", "CurveKeys"]
 
@@ -101,10 +101,11 @@ class Channel:
             self._sock = None
 
     def not_listening(self) -> bool:
-        """Nothing was ever sent and the endpoint is ``ipc://PATH`` with no PATH."""
-        if self._ever_sent or not self.endpoint.startswith("ipc://"):
+        """Nothing was ever sent and nothing is bound at the ``ipc://`` endpoint
+        (no socket file; for ``ipc://@NAME``, no such abstract socket)."""
+        if self._ever_sent:
             return False
-        return not os.path.exists(self.endpoint[len("ipc://") :])
+        return listening(self.endpoint) is False
 
     def send(self, frame: bytes, deadline: float) -> bool:
         """Send one frame; False when no connection takes it in time (a socket

@@ -22,7 +22,6 @@ Sizes accept integers (bytes) or Kubernetes quantities (``512Mi``, ``4Gi``,
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import tempfile
@@ -40,6 +39,8 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+
+from kvstrata.sidecar.endpoint import check_endpoint, default_endpoint, endpoint_is_local
 
 ENV_PREFIX = "KVSTRATA_"
 ENV_NESTING = "__"
@@ -93,6 +94,8 @@ ByteSize = Annotated[int, BeforeValidator(parse_quantity), Field(ge=0)]
 
 
 def _default_l2_path() -> str:
+    """``$XDG_CACHE_HOME/kvstrata/l2`` (``~/.cache`` for an unset ``XDG_CACHE_HOME``, the
+    temporary directory where that cannot be written): the default ``l2.path``."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     if not os.access(os.path.dirname(base.rstrip("/")) or "/", os.W_OK):
         base = tempfile.gettempdir()
@@ -109,7 +112,10 @@ class L1Config(_Section):
     """L1: the pinned CPU arena (a shared-memory segment)."""
 
     size_bytes: ByteSize = Field(1 << 30, description="arena size")
-    policy: Literal["lru", "lfu", "fifo", "s3fifo"] = Field("lru", description="eviction policy")
+    policy: Literal["lru", "lfu", "fifo", "s3fifo"] = Field(
+        "lru",
+        description="eviction policy (s3fifo: a small FIFO of ~10%, a main FIFO, a ghost queue)",
+    )
     prefix_aware: bool = Field(
         True, description="within one prefix chain, evict the tail before the head"
     )
@@ -134,8 +140,12 @@ class L1Config(_Section):
 class L2Config(_Section):
     """L2: a capacity-bounded directory of chunk files on local disk."""
 
-    enabled: bool = True
-    path: str = Field(default_factory=_default_l2_path, description="directory for chunk files")
+    enabled: bool = Field(True, description="keep a disk tier")
+    path: str = Field(
+        default_factory=_default_l2_path,
+        description="directory for chunk files, XX/KEY.kvs (KEY: the key in hex, XX: its last "
+        "2 digits), re-indexed from their headers at start",
+    )
     size_bytes: ByteSize = Field(4 << 30, description="bytes of chunk files kept on disk")
     write_queue_depth: int = Field(64, ge=1, description="pending writes before drops")
     namespace_quota_bytes: ByteSize | None = Field(
@@ -143,7 +153,7 @@ class L2Config(_Section):
         description="most file bytes one namespace (model/tenant fingerprint) may hold in L2; "
         "a write beyond it evicts that namespace's own least recent files first",
     )
-    writer_threads: int = Field(2, ge=1, le=64)
+    writer_threads: int = Field(2, ge=1, le=64, description="threads writing chunk files")
 
 
 class ValkeyConfig(_Section):
@@ -151,13 +161,19 @@ class ValkeyConfig(_Section):
 
     url: str = Field("redis://127.0.0.1:6379/0", description="redis:// or rediss:// (TLS) URL")
     cluster: bool = Field(False, description="Valkey Cluster mode (hash slots, redirections)")
-    username: str | None = None
+    username: str | None = Field(None, description="AUTH user (unset: the default user)")
     password_file: str | None = Field(None, description="file holding the AUTH password")
-    tls_ca_file: str | None = None
-    tls_insecure_skip_verify: bool = False
+    tls_ca_file: str | None = Field(
+        None, description="CA bundle that signs the server's TLS certificate"
+    )
+    tls_insecure_skip_verify: bool = Field(
+        False, description="accept any TLS certificate: no verification"
+    )
     ttl_seconds: int | None = Field(None, ge=1, description="expire objects after this long")
-    key_prefix: str = "kvstrata:"
-    pool_size: int = Field(16, ge=1)
+    key_prefix: str = Field(
+        "kvstrata:", description="prefix of every key this sidecar writes and reads"
+    )
+    pool_size: int = Field(16, ge=1, description="connections in the pool")
     timeout_seconds: float = Field(0.5, gt=0, description="deadline of one call")
 
 
@@ -165,16 +181,18 @@ class S3Config(_Section):
     """An S3 (or S3-compatible: MinIO, Ceph RGW) shared tier."""
 
     endpoint_url: str | None = Field(None, description="None means AWS' own endpoint")
-    region: str = "us-east-1"
-    bucket: str = "kvstrata"
-    prefix: str = "kvstrata/"
-    create_bucket: bool = False
+    region: str = Field("us-east-1", description="the bucket's region")
+    bucket: str = Field("kvstrata", description="bucket of the objects")
+    prefix: str = Field("kvstrata/", description="prefix of every object key")
+    create_bucket: bool = Field(False, description="create the bucket when it is missing")
     access_key_id_file: str | None = Field(None, description="else the default boto3 chain")
-    secret_access_key_file: str | None = None
-    max_concurrency: int = Field(8, ge=1, le=256)
-    multipart_threshold_bytes: ByteSize = Field(16 << 20)
-    multipart_chunk_bytes: ByteSize = Field(8 << 20)
-    max_attempts: int = Field(3, ge=1, le=20)
+    secret_access_key_file: str | None = Field(None, description="file holding the secret key")
+    max_concurrency: int = Field(8, ge=1, le=256, description="transfer threads")
+    multipart_threshold_bytes: ByteSize = Field(
+        16 << 20, description="objects from this size are uploaded in parts"
+    )
+    multipart_chunk_bytes: ByteSize = Field(8 << 20, description="size of one part")
+    max_attempts: int = Field(3, ge=1, le=20, description="attempts of one call, retries included")
     timeout_seconds: float = Field(5.0, gt=0, description="total deadline of one operation")
     # Expiry and the size cap are the bucket's (a lifecycle rule, the operator's
     # sweeper); the sidecar only keeps the objects it reads young.
@@ -195,15 +213,15 @@ class S3Config(_Section):
 class SharedConfig(_Section):
     """The shared (L3) tier: none, Valkey or S3."""
 
-    backend: Literal["none", "valkey", "s3"] = "none"
+    backend: Literal["none", "valkey", "s3"] = Field("none", description="the shared tier, if any")
     valkey: ValkeyConfig = Field(default_factory=ValkeyConfig)
     s3: S3Config = Field(default_factory=S3Config)
     codec: Literal["none", "zstd", "lz4"] = Field("none", description="lossless object codec")
     admission: Literal["all", "reused"] = Field(
         "all", description="all: write every chunk; reused: only chunks hit at least once"
     )
-    write_queue_depth: int = Field(64, ge=1)
-    writer_threads: int = Field(4, ge=1, le=64)
+    write_queue_depth: int = Field(64, ge=1, description="pending writes before drops (counted)")
+    writer_threads: int = Field(4, ge=1, le=64, description="threads writing into the shared tier")
     lookup_timeout_seconds: float = Field(
         0.05, gt=0, description="deadline for existence checks during lookup"
     )
@@ -211,46 +229,12 @@ class SharedConfig(_Section):
     breaker_reset_seconds: float = Field(10.0, gt=0, description="how long an open breaker skips")
 
 
-def check_endpoint(value: str) -> str:
-    """A ZeroMQ endpoint the sidecar can bind: ``ipc://PATH`` or ``tcp://HOST:PORT``.
-
-    Refused here rather than by ZeroMQ, which binds a random port for an
-    out-of-range one and reports other mistakes as a bare errno.
-    """
-    scheme, sep, rest = value.partition("://")
-    if not sep or scheme not in ("ipc", "tcp"):
-        raise ValueError(f"{value!r} is not ipc://PATH or tcp://HOST:PORT")
-    if scheme == "ipc":
-        if not rest:
-            raise ValueError(f"{value!r} names no socket path")
-        return value
-    host, colon, port = rest.rpartition(":")
-    if not colon or not host:
-        raise ValueError(f"{value!r} names no host and port (tcp://HOST:PORT)")
-    if port != "*" and not (port.isdigit() and 0 <= int(port) <= 65535):
-        raise ValueError(f"{value!r}: port {port!r} is not 0..65535 (or *)")
-    return value
-
-
-def endpoint_is_local(endpoint: str) -> bool:
-    """True for ``ipc://`` and for ``tcp://`` on a loopback address."""
-    if not endpoint.startswith("tcp://"):
-        return True
-    host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a wildcard, an interface name or a host name
-
-
 class ServerConfig(_Section):
     """The sidecar's endpoints."""
 
     endpoint: Annotated[str, AfterValidator(check_endpoint)] = Field(
-        default_factory=lambda: f"ipc://{tempfile.gettempdir()}/kvstrata/sidecar.sock",
-        description="ZeroMQ endpoint: ipc://PATH or tcp://HOST:PORT",
+        default_factory=default_endpoint,
+        description="ZeroMQ endpoint: ipc://PATH, ipc://@NAME (abstract socket) or tcp://HOST:PORT",
     )
     socket_group: str | None = Field(
         None,
@@ -345,8 +329,15 @@ class SidecarConfig(_Section):
     """The whole sidecar configuration."""
 
     chunk_size: int = Field(256, ge=1, description="tokens per chunk; a multiple of the block size")
-    transfer_mode: Literal["auto", "ipc", "host"] = "auto"
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    transfer_mode: Literal["auto", "ipc", "host"] = Field(
+        "auto",
+        description="auto: serve ipc mode where the csrc CUDA library finds a GPU, else host "
+        "(the reason given to clients at HELLO); ipc: the same, logged as a warning when it "
+        "cannot; host: copies through the shared-memory arena only",
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="least severe level logged"
+    )
     log_format: Literal["text", "json"] = Field(
         "text", description="text, or json: one object per line with the request id"
     )

@@ -2,8 +2,8 @@
 
 Why separate from :mod:`.server`: the server owns sockets, threads and
 timing; this module owns the meaning of each op against the engine and the
-session table, and is what a reader checks against the protocol table in
-:mod:`.protocol`.
+session table. The ops and their fields are listed in ``docs/protocol.md``,
+generated from the message definitions.
 
 Contract of :meth:`Handlers.handle`: it is called with a validated request
 and the caller's session (None only for HELLO and PING); it returns the

@@ -85,12 +85,13 @@ class KVLayerHandle:
 @dataclass(slots=True)
 class RegisterKVRequest(Message):
     op: ClassVar[str] = REGISTER_KV
-    device_uuid: str = ""
-    kv_cache_layout: str = ""
-    block_dim: int = 0
-    blocks_per_chunk: int = 1
-    dtype: str = ""
-    itemsize: int = 1
+    device_uuid: str = ""  # UUID of the GPU holding the KV tensors
+    kv_cache_layout: str = ""  # vLLM's KVCacheLayout name of the tensors
+    block_dim: int = 0  # the tensors' block dimension
+    blocks_per_chunk: int = 1  # vLLM blocks in one chunk
+    dtype: str = ""  # element type of the KV
+    itemsize: int = 1  # bytes per element
+    # per layer: [handle, offset, shape, strides, mapped_nbytes]
     layers: list[KVLayerHandle] = field(default_factory=list)
     # vLLM's block count when its attention kernels split each of its blocks
     # into several of the tensors' (block ids name vLLM's blocks); 0: the same.
@@ -125,8 +126,8 @@ class RegisterKVRequest(Message):
 @dataclass(slots=True)
 class RegisterKVReply(Message):
     op: ClassVar[str] = REGISTER_KV
-    layers: int = 0
-    chunk_nbytes: int = 0
+    layers: int = 0  # layers registered
+    chunk_nbytes: int = 0  # bytes of one chunk in the sidecar's plan
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> RegisterKVReply:
@@ -168,10 +169,12 @@ def _read_blocks(
 @dataclass(slots=True)
 class SaveBlocksRequest(Message):
     op: ClassVar[str] = SAVE_BLOCKS
-    keys: list[ChunkKey] = field(default_factory=list)
+    keys: list[ChunkKey] = field(default_factory=list)  # chunks to save
+    # per key, vLLM's block ids of the chunk (-1 not allowed)
     block_ids: list[list[int]] = field(default_factory=list)
+    # IPC handle of a CUDA event to wait for before reading the KV (nil: none)
     after_event: bytes | None = None
-    owner: str = ""
+    owner: str = ""  # the step or request the save belongs to
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> SaveBlocksRequest:
@@ -188,9 +191,10 @@ class SaveBlocksRequest(Message):
 @dataclass(slots=True)
 class LoadBlocksRequest(Message):
     op: ClassVar[str] = LOAD_BLOCKS
-    keys: list[ChunkKey] = field(default_factory=list)
+    keys: list[ChunkKey] = field(default_factory=list)  # chunks to load, in prefix order
+    # per key, vLLM's block ids to fill (-1: skip that block)
     block_ids: list[list[int]] = field(default_factory=list)
-    owner: str = ""
+    owner: str = ""  # the step or request the load belongs to
     runs: list[int] = field(default_factory=list)  # prefix lengths (one per request); empty: one
     after_event: bytes | None = None  # the copies wait for it (vLLM's queued work)
 

@@ -65,14 +65,6 @@ def restrict_socket_file(path: str, group: str | None) -> None:
     os.chmod(path, SOCKET_MODE)
 
 
-def ipc_path(endpoint: str) -> str | None:
-    """The socket file of an ``ipc://`` endpoint (None for tcp or abstract sockets)."""
-    if not endpoint.startswith("ipc://"):
-        return None
-    path = endpoint[len("ipc://") :]
-    return None if path.startswith("@") else path
-
-
 def liveness_path(ipc_socket_path: str) -> str:
     return ipc_socket_path + SUFFIX
 

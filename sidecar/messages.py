@@ -1,4 +1,4 @@
-"""Message bodies of the host-mode ops (see the op table in :mod:`.protocol`).
+"""Message bodies of the host-mode ops (every op and field: ``docs/protocol.md``).
 
 Each is a slotted dataclass typed as it is after validation: ``to_wire``
 gives the body map and ``from_wire`` validates one (raising
@@ -100,12 +100,13 @@ def _slots_from_wire(value: Any) -> list[SlotInfo | None]:
 @dataclass(slots=True)
 class HelloRequest(Message):
     op: ClassVar[str] = HELLO
-    client_id: str = ""
-    role: str = "worker"
-    fingerprint: bytes = b""
+    client_id: str = ""  # the client's own id (one per connector role and rank)
+    role: str = "worker"  # "scheduler" or "worker"
+    fingerprint: bytes = b""  # namespace fingerprint every key of the session must start with
+    # the namespace's fields (informational: the fingerprint is what is checked)
     namespace: dict[str, Any] | None = None
-    transfer_mode: str = "host"
-    pid: int = 0
+    transfer_mode: str = "host"  # "host" or "ipc": the mode asked for
+    pid: int = 0  # process id: logs, /status, which session a re-HELLO replaces
     fingerprints: list[bytes] = field(default_factory=list)  # more namespaces it may name
     kv_events: bool = False  # its vLLM publishes KV events: record the tiers' changes
 
@@ -140,13 +141,13 @@ def _read_fingerprint(value: Any, name: str) -> bytes:
 @dataclass(slots=True)
 class HelloReply(Message):
     op: ClassVar[str] = HELLO
-    session_id: str = ""
-    arena_name: str = ""
-    arena_size: int = 0
-    chunk_size: int = 0
-    server_version: str = ""
-    transfer_mode: str = "host"
-    lease_seconds: float = 0.0
+    session_id: str = ""  # names the session in every later request
+    arena_name: str = ""  # shared-memory segment of L1 to map (/dev/shm/NAME)
+    arena_size: int = 0  # bytes of that segment
+    chunk_size: int = 0  # the sidecar's tokens per chunk
+    server_version: str = ""  # the sidecar's version
+    transfer_mode: str = "host"  # the mode granted
+    lease_seconds: float = 0.0  # a lease not released by then expires
     fallback_reason: str = ""  # why an asked-for mode was not granted
     write_budget: int = 0  # bytes of uncommitted writes a session may hold (0: not said)
 
@@ -171,9 +172,9 @@ class HelloReply(Message):
 @dataclass(slots=True)
 class LookupRequest(Message):
     op: ClassVar[str] = LOOKUP
-    keys: list[ChunkKey] = field(default_factory=list)
-    prefetch: bool = False
-    owner: str = ""
+    keys: list[ChunkKey] = field(default_factory=list)  # chunk keys of the prompt, in order
+    prefetch: bool = False  # promote the hit chunks into L1 under leases of owner
+    owner: str = ""  # the vLLM request id the prefetch leases belong to
     groups: int = 1  # keys in this many equal runs, one per rank namespace
     # partials[i]: keys of partial chunks that may follow i full chunks,
     # longest first (optional, one namespace only; see kvstrata.sidecar.partials)
@@ -204,10 +205,10 @@ class LookupRequest(Message):
 @dataclass(slots=True)
 class LookupReply(Message):
     op: ClassVar[str] = LOOKUP
-    hit_chunks: int = 0
-    tiers: list[str] = field(default_factory=list)
+    hit_chunks: int = 0  # length of the prefix found, in chunks
+    tiers: list[str] = field(default_factory=list)  # per hit chunk: the tier it was found in
     partial: int = -1  # index into partials[hit_chunks] of the partial found; -1: none
-    partial_tier: str = ""
+    partial_tier: str = ""  # tier of the partial chunk found
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> LookupReply:
@@ -224,11 +225,11 @@ class LookupReply(Message):
 @dataclass(slots=True)
 class PrepareStoreRequest(Message):
     op: ClassVar[str] = PREPARE_STORE
-    keys: list[ChunkKey] = field(default_factory=list)
-    nbytes: int = 0
-    dtype: str = "uint8"
-    shape: tuple[int, ...] = ()
-    owner: str = ""
+    keys: list[ChunkKey] = field(default_factory=list)  # chunks to store
+    nbytes: int = 0  # bytes of each chunk
+    dtype: str = "uint8"  # element type of a chunk, as its slot reports it
+    shape: tuple[int, ...] = ()  # shape of a chunk, as its slot reports it
+    owner: str = ""  # the request (or step) the write leases belong to
     blocks: int = 0  # 0: full chunks; else partial chunks of this many blocks
     covers: list[ChunkKey] = field(default_factory=list)  # partials these supersede
 
@@ -254,6 +255,7 @@ class PrepareStoreRequest(Message):
 class SlotsReply(Message):
     """Reply of PREPARE_STORE and PREPARE_RETRIEVE: one slot or nil per key."""
 
+    # per key: an arena slot, or nil (store: skip the key; retrieve: a miss)
     slots: list[SlotInfo | None] = field(default_factory=list)
 
     def to_wire(self) -> dict[str, Any]:
@@ -267,7 +269,8 @@ class SlotsReply(Message):
 @dataclass(slots=True)
 class CommitStoreRequest(Message):
     op: ClassVar[str] = COMMIT_STORE
-    lease_ids: list[int] = field(default_factory=list)
+    lease_ids: list[int] = field(default_factory=list)  # write leases from PREPARE_STORE
+    # per lease: true to publish the chunk, false to drop it
     ok: list[bool] = field(default_factory=list)
 
     @classmethod
@@ -288,6 +291,7 @@ class CommitStoreRequest(Message):
 @dataclass(slots=True)
 class CommitStoreReply(Message):
     op: ClassVar[str] = COMMIT_STORE
+    # per lease id (or key): whether the chunk was published
     committed: list[bool] = field(default_factory=list)
 
     @classmethod
@@ -298,8 +302,8 @@ class CommitStoreReply(Message):
 @dataclass(slots=True)
 class PrepareRetrieveRequest(Message):
     op: ClassVar[str] = PREPARE_RETRIEVE
-    keys: list[ChunkKey] = field(default_factory=list)
-    owner: str = ""
+    keys: list[ChunkKey] = field(default_factory=list)  # chunks to read, in prefix order
+    owner: str = ""  # the request the read leases belong to
     runs: list[int] = field(default_factory=list)  # prefix lengths; empty: one run
     blocks: int = 0  # the block count every key must hold (0: full chunks)
 
@@ -317,7 +321,7 @@ class PrepareRetrieveRequest(Message):
 @dataclass(slots=True)
 class ReleaseRequest(Message):
     op: ClassVar[str] = RELEASE
-    lease_ids: list[int] = field(default_factory=list)
+    lease_ids: list[int] = field(default_factory=list)  # read leases to end
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> ReleaseRequest:
@@ -328,7 +332,7 @@ class ReleaseRequest(Message):
 class CountReply(Message):
     """Reply of RELEASE and END_REQUEST: how many leases were dropped."""
 
-    released: int = 0
+    released: int = 0  # leases ended
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> CountReply:
@@ -338,7 +342,7 @@ class CountReply(Message):
 @dataclass(slots=True)
 class EndRequestRequest(Message):
     op: ClassVar[str] = END_REQUEST
-    owner: str = ""
+    owner: str = ""  # ends every lease of this owner, prefetches on their way included
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> EndRequestRequest:
@@ -353,8 +357,8 @@ class PingRequest(Message):
 @dataclass(slots=True)
 class PingReply(Message):
     op: ClassVar[str] = PING
-    server_version: str = ""
-    session_valid: bool = False
+    server_version: str = ""  # the sidecar's version
+    session_valid: bool = False  # whether the request's session is known
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> PingReply:
@@ -372,6 +376,7 @@ class StatsRequest(Message):
 @dataclass(slots=True)
 class StatsReply(Message):
     op: ClassVar[str] = STATS
+    # the engine's counters, as /status shows them
     stats: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -393,8 +398,8 @@ class EventsRequest(Message):
     """The session's tier changes after sequence number ``after``."""
 
     op: ClassVar[str] = EVENTS
-    after: int = 0
-    limit: int = MAX_EVENTS
+    after: int = 0  # records after this sequence number (the last reply's next_seq)
+    limit: int = MAX_EVENTS  # most records in the reply
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> EventsRequest:
@@ -432,6 +437,7 @@ def _read_event(value: Any, name: str) -> TierEvent:
 @dataclass(slots=True)
 class EventsReply(Message):
     op: ClassVar[str] = EVENTS
+    # [seq, kind, tier, key] records, oldest first
     events: list[TierEvent] = field(default_factory=list)
     next_seq: int = 0  # ask for events after this next time
     lost: int = 0  # records that fell out of the sidecar's ring before this read
@@ -457,8 +463,8 @@ class EventsReply(Message):
 
 @dataclass(slots=True)
 class ErrorReply(Message):
-    code: str = E_INTERNAL
-    message: str = ""
+    code: str = E_INTERNAL  # one of the error codes below
+    message: str = ""  # what was wrong, naming the field
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> ErrorReply:

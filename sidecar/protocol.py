@@ -32,34 +32,14 @@ of its own (one per request of a step: a miss ends its run only). An error
 reply's body is
 ``{"code": str, "message": str}``; ``message`` names what was wrong.
 
-Ops (body fields; the dataclasses of :mod:`.messages` and :mod:`.ipc_messages` give
-the exact types):
-
-============== ========================================= ==========================================
-op             request                                   reply
-============== ========================================= ==========================================
-HELLO          client_id, role, fingerprint, namespace,  session_id, arena_name, arena_size,
-               transfer_mode, pid, [fingerprints],       chunk_size, server_version, transfer_mode,
-               [kv_events]                               lease_seconds
-LOOKUP         keys, prefetch, owner, [groups]           hit_chunks, tiers
-PREPARE_STORE  keys, nbytes, dtype, shape, owner         slots (one per key, nil = skip the key)
-COMMIT_STORE   lease_ids, ok                             committed (one bool per lease id)
-PREPARE_RETRIEVE keys, owner, [runs]                     slots (one per key, nil = miss)
-RELEASE        lease_ids                                 released
-END_REQUEST    owner                                     released
-PING           (nothing)                                 server_version, session_valid
-STATS          (nothing)                                 stats
-EVENTS         after, limit                              events, next_seq, lost, journal_id
-REGISTER_KV    device_uuid, kv_cache_layout, block_dim,  layers, chunk_nbytes
-               blocks_per_chunk, dtype, layers
-SAVE_BLOCKS    keys, block_ids, after_event, owner       committed (one bool per key)
-LOAD_BLOCKS    keys, block_ids, owner, [runs]            loaded (chunks, a prefix of each run),
-                                                         [loaded_runs] (per run)
-============== ========================================= ==========================================
+Ops: the ``REQUESTS`` and ``REPLIES`` tables below name each op's body
+dataclasses (:mod:`.messages`, :mod:`.ipc_messages`); ``docs/protocol.md``
+lists every op with its fields, the error codes and the limits, generated
+from those definitions by ``make docs``.
 
 HELLO's reply names the transfer mode granted: a client asking for ``ipc``
 gets ``host`` and a ``fallback_reason`` when the sidecar cannot serve it
-(no CUDA, another GPU). The last three ops are the ``ipc`` mode: the
+(no CUDA, another GPU). REGISTER_KV, SAVE_BLOCKS and LOAD_BLOCKS are the ``ipc`` mode: the
 worker registers CUDA IPC handles of its KV tensors once per session
 (``layers``: ``[handle, offset, shape, strides]`` per layer, ``offset`` in
 bytes from the start of the handle's allocation), then moves chunks by

@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from kvstrata.sidecar import protocol as p
+from kvstrata.sidecar.endpoint import ipc_path
 from kvstrata.sidecar.fdbudget import FdBudget, ListenerCounts, plan
 from kvstrata.sidecar.handlers import POOLED_OPS, POOLED_OPS_REMOTE, Handlers
 from kvstrata.sidecar.liveness import (
     LivenessListener,
-    ipc_path,
     liveness_path,
     restrict_socket_file,
     socket_umask,

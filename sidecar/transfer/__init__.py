@@ -1,8 +1,14 @@
 """The transfer path: moving chunks between vLLM's paged KV and chunk buffers.
 
-``plan`` reads the byte geometry of vLLM's KV tensors; ``torch_copy`` moves
-bytes by it with torch on any device; ``kernels`` binds the ``csrc/`` CUDA
-kernels (and their host build) that move all layers of many chunks in one
-launch. Nothing here imports vLLM; torch is imported only by the modules
-that copy, so the sidecar runs without it in host mode.
+* :mod:`.plan`: the byte geometry of vLLM's KV tensors, read from strides
+* :mod:`.torch_copy`: moves bytes by a plan with torch on any device
+* :mod:`.kernels`: ctypes binding of the ``csrc/`` CUDA kernels (and their
+  host build) that move all layers of many chunks in one launch
+* :mod:`.abi`: the C ABI of those libraries, declarations and argument checks
+* :mod:`.csrc_build`: how the ``csrc/`` libraries are compiled
+* :mod:`.cuda_device`: the sidecar's GPUs in ipc mode (IPC handles, events)
+* :mod:`.ipc`: the ipc transfer mode, in which the sidecar copies itself
+
+Nothing here imports vLLM; torch is imported only by the modules that copy,
+so the sidecar runs without it in host mode.
 """

@@ -45,6 +45,25 @@ def test_the_chart_ships_the_same_crd_byte_for_byte():
     assert (CHART / "crds" / "kvcache.yaml").read_bytes() == CRD.read_bytes()
 
 
+# The names AIBrix's KVCache CRD (kvcaches.orchestration.aibrix.ai) registers:
+# plural and singular only, no short names or categories
+# (vllm-project/aibrix, config/crd/orchestration/orchestration.aibrix.ai_kvcaches.yaml).
+OTHER_KVCACHE_NAMES = {"kvcaches", "kvcache"}
+
+
+def test_kubectl_can_name_our_kvcache_unambiguously_beside_another_kvcache_kind():
+    """``kubectl get kvcache`` is ambiguous with AIBrix installed; the short name,
+    the category and the full name are ours alone."""
+    doc = crd()
+    names = doc["spec"]["names"]
+    assert names["categories"] == ["kvstrata"]
+    assert not set(names["shortNames"]) & OTHER_KVCACHE_NAMES
+    assert not set(names["categories"]) & OTHER_KVCACHE_NAMES
+    assert doc["metadata"]["name"] == "kvcaches.kvstrata.io"
+    reference = (REPO / "docs" / "kvcache.md").read_text()
+    assert "`kvcaches.kvstrata.io`" in reference and "`kubectl get kvstrata`" in reference
+
+
 def test_the_crd_is_a_valid_customresourcedefinition(k8s_valid):
     doc = crd()
     k8s_valid(doc)

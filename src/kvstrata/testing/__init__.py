@@ -1,11 +1,10 @@
 """Harnesses for tests, benchmarks, ``kvstrata demo`` and ``kvstrata selftest``.
 
-Real processes and servers on one machine (:mod:`.sidecarproc`,
-:mod:`.servers`, :mod:`.localstack`), a locally built model
-(:mod:`.tinymodel`), the one poller they all wait with (:mod:`.poll`),
-reference data and doubles for copier tests (:mod:`.chunkref`,
-:mod:`.kvlayouts`, :mod:`.shmdevice`) and the GPU self-test
-(:mod:`.selftest`, :mod:`.gpuipc`, :mod:`.gpuworker`). Installed with the
-package so the command line can run them; never imported by the sidecar, the
-connector or the operator.
+Real processes and servers on one machine (a sidecar child process, Valkey,
+S3 and a loopback Kubernetes control plane), a locally built tiny model,
+the one poller they all wait with, reference data and named doubles for
+copier tests, and the GPU self-test. Each module's docstring says which
+(no list here: a partial one goes stale). Installed with the package so the
+command line can run them; never imported by the sidecar, the connector or
+the operator.
 """
