@@ -380,7 +380,7 @@ class KVStrataWorker:
         covers = [make_key(self._fingerprints[c.group], h) for c in chunks for h in c.covers]
         if self.client.transfer_mode == "ipc":
             event, handle = ipc.compute_done_event()
-            committed = self.client.save_blocks(
+            committed = self.client.ipc.save_blocks(
                 keys, [c.block_ids for c in chunks], handle, STEP_OWNER
             )
             del event  # the sidecar has waited for it
