@@ -33,7 +33,9 @@ for it (a long PREPARE_RETRIEVE promoting from L2) stops taking leases
 instead of pinning L1 for no one until they expire.
 
 Locking: one lock guards the index, leases, counters, write-behind's and
-prefetch's state; it is never held during a copy or any I/O. L2 is asked
+prefetch's state; it is never held during a copy or any I/O. Lookup,
+write-behind and prefetch share it (each module says why); promotion does
+not see it: it gets the engine's steps on the index as callables. L2 is asked
 through its tier interface (L2's own lock, taken inside ours, never the
 other way round).
 
