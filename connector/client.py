@@ -164,6 +164,11 @@ class SidecarClient:
         ids, else ``host`` (copies through the arena). Changes only at a HELLO."""
         return self._granted_mode
 
+    @property
+    def ipc_granted(self) -> bool:
+        """Whether the sidecar copies for this client (ipc mode) as of the last HELLO."""
+        return self._granted_mode == "ipc"
+
     def available(self) -> bool:
         """Connected now, as of the last call (no I/O)."""
         return self._connected and not self._closed

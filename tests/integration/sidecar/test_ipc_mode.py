@@ -204,8 +204,10 @@ def test_a_background_session_loads_through_the_same_handles(
     KV handles (opened once more, closed with it) and the sidecar scatters the
     chunks for it while the first session stays free."""
     from kvstrata.connector.async_loads import AsyncLoads, LoadReports
+    from kvstrata.connector.device import copies_for
     from kvstrata.connector.layout import detect_layout
-    from kvstrata.connector.metadata import ChunkTransfer, RequestTransfer
+    from kvstrata.connector.metadata import ChunkKeys, ChunkTransfer, RequestTransfer
+    from kvstrata.connector.transfer_path import HostPath, IpcPath
 
     worker, background = ipc_client(sidecar.endpoint), ipc_client(sidecar.endpoint)
     layout = detect_layout(kv.case.layers, kv_cache_layout="LBNHC", blocks_per_chunk=2)
@@ -220,7 +222,13 @@ def test_a_background_session_loads_through_the_same_handles(
         for t in layers:
             for b in (6, 7, 0, 11):
                 t[b].view(torch.uint8).fill_(POISON)
-        loads = AsyncLoads(background, [NAMESPACE.fingerprint()], (layout,), 5.0, reports, ipc=True)
+        host = HostPath(
+            background,
+            ChunkKeys([NAMESPACE.fingerprint()]),
+            (layout,),
+            copies_for(layout.device, 1),
+        )
+        loads = AsyncLoads(IpcPath(host, kv.registration()), 5.0, reports)
         blocks = [[6, 7], [0, 11]]
         chunks = [ChunkTransfer(bytes(k[-32:]), ids) for k, ids in zip(ks, blocks, strict=True)]
         loads.submit([RequestTransfer("r2", chunks, asynchronous=True)])
