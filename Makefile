@@ -17,7 +17,7 @@ help:
 	@echo "make test   - lint + the whole pytest suite but the image tests (installs what it needs)"
 	@echo "make bench  - every benchmark, JSON into bench/results/"
 	@echo "make lint   - ruff check + ruff format --check"
-	@echo "make dev    - re-link the editable install (after adding a module)"
+	@echo "make dev    - re-install in place (after changing csrc/ or the entry points)"
 	@echo "make docs   - regenerate the reference pages (docs/, chart README) from the code"
 	@echo "make images - the operator, sidecar and sidecar-cuda images (REGISTRY=, IMAGE_TAG=)"
 	@echo "make push-images - push them;  make image-test - build and run them here"
@@ -44,14 +44,14 @@ $(STAMP): pyproject.toml constraints.txt
 	@# The registry's torchvision/torchaudio/torchcodec are CUDA builds that
 	@# break on CPU torch; text models never import them.
 	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec
-	$(PIP) install -q -c constraints.txt -e '.[test,operator]' --config-settings editable_mode=strict
+	$(PIP) install -q -c constraints.txt -e '.[test,operator]'
 	@touch $@
 
 venv: $(STAMP)
 
 # Editable installs in strict mode link each file; a new module needs a re-link.
 dev: $(STAMP)
-	@$(PIP) install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
+	@$(PIP) install -q --no-deps --no-build-isolation -e .
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

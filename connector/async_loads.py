@@ -42,15 +42,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstrata.connector import ipc
-from kvstrata.connector.device import CudaCopies, copies_for
-from kvstrata.connector.leased_reads import LeasedReads, Sources
+from kvstrata.connector.device import CudaCopies
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from kvstrata.connector.client import SidecarClient
-    from kvstrata.connector.layout import ChunkLayout
+    from kvstrata.connector.leased_reads import Sources
     from kvstrata.connector.metadata import RequestTransfer
+    from kvstrata.connector.transfer_path import TransferPath
 
 logger = logging.getLogger(__name__)
 
@@ -126,27 +126,16 @@ class LoadReports:
 
 class AsyncLoads:
     """The worker's background loads (module docstring); ``submit`` is
-    called from vLLM's worker thread, outcomes go to ``reports``."""
+    called from vLLM's worker thread, outcomes go to ``reports``. ``path``:
+    how chunks move on the loader's own session (its client and copies are
+    this object's from now on)."""
 
-    def __init__(
-        self,
-        client: SidecarClient,
-        fingerprints: Sequence[bytes],
-        layouts: tuple[ChunkLayout, ...],
-        load_timeout_s: float,
-        reports: LoadReports,
-        ipc: bool = False,
-    ) -> None:
-        device = layouts[0].device
-        # The device's copies register our arena mapping (pinned for CUDA);
-        # their stream is the one our copies run on.
-        copies = copies_for(device, 1)
-        self.reads = LeasedReads(client, fingerprints, copies)
-        self.reads.layouts = layouts
+    def __init__(self, path: TransferPath, load_timeout_s: float, reports: LoadReports) -> None:
+        self.path = path
         self.load_timeout_s = load_timeout_s
         self.reports = reports
-        self.ipc = ipc  # the sidecar copies (ipc mode), while it grants ipc to ``client``
-        self._device = device
+        self._device = path.layouts[0].device
+        copies = path.copies
         self._stream = copies.stream if isinstance(copies, CudaCopies) else None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvstrata-loads", daemon=True)
@@ -157,7 +146,7 @@ class AsyncLoads:
         if not reqs:
             return
         after, handle = None, None
-        if self.ipc and self._device.type == "cuda":
+        if self.path.sidecar_copies and self._device.type == "cuda":
             # The sidecar scatters into our blocks: after the work vLLM queued.
             after, handle = ipc.compute_done_event()
         elif self._stream is not None:
@@ -169,21 +158,20 @@ class AsyncLoads:
         """Stop the thread (after the job in flight, if any) and close the session."""
         self._jobs.put(None)
         self._thread.join(timeout=CLOSE_JOIN_S)
-        self.reads.forget_arena()
-        self.reads.copies.close()
-        self.reads.client.close()
+        self.path.close()
+        self.path.client.close()
 
     # -- the loader thread ------------------------------------------------------
 
     @property
     def client(self) -> SidecarClient:
-        return self.reads.client
+        return self.path.client
 
     def _set_up(self) -> None:
         """Connect and map the arena now (a sidecar not up yet: the first job retries)."""
         try:
-            if self.reads.client.ping():
-                self.reads.arena()
+            if self.path.client.ping():
+                self.path.arena.tensor()
         except Exception:  # never fatal: the first job sets the session up again
             logger.exception("kvstrata: the background loader could not set its session up")
 
@@ -202,23 +190,17 @@ class AsyncLoads:
             self.reports.report(outcomes, time.perf_counter() - started)
 
     def _load(self, job: _Job) -> list[LoadOutcome]:
-        client = self.reads.client
-        if self.ipc and client.available() and client.transfer_mode != "ipc":
-            self.ipc = False  # the sidecar refused ipc for this session: copy through the arena
-        if self.ipc:
-            loaded = ipc.load_requests(client, self.reads.key, job.reqs, job.after_handle)
-            return [outcome_of(r, n) for r, n in zip(job.reqs, loaded, strict=True)]
         deadline = time.monotonic() + self.load_timeout_s
         try:
-            loaded = self.reads.load(
-                job.reqs, deadline, lambda work: self._copy_in(work, job.after)
+            loaded = self.path.load(
+                job.reqs, deadline, lambda work: self._copy_in(work, job.after), job.after_handle
             )
         finally:
-            self.reads.release_held()  # the copies are done (synchronised on CUDA)
+            self.path.release_loaded()  # the copies are done (synchronised on CUDA)
         return [outcome_of(r, n) for r, n in zip(job.reqs, loaded, strict=True)]
 
     def _copy_in(self, work: Sources, after: Any) -> None:
-        layouts = self.reads.layouts
+        layouts = self.path.layouts
         if self._stream is None:  # CPU: inline, while vLLM computes other blocks
             for chunk, src in work:
                 layouts[chunk.group].scatter(src, chunk.block_ids, chunk.first_block)

@@ -45,7 +45,7 @@ from typing import Any
 
 import zmq
 
-from kvstrata.connector.client_ipc import IpcOps
+from kvstrata.connector.client_ipc import REGISTER_TIMEOUT_S, IpcOps
 from kvstrata.connector.transport import Channel, CurveKeys
 from kvstrata.sidecar import liveness
 from kvstrata.sidecar import protocol as p
@@ -90,7 +90,7 @@ class _Arena:
         self.arena.close()
 
 
-class SidecarClient(IpcOps):
+class SidecarClient:
     """See the module docstring; the method contracts are in client_api terms:
     every method returns None/False on any sidecar problem."""
 
@@ -143,8 +143,8 @@ class SidecarClient(IpcOps):
         self._closed = False
         self.requested_mode = transfer_mode
         self._granted_mode = "host"
-        self._kv_registration: p.RegisterKVRequest | None = None
-        self._ipc_refused_logged = False
+        # ipc mode's operations and the KV registration they rest on.
+        self.ipc = IpcOps(self._call, self._count, self._bad_reply)
         self._live: socket.socket | None = None  # liveness connection (ipc:// only)
 
     # -- properties -----------------------------------------------------------
@@ -165,6 +165,11 @@ class SidecarClient(IpcOps):
         """``ipc`` while the sidecar serves this client's registered KV by block
         ids, else ``host`` (copies through the arena). Changes only at a HELLO."""
         return self._granted_mode
+
+    @property
+    def ipc_granted(self) -> bool:
+        """Whether the sidecar copies for this client (ipc mode) as of the last HELLO."""
+        return self._granted_mode == "ipc"
 
     def available(self) -> bool:
         """Connected now, as of the last call (no I/O)."""
@@ -294,6 +299,38 @@ class SidecarClient(IpcOps):
         reply = self._call(p.EVENTS, p.EventsRequest(after=after, limit=limit))
         return reply if isinstance(reply, p.EventsReply) else None
 
+    # -- ipc mode -------------------------------------------------------------------
+
+    @property
+    def ipc_fallback_reason(self) -> str:
+        """Why ipc mode is not used, once it was refused ("" until then)."""
+        return self.ipc.fallback_reason
+
+    def register_kv(self, body: p.RegisterKVRequest) -> None:
+        """Share the KV tensors for ipc mode: sent now and after every re-HELLO.
+
+        When the sidecar refuses (no GPU it can see, bad handles), the client
+        stays in host mode, says why once and counts ``ipc_fallback``.
+        """
+        with self._lock:
+            self.ipc.registration = body
+            if self._connected and self._granted_mode == "ipc":
+                timeout = max(self.call_timeout_s, REGISTER_TIMEOUT_S)
+                self._send_registration(time.monotonic() + timeout)
+
+    def ipc_unavailable(self, why: str) -> None:
+        """The worker cannot offer ipc mode (e.g. its KV has no CUDA IPC handle):
+        host mode, said once with ``why`` and counted as ``ipc_fallback``."""
+        with self._lock:
+            self.ipc.unavailable(why)
+
+    def _send_registration(self, deadline: float) -> None:
+        """Caller holds the lock: REGISTER_KV; host mode unless it is accepted."""
+        body = self.ipc.registration
+        assert body is not None  # callers check
+        if not self.ipc.accepted(self._roundtrip(p.REGISTER_KV, body, deadline)):
+            self._granted_mode = "host"
+
     def close(self) -> None:
         """Close the socket and unmap the arena; later calls return None/False."""
         with self._lock:
@@ -405,8 +442,8 @@ class SidecarClient(IpcOps):
         self._open_live(reply.session_id)
         self._granted_mode = reply.transfer_mode
         if self.requested_mode == "ipc" and reply.transfer_mode != "ipc":
-            self._ipc_fallback(reply.fallback_reason or "not served")
-        elif self._granted_mode == "ipc" and self._kv_registration is not None:
+            self.ipc.fall_back(reply.fallback_reason or "not served")
+        elif self._granted_mode == "ipc" and self.ipc.registration is not None:
             self._send_registration(deadline)
         logger.info(
             "connected to sidecar %s (epoch %d, %s mode)",

@@ -1,4 +1,4 @@
-"""The ipc-mode calls of :class:`~kvstrata.connector.client.SidecarClient`.
+"""The ipc-mode part of :class:`~kvstrata.connector.client.SidecarClient`.
 
 In ipc mode the worker shares its KV tensors once (REGISTER_KV, sent again
 after every re-HELLO) and then names block ids only: the sidecar copies
@@ -6,23 +6,24 @@ between vLLM's KV and its arena itself (SAVE_BLOCKS, LOAD_BLOCKS). A
 sidecar that refuses the registration leaves the client in host mode,
 said once and counted as ``ipc_fallback``.
 
-:class:`IpcOps` is a part of the client (its base class): it uses the
-client's lock, call path and counters, and keeps no state of its own but
-the registration to resend.
+:class:`IpcOps` is held by the client (``client.ipc``). It owns the
+registration to resend and why ipc mode is not used; it reaches the sidecar
+only through the callables it is given: ``call`` (one request under the
+client's deadline, retry and back-off policy), ``count`` (the client's
+error counters) and ``bad_reply`` (a reply refused: logged and counted).
+When to send the registration (at HELLO, under the client's lock) stays
+the client's decision: :meth:`IpcOps.accepted` judges the sidecar's answer.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.keys import ChunkKey
 
-__all__ = ["IpcOps"]
+__all__ = ["REGISTER_TIMEOUT_S", "IpcOps"]
 
 logger = logging.getLogger("kvstrata.connector.client")
 
@@ -32,42 +33,21 @@ logger = logging.getLogger("kvstrata.connector.client")
 # any step, so it may wait that long; resends after a re-HELLO keep the call deadline.
 REGISTER_TIMEOUT_S = 120.0
 
+Call = Callable[[str, p.Message], "p.Message | None"]
+
 
 class IpcOps:
-    """The client's ipc-mode operations (module docstring)."""
+    """The client's ipc-mode operations and registration (module docstring)."""
 
-    # Provided by the client.
-    _lock: threading.Lock
-    _connected: bool
-    _granted_mode: str
-    _kv_registration: p.RegisterKVRequest | None
-    _ipc_refused_logged: bool
-    call_timeout_s: float
-    ipc_fallback_reason: str = ""  # why ipc mode is not used, once it was refused
-
-    def _call(self, op: str, body: p.Message) -> p.Message | None:
-        raise NotImplementedError
-
-    def _roundtrip(self, op: str, body: p.Message, deadline: float) -> p.Message | None:
-        raise NotImplementedError
-
-    def _count(self, kind: str) -> None:
-        raise NotImplementedError
-
-    def _bad_reply(self, op: str, why: str) -> Any:
-        raise NotImplementedError
-
-    def register_kv(self, body: p.RegisterKVRequest) -> None:
-        """Share the KV tensors for ipc mode: sent now and after every re-HELLO.
-
-        When the sidecar refuses (no GPU it can see, bad handles), the client
-        stays in host mode, says why once and counts ``ipc_fallback``.
-        """
-        with self._lock:
-            self._kv_registration = body
-            if self._connected and self._granted_mode == "ipc":
-                timeout = max(self.call_timeout_s, REGISTER_TIMEOUT_S)
-                self._send_registration(time.monotonic() + timeout)
+    def __init__(
+        self, call: Call, count: Callable[[str], None], bad_reply: Callable[[str, str], None]
+    ) -> None:
+        self._call = call
+        self._count = count
+        self._bad_reply = bad_reply
+        self.registration: p.RegisterKVRequest | None = None  # resent after every HELLO
+        self.fallback_reason = ""  # why ipc mode is not used, once it was refused
+        self._refused_logged = False
 
     def save_blocks(
         self,
@@ -89,7 +69,8 @@ class IpcOps:
             return None
         committed = list(reply.committed)
         if len(committed) != len(keys):
-            return self._bad_reply(p.SAVE_BLOCKS, "wrong number of results")
+            self._bad_reply(p.SAVE_BLOCKS, "wrong number of results")
+            return None
         return committed
 
     def load_blocks(
@@ -127,37 +108,38 @@ class IpcOps:
             return None
         loaded = list(reply.loaded_runs)
         if len(loaded) != len(runs) or any(got > n for got, n in zip(loaded, runs, strict=True)):
-            return self._bad_reply(p.LOAD_BLOCKS, "loaded runs do not match the runs asked for")
+            self._bad_reply(p.LOAD_BLOCKS, "loaded runs do not match the runs asked for")
+            return None
         return loaded
 
-    def _send_registration(self, deadline: float) -> None:
-        body = self._kv_registration
-        assert body is not None  # callers check
-        reply = self._roundtrip(p.REGISTER_KV, body, deadline)
+    def accepted(self, reply: p.Message | None) -> bool:
+        """Whether the sidecar's answer to :attr:`registration` grants ipc mode;
+        when it does not, host mode is said once and counted."""
+        body = self.registration
+        assert body is not None  # the client sends it only when there is one
         if not isinstance(reply, p.RegisterKVReply):
             why = reply.message if isinstance(reply, p.ErrorReply) else "no answer"
-            self._granted_mode = "host"
-            self._ipc_fallback(f"REGISTER_KV refused: {why}")
-        elif body.chunk_nbytes and reply.chunk_nbytes != body.chunk_nbytes:
+            self.fall_back(f"REGISTER_KV refused: {why}")
+            return False
+        if body.chunk_nbytes and reply.chunk_nbytes != body.chunk_nbytes:
             # The sidecar would store chunks of another size than this worker's
             # layout: its bytes would not be this worker's chunks.
-            self._granted_mode = "host"
-            self._ipc_fallback(
+            self.fall_back(
                 f"REGISTER_KV: the sidecar plans {reply.chunk_nbytes}-byte chunks, "
                 f"this worker {body.chunk_nbytes}"
             )
+            return False
+        return True
 
-    def ipc_unavailable(self, why: str) -> None:
-        """The worker cannot offer ipc mode (e.g. its KV has no CUDA IPC handle):
-        host mode, said once with ``why`` and counted as ``ipc_fallback``."""
-        with self._lock:
-            self._kv_registration = None
-            self.ipc_fallback_reason = why
-            self._ipc_fallback(why)
+    def unavailable(self, why: str) -> None:
+        """The worker cannot offer ipc mode: nothing to register, host mode."""
+        self.registration = None
+        self.fall_back(why)
 
-    def _ipc_fallback(self, why: str) -> None:
-        self.ipc_fallback_reason = why
+    def fall_back(self, why: str) -> None:
+        """Host mode instead of ipc mode, for ``why``: counted, logged once."""
+        self.fallback_reason = why
         self._count("ipc_fallback")
-        if not self._ipc_refused_logged:
-            self._ipc_refused_logged = True
+        if not self._refused_logged:
+            self._refused_logged = True
             logger.warning("kvstrata: ipc transfer mode unavailable (%s); using host mode", why)

@@ -184,7 +184,7 @@ def load_requests(
     event = None
     if after_event is None and torch.cuda.is_available():
         event, after_event = compute_done_event()  # kept alive until the reply
-    loaded = client.load_block_runs(
+    loaded = client.ipc.load_block_runs(
         [key(c) for c in chunks],
         [load_block_ids(c) for c in chunks],
         STEP_OWNER,

@@ -5,30 +5,27 @@ before the forward pass (loads vLLM waits for), and on a thread of its own
 (loads vLLM lets finish in the background, :mod:`.async_loads`) -- each over
 its own sidecar session, so that a slow read never holds the other's socket.
 Both lease, check and release the same way; this is that way, for one client.
-
-A client's slots are byte ranges of the arena *it* mapped: the view here is
-re-made whenever the client's :attr:`~SidecarClient.epoch` changes (a
-sidecar restart re-maps the arena; slots of an older epoch are void).
+Saves do not come here: they write through the same
+:class:`~.arena_view.ArenaView` (:mod:`.transfer_path`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import warnings
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvstrata.sidecar.keys import make_key
+from kvstrata.connector.arena_view import slot_fits
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from kvstrata.connector.client import ArenaSlot, SidecarClient
-    from kvstrata.connector.device import DeviceCopies
+    from kvstrata.connector.arena_view import ArenaView
+    from kvstrata.connector.client import SidecarClient
     from kvstrata.connector.layout import ChunkLayout
-    from kvstrata.connector.metadata import ChunkTransfer, RequestTransfer
+    from kvstrata.connector.metadata import ChunkKeys, ChunkTransfer, RequestTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -40,56 +37,21 @@ Sources = list[tuple["ChunkTransfer", torch.Tensor]]
 
 class LeasedReads:
     """Read leases through ``client``; leases of returned chunks are held
-    (:attr:`held`) until :meth:`release_held`, after the copies from them."""
+    (:attr:`held`) until :meth:`release_held`, after the copies from them.
+    ``layouts``: one per KV cache group, to check each slot against."""
 
     def __init__(
-        self, client: SidecarClient, fingerprints: Sequence[bytes], copies: DeviceCopies
+        self,
+        client: SidecarClient,
+        keys: ChunkKeys,
+        arena: ArenaView,
+        layouts: tuple[ChunkLayout, ...],
     ) -> None:
         self.client = client
-        self.fingerprints = list(fingerprints)  # per KV cache group (this rank's)
-        self.copies = copies  # registers the arena view with the device (CUDA)
-        self.layouts: tuple[ChunkLayout, ...] = ()
+        self.keys = keys
+        self.arena = arena
+        self.layouts = layouts
         self.held: list[int] = []
-        self._view: torch.Tensor | None = None
-        self._epoch = -1
-
-    def key(self, chunk: ChunkTransfer) -> bytes:
-        """The chunk's key in its KV cache group's namespace (this rank's)."""
-        return make_key(self.fingerprints[chunk.group], chunk.chunk_hash)
-
-    def arena(self) -> torch.Tensor | None:
-        """The client's arena as one uint8 tensor, for its current epoch."""
-        epoch = self.client.epoch
-        if self._view is None or epoch != self._epoch:
-            self.copies.unregister_arena()
-            self._view = None
-            view = self.client.arena
-            if view is None:
-                return None
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # a writable view over shared memory
-                self._view = torch.frombuffer(view, dtype=torch.uint8)
-            self._epoch = epoch
-            self.copies.register_arena(self._view)
-        return self._view
-
-    def forget_arena(self) -> None:
-        self.copies.unregister_arena()
-        self._view = None
-
-    def slot_fits(self, slot: ArenaSlot, layout: ChunkLayout | None, blocks: int = 0) -> bool:
-        """Whether ``slot`` holds a chunk of ``layout`` (of ``blocks`` blocks
-        for a partial chunk, 0 for a full one)."""
-        if layout is None:
-            return False
-        nbytes = layout.partial_nbytes(blocks) if blocks else layout.chunk_nbytes
-        shape = layout.partial_shape(blocks) if blocks else layout.chunk_shape
-        return (
-            slot.length == nbytes
-            and slot.dtype == layout.dtype_str
-            and tuple(slot.shape) == shape
-            and slot.offset % layout.dtype.itemsize == 0
-        )
 
     def lease(self, reqs: Sequence[RequestTransfer], deadline: float) -> list[Sources]:
         """Lease every request's chunks in one call; per request, the arena
@@ -111,7 +73,7 @@ class LeasedReads:
         (0: full chunks), each run a prefix of its own."""
         out: list[Sources] = [[] for _ in runs]
         asked = [i for i, run in enumerate(runs) if run]
-        keys = [self.key(c) for i in asked for c in runs[i]]
+        keys = [self.keys.of(c) for i in asked for c in runs[i]]
         if not keys:
             return out
         slots = self.client.prepare_retrieve(
@@ -120,7 +82,7 @@ class LeasedReads:
         if slots is None:
             return out
         epoch = self.client.epoch
-        arena = self.arena()
+        arena = self.arena.tensor()
         rest: list[int] = []
         start = 0
         for i in asked:
@@ -131,7 +93,7 @@ class LeasedReads:
                 if slot is None or arena is None or self.client.epoch != epoch:
                     break
                 layout = self.layouts[chunk.group] if chunk.group < len(self.layouts) else None
-                if time.monotonic() > deadline or not self.slot_fits(slot, layout, blocks):
+                if time.monotonic() > deadline or not slot_fits(slot, layout, blocks):
                     logger.debug("kvstrata: slot %s refused (deadline or shape)", slot)
                     break
                 ready.append((chunk, arena[slot.offset : slot.offset + slot.length]))

@@ -12,9 +12,12 @@ holds the tensor-parallel rank), so each worker prefixes its own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvstrata.sidecar.keys import make_key
 
 ReqId = str
 
@@ -70,3 +73,19 @@ class KVStrataMetadata(KVConnectorMetadata):
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.finished)
+
+
+class ChunkKeys:
+    """A worker's keys of chunks: its fingerprint per KV cache group (this
+    rank's namespaces) + the chunk hash (module docstring)."""
+
+    def __init__(self, fingerprints: Sequence[bytes]) -> None:
+        self.fingerprints = list(fingerprints)
+
+    def of(self, chunk: ChunkTransfer) -> bytes:
+        """The chunk's key in its KV cache group's namespace."""
+        return make_key(self.fingerprints[chunk.group], chunk.chunk_hash)
+
+    def covered(self, chunks: Sequence[ChunkTransfer]) -> list[bytes]:
+        """Keys of the partial chunks ``chunks`` supersede."""
+        return [make_key(self.fingerprints[c.group], h) for c in chunks for h in c.covers]

@@ -62,7 +62,7 @@ from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, ReqId, 
 from kvstrata.connector.partial_chunks import partial_candidates
 from kvstrata.connector.scheduler_state import RequestState, SchedulerCounters
 from kvstrata.connector.settings import NULL_BLOCK_ID, KVGroup, rank_namespaces
-from kvstrata.connector.step_tracking import StepTracking
+from kvstrata.connector.step_tracking import StepTracker
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.keys import Namespace, chunk_keys_from_block_hashes
 
@@ -75,7 +75,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class KVStrataScheduler(StepTracking):
+class KVStrataScheduler:
     def __init__(self, settings: ConnectorSettings) -> None:
         self.settings = settings
         self.enabled = settings.layout is not None
@@ -98,6 +98,14 @@ class KVStrataScheduler(StepTracking):
             self._described = self.events.registry
         self.counters = SchedulerCounters()
         self._reqs: dict[ReqId, RequestState] = {}
+        self._steps = StepTracker(
+            settings,
+            self.groups,
+            self.counters,
+            enabled=self.enabled,
+            partials=self._partials,
+            describe=self._describe,
+        )
         # Background loads (load_kv_async): planned, to send with the next step;
         # sent, by request, with their blocks until the workers report them.
         self._async_planned: list[RequestTransfer] = []
@@ -364,7 +372,7 @@ class KVStrataScheduler(StepTracking):
         background, self._async_planned = self._async_planned, []
         meta = KVStrataMetadata(loads=list(background))
         try:
-            self._track_blocks(scheduler_output)
+            self._steps.track_blocks(scheduler_output, self._reqs)
             for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
                 state = self._reqs.get(req_id)
                 if state is None:
@@ -372,7 +380,7 @@ class KVStrataScheduler(StepTracking):
                 if state.load is not None:
                     meta.loads.append(state.load)
                     state.load = None
-                save = self._plan_save(state, state.num_computed + n_scheduled)
+                save = self._steps.plan_save(state, state.num_computed + n_scheduled)
                 if save is not None:
                     meta.saves.append(save)
         except Exception:

@@ -4,8 +4,11 @@ Why a module of its own: vLLM tells the scheduler role which blocks each
 request holds only through each step's ``SchedulerOutput`` (new requests,
 requests already running, preemptions); following that, and planning the
 saves it allows, is one job, apart from lookups and loads
-(:mod:`.scheduler`). A mixin of :class:`~.scheduler.KVStrataScheduler`: it
-reads the scheduler's settings, groups, counters and request states.
+(:mod:`.scheduler`). :class:`StepTracker` is held by
+:class:`~.scheduler.KVStrataScheduler`: it is given the settings, KV cache
+groups and counters it needs, is handed the request states of each step
+(the scheduler owns them) and tells the scheduler through ``describe``
+which chunks a save makes known (KV events).
 
 Saves: a chunk once all its tokens are computed (chunked prefill may take
 several steps), once per request, each group with its own blocks; the
@@ -15,6 +18,7 @@ supersedes, so the sidecar keeps one per prefix and chunk position).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from kvstrata.connector.metadata import ChunkTransfer, RequestTransfer
@@ -30,34 +34,46 @@ if TYPE_CHECKING:
     from kvstrata.connector.settings import ConnectorSettings, KVGroup
 
 
-class StepTracking:
-    """Follows each step's blocks and plans its saves (module docstring)."""
+class StepTracker:
+    """Follows each step's blocks and plans its saves (module docstring).
 
-    settings: ConnectorSettings
-    enabled: bool
-    groups: tuple[KVGroup, ...]
-    counters: SchedulerCounters
-    _reqs: dict[ReqId, RequestState]
-    _partials: bool
+    ``enabled``: the connector has a KV layout (else nothing is saved);
+    ``partials``: the prompt's partial chunk is saved too (one namespace);
+    ``describe(request, chunks)``: the chunks of ``request`` a save makes known."""
 
-    def _describe(self, request: Request, chunks: range) -> None:
-        raise NotImplementedError
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        groups: tuple[KVGroup, ...],
+        counters: SchedulerCounters,
+        *,
+        enabled: bool,
+        partials: bool,
+        describe: Callable[[Request, range], None],
+    ) -> None:
+        self.settings = settings
+        self.groups = groups
+        self.counters = counters
+        self.enabled = enabled
+        self.partials = partials
+        self._describe = describe
 
-    def _track_blocks(self, so: SchedulerOutput) -> None:
+    def track_blocks(self, so: SchedulerOutput, states: Mapping[ReqId, RequestState]) -> None:
+        """Update the blocks of every request in ``states`` that step ``so`` names."""
         for req_id in so.preempted_req_ids or ():
             self.counters.preemptions += 1
-            state = self._reqs.get(req_id)
+            state = states.get(req_id)
             if state is not None:
                 state.block_ids = []
                 state.load = None
         for new in so.scheduled_new_reqs:
-            state = self._reqs.get(new.req_id)
+            state = states.get(new.req_id)
             if state is not None:
                 state.block_ids = [list(ids) for ids in new.block_ids or ()]
                 state.num_computed = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            state = self._reqs.get(req_id)
+            state = states.get(req_id)
             if state is None:
                 continue
             new_blocks = cached.new_block_ids[i]
@@ -70,7 +86,8 @@ class StepTracking:
                     mine.extend(ids)
             state.num_computed = cached.num_computed_tokens[i]
 
-    def _plan_save(self, state: RequestState, computed_after: int) -> RequestTransfer | None:
+    def plan_save(self, state: RequestState, computed_after: int) -> RequestTransfer | None:
+        """The saves ``state``'s request allows once ``computed_after`` tokens are computed."""
         s = self.settings
         if not self.enabled or len(state.block_ids) != len(self.groups):
             return None
@@ -84,7 +101,7 @@ class StepTracking:
         bpc = s.blocks_per_chunk
         hashes = request.block_hashes
         own = (
-            partial_position(request.num_prompt_tokens, s.block_size, bpc) if self._partials else -1
+            partial_position(request.num_prompt_tokens, s.block_size, bpc) if self.partials else -1
         )
         chunks: list[ChunkTransfer] = []
         for c in range(state.stored_chunks, n_chunks):
@@ -93,7 +110,7 @@ class StepTracking:
             # prompt's own (a prompt that ends in chunk c never loads c whole).
             covers = (
                 []
-                if not self._partials or c == own
+                if not self.partials or c == own
                 else [bytes(h) for h in hashes[c * bpc : (c + 1) * bpc - 1]]
             )
             for group in self.groups:
@@ -111,7 +128,7 @@ class StepTracking:
             self._describe(request, range(state.stored_chunks, n_chunks))
             state.stored_chunks = n_chunks
         self.counters.chunks_to_save += len(chunks)
-        if self._partials and done == request.num_prompt_tokens and not state.partial_done:
+        if self.partials and done == request.num_prompt_tokens and not state.partial_done:
             chunks += self._plan_partial_save(state, n_chunks)
         return RequestTransfer(request.request_id, chunks) if chunks else None
 

@@ -20,6 +20,11 @@ mode; more pairs only when the step's chunks exceed what the sidecar lets
 one session hold uncommitted), under the step owner :data:`STEP_OWNER`
 (leases are ended by id, never by owner).
 
+How chunks move on a session -- copied here through the arena (host mode)
+or by the sidecar, told block ids (ipc mode) -- is one
+:class:`~kvstrata.connector.transfer_path.TransferPath`, chosen when vLLM
+registers its KV caches.
+
 Hybrid models (several KV cache groups): one :class:`ChunkLayout` per
 group over that group's layers; a chunk names its group, whose layout and
 namespace (key fingerprint) it is copied and stored with. ipc mode is for
@@ -55,9 +60,9 @@ from kvstrata.connector.client import SidecarClient
 from kvstrata.connector.client_ipc import REGISTER_TIMEOUT_S
 from kvstrata.connector.device import DeviceCopies, copies_for
 from kvstrata.connector.layout import ChunkLayout, UnsupportedLayoutError, detect_layout
-from kvstrata.connector.leased_reads import STEP_OWNER, LeasedReads, Sources
-from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, RequestTransfer
-from kvstrata.sidecar.keys import make_key
+from kvstrata.connector.leased_reads import Sources
+from kvstrata.connector.metadata import ChunkKeys, ChunkTransfer, KVStrataMetadata, RequestTransfer
+from kvstrata.connector.transfer_path import HostPath, IpcPath, TransferPath
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -103,20 +108,20 @@ class KVStrataWorker:
         self._namespaces = namespaces
         self.client = self._new_client(settings.call_timeout_s)
         # Key fingerprint per KV cache group (this rank's).
-        self._fingerprints = [self.client.fingerprint, *self.client.more_fingerprints]
+        self._keys = ChunkKeys([self.client.fingerprint, *self.client.more_fingerprints])
         self.layout: ChunkLayout | None = None  # group 0's (the only one but for hybrids)
         self.layouts: tuple[ChunkLayout, ...] = ()  # one per KV cache group
         self.counters = WorkerCounters()
         self._load_errors: set[int] = set()
-        self.copies: DeviceCopies = DeviceCopies()
-        # Loads vLLM waits for, on our main session; leases held until the copies end.
-        self.reads = LeasedReads(self.client, self._fingerprints, self.copies)
+        # How chunks move on our main session (host or ipc), chosen when the KV
+        # caches are registered; loads vLLM waits for hold their leases until
+        # the copies end.
+        self.transfer: TransferPath = HostPath(self.client, self._keys, (), DeviceCopies())
         # Loads vLLM lets finish in the background (load_kv_async), on a session
         # and thread of their own, set up when the KV is registered; reported
         # via get_finished.
         self.reports = LoadReports(whole_requests=len(settings.groups) > 1)
         self._background: AsyncLoads | None = None
-        self._ipc_registration: p.RegisterKVRequest | None = None  # ipc mode's KV handles
         # Set before register_kv_caches can return early (a refused layout):
         # wait_for_layer_load reads them on every layer whatever happened.
         self._layer_index: dict[str, int] = {}
@@ -154,12 +159,13 @@ class KVStrataWorker:
             return
         self.layout = self.layouts[0]
         hybrid = len(self.layouts) > 1
+        registration = None
         if self.layout.device.type == "cuda" and s.transfer_mode != "host" and not hybrid:
-            self._ask_for_ipc()
-        self.reads.forget_arena()
-        self.copies.close()
-        self.copies = copies_for(self.layout.device, sum(g.plan.num_layers for g in self.layouts))
-        self.reads.copies, self.reads.layouts = self.copies, self.layouts
+            registration = self._ask_for_ipc()
+        self.transfer.close()
+        copies = copies_for(self.layout.device, sum(g.plan.num_layers for g in self.layouts))
+        host = HostPath(self.client, self._keys, self.layouts, copies)
+        self.transfer = host if registration is None else IpcPath(host, registration)
         self._layer_index, self._layer_offsets = {}, []
         for layout in self.layouts:
             offset = sum(g.plan.num_layers for g in self.layouts[: len(self._layer_offsets)])
@@ -177,8 +183,14 @@ class KVStrataWorker:
             self.layout.chunk_shape,
         )
 
-    def _ask_for_ipc(self) -> None:
-        """Offer the sidecar our KV by CUDA IPC; host mode stays if it declines."""
+    @property
+    def copies(self) -> DeviceCopies:
+        """Where this worker's copies run (see :mod:`.device`)."""
+        return self.transfer.copies
+
+    def _ask_for_ipc(self) -> p.RegisterKVRequest | None:
+        """Offer the sidecar our KV by CUDA IPC; the registration, or None when
+        it cannot be made (host mode stays also when the sidecar declines)."""
         layout = self.layout
         assert layout is not None  # checked by the caller
         try:
@@ -192,12 +204,11 @@ class KVStrataWorker:
             )
         except ipc.IpcExportError as exc:
             self.client.ipc_unavailable(f"cannot export the KV: {exc}")
-            return
+            return None
         except Exception as exc:
             logger.exception("kvstrata: cannot export the KV for ipc mode")
             self.client.ipc_unavailable(f"cannot export the KV: {exc}")
-            return
-        self._ipc_registration = body
+            return None
         self.client.requested_mode = "ipc"
         self.client.register_kv(body)
         # Connect now (the mode is decided at HELLO) with the patience of a first
@@ -208,6 +219,7 @@ class KVStrataWorker:
             self.client.stats()
         finally:
             self.client.call_timeout_s = call_timeout_s
+        return body
 
     # -- loads --------------------------------------------------------------------
 
@@ -248,18 +260,10 @@ class KVStrataWorker:
         if self.layout is None:
             return
         client = self._new_client(self.settings.load_timeout_s)
-        if self._ipc() and self._ipc_registration is not None:
-            # The sidecar copies into our KV for this session too.
-            client.requested_mode = "ipc"
-            client.register_kv(self._ipc_registration)
-        self._background = AsyncLoads(
-            client,
-            self._fingerprints,
-            self.layouts,
-            self.settings.load_timeout_s,
-            self.reports,
-            ipc=client.requested_mode == "ipc",
-        )
+        # The device's copies register its arena mapping (pinned for CUDA);
+        # their stream is the one its copies run on.
+        path = self.transfer.for_session(client, copies_for(self.layout.device, 1))
+        self._background = AsyncLoads(path, self.settings.load_timeout_s, self.reports)
 
     def _start_background(self, reqs: list[RequestTransfer]) -> None:
         self.counters.async_loads += len(reqs)
@@ -268,18 +272,13 @@ class KVStrataWorker:
         else:  # no usable layout: nothing loads; reported with this step's get_finished
             self.reports.report([outcome_of(r, 0) for r in reqs])
 
-    def _ipc(self) -> bool:
-        return self.client.transfer_mode == "ipc"
-
     def _load_inline(self, reqs: list[RequestTransfer]) -> list[int]:
         """Load ``reqs`` before this step's forward pass; per request, how many
         of its leading chunks were (or, on CUDA, are being) copied."""
-        if self.layout is not None and self._ipc():
-            return ipc.load_requests(self.client, self.reads.key, reqs)
         if self.layout is None:
             return [0] * len(reqs)
         deadline = time.monotonic() + self.settings.load_timeout_s
-        loaded = self.reads.load(reqs, deadline, self._copy_in)
+        loaded = self.transfer.load(reqs, deadline, self._copy_in)
         if not self.copies.asynchronous:
             self._finish_loads()
         return loaded
@@ -328,9 +327,9 @@ class KVStrataWorker:
 
     def _finish_loads(self) -> None:
         """Release the leases of finished loads (waits for the copies on CUDA)."""
-        if self.reads.held:
+        if self.transfer.loads_held():
             self.copies.loads_done()
-            self.reads.release_held()
+            self.transfer.release_loaded()
 
     def take_load_errors(self) -> set[int]:
         """Blocks a load of this step failed to fill (vLLM recomputes them)."""
@@ -359,10 +358,10 @@ class KVStrataWorker:
             batches = [(full[i : i + per_call], 0) for i in range(0, len(full), per_call)]
             # Partial chunks (one per prompt, its own block count): host mode only.
             for chunk in (c for c in chunks if c.partial):
-                if self.client.transfer_mode == "ipc":
-                    self.counters.save_skipped_chunks += 1
-                else:
+                if self.transfer.saves_partial_chunks():
                     batches.append(([chunk], len(chunk.block_ids)))
+                else:
+                    self.counters.save_skipped_chunks += 1
             for batch, blocks in batches:
                 try:
                     self._save_chunks(batch, layout, blocks)
@@ -376,67 +375,17 @@ class KVStrataWorker:
     ) -> None:
         """Save chunks of one KV cache group, all of ``blocks`` blocks (0: full
         chunks), in one PREPARE_STORE + COMMIT_STORE (one SAVE_BLOCKS in ipc mode)."""
-        keys = [self.reads.key(c) for c in chunks]
-        covers = [make_key(self._fingerprints[c.group], h) for c in chunks for h in c.covers]
-        if self.client.transfer_mode == "ipc":
-            event, handle = ipc.compute_done_event()
-            committed = self.client.save_blocks(
-                keys, [c.block_ids for c in chunks], handle, STEP_OWNER
-            )
-            del event  # the sidecar has waited for it
-            if committed is None:
-                self.counters.save_dropped_chunks += len(chunks)
-            else:
-                self.counters.saved_chunks += sum(committed)
-                self.counters.save_skipped_chunks += len(committed) - sum(committed)
-            return
-        nbytes = layout.partial_nbytes(blocks) if blocks else layout.chunk_nbytes
-        shape = layout.partial_shape(blocks) if blocks else layout.chunk_shape
-        slots = self.client.prepare_store(
-            keys,
-            nbytes,
-            layout.dtype_str,
-            shape,
-            owner=STEP_OWNER,
-            blocks=blocks,
-            covers=covers,
-        )
-        if slots is None:
-            self.counters.save_dropped_chunks += len(chunks)
-            return
-        arena = self.reads.arena()
-        lease_ids: list[int] = []
-        ok: list[bool] = []
-        for chunk, slot in zip(chunks, slots, strict=False):
-            if slot is None:
-                self.counters.save_skipped_chunks += 1
-                continue
-            good = arena is not None and self.reads.slot_fits(slot, layout, blocks)
-            if good and arena is not None:
-                try:
-                    with self.copies.saving():
-                        layout.gather(
-                            chunk.block_ids, arena[slot.offset : slot.offset + slot.length]
-                        )
-                except (RuntimeError, IndexError, ValueError):
-                    logger.exception("kvstrata: copy into slot %d failed", slot.lease_id)
-                    good = False
-            lease_ids.append(slot.lease_id)
-            ok.append(good)
-        if not lease_ids:
-            return
-        if self.client.commit_store(lease_ids, ok):
-            self.counters.saved_chunks += sum(ok)
-        else:
-            self.counters.save_dropped_chunks += len(lease_ids)
+        done = self.transfer.save(chunks, layout, blocks)
+        self.counters.saved_chunks += done.saved
+        self.counters.save_skipped_chunks += done.skipped
+        self.counters.save_dropped_chunks += done.dropped
 
     def close(self) -> None:
         if self._background is not None:
             self._background.close()
         with contextlib.suppress(Exception):
             self._finish_loads()
-        self.reads.forget_arena()
-        self.copies.close()
+        self.transfer.close()
         self.client.close()
 
 

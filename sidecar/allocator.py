@@ -5,7 +5,7 @@ partial layouts, tiny test shapes share one arena). Best-fit keeps large
 extents whole for large objects, and merging a freed extent with its free
 neighbours at once means the free space never shatters into pieces that
 no object fits (the death spiral of a plain free list). The churn test in
-``tests/unit/test_allocator.py`` measures what remains.
+``tests/unit/sidecar/test_allocator.py`` measures what remains.
 
 State (in process memory only; nothing is persisted):
 

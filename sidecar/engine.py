@@ -38,7 +38,9 @@ for it (a long PREPARE_RETRIEVE promoting from L2) stops taking leases
 instead of pinning L1 for no one until they expire.
 
 Locking: one lock guards the index, leases, counters, write-behind's and
-prefetch's state; it is never held during a copy or any I/O. L2 is asked
+prefetch's state; it is never held during a copy or any I/O. Lookup,
+write-behind and prefetch share it (each module says why); promotion does
+not see it: it gets the engine's steps on the index as callables. L2 is asked
 through its tier interface (L2's own lock, taken inside ours, never the
 other way round).
 
@@ -64,7 +66,7 @@ from kvstrata.sidecar.lookup import LookupResult, PrefixLookup
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.partials import blocks_match, entry_is_partial, is_partial
 from kvstrata.sidecar.prefetch import Prefetcher
-from kvstrata.sidecar.promotion import Promotion
+from kvstrata.sidecar.promotion import IndexSteps, Promotion
 from kvstrata.sidecar.tiers.base import Tier, TierStats
 from kvstrata.sidecar.tiers.disk import DiskTier
 from kvstrata.sidecar.writeback import WriteBehind
@@ -88,7 +90,7 @@ class EngineStats:
     counters: dict[str, int] = field(default_factory=dict)
 
 
-class StorageManager(Promotion):
+class StorageManager:
     """L1 + L2 + shared tier behind one thread-safe API (module docstring)."""
 
     def __init__(self, config: SidecarConfig, shared_tier: Tier | None = None) -> None:
@@ -129,6 +131,16 @@ class StorageManager(Promotion):
         except BaseException:
             self.arena.close()
             raise
+        self._promotion = Promotion(
+            self._buf,
+            self.l2,
+            shared_tier,
+            IndexSteps(
+                reserve=self._reserve_promotion,
+                publish=self._publish_promotion,
+                fail=self._fail_promotion,
+            ),
+        )
         self._lookup = PrefixLookup(self._lock, self._store, self.l2, shared_tier, self._count)
         # A prefetch's lease only pins a chunk ahead of the read that follows
         # (PREPARE_RETRIEVE takes its own lease): counted apart, so that
@@ -361,7 +373,7 @@ class StorageManager(Promotion):
         self._wb.submit()
         if slot is not None or key in self._store.entries:
             return slot
-        return self._promote(key, owner, prefetch)
+        return self._promotion.promote(key, owner, prefetch)
 
     def _acquire_local(self, key: ChunkKey, owner: str, prefetch: bool = False) -> Slot | None:
         """Caller holds the lock. Waits for an in-flight promotion of ``key``."""
@@ -378,6 +390,46 @@ class StorageManager(Promotion):
             if left <= 0:
                 return None
             self._cond.wait(left)
+
+    # -- promotion's steps on the index (see :mod:`.promotion`) ---------------
+
+    def _reserve_promotion(
+        self, key: ChunkKey, nbytes: int, meta: ChunkMeta, owner: str, prefetch: bool
+    ) -> tuple[Entry | None, Slot | None]:
+        """(entry to fill, None) or (None, a read lease when it appeared meanwhile)."""
+        with self._lock:
+            entry = self._store.reserve(key, nbytes, meta, read_now=True)
+            if entry is not None:
+                entry.promoting = True
+                return entry, None
+            slot = self._acquire_local(key, owner, prefetch)
+        self._wb.submit()
+        return None, slot
+
+    def _publish_promotion(
+        self, entry: Entry, meta: ChunkMeta, owner: str, tier: str, prefetch: bool
+    ) -> Slot | None:
+        with self._lock:
+            entry.promoting = False
+            self._cond.notify_all()
+            if tier != "l2":
+                self._wb.note_shared(entry.key)
+            if entry.dead:
+                self._store.unpin(entry)
+                return None
+            entry.meta = meta
+            self._store.publish(entry)
+            self._count(f"promotions_total_{tier}")
+            self._wb.promoted(entry, tier)
+            slot = self._read_lease(entry, owner, prefetch)
+            self._store.unpin(entry)  # the fill pin; the read lease keeps its own
+        self._wb.submit()
+        return slot
+
+    def _fail_promotion(self, entry: Entry) -> None:
+        with self._lock:
+            self._count("promotion_failed_total")
+            self._abort_entry(entry)
 
     def release(self, slot: Slot) -> None:
         """End a read lease."""

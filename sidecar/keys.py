@@ -13,7 +13,7 @@ client that only has token ids reproduces them with :class:`BlockHasher`.
 
 vLLM's chain (``vllm.v1.core.kv_cache_utils.hash_block_tokens`` with the
 default ``sha256_cbor``, checked against vLLM 0.32 by
-``tests/unit/test_keys.py``)::
+``tests/unit/sidecar/test_keys.py``)::
 
     NONE_HASH  = sha256(cbor(seed))          seed = $PYTHONHASHSEED or "vllm-none-hash"
     hash(b_i)  = sha256(cbor((hash(b_{i-1}) or NONE_HASH, tuple(tokens_i), extra_keys)))

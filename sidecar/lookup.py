@@ -6,6 +6,12 @@ every scheduler step; the engine answers it through this object, which
 reads the L1 index under the engine's lock and L2 through its tier
 interface (L2's own lock), and asks the shared tier without any lock held.
 
+Why the engine's lock and not one of its own: the L1 index is not
+thread-safe by itself, and the engine's one lock is what keeps it, the
+leases and the counters consistent with each other (a chunk being evicted,
+promoted or published changes all three at once). The walk must see the
+index as that lock leaves it; its counts (``count``) are made under it too.
+
 A chunk counts for what a retrieve of it would get: a full-chunk key
 holding a partial chunk (its header's block count is not 0) is no hit, and
 a partial candidate holding a full chunk is none either (see

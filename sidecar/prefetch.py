@@ -13,7 +13,12 @@ State (process memory only)::
     ended:       owners released while their prefetches ran
 
 Locking: it shares the engine's lock (and its condition); methods say
-whether the caller holds it.
+whether the caller holds it. Why shared: a release of an owner (the engine,
+under its lock, ending that owner's leases) and a prefetch landing for it
+must be one step against the other -- a lease taken after the release was
+decided must be ended (``end_lease``, which works on the engine's lease
+table) and none taken before it may be missed. With a lock of its own, the
+ended-owner set and the lease table could disagree between the two.
 """
 
 from __future__ import annotations

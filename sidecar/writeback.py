@@ -21,6 +21,9 @@ in ``writeback_skipped_total`` -- only if evicted before their turn. A slow
 disk thus costs L2 copies, never L1 stores.
 
 Locking: it shares the engine's lock (the one that guards the L1 index).
+Why shared: write-behind pins and unpins L1 entries (a write's done
+callback, on the writer's thread), and eviction decides on those pins under
+the engine's lock; the pin counts and the index must change together.
 Every method except :meth:`submit`, :meth:`flush`, :meth:`tier_stats` and
 :meth:`close` is called with that lock held; :meth:`submit` is called
 without it after each such call, because a queue that drops a job calls

@@ -15,6 +15,10 @@ the KVCache, reading the server version, rendering, posting the Event,
 counting the metric. ``kopf.event`` is kopf's real one in this module, as in
 the operator: the webhook must not depend on it (kopf's event queue does not
 exist in the admission handler's context, where it raises ``LookupError``).
+
+kopf serves admission publicly only from a whole running operator (which
+logs in to a cluster), so this test reaches into kopf's private modules;
+constraints.txt pins the kopf version it was written against.
 """
 
 from __future__ import annotations

@@ -161,14 +161,14 @@ def test_blocks_saved_and_loaded_by_the_sidecar_come_back_byte_for_byte(
 
         ks = keys(2, "round-trip")
         event = b"\x07" * p.IPC_HANDLE_BYTES
-        assert client.save_blocks(ks, [[3, 4], [9, 1]], event, "r1") == [True, True]
+        assert client.ipc.save_blocks(ks, [[3, 4], [9, 1]], event, "r1") == [True, True]
         assert sidecar.device.events_waited == [event]  # copies ordered after vLLM's event
 
         layers = list(kv.case.layers.values())
         for t in layers:
             for b in (6, 7, 0, 11):
                 t[b].view(torch.uint8).fill_(POISON)
-        assert client.load_blocks(ks, [[6, 7], [0, 11]], "r2") == 2
+        assert client.ipc.load_blocks(ks, [[6, 7], [0, 11]], "r2") == 2
         for t in layers:
             for src, dst in ((3, 6), (4, 7), (9, 0), (1, 11)):
                 assert torch.equal(kv.block(t, dst), kv.block(t, src))
@@ -183,13 +183,13 @@ def test_a_load_fills_only_the_stored_prefix_and_skips_negative_block_ids(
     try:
         client.register_kv(kv.registration())
         stored, missing = keys(1, "prefix"), keys(1, "absent")
-        assert client.save_blocks(stored, [[2, 5]], None, "r1") == [True]
+        assert client.ipc.save_blocks(stored, [[2, 5]], None, "r1") == [True]
         layers = list(kv.case.layers.values())
         for t in layers:
             for b in (8, 10):
                 t[b].view(torch.uint8).fill_(POISON)
         # Block 8 is vLLM's own prefix-cache hit: -1 leaves it alone.
-        assert client.load_blocks(stored + missing, [[-1, 10], [3, 4]], "r2") == 1
+        assert client.ipc.load_blocks(stored + missing, [[-1, 10], [3, 4]], "r2") == 1
         for t in layers:
             assert torch.all(kv.block(t, 8) == POISON)
             assert torch.equal(kv.block(t, 10), kv.block(t, 5))
@@ -204,8 +204,10 @@ def test_a_background_session_loads_through_the_same_handles(
     KV handles (opened once more, closed with it) and the sidecar scatters the
     chunks for it while the first session stays free."""
     from kvstrata.connector.async_loads import AsyncLoads, LoadReports
+    from kvstrata.connector.device import copies_for
     from kvstrata.connector.layout import detect_layout
-    from kvstrata.connector.metadata import ChunkTransfer, RequestTransfer
+    from kvstrata.connector.metadata import ChunkKeys, ChunkTransfer, RequestTransfer
+    from kvstrata.connector.transfer_path import HostPath, IpcPath
 
     worker, background = ipc_client(sidecar.endpoint), ipc_client(sidecar.endpoint)
     layout = detect_layout(kv.case.layers, kv_cache_layout="LBNHC", blocks_per_chunk=2)
@@ -215,12 +217,18 @@ def test_a_background_session_loads_through_the_same_handles(
         worker.register_kv(kv.registration())
         background.register_kv(kv.registration())
         ks = keys(2, "background")
-        assert worker.save_blocks(ks, [[3, 4], [9, 1]], None, "r1") == [True, True]
+        assert worker.ipc.save_blocks(ks, [[3, 4], [9, 1]], None, "r1") == [True, True]
         layers = list(kv.case.layers.values())
         for t in layers:
             for b in (6, 7, 0, 11):
                 t[b].view(torch.uint8).fill_(POISON)
-        loads = AsyncLoads(background, [NAMESPACE.fingerprint()], (layout,), 5.0, reports, ipc=True)
+        host = HostPath(
+            background,
+            ChunkKeys([NAMESPACE.fingerprint()]),
+            (layout,),
+            copies_for(layout.device, 1),
+        )
+        loads = AsyncLoads(IpcPath(host, kv.registration()), 5.0, reports)
         blocks = [[6, 7], [0, 11]]
         chunks = [ChunkTransfer(bytes(k[-32:]), ids) for k, ids in zip(ks, blocks, strict=True)]
         loads.submit([RequestTransfer("r2", chunks, asynchronous=True)])
@@ -254,7 +262,7 @@ def test_one_load_of_several_runs_fills_each_runs_stored_prefix(
     try:
         client.register_kv(kv.registration())
         a, b = keys(2, "run-a"), keys(2, "run-b")
-        assert client.save_blocks([a[0], a[1], b[1]], [[1, 2], [3, 4], [5, 6]], None, "s") == [
+        assert client.ipc.save_blocks([a[0], a[1], b[1]], [[1, 2], [3, 4], [5, 6]], None, "s") == [
             True,
             True,
             True,
@@ -264,14 +272,14 @@ def test_one_load_of_several_runs_fills_each_runs_stored_prefix(
             for blk in (7, 8, 9, 10, 11, 0):
                 t[blk].view(torch.uint8).fill_(POISON)
         # Run 1: a[0], a[1] (both stored); run 2: b[0] (missing), b[1] (stored, after the miss).
-        loaded = client.load_block_runs(a + b, [[7, 8], [9, 10], [11, 0], [11, 0]], "r", [2, 2])
+        loaded = client.ipc.load_block_runs(a + b, [[7, 8], [9, 10], [11, 0], [11, 0]], "r", [2, 2])
         assert loaded == [2, 0]
         for t in layers:
             for src, dst in ((1, 7), (2, 8), (3, 9), (4, 10)):
                 assert torch.equal(kv.block(t, dst), kv.block(t, src))
             for blk in (11, 0):  # run 2 loaded nothing
                 assert torch.all(kv.block(t, blk) == POISON)
-        assert client.load_block_runs(a, [[7, 8], [9, 10]], "r", [1, 2]) is None  # runs != keys
+        assert client.ipc.load_block_runs(a, [[7, 8], [9, 10]], "r", [1, 2]) is None  # runs != keys
         assert client.errors.get("bad_argument") == 1
     finally:
         client.close()
@@ -283,10 +291,10 @@ def test_out_of_range_blocks_are_refused_and_the_sidecar_keeps_serving(
     client = ipc_client(sidecar.endpoint)
     try:
         client.register_kv(kv.registration())
-        assert client.save_blocks(keys(1, "bad"), [[2, 12]], None, "r") is None
+        assert client.ipc.save_blocks(keys(1, "bad"), [[2, 12]], None, "r") is None
         assert client.errors.get(p.E_BAD_REQUEST) == 1
-        assert client.save_blocks(keys(1, "bad"), [[2]], None, "r") is None  # too few blocks
-        assert client.save_blocks(keys(1, "good"), [[2, 3]], None, "r") == [True]
+        assert client.ipc.save_blocks(keys(1, "bad"), [[2]], None, "r") is None  # too few blocks
+        assert client.ipc.save_blocks(keys(1, "good"), [[2, 3]], None, "r") == [True]
     finally:
         client.close()
 
@@ -348,7 +356,7 @@ import time; time.sleep(60)
     client = ipc_client(sidecar.endpoint)
     try:
         client.register_kv(kv.registration())
-        assert client.save_blocks(keys(1, "restarted"), [[1, 2]], None, "r") == [True]
+        assert client.ipc.save_blocks(keys(1, "restarted"), [[1, 2]], None, "r") == [True]
         assert client.transfer_mode == "ipc" and sidecar.device.open_handles == 1
     finally:
         client.close()
@@ -427,9 +435,9 @@ def test_a_load_waits_for_the_event_vllm_recorded_before_it_fills_blocks(
     try:
         client.register_kv(kv.registration())
         ks = keys(1, "ordered-load")
-        assert client.save_blocks(ks, [[3, 4]], None, "r1") == [True]
+        assert client.ipc.save_blocks(ks, [[3, 4]], None, "r1") == [True]
         event = b"\x42" * p.IPC_HANDLE_BYTES
-        assert client.load_block_runs(ks, [[6, 7]], "r2", [1], after_event=event) == [1]
+        assert client.ipc.load_block_runs(ks, [[6, 7]], "r2", [1], after_event=event) == [1]
         assert sidecar.device.events_waited == [event]
     finally:
         client.close()
@@ -452,13 +460,13 @@ def test_a_cuda_fault_turns_the_sidecar_not_ready_refuses_ipc_and_is_exported(
     client = ipc_client(sidecar.endpoint)
     try:
         client.register_kv(kv.registration())
-        assert client.save_blocks(keys(1, "before"), [[1, 2]], None, "r") == [True]
+        assert client.ipc.save_blocks(keys(1, "before"), [[1, 2]], None, "r") == [True]
         assert sidecar.server.ready
         sidecar.device.gather = illegal_address  # type: ignore[method-assign]
-        assert client.save_blocks(keys(1, "fault"), [[3, 4]], None, "r") == [False]
+        assert client.ipc.save_blocks(keys(1, "fault"), [[3, 4]], None, "r") == [False]
         assert not sidecar.server.ready
         # Every later ipc call is refused at once with the reason ...
-        assert client.load_blocks(keys(1, "before"), [[5, 6]], "r") is None
+        assert client.ipc.load_blocks(keys(1, "before"), [[5, 6]], "r") is None
         assert client.errors.get(p.E_UNSUPPORTED) == 1
         # ... and the metrics say what happened.
         text = generate_latest(sidecar.server.metrics.registry).decode()
@@ -482,9 +490,9 @@ def test_a_copy_failure_that_leaves_the_gpu_usable_is_counted_and_keeps_the_side
     try:
         client.register_kv(kv.registration())
         ks = keys(1, "kept")
-        assert client.save_blocks(ks, [[1, 2]], None, "r") == [True]
+        assert client.ipc.save_blocks(ks, [[1, 2]], None, "r") == [True]
         sidecar.device.scatter = out_of_memory  # type: ignore[method-assign]
-        assert client.load_blocks(ks, [[5, 6]], "r") == 0  # a miss, not an error
+        assert client.ipc.load_blocks(ks, [[5, 6]], "r") == 0  # a miss, not an error
         assert sidecar.server.ready
         sidecar.device.fallbacks = 2  # what CudaDevice counts: staging calls run zero-copy
         text = generate_latest(sidecar.server.metrics.registry).decode()

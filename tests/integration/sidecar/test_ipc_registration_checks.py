@@ -185,7 +185,7 @@ def test_a_registration_claiming_more_blocks_than_its_allocation_is_refused_and_
             assert client.transfer_mode == "host"
             assert "past the 8192 bytes mapped" in client.ipc_fallback_reason
             # No registration: the copy the claim would have allowed is refused.
-            assert client.save_blocks(keys(1, "far"), [[999_999, 999_998]], None, "r") is None
+            assert client.ipc.save_blocks(keys(1, "far"), [[999_999, 999_998]], None, "r") is None
             assert sidecar.alive()
             assert client.ping()
         finally:
@@ -214,14 +214,14 @@ def test_a_save_that_names_no_block_is_refused_and_commits_nothing(
         client.register_kv(registration(segment, kv_in(segment)))
         assert client.stats() is not None and client.transfer_mode == "ipc"
         never_written = keys(1, "unwritten")
-        assert client.save_blocks(never_written, [[-1, -1]], None, "r") is None
-        assert client.save_blocks(keys(1, "half"), [[3, -1]], None, "r") is None
+        assert client.ipc.save_blocks(never_written, [[-1, -1]], None, "r") is None
+        assert client.ipc.save_blocks(keys(1, "half"), [[3, -1]], None, "r") is None
         assert client.errors.get(p.E_BAD_REQUEST) == 2
         # Nothing was committed under those keys: a load finds nothing.
-        assert client.load_blocks(never_written, [[0, 1]], "r2") == 0
-        assert client.load_blocks(keys(1, "half"), [[0, 1]], "r2") == 0
+        assert client.ipc.load_blocks(never_written, [[0, 1]], "r2") == 0
+        assert client.ipc.load_blocks(keys(1, "half"), [[0, 1]], "r2") == 0
         # The session keeps serving real saves.
-        assert client.save_blocks(keys(1, "real"), [[3, 4]], None, "r") == [True]
+        assert client.ipc.save_blocks(keys(1, "real"), [[3, 4]], None, "r") == [True]
         assert sidecar.alive()
 
 
@@ -233,16 +233,16 @@ def test_split_kernel_blocks_are_planned_per_vllm_block(sidecar: SidecarProcess)
         client.register_kv(registration(segment, layers, blocks_per_chunk=1, num_blocks=6))
         assert client.stats() is not None and client.transfer_mode == "ipc"
         ks = keys(2, "split")
-        assert client.save_blocks(ks, [[1], [4]], None, "r") == [True, True]
+        assert client.ipc.save_blocks(ks, [[1], [4]], None, "r") == [True, True]
         for t in layers:
             for kernel_block in (0, 1, 10, 11):
                 t[kernel_block].view(torch.uint8).fill_(0x5A)
-        assert client.load_blocks(ks, [[0], [5]], "r2") == 2
+        assert client.ipc.load_blocks(ks, [[0], [5]], "r2") == 2
         for t in layers:
             # vLLM block 1 = kernel blocks 2, 3; block 4 = 8, 9; 0 = 0, 1; 5 = 10, 11.
             for src, dst in ((2, 0), (3, 1), (8, 10), (9, 11)):
                 assert torch.equal(as_bytes(t[dst]), as_bytes(t[src]))
-        assert client.save_blocks(keys(1, "past"), [[6]], None, "r") is None  # 6 vLLM blocks
+        assert client.ipc.save_blocks(keys(1, "past"), [[6]], None, "r") is None  # 6 vLLM blocks
 
 
 def test_kernel_blocks_that_do_not_divide_into_vllm_blocks_are_refused(

@@ -1,7 +1,7 @@
 """How ``kvstrata sidecar`` decides whether it serves ipc mode (``transfer_mode``).
 
 The GPU factory is replaced here (the real one is tested in
-test_cuda_device.py and on GPUs by the selftest); what is checked is the
+tests/unit/transfer/test_cuda_device.py and on GPUs by the selftest); what is checked is the
 decision, the reason clients are given, and how loudly it is logged.
 """
 

@@ -8,7 +8,7 @@ from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.tiers.base import TierStats, WriteBehindQueue, WriteJob
 from kvstrata.sidecar.tiers.disk import DiskTier
 
-from .conftest import make_key
+from ..conftest import make_key
 
 META = ChunkMeta("uint8", (3,))
 

@@ -6,7 +6,7 @@ import pytest
 
 from kvstrata.sidecar.objformat import ChunkMeta, decode, decode_header, encode_bytes
 
-from .conftest import make_key, payload_for
+from ..conftest import make_key, payload_for
 
 FULL = ChunkMeta("uint8", (4, 1024))
 

@@ -10,7 +10,7 @@ import pytest
 from kvstrata.sidecar.objformat import ChunkMeta, encode_bytes
 from kvstrata.sidecar.tiers.disk import DiskTier
 
-from .conftest import make_key, payload_for
+from ...conftest import make_key, payload_for
 
 META = ChunkMeta("bfloat16", (2, 1024))
 

@@ -18,7 +18,7 @@ import pytest
 from kvstrata.sidecar.transfer import abi, csrc_build, kernels
 from kvstrata.sidecar.transfer.csrc_build import HOST, CSrcBuildError, build, source_hash
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+CSRC = Path(__file__).resolve().parents[3] / "csrc"
 NVCC = csrc_build.find_nvcc()
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (no CUDA toolkit here)")
 

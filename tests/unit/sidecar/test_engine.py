@@ -11,7 +11,7 @@ from kvstrata.sidecar.engine import StorageManager
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.tiers.disk import DiskTier
 
-from .conftest import engine_config, make_key, payload_for
+from ..conftest import engine_config, make_key, payload_for
 
 META = ChunkMeta("uint8", (4096,))
 

@@ -15,7 +15,7 @@ from kvstrata.sidecar.objformat import (
     payload_matches,
 )
 
-from .conftest import make_key
+from ..conftest import make_key
 
 KEY = make_key(1)
 META = ChunkMeta("bfloat16", (2, 8, 64))

@@ -11,7 +11,7 @@ from kvstrata.sidecar.metrics import CATALOGUE as SIDECAR_CATALOGUE
 
 CATALOGUE = SIDECAR_CATALOGUE + OPERATOR_CATALOGUE
 
-DOC = Path(__file__).parents[2] / "docs" / "metrics.md"
+DOC = Path(__file__).parents[3] / "docs" / "metrics.md"
 
 
 def test_docs_metrics_md_is_rendered_from_the_catalogue():
