@@ -9,8 +9,8 @@ segment), :mod:`~kvstrata.sidecar.l1` (index, allocator, policy),
 :mod:`~kvstrata.sidecar.lookup` (the prefix walk),
 :mod:`~kvstrata.sidecar.writeback` (copies down, and what they pin),
 :mod:`~kvstrata.sidecar.promotion` (copies a chunk up into L1 from L2 or
-the shared tier; :class:`~kvstrata.sidecar.promotion.Promotion` is
-:class:`StorageManager`'s base class),
+the shared tier; the engine holds a
+:class:`~kvstrata.sidecar.promotion.Promotion` and hands it its index steps),
 :mod:`~kvstrata.sidecar.prefetch` (background promotions),
 :mod:`~kvstrata.sidecar.partials` (chunks of fewer blocks than a full one),
 :mod:`~kvstrata.sidecar.journal` (the tiers' changes, for EVENTS),
