@@ -49,7 +49,8 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
-# Editable installs in strict mode link each file; a new module needs a re-link.
+# Re-install in place: needed only after changing csrc/ or the entry points (the
+# editable install puts src/ on sys.path, so new modules import without it).
 dev: $(STAMP)
 	@$(PIP) install -q --no-deps --no-build-isolation -e .
 
