@@ -357,6 +357,7 @@ def _summary(result: dict) -> dict[str, Any]:
         "total_token_throughput": result["total_token_throughput"],
         "duration_s": result["duration"],
         "completed": result["completed"],
+        "failed": result["failed"],
         "ttft_p50_s": result["p50_ttft_ms"] / 1000,
         "ttft_p90_s": result["p90_ttft_ms"] / 1000,
         "ttft_p99_s": result["p99_ttft_ms"] / 1000,
@@ -472,6 +473,13 @@ def summarise(regime: str, plan: Plan, runs: dict[str, list[dict]]) -> dict[str,
     out["kvstrata"]["hit_tokens"] = hits
     out["bindings_equal"] = bindings_equal(b for s in SYSTEMS for b in out[s]["bindings"])
     med = {s: out[s]["request_throughput"]["median"] for s in SYSTEMS}
+    failed = {s: sum(r["failed"] for r in runs[s]) for s in SYSTEMS}
+    out["failed_requests"] = failed
+    if any(failed.values()):
+        # A failed request is an error vLLM's users saw: no figure stands beside it.
+        out["ratio"] = None
+        out["ratio_refused"] = f"requests failed: {failed}"
+        return out
     if not out["bindings_equal"]:
         out["ratio"] = None
         out["ratio_refused"] = REFUSED
@@ -596,4 +604,6 @@ def format_table(result: dict[str, Any]) -> str:
             f"{fraction:>9}  {ttft:>29}  {ours['hit_tokens']}  "
             f"{'equal' if r['bindings_equal'] else 'DIFFER'}"
         )
+        if r.get("ratio_refused"):
+            lines.append(f"  {regime}: no ratio: {r['ratio_refused']}")
     return "\n".join(lines)

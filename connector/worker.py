@@ -58,6 +58,7 @@ from kvstrata.connector import ipc
 from kvstrata.connector.async_loads import AsyncLoads, FinishedLoads, LoadReports, outcome_of
 from kvstrata.connector.client import SidecarClient
 from kvstrata.connector.client_ipc import REGISTER_TIMEOUT_S
+from kvstrata.connector.cpu_amx import ask_for_amx_tiles
 from kvstrata.connector.device import DeviceCopies, copies_for
 from kvstrata.connector.layout import ChunkLayout, UnsupportedLayoutError, detect_layout
 from kvstrata.connector.leased_reads import Sources
@@ -158,6 +159,8 @@ class KVStrataWorker:
             logger.warning("kvstrata: connector disabled (every lookup misses): %s", exc)
             return
         self.layout = self.layouts[0]
+        if self.layout.device.type == "cpu":
+            ask_for_amx_tiles()  # before vLLM's first step: see connector/cpu_amx.py
         hybrid = len(self.layouts) > 1
         registration = None
         if self.layout.device.type == "cuda" and s.transfer_mode != "host" and not hybrid:

@@ -17,16 +17,16 @@ pytest.importorskip("vllm", reason="vllm is not installed (make venv installs vl
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def test_bench_serve_quick_runs_with_equal_bindings_and_kvstrata_hits() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "kvstrata", "bench", "serve", "--quick", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=580,
-        check=False,
-    )
+def _bench_serve_quick(*params: str) -> dict:
+    argv = [sys.executable, "-m", "kvstrata", "bench", "serve", "--quick", "--json"]
+    argv += [arg for p in params for arg in ("--param", p)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=580, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout)
+    return json.loads(done.stdout)
+
+
+def test_bench_serve_quick_runs_with_equal_bindings_and_kvstrata_hits() -> None:
+    result = _bench_serve_quick()
     assert result["benchmark"] == "serve" and result["quick"] is True
     regime = result["regimes"]["l1"]
     plan = result["plan"]
@@ -40,3 +40,18 @@ def test_bench_serve_quick_runs_with_equal_bindings_and_kvstrata_hits() -> None:
     assert regime["ratio"] is not None
     (hits,) = regime["kvstrata"]["hit_tokens"]
     assert sum(hits.values()) > 0, hits
+    assert regime["failed_requests"] == {"vllm": 0, "kvstrata": 0}
+
+
+def test_a_new_replica_first_round_from_valkey_fails_no_request() -> None:
+    """A fresh ``vllm serve`` (bf16, 32-token blocks) behind a Valkey another
+    replica warmed: its first steps compute only the tails of prompts whose
+    prefixes it loaded. On a CPU with AMX that used to kill vLLM's worker
+    with SIGILL (see ``connector/cpu_amx.py``), failing every request."""
+    result = _bench_serve_quick("regimes=new_replica")
+    regime = result["regimes"]["new_replica"]
+    (run,) = regime["kvstrata"]["runs"]
+    assert (run["completed"], run["failed"]) == (result["plan"]["num_prompts"], 0)
+    assert regime["failed_requests"] == {"vllm": 0, "kvstrata": 0}
+    (hits,) = regime["kvstrata"]["hit_tokens"]
+    assert hits.get("valkey", 0) > 0, hits
