@@ -44,10 +44,11 @@ def test_bench_serve_quick_runs_with_equal_bindings_and_kvstrata_hits() -> None:
 
 
 def test_a_new_replica_first_round_from_valkey_fails_no_request() -> None:
-    """A fresh ``vllm serve`` (bf16, 32-token blocks) behind a Valkey another
-    replica warmed: its first steps compute only the tails of prompts whose
-    prefixes it loaded. On a CPU with AMX that used to kill vLLM's worker
-    with SIGILL (see ``connector/cpu_amx.py``), failing every request."""
+    """Regime 4: a fresh ``vllm serve`` behind a Valkey another replica warmed
+    serves its first round from it without one failed request. (Its first
+    steps compute only the tails of loaded prompts: on a CPU with AMX that
+    once failed every request, found here; the deterministic test of that is
+    ``tests/e2e_fresh_process``.)"""
     result = _bench_serve_quick("regimes=new_replica")
     regime = result["regimes"]["new_replica"]
     (run,) = regime["kvstrata"]["runs"]
