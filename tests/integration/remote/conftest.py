@@ -104,7 +104,14 @@ def unique_prefix() -> str:
     return f"t{uuid.uuid4().hex[:12]}:"
 
 
+# What these tests check is what a tier holds, not how fast it answers: the
+# default 50 ms lookup deadline would turn a present object into a miss on a
+# loaded machine. Tests of the deadline itself set their own.
+CONTRACT_LOOKUP_TIMEOUT_S = 30.0
+
+
 def valkey_shared_config(url: str, cluster: bool = False, **overrides: Any) -> SharedConfig:
+    overrides.setdefault("lookup_timeout_seconds", CONTRACT_LOOKUP_TIMEOUT_S)
     valkey = {"url": url, "cluster": cluster, "key_prefix": unique_prefix()}
     valkey.update(overrides.pop("valkey", {}))
     return SharedConfig(backend="valkey", valkey=valkey, **overrides)
@@ -113,6 +120,7 @@ def valkey_shared_config(url: str, cluster: bool = False, **overrides: Any) -> S
 def s3_shared_config(
     endpoint_url: str, credentials: dict[str, str], **overrides: Any
 ) -> SharedConfig:
+    overrides.setdefault("lookup_timeout_seconds", CONTRACT_LOOKUP_TIMEOUT_S)
     s3 = {
         "endpoint_url": endpoint_url,
         "bucket": "kvstrata-test",
