@@ -124,6 +124,8 @@ class SidecarClient:
         self.kv_events = kv_events  # HELLO asks the sidecar to record tier events
         self.chunk_size: int | None = None
         self.write_budget = 0  # uncommitted write bytes the sidecar lets this session hold
+        # How long the sidecar keeps a lease's slot pinned (HELLO); until then, none.
+        self.lease_seconds = 0.0
         self.server_version: str | None = None
         self.errors: dict[str, int] = {}
         self._lock = threading.RLock()
@@ -435,6 +437,7 @@ class SidecarClient:
         self.chunk_size = reply.chunk_size
         # An older sidecar does not say: its default share, a quarter of L1.
         self.write_budget = reply.write_budget or reply.arena_size // 4
+        self.lease_seconds = reply.lease_seconds
         self.server_version = reply.server_version
         self._epoch += 1
         self._connected = True

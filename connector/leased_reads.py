@@ -7,6 +7,19 @@ its own sidecar session, so that a slow read never holds the other's socket.
 Both lease, check and release the same way; this is that way, for one client.
 Saves do not come here: they write through the same
 :class:`~.arena_view.ArenaView` (:mod:`.transfer_path`).
+
+A lease pins its slot only for the sidecar's ``lease_seconds`` (HELLO says
+how long); after that the sidecar may give the slot to another chunk. A
+worker thread starved of CPU, or a process stopped for a while, can reach
+its copy later than that, and would then copy another chunk's bytes into
+vLLM's KV: a wrong token. So a load is kept only if its copies finished
+before the earliest moment any of its leases could have expired (the
+moment the leases were asked for, plus ``lease_seconds``: the sidecar
+starts a lease's clock after that, on the same node's monotonic clock),
+and under the session that granted them; else every chunk of it is
+recomputed. Copies that run asynchronously on a device (inline CUDA loads)
+are checked when they are enqueued; they then take milliseconds against a
+lease of seconds.
 """
 
 from __future__ import annotations
@@ -52,6 +65,7 @@ class LeasedReads:
         self.arena = arena
         self.layouts = layouts
         self.held: list[int] = []
+        self.outlived_leases = 0  # loads dropped because their copies outlived the leases
 
     def lease(self, reqs: Sequence[RequestTransfer], deadline: float) -> list[Sources]:
         """Lease every request's chunks in one call; per request, the arena
@@ -112,7 +126,10 @@ class LeasedReads:
         """Lease ``reqs``' chunks (:meth:`lease`) and hand what fits to
         ``copy_in``; per request, how many of its leading chunks were copied
         (none of any request when the copy fails: written in part, it is
-        recomputed whole). The leases stay held for :meth:`release_held`."""
+        recomputed whole, as is a load whose copies outlived its leases). The
+        leases stay held for :meth:`release_held`."""
+        asked_at = time.monotonic()  # no lease of this load started earlier
+        epoch = self.client.epoch
         try:
             ready = self.lease(reqs, deadline)
         except Exception:
@@ -126,7 +143,24 @@ class LeasedReads:
             except Exception:
                 logger.exception("kvstrata: copy into vLLM's KV failed; vLLM recomputes it")
                 return [0] * len(reqs)
+            if not self._leases_held_since(asked_at, epoch):
+                self.outlived_leases += 1
+                logger.warning(
+                    "kvstrata: a load's copies finished %.1f s after its leases were asked "
+                    "for (leases last %.1f s); vLLM recomputes its %d chunks",
+                    time.monotonic() - asked_at,
+                    self.client.lease_seconds,
+                    len(work),
+                )
+                return [0] * len(reqs)
         return [len(g) for g in got]
+
+    def _leases_held_since(self, asked_at: float, epoch: int) -> bool:
+        """Whether leases asked for at ``asked_at`` (monotonic) in session
+        ``epoch`` still pin their slots now."""
+        if self.client.epoch != epoch:
+            return False  # another session: its sidecar may have given the slots away
+        return time.monotonic() < asked_at + self.client.lease_seconds
 
     def release_held(self) -> None:
         """Give back the leases of chunks whose copies have finished."""
