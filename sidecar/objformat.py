@@ -58,7 +58,10 @@ TRAILER_BYTES = 8
 # The payload goes out (and is hashed) in pieces this large: small enough to
 # stay in a core's L2 cache (2 MiB on the machines measured) between the hash
 # and the socket copy, large enough that the per-piece Python cost is noise.
-PIECE_BYTES = 256 * 1024
+# Measured on the 2-core build VM (32 MiB over a socketpair, process CPU per
+# byte): sendall alone 0.055-0.062 ns, hash then one sendall 0.088-0.096 ns,
+# hash and send in 256 KiB-1 MiB pieces 0.075-0.091 ns.
+PIECE_BYTES = 512 * 1024
 MAX_NDIM = 8
 _FIXED = struct.Struct("<4sHBB16sQQQQ")
 FIXED_HEADER_BYTES = _FIXED.size  # 56
