@@ -3,7 +3,8 @@
 Persisted state, per chunk, one object::
 
     s3://{shared.s3.bucket}/{shared.s3.prefix}{key_hex(chunk key)}
-    body = objformat object (header + payload, codec from shared.codec)
+    body = objformat object, version 3 (header + payload + checksum trailer,
+           codec from shared.codec); version-2 objects are read too
 
 Objects are never overwritten: a conditional PUT (``If-None-Match: *``),
 or a HEAD before a multipart upload, skips chunks another writer already

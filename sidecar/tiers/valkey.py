@@ -3,7 +3,8 @@
 Persisted state, per chunk, one string value::
 
     key   = shared.valkey.key_prefix + key_hex(chunk key)   e.g. "kvstrata:3f0a…"
-    value = objformat object (header + payload, codec from shared.codec)
+    value = objformat object, version 3 (header + payload + checksum trailer,
+            codec from shared.codec); version-2 values are read too
     TTL   = shared.valkey.ttl_seconds when set, else none
 
 Values are written with ``SET NX``: the first writer of a chunk wins and
@@ -23,7 +24,8 @@ redis-server 7.0, 16 x 4 MiB values, GB/s; EXISTS x256 pipelined in ms):
 redis-py with the hiredis *parser* reads fastest, but hiredis' command
 *packer* copies every value into one buffer, which halves SET. So we use
 redis-py + hiredis with our own packer (:class:`_ScatterPacker`): it sends
-the object header and the payload as separate buffers, so a value is never
+the object header, the payload (in pieces, each hashed just before it is
+sent) and the checksum trailer as separate buffers, so a value is never
 joined or copied on its way to the socket. glide was slower here and has
 no synchronous client in its base package; valkey-py is a fork of redis-py
 without a faster path.

@@ -189,3 +189,11 @@ def test_read_at_serves_the_same_bytes_as_pieces_and_again_after_a_rewind(size):
 
     assert read_all() == expected
     assert read_all() == expected  # a retry re-reads from 0 and gets the same trailer
+
+
+def test_pieces_drawn_again_send_the_same_object():
+    # A connection retry packs and sends the same value again.
+    obj = encode_streamed(KEY, PAYLOADS["mixed"], META)
+    first = streamed_bytes(obj)
+    assert streamed_bytes(obj, piece_bytes=333) == first
+    assert bytes(decode(first, expected_key=KEY).payload) == PAYLOADS["mixed"]
