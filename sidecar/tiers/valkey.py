@@ -134,13 +134,30 @@ class _ScatterPacker:
         return out
 
 
+# Buffers up to this size (RESP framing, the object header, the trailer) are
+# joined with their neighbours rather than sent on their own: each send call
+# costs a system call, and on a full socket buffer a wait and a wake-up, so a
+# value goes out in as many calls as the raw client's (framing, payload,
+# framing) plus one per extra payload piece.
+_JOIN_BELOW = 4096
+
+
 def _expanded(command: Iterable[Any]) -> Iterator[Any]:
-    """A packed command's items with each :class:`Scatter` drawn piece by piece."""
+    """A packed command's items with each :class:`Scatter` drawn piece by piece
+    (so a streamed payload is hashed as it is sent) and small items joined."""
+    pending: list[bytes | memoryview] = []
     for item in command:
-        if isinstance(item, Scatter):
-            yield from item.pieces()
-        else:
-            yield item
+        pieces = item.pieces() if isinstance(item, Scatter) else (item,)
+        for piece in pieces:
+            if len(piece) < _JOIN_BELOW:
+                pending.append(piece)
+                continue
+            if pending:
+                yield b"".join(pending)
+                pending = []
+            yield piece
+    if pending:
+        yield b"".join(pending)
 
 
 class _ScatterSending:
