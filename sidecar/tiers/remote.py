@@ -27,9 +27,10 @@ from kvstrata.sidecar.objformat import (
     ChunkMeta,
     CorruptObjectError,
     DecodedObject,
+    StreamedObject,
     check_meta,
     decode,
-    encode,
+    encode_streamed,
 )
 from kvstrata.sidecar.tiers.base import Tier, TierStats
 from kvstrata.sidecar.tiers.breaker import CircuitBreaker
@@ -52,8 +53,9 @@ Fetched = bytes | memoryview | Validated | BaseException | None
 # A stored object's outcome: True stored, False already there (deduplicated),
 # an exception when it was not stored (already counted).
 Stored = bool | BaseException
-# Encodes one object (checksum, codec) when called: its buffers, in order.
-Encoder = Callable[[], list[bytes | memoryview]]
+# Encodes one object (header, codec) when called; its payload checksum is
+# computed while it is sent (objformat version 3, checksum in a trailer).
+Encoder = Callable[[], StreamedObject]
 
 
 def read_secret(path: str, field: str) -> str:
@@ -96,8 +98,10 @@ class RemoteTier(Tier):
 
         ``objects[i]()`` encodes object i; call each once, where the encoding
         should run: a backend that uploads objects on threads of its own
-        encodes each on its upload's thread, so one object's checksum runs
+        encodes each on its upload's thread, so one object's compression runs
         while others are on the wire instead of all of them before the first.
+        Send each object's bytes through its :class:`StreamedObject`
+        (``pieces`` or ``read_at``), which hashes the payload as it goes out.
         """
 
     @abc.abstractmethod
@@ -153,10 +157,10 @@ class RemoteTier(Tier):
         sizes = [0] * len(items)
 
         def encoder(i: int, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta) -> Encoder:
-            def run() -> list[bytes | memoryview]:
-                parts = encode(bytes(key), payload, meta, self._codec)
-                sizes[i] = sum(len(p) for p in parts)
-                return parts
+            def run() -> StreamedObject:
+                obj = encode_streamed(bytes(key), payload, meta, self._codec)
+                sizes[i] = len(obj)
+                return obj
 
             return run
 

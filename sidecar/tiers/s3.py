@@ -3,7 +3,8 @@
 Persisted state, per chunk, one object::
 
     s3://{shared.s3.bucket}/{shared.s3.prefix}{key_hex(chunk key)}
-    body = objformat object (header + payload, codec from shared.codec)
+    body = objformat object, version 3 (header + payload + checksum trailer,
+           codec from shared.codec); version-2 objects are read too
 
 Objects are never overwritten: a conditional PUT (``If-None-Match: *``),
 or a HEAD before a multipart upload, skips chunks another writer already
@@ -45,7 +46,7 @@ from boto3.s3.transfer import TransferConfig
 
 from kvstrata.sidecar.config import S3Config, SharedConfig
 from kvstrata.sidecar.keys import ChunkKey, key_hex
-from kvstrata.sidecar.objformat import CorruptObjectError, decode
+from kvstrata.sidecar.objformat import CorruptObjectError, StreamedObject, decode
 from kvstrata.sidecar.tiers.base import TierStats
 from kvstrata.sidecar.tiers.remote import (
     Encoder,
@@ -151,23 +152,21 @@ def _modified(future: cf.Future[Any]) -> dt.datetime | None:
     return future.result().get("LastModified")
 
 
-class _PartsBody(io.RawIOBase):
-    """A seekable read-only file over header + payload buffers.
+class _ObjectBody(io.RawIOBase):
+    """A seekable read-only file over a :class:`StreamedObject`.
 
-    ``read`` hands out slices of the buffers themselves, so a PUT body is
-    never joined into one copy (that copy cost ~8% of throughput at 16 MiB);
-    botocore seeks it back to 0 to retry. ``readinto`` serves the buffered
-    reader the multipart uploader wraps it in.
+    ``read`` hands out slices of the object's own buffers, so a PUT body is
+    never joined into one copy (that copy cost ~8% of throughput at 16 MiB),
+    and the payload is hashed slice by slice as it is read, so the checksum
+    costs no pass of its own before the upload (the trailer is computed
+    when the reader reaches it). botocore seeks it back to 0 to sign it
+    (over plain http) and to retry; a second read hashes nothing again.
+    ``readinto`` serves the buffered reader the multipart uploader wraps it in.
     """
 
-    def __init__(self, parts: Sequence[bytes | memoryview]) -> None:
-        self._parts = [memoryview(p).cast("B") for p in parts]
-        self._starts: list[int] = []
-        total = 0
-        for part in self._parts:
-            self._starts.append(total)
-            total += len(part)
-        self._size = total
+    def __init__(self, obj: StreamedObject) -> None:
+        self._obj = obj
+        self._size = len(obj)
         self._pos = 0
 
     def readable(self) -> bool:
@@ -185,14 +184,12 @@ class _PartsBody(io.RawIOBase):
         return self._pos
 
     def read(self, size: int | None = -1) -> memoryview | bytes:  # type: ignore[override]
-        """Up to ``size`` bytes from one buffer (fewer at a buffer boundary)."""
-        for part, start in zip(self._parts, self._starts, strict=True):
-            if start <= self._pos < start + len(part):
-                lo = self._pos - start
-                hi = len(part) if size is None or size < 0 else min(len(part), lo + size)
-                self._pos += hi - lo
-                return part[lo:hi]
-        return b""
+        """Up to ``size`` bytes from one part of the object (fewer at a part boundary)."""
+        if size is None or size < 0:
+            size = self._size - self._pos
+        chunk = self._obj.read_at(self._pos, size)
+        self._pos += len(chunk)
+        return chunk
 
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
@@ -371,7 +368,8 @@ class S3Tier(RemoteTier):
 
     def _store_many(self, names: Sequence[str], objects: Sequence[Encoder]) -> list[Stored]:
         """Concurrent uploads, each skipped when the object already exists; each
-        object is encoded (checksummed) on its upload's thread."""
+        object is encoded (compressed) on its upload's thread and hashed as its
+        body is read."""
         fns = [lambda n=n, e=e: self._store(n, e()) for n, e in zip(names, objects, strict=True)]
         return self._run_many("put", fns)
 
@@ -416,7 +414,7 @@ class S3Tier(RemoteTier):
 
     # -- transfers (run on the pool) ---------------------------------------
 
-    def _store(self, object_key: str, parts: list[bytes | memoryview]) -> bool:
+    def _store(self, object_key: str, obj: StreamedObject) -> bool:
         """Upload unless the object exists; True if stored, False if it was there.
 
         Small objects use a conditional PUT (``If-None-Match: *``): one
@@ -426,12 +424,12 @@ class S3Tier(RemoteTier):
         uploads cannot be conditional through boto3's transfer manager, so
         large objects are checked with a HEAD first.
         """
-        size = sum(len(p) for p in parts)
+        size = len(obj)
         bucket = self._config.bucket
         if size < self._transfer.multipart_threshold:
             try:
                 self._client.put_object(
-                    Bucket=bucket, Key=object_key, Body=_PartsBody(parts), IfNoneMatch="*"
+                    Bucket=bucket, Key=object_key, Body=_ObjectBody(obj), IfNoneMatch="*"
                 )
             except botocore.exceptions.ClientError as exc:
                 if _error_code(exc) in _EXISTS_CODES:
@@ -445,7 +443,7 @@ class S3Tier(RemoteTier):
             if not _is_missing(exc):
                 raise
         self._client.upload_fileobj(
-            io.BufferedReader(_PartsBody(parts), buffer_size=1 << 20),
+            io.BufferedReader(_ObjectBody(obj), buffer_size=1 << 20),
             bucket,
             object_key,
             Config=self._transfer,

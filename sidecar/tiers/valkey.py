@@ -3,7 +3,8 @@
 Persisted state, per chunk, one string value::
 
     key   = shared.valkey.key_prefix + key_hex(chunk key)   e.g. "kvstrata:3f0a…"
-    value = objformat object (header + payload, codec from shared.codec)
+    value = objformat object, version 3 (header + payload + checksum trailer,
+            codec from shared.codec); version-2 values are read too
     TTL   = shared.valkey.ttl_seconds when set, else none
 
 Values are written with ``SET NX``: the first writer of a chunk wins and
@@ -23,7 +24,8 @@ redis-server 7.0, 16 x 4 MiB values, GB/s; EXISTS x256 pipelined in ms):
 redis-py with the hiredis *parser* reads fastest, but hiredis' command
 *packer* copies every value into one buffer, which halves SET. So we use
 redis-py + hiredis with our own packer (:class:`_ScatterPacker`): it sends
-the object header and the payload as separate buffers, so a value is never
+the object header, the payload (in pieces, each hashed just before it is
+sent) and the checksum trailer as separate buffers, so a value is never
 joined or copied on its way to the socket. glide was slower here and has
 no synchronous client in its base package; valkey-py is a fork of redis-py
 without a faster path.
@@ -48,7 +50,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -60,6 +62,7 @@ from redis.retry import Retry
 
 from kvstrata.sidecar.config import SharedConfig, ValkeyConfig
 from kvstrata.sidecar.keys import ChunkKey, key_hex
+from kvstrata.sidecar.objformat import StreamedObject
 from kvstrata.sidecar.tiers.base import TierStats
 from kvstrata.sidecar.tiers.remote import Encoder, Fetched, RemoteTier, Stored, read_secret
 
@@ -70,13 +73,31 @@ _SCAN_BATCH = 500
 
 
 class Scatter:
-    """One RESP bulk string sent from several buffers without joining them."""
+    """One RESP bulk string sent from several buffers without joining them.
 
-    __slots__ = ("length", "parts")
+    Built from buffers or from a :class:`StreamedObject`; a large value's
+    buffers are drawn only while the command goes to the socket
+    (:meth:`_ScatterSending.send_packed_command`), so a streamed object's
+    payload is hashed piece by piece as it is sent.
+    """
 
-    def __init__(self, parts: Sequence[bytes | memoryview]) -> None:
-        self.parts = [memoryview(p).cast("B") for p in parts]
-        self.length = sum(len(p) for p in self.parts)
+    __slots__ = ("_source", "length")
+
+    def __init__(self, source: Sequence[bytes | memoryview] | StreamedObject) -> None:
+        if isinstance(source, StreamedObject):
+            self._source: StreamedObject | list[memoryview] = source
+            self.length = len(source)
+        else:
+            self._source = [memoryview(p).cast("B") for p in source]
+            self.length = sum(len(p) for p in self._source)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def pieces(self) -> Iterator[bytes | memoryview]:
+        if isinstance(self._source, StreamedObject):
+            return self._source.pieces()
+        return iter(self._source)
 
 
 class _ScatterPacker:
@@ -86,17 +107,20 @@ class _ScatterPacker:
         self._cutoff = buffer_cutoff
         self._encode = encode
 
-    def pack(self, *args: Any) -> list[bytes | memoryview]:
+    def pack(self, *args: Any) -> list[bytes | memoryview | Scatter]:
         if isinstance(args[0], str):  # "CLUSTER INFO" style multi-word commands
             args = tuple(args[0].encode().split()) + args[1:]
         elif b" " in args[0]:
             args = tuple(args[0].split()) + args[1:]
-        out: list[bytes | memoryview] = []
+        out: list[bytes | memoryview | Scatter] = []
         head = b"*%d\r\n" % len(args)
         for arg in args:
             if isinstance(arg, Scatter):
                 out.append(head + b"$%d\r\n" % arg.length)
-                out.extend(arg.parts)
+                # A large value stays one item, expanded while it is sent; a
+                # small one is joined (redis-py's pack_commands joins small
+                # items, and only bytes can be joined).
+                out.append(arg if arg.length > self._cutoff else b"".join(arg.pieces()))
                 head = _CRLF
                 continue
             data = self._encode(arg)
@@ -110,14 +134,59 @@ class _ScatterPacker:
         return out
 
 
-class _ScatterConnection(redis.connection.Connection):
+# Buffers up to this size (RESP framing, the object header, the trailer) are
+# joined with their neighbours rather than sent on their own: each send call
+# costs a system call, and on a full socket buffer a wait and a wake-up, so a
+# value goes out in as many calls as the raw client's (framing, payload,
+# framing) plus one per extra payload piece.
+_JOIN_BELOW = 4096
+
+
+def _expanded(command: Iterable[Any]) -> Iterator[Any]:
+    """A packed command's items with each :class:`Scatter` drawn piece by piece
+    (so a streamed payload is hashed as it is sent) and small items joined."""
+    pending: list[bytes | memoryview] = []
+    for item in command:
+        pieces = item.pieces() if isinstance(item, Scatter) else (item,)
+        for piece in pieces:
+            if len(piece) < _JOIN_BELOW:
+                pending.append(piece)
+                continue
+            if pending:
+                yield b"".join(pending)
+                pending = []
+            yield piece
+    if pending:
+        yield b"".join(pending)
+
+
+class _ScatterSending:
+    """Connection mixin: our packer, and :class:`Scatter` items expanded as sent.
+
+    redis-py's ``send_packed_command`` sends each item with ``sendall`` in
+    turn (redis/connection.py, ``AbstractConnection.send_packed_command``),
+    so handing it a generator sends each piece as soon as it is drawn, with
+    redis-py's own error handling around it.
+    """
+
+    _buffer_cutoff: int
+    encoder: Any
+
     def _construct_command_packer(self, packer: Any) -> _ScatterPacker:
         return _ScatterPacker(self._buffer_cutoff, self.encoder.encode)
 
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if not isinstance(command, str | bytes):
+            command = _expanded(command)
+        super().send_packed_command(command, check_health)  # type: ignore[misc]
 
-class _ScatterSSLConnection(redis.connection.SSLConnection):
-    def _construct_command_packer(self, packer: Any) -> _ScatterPacker:
-        return _ScatterPacker(self._buffer_cutoff, self.encoder.encode)
+
+class _ScatterConnection(_ScatterSending, redis.connection.Connection):
+    pass
+
+
+class _ScatterSSLConnection(_ScatterSending, redis.connection.SSLConnection):
+    pass
 
 
 def connection_kwargs(config: ValkeyConfig, timeout: float) -> dict[str, Any]:
@@ -271,7 +340,8 @@ class ValkeyTier(RemoteTier):
         return blobs
 
     def _store_many(self, names: Sequence[str], objects: Sequence[Encoder]) -> list[Stored]:
-        """Pipelined ``SET NX`` of each object, header and payload sent unjoined."""
+        """Pipelined ``SET NX`` of each object, header, payload pieces and trailer
+        sent unjoined; each payload piece is hashed just before it is sent."""
         encoded = [make() for make in objects]  # one pipeline sends them all at once
         ttl = self._config.ttl_seconds
         try:
