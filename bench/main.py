@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "scheduler": "vLLM scheduler time per step: healthy, stopped, absent sidecar vs none",
     "loads": "other requests' latency while a hit loads from a slow tier: inline vs background",
     "serve": "vllm serve + vLLM's own bench client: kvstrata vs vLLM alone, same CPU binding",
+    "soak": "every fault at once under vllm serve, seeded: 0 failed, 0 wrong tokens, 0 leaks",
 }
 
 
@@ -31,6 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         metavar="KEY=VALUE",
         help="a benchmark's own setting (serve: model and workload sizes, see bench/serve.py)",
+    )
+    parser.add_argument("--seed", type=int, help="soak: the schedule's seed (printed, in the JSON)")
+    parser.add_argument("--duration", type=int, help="soak: the run's length in requests")
+    parser.add_argument(
+        "--inject-defect",
+        metavar="NAME",
+        help="soak: inject a named defect a check must catch (see bench/soak.py DEFECTS)",
     )
 
 
