@@ -1107,9 +1107,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out["workdir"] = str(root)
     if not args.quick and defect is None:
         RESULTS_DIR.mkdir(exist_ok=True)
-        (RESULTS_DIR / "soak.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
+        # The record committed is the summary: the per-request lists of a
+        # 30-minute run are megabytes (``--out`` writes the whole of it).
+        summary = {k: v for k, v in out.items() if k not in PER_REQUEST_RECORDS}
+        (RESULTS_DIR / "soak.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
         plot(out, RESULTS_DIR / "soak.png")
     return out
+
+
+PER_REQUEST_RECORDS = ("timeline", "outputs", "kv_event_seqs", "hit_samples")
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
