@@ -57,6 +57,10 @@ from kvstrata.bench.serve import QUICK, RESULTS_DIR, VllmServer
 from kvstrata.bench.serve import Plan as ServePlan
 from kvstrata.bench.supervisor import Supervisor
 
+# bench serve's servers size their max model length per regime; the soak's
+# prompts are shared prefixes plus suffixes, as in its "l1" regime.
+SERVE_REGIME = "l1"
+
 SHM_SIZE = "1g"  # the namespace's own /dev/shm (vLLM's queues and the arena)
 SHM_LEFT_FREE = 24 << 20  # what "nearly full" leaves
 SIDECAR_STOP_MIN_S = 6.0  # a SIGSTOP outlasts the connector's 0.5 s calls and 5 s loads
@@ -246,7 +250,7 @@ def references(
     cache = model / f"soak-references-{key}.json"
     if cache.exists():
         return json.loads(cache.read_text())
-    with VllmServer(serve_plan, model, out / "reference-vllm.log", None) as server:
+    with VllmServer(serve_plan, SERVE_REGIME, model, out / "reference-vllm.log", None) as server:
         refs = []
         for p in prompts:
             status, tokens, _, error = complete(server.url, str(model), p, max_tokens)
@@ -440,7 +444,9 @@ class Soak:
 
         connector = kv_transfer_config(self.sidecar.endpoint, chunk_size=self.plan.chunk_size)
         n = self.vllm_generation
-        server = VllmServer(self.serve_plan, self.model, self.root / f"vllm-{n}.log", connector)
+        server = VllmServer(
+            self.serve_plan, SERVE_REGIME, self.model, self.root / f"vllm-{n}.log", connector
+        )
         events_port = free_port()
         server.argv += [
             "--kv-events-config",
