@@ -8,15 +8,11 @@ Both lease, check and release the same way; this is that way, for one client.
 Saves do not come here: they write through the same
 :class:`~.arena_view.ArenaView` (:mod:`.transfer_path`).
 
-A lease pins its slot only for the sidecar's ``lease_seconds`` (HELLO says
-how long); after that the sidecar may give the slot to another chunk. A
-worker thread starved of CPU, or a process stopped for a while, can reach
-its copy later than that, and would then copy another chunk's bytes into
-vLLM's KV: a wrong token. So a load is kept only if its copies finished
-before the earliest moment any of its leases could have expired (the
-moment the leases were asked for, plus ``lease_seconds``: the sidecar
-starts a lease's clock after that, on the same node's monotonic clock),
-and under the session that granted them; else every chunk of it is
+A lease pins its slot only for the sidecar's ``lease_seconds``; a worker
+thread starved of CPU, or a process stopped for a while, can reach its copy
+later than that and would then copy another chunk's bytes into vLLM's KV: a
+wrong token. So a load is kept only if its copies finished while its leases
+surely pinned their slots (:mod:`.lease_clock`); else every chunk of it is
 recomputed. Copies that run asynchronously on a device (inline CUDA loads)
 are checked when they are enqueued; they then take milliseconds against a
 lease of seconds.
@@ -31,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstrata.connector.arena_view import slot_fits
+from kvstrata.connector.lease_clock import still_pinned
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -74,10 +71,13 @@ class LeasedReads:
         others are released now."""
         fulls = [[c for c in r.chunks if not c.partial] for r in reqs]
         out = self._lease_runs(fulls, 0, deadline)
+        epoch = self.client.epoch  # the session that granted these leases
         for i, req in enumerate(reqs):
             tail = req.chunks[len(fulls[i]) :]  # at most one partial chunk, after the full ones
             if len(out[i]) == len(fulls[i]) and len(tail) == 1:
                 out[i] += self._lease_runs([tail], len(tail[0].block_ids), deadline)[0]
+        if self.client.epoch != epoch:  # reconnected in between: the first leases are void
+            return [[] for _ in reqs]
         return out
 
     def _lease_runs(
@@ -129,12 +129,12 @@ class LeasedReads:
         recomputed whole, as is a load whose copies outlived its leases). The
         leases stay held for :meth:`release_held`."""
         asked_at = time.monotonic()  # no lease of this load started earlier
-        epoch = self.client.epoch
         try:
             ready = self.lease(reqs, deadline)
         except Exception:
             logger.exception("kvstrata: leasing the chunks to load failed; vLLM recomputes them")
             ready = []
+        epoch = self.client.epoch  # lease() answers for one session only
         got = [ready[i] if i < len(ready) else [] for i in range(len(reqs))]
         work: Sources = [item for per_req in got for item in per_req]
         if work:
@@ -143,7 +143,7 @@ class LeasedReads:
             except Exception:
                 logger.exception("kvstrata: copy into vLLM's KV failed; vLLM recomputes it")
                 return [0] * len(reqs)
-            if not self._leases_held_since(asked_at, epoch):
+            if not still_pinned(self.client, asked_at, epoch):
                 self.outlived_leases += 1
                 logger.warning(
                     "kvstrata: a load's copies finished %.1f s after its leases were asked "
@@ -154,13 +154,6 @@ class LeasedReads:
                 )
                 return [0] * len(reqs)
         return [len(g) for g in got]
-
-    def _leases_held_since(self, asked_at: float, epoch: int) -> bool:
-        """Whether leases asked for at ``asked_at`` (monotonic) in session
-        ``epoch`` still pin their slots now."""
-        if self.client.epoch != epoch:
-            return False  # another session: its sidecar may have given the slots away
-        return time.monotonic() < asked_at + self.client.lease_seconds
 
     def release_held(self) -> None:
         """Give back the leases of chunks whose copies have finished."""

@@ -25,12 +25,14 @@ load stay held until :meth:`TransferPath.release_loaded`, after the copies.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from kvstrata.connector import ipc
 from kvstrata.connector.arena_view import ArenaView, slot_fits
+from kvstrata.connector.lease_clock import WRITE_SHARE, still_pinned
 from kvstrata.connector.leased_reads import STEP_OWNER, LeasedReads, Sources
 
 if TYPE_CHECKING:
@@ -53,7 +55,7 @@ class Saved:
 
     saved: int = 0
     skipped: int = 0  # already stored, or no arena space
-    dropped: int = 0  # sidecar unavailable or copy failed
+    dropped: int = 0  # sidecar unavailable, copy failed, or too late to copy (lease_clock)
 
 
 class TransferPath(Protocol):
@@ -135,6 +137,7 @@ class HostPath:
         out = Saved()
         nbytes = layout.partial_nbytes(blocks) if blocks else layout.chunk_nbytes
         shape = layout.partial_shape(blocks) if blocks else layout.chunk_shape
+        asked_at = time.monotonic()  # no lease of this save started earlier
         slots = self.client.prepare_store(
             [self.keys.of(c) for c in chunks],
             nbytes,
@@ -147,14 +150,21 @@ class HostPath:
         if slots is None:
             out.dropped += len(chunks)
             return out
+        epoch = self.client.epoch  # the session that granted the slots
         arena = self.arena.tensor()
         lease_ids: list[int] = []
         ok: list[bool] = []
+        late = 0
         for chunk, slot in zip(chunks, slots, strict=False):
             if slot is None:
                 out.skipped += 1
                 continue
             good = arena is not None and slot_fits(slot, layout, blocks)
+            if good and not still_pinned(self.client, asked_at, epoch, WRITE_SHARE):
+                # Too late to start: the copy could land after the slot went to
+                # another chunk (lease_clock). Aborted, the chunk is a miss later.
+                late += 1
+                good = False
             if good and arena is not None:
                 try:
                     with self.copies.saving():
@@ -166,12 +176,13 @@ class HostPath:
                     good = False
             lease_ids.append(slot.lease_id)
             ok.append(good)
+        out.dropped += late
         if not lease_ids:
             return out
         if self.client.commit_store(lease_ids, ok):
             out.saved += sum(ok)
         else:
-            out.dropped += len(lease_ids)
+            out.dropped += len(lease_ids) - late  # the late ones are counted already
         return out
 
     def for_session(self, client: SidecarClient, copies: DeviceCopies) -> HostPath:

@@ -37,6 +37,15 @@ session is gone): it gets no lease after that, so a request still running
 for it (a long PREPARE_RETRIEVE promoting from L2) stops taking leases
 instead of pinning L1 for no one until they expire.
 
+An expired *write* lease is taken out of the index at once, but its slot
+stays pinned (quarantined) until its writer says it is done with it (a
+COMMIT_STORE or RELEASE naming it, refused) or its client ends (also when
+it is reclaimed after ``server.client_timeout_seconds`` of silence): a writer
+that reached its copy late (a starved thread, a stopped process) would
+otherwise write into a slot that another chunk owns by then, changing that
+chunk silently. Read leases expire outright: a late reader checks its own
+copy against the lease's time (``connector/lease_clock.py``).
+
 Locking: one lock guards the index, leases, counters, write-behind's and
 prefetch's state; it is never held during a copy or any I/O. Lookup,
 write-behind and prefetch share it (each module says why); promotion does
@@ -113,6 +122,8 @@ class StorageManager:
         self._cond = threading.Condition(self._lock)
         self._leases = LeaseTable()
         self._ended: OrderedDict[str, None] = OrderedDict()  # see release_client
+        # Expired write leases whose writers may still write (module docstring).
+        self._quarantined: dict[int, Lease] = {}
         self._counters: dict[str, int] = {}
         self._hits = self._misses = self._stored_bytes = self._retrieved_bytes = 0
         self._prefetched_bytes = 0
@@ -298,6 +309,8 @@ class StorageManager:
         another client's is left as it is, and the answer is False."""
         with self._lock:
             lease = self._leases.get(lease_id)
+            if lease is None and self._free_quarantined(lease_id, client):
+                return False  # it expired before: its writer is done now
             if lease is None or not lease.write or (client is not None and client != lease.client):
                 return False
             self._leases.pop(lease_id)
@@ -440,7 +453,10 @@ class StorageManager:
         (with ``client``) another client's."""
         with self._lock:
             lease = self._leases.get(lease_id)
-            if lease is None or (client is not None and client != lease.client):
+            if lease is None:
+                self._free_quarantined(lease_id, client)  # an expired write: done now
+                return False
+            if client is not None and client != lease.client:
                 return False
             self._leases.pop(lease_id)
             self._end_lease(lease)
@@ -467,6 +483,8 @@ class StorageManager:
             leases = self._leases.pop_client(client)
             for lease in leases:
                 self._end_lease(lease)
+            for lease_id in [i for i, q in self._quarantined.items() if q.client == client]:
+                self._free_quarantined(lease_id)
             self._prefetcher.client_released(client)
             return len(leases)
 
@@ -487,9 +505,34 @@ class StorageManager:
         with self._lock:
             old = self._leases.pop_older_than(cutoff)
             for lease in old:
-                self._end_lease(lease)
+                if lease.write:
+                    self._quarantine(lease)
+                else:
+                    self._end_lease(lease)
             self._count("leases_expired_total", len(old))
             return len(old)
+
+    def _quarantine(self, lease: Lease) -> None:
+        """Caller holds the lock: abort an expired write lease, keeping its slot
+        pinned until :meth:`_free_quarantined` (module docstring)."""
+        entry = lease.entry
+        if self._store.entries.get(entry.key) is entry:
+            self._store.remove(entry.key)
+        else:
+            entry.dead = True
+        entry.promoting = False
+        self._quarantined[lease.slot.lease_id] = lease
+        self._cond.notify_all()
+
+    def _free_quarantined(self, lease_id: int, client: str | None = None) -> bool:
+        """Caller holds the lock: unpin the quarantined slot of ``lease_id``
+        (its writer is done with it); False if there is none (of ``client``)."""
+        lease = self._quarantined.get(lease_id)
+        if lease is None or (client is not None and client != lease.client):
+            return False
+        del self._quarantined[lease_id]
+        self._store.unpin(lease.entry)
+        return True
 
     def get(self, key: ChunkKey) -> bytes | None:
         """acquire + copy + release."""

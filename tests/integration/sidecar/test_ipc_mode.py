@@ -426,6 +426,48 @@ def test_a_session_ending_during_a_copy_closes_its_handles_only_after_the_copy(
         engine.close()
 
 
+def test_a_load_whose_leases_expired_during_its_copy_is_reported_as_not_loaded(
+    tmp_path: Path, kv: SharedKV
+) -> None:
+    # The sidecar copies under read leases; a copy that outlasts them (a peer's
+    # event waited on for long) may read slots already given to other chunks:
+    # such a load must be reported as none, so vLLM recomputes those blocks.
+    config = config_from_dict(
+        {"l1": {"size_bytes": "8Mi", "pin_memory": False}, "l2": {"path": str(tmp_path / "l2")}}
+    )
+    engine = StorageManager(config)
+    entered, release = threading.Event(), threading.Event()
+
+    class StalledDevice(SharedMemoryDevice):
+        """Double: a scatter that waits until the test has expired the leases."""
+
+        def scatter(self, *args: Any, **kwargs: Any) -> None:
+            entered.set()
+            assert release.wait(10)
+            super().scatter(*args, **kwargs)
+
+    device = StalledDevice(engine.arena.address())
+    ipc = IpcTransfers(engine, lambda gpu: device)
+    try:
+        ipc.register("s1", kv.registration())
+        ks = keys(1, "outlived")
+        saved = ipc.save("s1", p.SaveBlocksRequest(keys=ks, block_ids=[[1, 2]], owner="o"), "s1/o")
+        assert saved.committed == [True]
+        body = p.LoadBlocksRequest(keys=ks, block_ids=[[5, 6]], owner="r")
+        replies: list[p.LoadBlocksReply] = []
+        loader = threading.Thread(target=lambda: replies.append(ipc.load("s1", body, "s1/r")))
+        loader.start()
+        assert entered.wait(10)
+        assert engine.expire_leases(now=float("inf")) == 1  # the load's own lease
+        release.set()
+        loader.join(10)
+        assert replies[0].loaded == 0
+    finally:
+        release.set()
+        ipc.close("s1")
+        engine.close()
+
+
 def test_a_load_waits_for_the_event_vllm_recorded_before_it_fills_blocks(
     sidecar: InProcessSidecar, kv: SharedKV
 ) -> None:

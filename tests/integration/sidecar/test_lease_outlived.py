@@ -13,8 +13,10 @@ it), never hand vLLM the other chunk's bytes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -83,3 +85,67 @@ def test_a_copy_that_outlives_its_lease_is_not_loaded(kit: Any, tmp_path: Any) -
         saver.close()
         sidecar.stop()
         sidecar.cleanup()
+
+
+def test_a_save_too_late_to_copy_never_writes_into_a_slot_another_chunk_now_owns(
+    kit: Any, tmp_path: Any
+) -> None:
+    # A save's copy reached after its write lease expired would land in a slot
+    # the sidecar may have given to another session's chunk by then, silently
+    # changing that chunk. The worker checks before each copy and aborts it.
+    sidecar = kit.Sidecar(
+        tmp_path / "sc", {"l1": {"size_bytes": "1Mi"}, "server": {"lease_seconds": LEASE_SECONDS}}
+    )
+    sidecar.start()
+    case = vllm_layers(CASE_NAME, dtype=torch.float16)
+    late = new_worker(sidecar.endpoint, case)
+    other = new_worker(sidecar.endpoint, case)
+    try:
+        capacity = (1 << 20) // other.layout.chunk_nbytes
+        for i in range(capacity):  # L1 full: a freed slot is the only free space
+            filler = chunk("filler", i, [0, 1])
+            other.save(KVStrataMetadata(saves=[RequestTransfer(f"f{i}", [filler])]))
+        copies = late.transfer.copies
+        real_saving = copies.saving
+        stalled: list[bool] = []
+
+        @contextlib.contextmanager
+        def saving_once_the_leases_expired() -> Iterator[None]:
+            """Double: the first copy is reached only after the leases expired
+            and another session stored chunks in the freed slots."""
+            if not stalled:
+                stalled.append(True)
+                kit.wait_until(lambda: expired_leases(sidecar) >= 2, 30.0, "the leases to expire")
+                for i in range(2):
+                    theirs = chunk("theirs", i, [9, 10])
+                    other.save(KVStrataMetadata(saves=[RequestTransfer(f"t{i}", [theirs])]))
+            with real_saving():
+                yield
+
+        copies.saving = saving_once_the_leases_expired  # type: ignore[method-assign]
+        mine = [chunk("mine", 0, [3, 4]), chunk("mine", 1, [5, 6])]
+        late.save(KVStrataMetadata(saves=[RequestTransfer("late", mine)]))
+        assert late.counters.saved_chunks == 0  # its leases had expired
+        theirs = [chunk("theirs", i, [7, 8]) for i in range(2)]
+        want = block_bytes(case, [9, 10])
+        for i, c in enumerate(theirs):
+            other.start_load(KVStrataMetadata(loads=[RequestTransfer(f"l{i}", [c])]))
+            other.save(None)
+            if other.take_load_errors():
+                continue  # not in L1 any more: nothing to compare
+            assert block_bytes(case, [7, 8]) == want, f"their chunk {i} was overwritten"
+        assert other.counters.loaded_chunks >= 1, "none of their chunks could be read back"
+    finally:
+        late.close()
+        other.close()
+        sidecar.stop()
+        sidecar.cleanup()
+
+
+def block_bytes(case: Any, blocks: list[int]) -> list[bytes]:
+    """Every layer's bytes of ``blocks``."""
+    return [
+        kv.select(case.block_dim, b).contiguous().view(torch.uint8).numpy().tobytes()
+        for kv in case.layers.values()
+        for b in blocks
+    ]
