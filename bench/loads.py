@@ -143,12 +143,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         RUNS,
         bindings_equal,
         interleaved,
-        pin_in_process_threads,
+        prepare_in_process_engines,
     )
-    from kvstrata.testing.localstack import set_vllm_env
 
-    pin_in_process_threads()
-    set_vllm_env()
+    prepare_in_process_engines()
     from kvstrata.testing.tinymodel import build_tiny_llama, default_cache_root
 
     model = build_tiny_llama(default_cache_root(), hidden_size=256, num_layers=4, head_dim=64)

@@ -380,22 +380,39 @@ def test_a_sidecar_without_cuda_grants_host_mode_with_the_reason(kit: Any, tmp_p
         sc.cleanup()
 
 
+def in_process_engine(tmp_path: Path) -> StorageManager:
+    """An engine of this process with an 8 MiB L1 (the device doubles copy into it)."""
+    config = config_from_dict(
+        {"l1": {"size_bytes": "8Mi", "pin_memory": False}, "l2": {"path": str(tmp_path / "l2")}}
+    )
+    return StorageManager(config)
+
+
+class HeldCopy:
+    """Two events around a device copy a test holds: ``entered`` once the copy
+    started, and ``release`` that lets it go on."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def hold(self) -> None:
+        self.entered.set()
+        assert self.release.wait(10)
+
+
 def test_a_session_ending_during_a_copy_closes_its_handles_only_after_the_copy(
     tmp_path: Path, kv: SharedKV
 ) -> None:
     # A copy that is running when its session ends (the process died) must
     # finish before the handles close: closing under a running kernel is an
     # illegal address for the whole GPU context.
-    config = config_from_dict(
-        {"l1": {"size_bytes": "8Mi", "pin_memory": False}, "l2": {"path": str(tmp_path / "l2")}}
-    )
-    engine = StorageManager(config)
-    entered, release = threading.Event(), threading.Event()
+    engine = in_process_engine(tmp_path)
+    held = HeldCopy()
+    entered, release = held.entered, held.release
 
     class SlowDevice(SharedMemoryDevice):
         def gather(self, *args: Any, **kwargs: Any) -> None:
-            entered.set()
-            assert release.wait(10)
+            held.hold()
             super().gather(*args, **kwargs)
 
     device = SlowDevice(engine.arena.address())
@@ -432,18 +449,15 @@ def test_a_load_whose_leases_expired_during_its_copy_is_reported_as_not_loaded(
     # The sidecar copies under read leases; a copy that outlasts them (a peer's
     # event waited on for long) may read slots already given to other chunks:
     # such a load must be reported as none, so vLLM recomputes those blocks.
-    config = config_from_dict(
-        {"l1": {"size_bytes": "8Mi", "pin_memory": False}, "l2": {"path": str(tmp_path / "l2")}}
-    )
-    engine = StorageManager(config)
-    entered, release = threading.Event(), threading.Event()
+    engine = in_process_engine(tmp_path)
+    held = HeldCopy()
+    entered, release = held.entered, held.release
 
     class StalledDevice(SharedMemoryDevice):
         """Double: a scatter that waits until the test has expired the leases."""
 
         def scatter(self, *args: Any, **kwargs: Any) -> None:
-            entered.set()
-            assert release.wait(10)
+            held.hold()
             super().scatter(*args, **kwargs)
 
     device = StalledDevice(engine.arena.address())

@@ -19,6 +19,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
 
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, RequestTransfer
@@ -46,11 +47,19 @@ def chunk(test: str, i: int, blocks: list[int]) -> ChunkTransfer:
     return ChunkTransfer(hashlib.sha256(f"{test}/{i}".encode()).digest(), blocks)
 
 
-def test_a_copy_that_outlives_its_lease_is_not_loaded(kit: Any, tmp_path: Any) -> None:
-    sidecar = kit.Sidecar(
+@pytest.fixture
+def sidecar(kit: Any, tmp_path: Any) -> Iterator[Any]:
+    """A sidecar with a 1 MiB L1 and short leases."""
+    sc = kit.Sidecar(
         tmp_path / "sc", {"l1": {"size_bytes": "1Mi"}, "server": {"lease_seconds": LEASE_SECONDS}}
     )
-    sidecar.start()
+    sc.start()
+    yield sc
+    sc.stop()
+    sc.cleanup()
+
+
+def test_a_copy_that_outlives_its_lease_is_not_loaded(kit: Any, sidecar: Any) -> None:
     case = vllm_layers(CASE_NAME, dtype=torch.float16)
     saver = new_worker(sidecar.endpoint, case)
     loader = new_worker(sidecar.endpoint, case)
@@ -83,20 +92,15 @@ def test_a_copy_that_outlives_its_lease_is_not_loaded(kit: Any, tmp_path: Any) -
     finally:
         loader.close()
         saver.close()
-        sidecar.stop()
-        sidecar.cleanup()
 
 
 def test_a_save_too_late_to_copy_never_writes_into_a_slot_another_chunk_now_owns(
-    kit: Any, tmp_path: Any
+    kit: Any, sidecar: Any
 ) -> None:
     # A save's copy reached after its write lease expired would land in a slot
     # the sidecar may have given to another session's chunk by then, silently
-    # changing that chunk. The worker checks before each copy and aborts it.
-    sidecar = kit.Sidecar(
-        tmp_path / "sc", {"l1": {"size_bytes": "1Mi"}, "server": {"lease_seconds": LEASE_SECONDS}}
-    )
-    sidecar.start()
+    # changing that chunk. The sidecar keeps an expired write lease's slot
+    # pinned until its writer is done (and the worker checks before each copy).
     case = vllm_layers(CASE_NAME, dtype=torch.float16)
     late = new_worker(sidecar.endpoint, case)
     other = new_worker(sidecar.endpoint, case)
@@ -138,8 +142,6 @@ def test_a_save_too_late_to_copy_never_writes_into_a_slot_another_chunk_now_owns
     finally:
         late.close()
         other.close()
-        sidecar.stop()
-        sidecar.cleanup()
 
 
 def block_bytes(case: Any, blocks: list[int]) -> list[bytes]:
