@@ -617,6 +617,13 @@ class Soak:
 
     def fault_shm_full(self, fault: soakplan.Fault, begin: bool) -> None:
         assert self.ns is not None
+        if begin and self.vllm_killer is not None:
+            # vLLM cannot start without room in /dev/shm (soakplan.KINDS): a
+            # restart still under way when the schedule fills it finishes first.
+            # The schedule keeps the two apart in requests, but a restart takes
+            # as long as it takes while in-flight requests still count.
+            self.vllm_killer.join()
+            self.vllm_killer = None
         self._fill("shm", self.ns.shm, SHM_LEFT_FREE, begin)
 
     def fault_flood(self, fault: soakplan.Fault, begin: bool) -> None:
