@@ -233,13 +233,17 @@ class StorageManager:
         if lease is not None:
             self._end_lease(lease)
 
-    def _abort_entry(self, entry: Entry) -> None:
+    def _abort_entry(self, entry: Entry, keep_pinned: bool = False) -> None:
+        """Caller holds the lock: take an unpublished entry out of the index;
+        its extent is freed at its last unpin (``keep_pinned``: the writer's
+        pin stays, see :meth:`_quarantine`)."""
         if self._store.entries.get(entry.key) is entry:
             self._store.remove(entry.key)
         else:
             entry.dead = True
         entry.promoting = False
-        self._store.unpin(entry)
+        if not keep_pinned:
+            self._store.unpin(entry)
         self._cond.notify_all()
 
     def _read_lease(self, entry: Entry, owner: str, prefetch: bool = False) -> Slot:
@@ -515,14 +519,8 @@ class StorageManager:
     def _quarantine(self, lease: Lease) -> None:
         """Caller holds the lock: abort an expired write lease, keeping its slot
         pinned until :meth:`_free_quarantined` (module docstring)."""
-        entry = lease.entry
-        if self._store.entries.get(entry.key) is entry:
-            self._store.remove(entry.key)
-        else:
-            entry.dead = True
-        entry.promoting = False
         self._quarantined[lease.slot.lease_id] = lease
-        self._cond.notify_all()
+        self._abort_entry(lease.entry, keep_pinned=True)
 
     def _free_quarantined(self, lease_id: int, client: str | None = None) -> bool:
         """Caller holds the lock: unpin the quarantined slot of ``lease_id``
