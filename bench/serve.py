@@ -18,6 +18,8 @@ is read back from its log (the ``OpenMP thread binding info`` lines that
 module logs) into the JSON, and no ratio is given when they differ. Each
 system runs ``runs`` times, interleaved (alone, kvstrata, alone, ...), every
 run on fresh servers; the JSON has every run, the median and the spread.
+vLLM alone has no tier, so the regimes on the same prompts share its runs
+(alone, l1, l2, valkey, new_replica, alone, ...; ``baseline_groups``).
 
 Regimes (``--quick``: the first one, small, one run each):
 
@@ -368,13 +370,9 @@ def _summary(result: dict) -> dict[str, Any]:
     }
 
 
-def run_system(
-    system: str, regime: str, plan: Plan, model: Path, root: Path, shared: dict | None
-) -> dict[str, Any]:
-    """One run of ``system`` in ``regime`` on fresh servers."""
-    from kvstrata.connector.transfer_config import kv_transfer_config
-    from kvstrata.testing.localstack import LocalSidecar
-
+def run_system(system: str, regime: str, plan: Plan, model: Path, root: Path) -> dict[str, Any]:
+    """One run of ``system`` in ``regime`` on fresh servers (and a fresh, empty
+    Valkey where the regime has one: what one run warmed must not serve the next)."""
     root.mkdir(parents=True, exist_ok=True)
     dataset = (
         multi_turn_dataset(plan, root / "multi_turn.jsonl")
@@ -386,6 +384,16 @@ def run_system(
             result = bench_client(plan, model, server.url, root / "result.json", dataset)
             facts = server.facts()
         return {**_summary(result), **facts}
+
+    with shared_tier(regime, root) as shared:
+        return _run_kvstrata(regime, plan, model, root, dataset, shared)
+
+
+def _run_kvstrata(
+    regime: str, plan: Plan, model: Path, root: Path, dataset: list[str], shared: dict | None
+) -> dict[str, Any]:
+    from kvstrata.connector.transfer_config import kv_transfer_config
+    from kvstrata.testing.localstack import LocalSidecar
 
     def replica(name: str, rounds: int) -> tuple[list[dict], dict, dict[str, int]]:
         l1, overrides = _sidecar_overrides(regime, plan, shared)
@@ -423,15 +431,26 @@ def run_system(
 
 
 @contextlib.contextmanager
-def shared_tier(regimes: list[str], root: Path) -> Iterator[dict | None]:
-    """A loopback Valkey (redis-server) when a regime needs one."""
-    if not {"valkey", "new_replica"} & set(regimes):
+def shared_tier(regime: str, root: Path) -> Iterator[dict | None]:
+    """A loopback Valkey (redis-server) when ``regime`` has one."""
+    if regime not in ("valkey", "new_replica"):
         yield None
         return
     from kvstrata.testing.servers import RedisServer
 
     with RedisServer(root / "valkey") as valkey:
         yield {"backend": "valkey", "valkey": {"url": valkey.url}}
+
+
+def baseline_groups(regimes: list[str]) -> list[list[str]]:
+    """Regimes whose vLLM alone is the same server on the same prompts, together.
+
+    vLLM alone has no tier, so ``l1``, ``l2``, ``valkey`` and ``new_replica``
+    (whose baseline is vLLM alone's cold run of the same prompts) share one
+    set of its runs; ``multi_turn`` has other prompts and a longer model length.
+    """
+    prefix = [r for r in regimes if r != "multi_turn"]
+    return [g for g in (prefix, [r for r in regimes if r == "multi_turn"]) if g]
 
 
 # -- figures ---------------------------------------------------------------------------
@@ -534,13 +553,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out["client"] = "vllm bench serve (python -m kvstrata.bench.vllm_cli), prefix_repetition"
     if "multi_turn" in regimes:
         out["multi_turn_client"] = "vllm bench serve, custom dataset in order (module docstring)"
-    with _workdir() as root, shared_tier(regimes, root) as shared:
-        for regime in regimes:
-            runs: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
-            for i, system in interleaved(SYSTEMS, plan.runs):
-                where = root / regime / f"{system}-{i}"
-                runs[system].append(run_system(system, regime, plan, model, where, shared))
-            out["regimes"][regime] = summarise(regime, plan, runs)
+    with _workdir() as root:
+        for group in baseline_groups(regimes):
+            alone: list[dict] = []
+            runs: dict[str, list[dict]] = {regime: [] for regime in group}
+            # vLLM alone, then kvstrata in each regime of the group, and again:
+            # drift on the machine reaches every system alike.
+            for i, system in interleaved([SYSTEMS[0], *group], plan.runs):
+                if system == SYSTEMS[0]:
+                    where = root / f"vllm-{group[0]}-{i}"
+                    alone.append(run_system("vllm", group[0], plan, model, where))
+                else:
+                    where = root / system / f"kvstrata-{i}"
+                    runs[system].append(run_system("kvstrata", system, plan, model, where))
+            for regime in group:
+                summary = summarise(regime, plan, {"vllm": alone, "kvstrata": runs[regime]})
+                summary["vllm_runs_shared_with"] = list(group)
+                out["regimes"][regime] = summary
     if not args.quick:
         RESULTS_DIR.mkdir(exist_ok=True)
         (RESULTS_DIR / "serve.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
