@@ -303,8 +303,15 @@ def decode_header(prefix: bytes | memoryview, expected_key: bytes | None = None)
     )
 
 
-def decode(blob: bytes | memoryview, expected_key: bytes | None = None) -> DecodedObject:
-    """Validate and decode one whole object; raise :class:`CorruptObjectError`."""
+def decode(
+    blob: bytes | memoryview, expected_key: bytes | None = None, payload_xxh3: int | None = None
+) -> DecodedObject:
+    """Validate and decode one whole object; raise :class:`CorruptObjectError`.
+
+    ``payload_xxh3``: the stored payload's xxh3_64, when the reader already
+    computed it while the bytes arrived (:class:`PayloadHasher`); it is then
+    checked against the recorded checksum instead of hashing the payload again.
+    """
     view = memoryview(blob).cast("B")
     header = decode_header(view, expected_key)
     checksum, end = header.checksum, len(view)
@@ -316,7 +323,9 @@ def decode(blob: bytes | memoryview, expected_key: bytes | None = None) -> Decod
     stored = view[header.header_length : end]
     if len(stored) != header.stored_length:
         raise CorruptObjectError(f"payload length {len(stored)} != recorded {header.stored_length}")
-    if xxhash.xxh3_64_intdigest(stored) != checksum:
+    if payload_xxh3 is None:
+        payload_xxh3 = xxhash.xxh3_64_intdigest(stored)
+    if payload_xxh3 != checksum:
         raise CorruptObjectError("payload checksum mismatch")
     try:
         payload = decompress(header.codec, stored, header.raw_length)
@@ -325,6 +334,55 @@ def decode(blob: bytes | memoryview, expected_key: bytes | None = None) -> Decod
     if len(payload) != header.raw_length:
         raise CorruptObjectError(f"decoded length {len(payload)} != recorded {header.raw_length}")
     return DecodedObject(meta=header.meta, payload=payload)
+
+
+class PayloadHasher:
+    """Hashes an object's stored payload while the object is still being received.
+
+    A reader that fills one buffer in order calls :meth:`received` with the
+    bytes it has so far; once the header is in, the payload's bytes are hashed
+    as they arrive, so the checksum costs no pass of its own after the last
+    byte. :meth:`digest` is the payload's xxh3_64 for :func:`decode`, or None
+    when the header never parsed (:func:`decode` then hashes and reports).
+    """
+
+    __slots__ = ("_end", "_hash", "_hashed", "_header_probe", "_size", "_start", "_view")
+
+    # Enough for any header this format writes (48 fixed bytes, up to
+    # MAX_NDIM shape words, the block count and a key of at most 255 bytes).
+    HEADER_BYTES_MAX = FIXED_HEADER_BYTES + 8 * MAX_NDIM + 3 + 255
+
+    def __init__(self, buffer: memoryview) -> None:
+        self._view = buffer
+        self._size = len(buffer)
+        self._hash = xxhash.xxh3_64()
+        self._start: int | None = None  # payload offsets, once the header is in
+        self._end = 0
+        self._hashed = 0
+        self._header_probe = min(self._size, self.HEADER_BYTES_MAX)
+
+    def received(self, filled: int) -> None:
+        """The first ``filled`` bytes of the buffer are in: hash what they complete."""
+        if self._start is None:
+            if filled < self._header_probe:
+                return
+            try:
+                header = decode_header(self._view[:filled])
+            except CorruptObjectError:
+                self._header_probe = self._size + 1  # never again; decode() reports it
+                return
+            self._start = self._hashed = header.header_length
+            self._end = self._size - (TRAILER_BYTES if header.trailer else 0)
+        upto = min(filled, self._end)
+        if upto > self._hashed:
+            self._hash.update(self._view[self._hashed : upto])
+            self._hashed = upto
+
+    def digest(self) -> int | None:
+        """The payload's xxh3_64 once all of it was hashed, else None."""
+        if self._start is None or self._hashed < self._end:
+            return None
+        return self._hash.intdigest()
 
 
 def payload_matches(header: ObjectHeader, stored: bytes | memoryview) -> bool:

@@ -63,6 +63,7 @@ from redis.retry import Retry
 from kvstrata.sidecar.config import SharedConfig, ValkeyConfig
 from kvstrata.sidecar.keys import ChunkKey, key_hex
 from kvstrata.sidecar.objformat import StreamedObject
+from kvstrata.sidecar.tiers import valkey_get
 from kvstrata.sidecar.tiers.base import TierStats
 from kvstrata.sidecar.tiers.remote import Encoder, Fetched, RemoteTier, Stored, read_secret
 
@@ -205,6 +206,10 @@ def connection_kwargs(config: ValkeyConfig, timeout: float) -> dict[str, Any]:
     if config.password_file:
         kwargs["password"] = read_secret(config.password_file, "shared.valkey.password_file")
     kwargs.update(
+        # RESP2, as redis-py before 8 spoke by default: no push messages (RESP3
+        # maintenance notifications, tracking) can arrive between the replies
+        # that valkey_get reads off the socket itself.
+        protocol=2,
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
         # A broken connection is retried once, at once, on a new socket
@@ -324,12 +329,18 @@ class ValkeyTier(RemoteTier):
         return [bool(a) for a in answers]
 
     def _fetch(self, names: Sequence[str]) -> list[Fetched]:
-        """Pipelined GETs (one round trip; per node in cluster mode)."""
+        """Pipelined GETs (one round trip; per node in cluster mode). A standalone
+        server's replies are read by :mod:`.valkey_get`: one copy per value, each
+        payload hashed while the rest arrives."""
         try:
-            if len(names) == 1:
-                blobs = [self._client("io").get(names[0])]
+            client = self._client("io")
+            if not self._config.cluster:
+                keys = [bytes.fromhex(name[len(self._prefix) :]) for name in names]
+                blobs = valkey_get.get_many(client.connection_pool, names, keys)
+            elif len(names) == 1:
+                blobs = [client.get(names[0])]
             else:
-                pipe = self._client("io").pipeline(transaction=False)
+                pipe = client.pipeline(transaction=False)
                 for name in names:
                     pipe.get(name)
                 blobs = pipe.execute(raise_on_error=True)

@@ -7,11 +7,14 @@ import struct
 
 import pytest
 import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvstrata.sidecar.codecs import CODEC_IDS
 from kvstrata.sidecar.objformat import (
     ChunkMeta,
     CorruptObjectError,
+    PayloadHasher,
     StreamedObject,
     decode,
     decode_header,
@@ -197,3 +200,51 @@ def test_pieces_drawn_again_send_the_same_object():
     first = streamed_bytes(obj)
     assert streamed_bytes(obj, piece_bytes=333) == first
     assert bytes(decode(first, expected_key=KEY).payload) == PAYLOADS["mixed"]
+
+
+def _v2(payload: bytes, codec: str) -> bytes:
+    return encode_bytes(KEY, payload, META, codec)
+
+
+def _v3(payload: bytes, codec: str) -> bytes:
+    return b"".join(encode_streamed(KEY, payload, META, codec).pieces())
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("version", [_v2, _v3], ids=["v2", "v3"])
+@given(cuts=st.lists(st.integers(min_value=0, max_value=20_000), max_size=12))
+def test_payload_hashed_while_received_matches_the_recorded_checksum(codec, version, cuts):
+    """However the bytes arrive (any receive sizes), the hasher's digest is
+    the stored payload's xxh3, which decode accepts in place of hashing."""
+    blob = version(PAYLOADS["mixed"], codec)
+    buffer = memoryview(bytearray(len(blob)))
+    hasher = PayloadHasher(buffer)
+    for filled in [*sorted(min(c, len(blob)) for c in cuts), len(blob)]:
+        buffer[:filled] = blob[:filled]
+        hasher.received(filled)
+    header = decode_header(blob)
+    end = len(blob) - (8 if header.trailer else 0)
+    assert hasher.digest() == xxhash.xxh3_64_intdigest(blob[header.header_length : end])
+    assert bytes(decode(buffer, KEY, hasher.digest()).payload) == PAYLOADS["mixed"]
+
+
+def test_a_digest_that_is_not_the_payloads_is_refused():
+    blob = _v3(PAYLOADS["mixed"], "none")
+    hasher = PayloadHasher(memoryview(blob))
+    hasher.received(len(blob))
+    with pytest.raises(CorruptObjectError, match="payload checksum"):
+        decode(blob, KEY, hasher.digest() ^ 1)
+
+
+def test_hasher_gives_no_digest_before_the_whole_payload_or_for_a_bad_header():
+    blob = _v3(PAYLOADS["mixed"], "none")
+    hasher = PayloadHasher(memoryview(blob))
+    hasher.received(len(blob) - 9)  # the last payload byte is not in yet
+    assert hasher.digest() is None
+    broken = bytearray(blob)
+    broken[0] ^= 0xFF  # bad magic: decode() must hash and report, not the hasher
+    hasher = PayloadHasher(memoryview(broken))
+    hasher.received(len(broken))
+    assert hasher.digest() is None
+    with pytest.raises(CorruptObjectError, match="magic"):
+        decode(broken, KEY, hasher.digest())
