@@ -306,8 +306,12 @@ class MotoS3Server(_ChildServer):
     what = "moto_server"
     poll_step = 0.05
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, memory_object_bytes: int | None = None) -> None:
+        """``memory_object_bytes``: objects up to this size stay in the server's
+        memory (``MOTO_S3_DEFAULT_KEY_BUFFER_SIZE``; moto's default writes any
+        object above about 5 MiB to a temporary file)."""
         super().__init__(port or free_port())
+        self.memory_object_bytes = memory_object_bytes
 
     @property
     def endpoint_url(self) -> str:
@@ -322,6 +326,12 @@ class MotoS3Server(_ChildServer):
             "import sys; from moto.server import main; "
             f"sys.exit(main(['-H', '{LOOPBACK}', '-p', '{self.port}']))"
         )
+        if self.memory_object_bytes is not None:
+            code = (
+                "import os; "
+                f"os.environ['MOTO_S3_DEFAULT_KEY_BUFFER_SIZE'] = '{self.memory_object_bytes}'; "
+                + code
+            )
         return [sys.executable, "-c", code]
 
     def _ready(self) -> bool:
