@@ -30,7 +30,7 @@ def test_bench_serve_quick_runs_with_equal_bindings_and_kvstrata_hits() -> None:
     assert result["benchmark"] == "serve" and result["quick"] is True
     regime = result["regimes"]["l1"]
     plan = result["plan"]
-    for system in ("vllm", "kvstrata"):
+    for system in ("vllm", "ceiling", "kvstrata"):
         (run,) = regime[system]["runs"]
         assert run["completed"] == plan["num_prompts"]
         (binding,) = regime[system]["bindings"]
@@ -38,9 +38,12 @@ def test_bench_serve_quick_runs_with_equal_bindings_and_kvstrata_hits() -> None:
         assert binding["reserve_cpu_num"] == str(plan["reserved_cpus"])
     assert regime["bindings_equal"] is True
     assert regime["ratio"] is not None
+    # The ceiling ran with KV for the whole working set, the others with the cap.
+    assert regime["ceiling"]["kv_cache_tokens"][0] > regime["vllm"]["kv_cache_tokens"][0]
+    assert regime["fraction_of_ceiling"] > 0
     (hits,) = regime["kvstrata"]["hit_tokens"]
     assert sum(hits.values()) > 0, hits
-    assert regime["failed_requests"] == {"vllm": 0, "kvstrata": 0}
+    assert regime["failed_requests"] == {"vllm": 0, "ceiling": 0, "kvstrata": 0}
 
 
 def test_a_new_replica_first_round_from_valkey_fails_no_request() -> None:
@@ -53,6 +56,6 @@ def test_a_new_replica_first_round_from_valkey_fails_no_request() -> None:
     regime = result["regimes"]["new_replica"]
     (run,) = regime["kvstrata"]["runs"]
     assert (run["completed"], run["failed"]) == (result["plan"]["num_prompts"], 0)
-    assert regime["failed_requests"] == {"vllm": 0, "kvstrata": 0}
+    assert regime["failed_requests"] == {"vllm": 0, "ceiling": 0, "kvstrata": 0}
     (hits,) = regime["kvstrata"]["hit_tokens"]
     assert hits.get("valkey", 0) > 0, hits
