@@ -102,7 +102,10 @@ class _Replies:
         view = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
         hasher = PayloadHasher(view)
         self._exactly(view, hasher)
-        self._exactly(memoryview(bytearray(2)))  # the bulk string's CRLF
+        end = bytearray(2)
+        self._exactly(memoryview(end))
+        if end != b"\r\n":
+            raise redis.exceptions.InvalidResponse("bulk string not ended by CRLF")
         try:
             return Validated(decode(view, expected_key, hasher.digest()), size)
         except CorruptObjectError:
