@@ -566,6 +566,7 @@ def _workdir() -> Iterator[Path]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvstrata.bench.machine import machine_info
     from kvstrata.testing.tinymodel import build_tiny_llama
 
     plan = plan_from(args)
@@ -576,6 +577,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_position_embeddings=8192,
     )  # fmt: skip
     out: dict[str, Any] = {"plan": asdict(plan), "quick": bool(args.quick), "regimes": {}}
+    out["machine"] = machine_info()  # the record names its machine, and so does the plot
     out["client"] = "vllm bench serve (python -m kvstrata.bench.vllm_cli), prefix_repetition"
     if "multi_turn" in regimes:
         out["multi_turn_client"] = "vllm bench serve, custom dataset in order (module docstring)"
@@ -638,7 +640,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     right.set_yscale("log")
     right.set_ylabel("TTFT s")
     right.legend(fontsize=7)
-    fig.suptitle("kvstrata bench serve: same CPU binding for every server")
+    machine = result.get("machine", {}).get("summary", "machine not recorded")
+    fig.suptitle(f"kvstrata bench serve: same CPU binding for every server ({machine})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
