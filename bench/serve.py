@@ -543,7 +543,8 @@ def summarise(regime: str, plan: Plan, runs: dict[str, list[dict]]) -> dict[str,
         out["ideal_ratio"] = best["request_throughput"] / med["vllm"]
         out["fraction_of_ideal"] = med["kvstrata"] / best["request_throughput"]
     out["ceiling_ratio"] = med["ceiling"] / med["vllm"]
-    out["fraction_of_ceiling"] = med["kvstrata"] / med["ceiling"]
+    if regime != "new_replica":  # its first round has no first use to compute: no ceiling
+        out["fraction_of_ceiling"] = med["kvstrata"] / med["ceiling"]
     if regime == "new_replica":
         warm = [r["warm_replica"] for r in runs["kvstrata"]]
         out["warm_replica"] = {k: median_spread([w[k] for w in warm]) for k in keys}
