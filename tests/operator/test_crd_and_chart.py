@@ -262,6 +262,7 @@ METRICS = [
     "kvstrata_operator_s3_swept_objects_total",
     "kvstrata_tier_server_evicted_keys",
     "kvstrata_tier_refreshed_total",
+    "kvstrata_prefetched_bytes_total",
 ]
 
 
