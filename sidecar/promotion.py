@@ -1,8 +1,8 @@
 """Promotion: a chunk found in L2 or the shared tier is copied up into L1.
 
 Why its own module: it is the one path that moves bytes into the arena from
-below (L2 reads straight into the reserved slot; a shared-tier object is
-copied in), with its own protocol against concurrent readers: the entry is
+below (L2 and, where it can, the shared tier read straight into the
+reserved slot), with its own protocol against concurrent readers: the entry is
 reserved ``promoting``, filled, then published with a read lease for the
 caller, and everyone waiting for that key is woken. A failed read aborts
 the entry (a miss, counted); an entry removed meanwhile is dropped at its
@@ -89,16 +89,26 @@ class Promotion:
         return self._index.publish(entry, meta, owner, "l2", prefetch)
 
     def _from_shared(self, shared: Tier, key: ChunkKey, owner: str, prefetch: bool) -> Slot | None:
+        """The shared tier writes the payload straight into the reserved slot
+        (``Tier.get_into``), reserved once the object's header says its size."""
+        reserved: list[tuple[Entry | None, Slot | None]] = []
+
+        def place(nbytes: int, meta: ChunkMeta) -> memoryview | None:
+            entry, slot = self._index.reserve(key, nbytes, meta, owner, prefetch)
+            reserved.append((entry, slot))
+            return None if entry is None else self._buf[entry.offset : entry.offset + entry.length]
+
         try:
-            obj = shared.get(key)
+            meta = shared.get_into(key, place)
         except Exception:  # a tier must not raise; a failure is a miss
-            logger.exception("shared tier %s raised from get", shared.name)
-            obj = None
-        if obj is None:
+            logger.exception("shared tier %s raised from get_into", shared.name)
+            meta = None
+        if not reserved:
             return None
-        payload = memoryview(obj.payload).cast("B")
-        entry, slot = self._index.reserve(key, len(payload), obj.meta, owner, prefetch)
+        entry, slot = reserved[0]
         if entry is None:
             return slot
-        self._buf[entry.offset : entry.offset + entry.length] = payload
-        return self._index.publish(entry, obj.meta, owner, shared.name, prefetch)
+        if meta is None:  # what was written there is no valid payload
+            self._index.fail(entry)
+            return None
+        return self._index.publish(entry, meta, owner, shared.name, prefetch)

@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# Where a payload of (length, meta) goes: a writable view of exactly that
+# length, or None when there is nowhere to put it (see Tier.get_into).
+Place = Callable[[int, ChunkMeta], memoryview | None]
+
+
 @dataclass
 class TierStats:
     """Plain counters a tier keeps; the sidecar's metrics read them at scrape."""
@@ -110,6 +115,26 @@ class Tier(abc.ABC):
     def get_many(self, keys: Sequence[ChunkKey]) -> list[DecodedObject | None]:
         """``get`` for a batch; remote tiers override it with one round trip."""
         return [self.get(key) for key in keys]
+
+    def get_into(self, key: ChunkKey, place: Place) -> ChunkMeta | None:
+        """Read ``key``'s payload into the buffer ``place`` names once the
+        payload's length and meta are known; the meta when the bytes written
+        there are the validated payload, else None (a miss; when ``place`` was
+        called, what it named holds no valid payload). ``place`` may answer
+        None (nowhere to put it): the read is dropped and None returned.
+
+        This default reads the whole object, then copies it; a tier that can
+        receive straight into the destination overrides it (Valkey).
+        """
+        obj = self.get(key)
+        if obj is None:
+            return None
+        payload = memoryview(obj.payload).cast("B")
+        dest = place(len(payload), obj.meta)
+        if dest is None:
+            return None
+        dest[:] = payload
+        return obj.meta
 
     def put_many(
         self, items: Sequence[tuple[ChunkKey, bytes | memoryview, ChunkMeta]]

@@ -62,9 +62,9 @@ from redis.retry import Retry
 
 from kvstrata.sidecar.config import SharedConfig, ValkeyConfig
 from kvstrata.sidecar.keys import ChunkKey, key_hex
-from kvstrata.sidecar.objformat import StreamedObject
+from kvstrata.sidecar.objformat import ChunkMeta, StreamedObject
 from kvstrata.sidecar.tiers import valkey_get
-from kvstrata.sidecar.tiers.base import TierStats
+from kvstrata.sidecar.tiers.base import Place, TierStats
 from kvstrata.sidecar.tiers.remote import Encoder, Fetched, RemoteTier, Stored, read_secret
 
 logger = logging.getLogger(__name__)
@@ -349,6 +349,37 @@ class ValkeyTier(RemoteTier):
             return [None] * len(names)
         self._breaker.record_success()
         return blobs
+
+    def get_into(self, key: ChunkKey, place: Place) -> ChunkMeta | None:
+        """A standalone server's reply is received straight into what ``place``
+        names (:func:`.valkey_get.get_into`); a cluster's goes through ``get``."""
+        if self._config.cluster:
+            return super().get_into(key, place)
+        if not self._allow():
+            self._count(misses=1)
+            return None
+        name = self._name(key)
+        try:
+            got = valkey_get.get_into(self._client("io").connection_pool, name, bytes(key), place)
+        except Exception as exc:
+            self._failed("get", exc)
+            self._count(misses=1)
+            return None
+        self._breaker.record_success()
+        if got is None:
+            self._count(misses=1)
+            return None
+        if got.corrupt:
+            logger.warning("valkey object %s is corrupt; deleting it", name)
+            with self._lock:
+                self._stats.corrupt_total += 1
+                self._stats.misses_total += 1
+            self._delete(name)
+            return None
+        with self._lock:
+            self._stats.hits_total += 1
+            self._stats.retrieved_bytes_total += got.nbytes
+        return got.meta
 
     def _store_many(self, names: Sequence[str], objects: Sequence[Encoder]) -> list[Stored]:
         """Pipelined ``SET NX`` of each object, header, payload pieces and trailer

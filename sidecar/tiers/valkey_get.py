@@ -9,6 +9,9 @@ of ``kvstrata bench remote`` 8 to 16% below it (bench/results/remote.json,
 before this module). Here each value is received once, by the kernel's copy
 into its buffer, and :class:`~kvstrata.sidecar.objformat.PayloadHasher`
 hashes what each receive brought, so the checksum overlaps the transfer.
+:func:`get_into` goes further for promotions into L1: once the object's
+header is in, the payload is received straight into the L1 slot reserved
+for it, so a chunk from Valkey is copied once, by the kernel, into L1.
 
 Only what a GET can answer is parsed (bulk strings, RESP2's and RESP3's
 nulls, simple errors);
@@ -20,19 +23,63 @@ servers; a cluster client's pipelines route by slot and keep redis-py's path.
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
-from typing import Any
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import redis.exceptions
+import xxhash
 from redis._parsers import BaseParser
 
-from kvstrata.sidecar.objformat import CorruptObjectError, PayloadHasher, decode
+from kvstrata.sidecar.objformat import (
+    TRAILER_BYTES,
+    ChunkMeta,
+    CorruptObjectError,
+    PayloadHasher,
+    decode,
+    decode_header,
+)
+from kvstrata.sidecar.tiers.base import Place
 from kvstrata.sidecar.tiers.remote import Fetched, Validated
+
+T = TypeVar("T")
 
 # A reply line ("$<length>", "-ERR ...") longer than this is not a GET's.
 _MAX_LINE = 64 * 1024
 _LINE_BUFFER = 64 * 1024
+
+
+class _Receiver(Protocol):
+    def received(self, filled: int) -> None: ...
+
+
+class _RunningHash:
+    """xxh3_64 of a view, hashed as its bytes arrive (``received``)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._hash = xxhash.xxh3_64()
+        self._hashed = 0
+
+    def received(self, filled: int) -> None:
+        if filled > self._hashed:
+            self._hash.update(self._view[self._hashed : filled])
+            self._hashed = filled
+
+    def intdigest(self) -> int:
+        return self._hash.intdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """What :func:`get_into` read: ``meta`` when the validated payload is where
+    ``place`` said (None: a miss, nowhere to put it, or ``corrupt``)."""
+
+    meta: ChunkMeta | None
+    nbytes: int  # the stored object's length
+    corrupt: bool = False
 
 
 class _Replies:
@@ -67,7 +114,7 @@ class _Replies:
                 raise redis.exceptions.InvalidResponse("reply line too long for a GET")
             self._fill()
 
-    def _exactly(self, out: memoryview, hasher: PayloadHasher | None = None) -> None:
+    def _exactly(self, out: memoryview, hasher: _Receiver | None = None) -> None:
         """Fill ``out``: buffered bytes first, then straight from the socket."""
         filled = min(len(out), self._end - self._start)
         out[:filled] = self._buf[self._start : self._start + filled]
@@ -85,18 +132,8 @@ class _Replies:
     def value(self, expected_key: bytes) -> Fetched:
         """The next reply: None for nil, a validated object, or the bytes of one
         that failed validation (the tier counts it corrupt and deletes it)."""
-        line = self._line()
-        if line[:1] == b"-":
-            raise BaseParser.parse_error(line[1:].decode(errors="replace"))
-        if line == b"_":  # RESP3's null (redis-py 8 speaks RESP3 where the server does)
-            return None
-        if line[:1] != b"$":
-            raise redis.exceptions.InvalidResponse(f"unexpected reply to GET: {line[:32]!r}")
-        try:
-            size = int(line[1:])
-        except ValueError:
-            raise redis.exceptions.InvalidResponse(f"bad bulk length {line[:32]!r}") from None
-        if size < 0:
+        size = self._bulk_length()  # RESP2's and RESP3's nulls are None
+        if size is None:
             return None
         # Uninitialised: every byte of it is received over before it is read.
         view = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
@@ -110,6 +147,131 @@ class _Replies:
             return Validated(decode(view, expected_key, hasher.digest()), size)
         except CorruptObjectError:
             return view
+
+    def _skip(self, n: int) -> None:
+        """Read and drop ``n`` bytes (the rest of a value nothing will keep)."""
+        scratch = memoryview(bytearray(min(n, _LINE_BUFFER) or 1))
+        while n > 0:
+            take = min(n, len(scratch))
+            self._exactly(scratch[:take])
+            n -= take
+
+    def value_into(self, expected_key: bytes, place: Place) -> Placed | None:
+        """The next reply, its payload received straight into what ``place``
+        names once the header says its length; None for nil."""
+        size = self._bulk_length()
+        if size is None:
+            return None
+        head = memoryview(bytearray(min(size, PayloadHasher.HEADER_BYTES_MAX)))
+        self._exactly(head)
+        try:
+            header = decode_header(head, expected_key)
+        except CorruptObjectError:
+            self._skip(size - len(head) + 2)
+            return Placed(None, size, corrupt=True)
+        trailer = TRAILER_BYTES if header.trailer else 0
+        payload_bytes = header.stored_length
+        if header.codec != "none" or header.header_length + payload_bytes + trailer != size:
+            # Compressed (or not what its header says): decode it whole, then copy.
+            whole = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+            whole[: len(head)] = head
+            self._exactly(whole[len(head) :])
+            self._skip(2)
+            try:
+                obj = decode(whole, expected_key)
+            except CorruptObjectError:
+                return Placed(None, size, corrupt=True)
+            payload = memoryview(obj.payload).cast("B")
+            dest = place(len(payload), obj.meta)
+            if dest is not None:
+                dest[:] = payload
+            return Placed(obj.meta if dest is not None else None, size)
+        dest = place(payload_bytes, header.meta)
+        if dest is None:
+            self._skip(size - len(head) + 2)
+            return Placed(None, size)
+        early = head[header.header_length :]  # payload (and trailer) bytes read with the header
+        first = min(len(early), payload_bytes)
+        dest[:first] = early[:first]
+        running = _RunningHash(dest)
+        running.received(first)
+        rest = dest[first:]
+        self._exactly(rest, _Offset(running, first))
+        tail = bytearray(early[first:])
+        more = bytearray(trailer - len(tail) + 2)
+        self._exactly(memoryview(more))
+        tail += more
+        if tail[-2:] != b"\r\n":
+            raise redis.exceptions.InvalidResponse("bulk string not ended by CRLF")
+        checksum = struct.unpack_from("<Q", tail)[0] if trailer else header.checksum
+        if running.intdigest() != checksum:
+            return Placed(None, size, corrupt=True)
+        return Placed(header.meta, size)
+
+    def _bulk_length(self) -> int | None:
+        line = self._line()
+        if line[:1] == b"-":
+            raise BaseParser.parse_error(line[1:].decode(errors="replace"))
+        if line == b"_":
+            return None
+        if line[:1] != b"$":
+            raise redis.exceptions.InvalidResponse(f"unexpected reply to GET: {line[:32]!r}")
+        try:
+            size = int(line[1:])
+        except ValueError:
+            raise redis.exceptions.InvalidResponse(f"bad bulk length {line[:32]!r}") from None
+        return None if size < 0 else size
+
+
+class _Offset:
+    """A receiver for a view that starts ``offset`` bytes into another's."""
+
+    def __init__(self, inner: _RunningHash, offset: int) -> None:
+        self._inner, self._offset = inner, offset
+
+    def received(self, filled: int) -> None:
+        self._inner.received(self._offset + filled)
+
+
+def get_into(pool: Any, name: str, key: bytes, place: Place) -> Placed | None:
+    """One GET of ``name`` whose payload lands where ``place`` says (see
+    :meth:`_Replies.value_into`). Raises redis-py's exceptions. A broken pooled
+    connection is retried once, but only before ``place`` was called: a
+    reserved destination is never filled twice."""
+    called = False
+
+    def place_once(nbytes: int, meta: ChunkMeta) -> memoryview | None:
+        nonlocal called
+        called = True
+        return place(nbytes, meta)
+
+    for attempt in (1, 2):
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(conn.pack_commands([("GET", name)]))
+            return _read(conn, lambda replies: replies.value_into(key, place_once))
+        except redis.exceptions.ConnectionError:
+            conn.disconnect()
+            if attempt == 2 or called:
+                raise
+        except BaseException:
+            conn.disconnect()  # never pool a connection with a reply half-read
+            raise
+        finally:
+            pool.release(conn)
+    raise AssertionError("unreachable")
+
+
+def _read(conn: Any, read: Callable[[_Replies], T]) -> T:
+    sock = conn._sock  # redis-py's connected socket (AbstractConnection._sock)
+    if sock is None:
+        raise redis.exceptions.ConnectionError("connection closed after sending")
+    try:
+        return read(_Replies(sock))
+    except TimeoutError:  # socket.timeout: the socket's deadline
+        raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
+    except OSError as exc:
+        raise redis.exceptions.ConnectionError(f"Error while reading from socket: {exc}") from None
 
 
 def get_many(pool: Any, names: Sequence[str], keys: Sequence[bytes]) -> list[Fetched]:
@@ -138,13 +300,4 @@ def get_many(pool: Any, names: Sequence[str], keys: Sequence[bytes]) -> list[Fet
 
 def _get_on(conn: Any, names: Sequence[str], keys: Sequence[bytes]) -> list[Fetched]:
     conn.send_packed_command(conn.pack_commands([("GET", name) for name in names]))
-    sock = conn._sock  # redis-py's connected socket (AbstractConnection._sock)
-    if sock is None:
-        raise redis.exceptions.ConnectionError("connection closed after sending")
-    replies = _Replies(sock)
-    try:
-        return [replies.value(key) for key in keys]
-    except TimeoutError:  # socket.timeout: the socket's deadline
-        raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
-    except OSError as exc:
-        raise redis.exceptions.ConnectionError(f"Error while reading from socket: {exc}") from None
+    return _read(conn, lambda replies: [replies.value(key) for key in keys])

@@ -220,3 +220,103 @@ def test_an_error_reply_is_a_miss_counted_by_kind(fake, error: bytes, kind: str)
     tier = _tier(server.url)
     assert tier.get_many([_key(1), _key(2)]) == [None, None]
     assert tier.stats().errors_total == {kind: 1}
+
+
+# -- get_into: the payload straight into its destination -------------------------
+
+
+class Destination:
+    """What a promotion's ``place`` does: hands out a buffer of the asked length."""
+
+    def __init__(self, room: bool = True) -> None:
+        self.room = room
+        self.asked: list[tuple[int, ChunkMeta]] = []
+        self.buffer = bytearray()
+
+    def __call__(self, nbytes: int, meta: ChunkMeta) -> memoryview | None:
+        self.asked.append((nbytes, meta))
+        if not self.room:
+            return None
+        self.buffer = bytearray(b"\xee" * nbytes)
+        return memoryview(self.buffer)
+
+
+@pytest.mark.parametrize("size", [1, 100, 65_000, 200_000, 3 << 20])
+def test_get_into_writes_the_payload_where_place_says(server, size: int) -> None:
+    tier = _tier(server.url)
+    key, payload = _key(size), _payload(size, 7)
+    meta = ChunkMeta(dtype="uint8", shape=(size,))
+    assert tier.put(key, payload, meta)
+    dest = Destination()
+    assert tier.get_into(key, dest) == meta
+    assert dest.asked == [(size, meta)]
+    assert bytes(dest.buffer) == payload
+    stats = tier.stats()
+    assert (stats.hits_total, stats.misses_total, stats.corrupt_total) == (1, 0, 0)
+    value_bytes = len(redis.Redis.from_url(server.url).get("kvstrata:" + key.hex()))
+    assert stats.retrieved_bytes_total == value_bytes
+
+
+def test_get_into_reads_compressed_and_older_format_objects(server) -> None:
+    from kvstrata.sidecar.config import SharedConfig
+    from kvstrata.sidecar.objformat import encode_bytes
+
+    zstd_tier = ValkeyTier(SharedConfig(backend="valkey", valkey={"url": server.url}, codec="zstd"))
+    payload = b"\x01\x3f" * 50_000  # compressible
+    assert zstd_tier.put(_key(1), payload, META)
+    raw = redis.Redis.from_url(server.url)
+    raw.set("kvstrata:" + _key(2).hex(), encode_bytes(_key(2), payload, META))
+    tier = _tier(server.url)
+    for key in (_key(1), _key(2)):
+        dest = Destination()
+        assert tier.get_into(key, dest) == META
+        assert bytes(dest.buffer) == payload
+
+
+def test_get_into_a_corrupt_payload_is_a_counted_miss_and_deleted(server) -> None:
+    tier = _tier(server.url)
+    key, payload = _key(1), _payload(300_000, 1)
+    assert tier.put(key, payload, META)
+    raw = redis.Redis.from_url(server.url)
+    value = bytearray(raw.get("kvstrata:" + key.hex()))
+    value[len(value) // 2] ^= 0x01
+    raw.set("kvstrata:" + key.hex(), bytes(value))
+    dest = Destination()
+    assert tier.get_into(key, dest) is None
+    assert len(dest.asked) == 1  # written, then refused: the caller drops what it reserved
+    assert (tier.stats().corrupt_total, tier.stats().misses_total) == (1, 1)
+    assert raw.exists("kvstrata:" + key.hex()) == 0
+
+
+def test_get_into_with_nowhere_to_put_it_leaves_the_connection_clean(server) -> None:
+    tier = _tier(server.url)
+    keys = [_key(1), _key(2)]
+    payloads = [_payload(300_000, 1), _payload(200_000, 2)]
+    assert tier.put_many([(k, p, META) for k, p in zip(keys, payloads, strict=True)])
+    assert tier.get_into(keys[0], Destination(room=False)) is None
+    dest = Destination()
+    assert tier.get_into(keys[1], dest) == META  # not the rest of the first value
+    assert bytes(dest.buffer) == payloads[1]
+
+
+def test_get_into_a_reply_cut_after_placing_is_a_miss_and_never_placed_twice(fake) -> None:
+    key, payload = _key(1), _payload(300_000, 1)
+    whole = _object_reply(key, payload)
+    server = fake(lambda n: ([whole[: len(whole) // 2]], "close") if n == 1 else ([whole], "keep"))
+    tier = _tier(server.url)
+    dest = Destination()
+    assert tier.get_into(key, dest) is None
+    assert len(dest.asked) == 1 and server.gets == 1
+    assert tier.stats().errors_total == {"connection": 1}
+    again = Destination()  # the next read, on a new connection, is whole
+    assert tier.get_into(key, again) == META and bytes(again.buffer) == payload
+
+
+def test_get_into_a_reply_cut_before_placing_is_read_again(fake) -> None:
+    key, payload = _key(1), _payload(300_000, 1)
+    whole = _object_reply(key, payload)
+    server = fake(lambda n: ([whole[:3]], "close") if n == 1 else ([whole], "keep"))
+    tier = _tier(server.url)
+    dest = Destination()
+    assert tier.get_into(key, dest) == META and bytes(dest.buffer) == payload
+    assert (len(dest.asked), server.gets) == (1, 2)
