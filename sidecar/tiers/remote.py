@@ -220,20 +220,26 @@ class RemoteTier(Tier):
             self._count(misses=1)
             return None
         if isinstance(blob, Validated):
-            with self._lock:
-                self._stats.hits_total += 1
-                self._stats.retrieved_bytes_total += blob.nbytes
+            self._count_hit(blob.nbytes)
             return blob.obj
         try:
             obj = decode(blob, expected_key=bytes(key))
         except CorruptObjectError as exc:
-            logger.warning("%s object %s is corrupt (%s); deleting it", self.name, name, exc)
-            with self._lock:
-                self._stats.corrupt_total += 1
-                self._stats.misses_total += 1
-            self._delete(name)
+            self._drop_corrupt(name, str(exc))
             return None
+        self._count_hit(len(blob))
+        return obj
+
+    def _count_hit(self, nbytes: int) -> None:
+        """A validated object of ``nbytes`` stored bytes was read."""
         with self._lock:
             self._stats.hits_total += 1
-            self._stats.retrieved_bytes_total += len(blob)
-        return obj
+            self._stats.retrieved_bytes_total += nbytes
+
+    def _drop_corrupt(self, name: str, why: str) -> None:
+        """A fetched object failed validation: counted, deleted, a miss."""
+        logger.warning("%s object %s is corrupt (%s); deleting it", self.name, name, why)
+        with self._lock:
+            self._stats.corrupt_total += 1
+            self._stats.misses_total += 1
+        self._delete(name)

@@ -370,15 +370,9 @@ class ValkeyTier(RemoteTier):
             self._count(misses=1)
             return None
         if got.corrupt:
-            logger.warning("valkey object %s is corrupt; deleting it", name)
-            with self._lock:
-                self._stats.corrupt_total += 1
-                self._stats.misses_total += 1
-            self._delete(name)
+            self._drop_corrupt(name, "checksum, key or length")
             return None
-        with self._lock:
-            self._stats.hits_total += 1
-            self._stats.retrieved_bytes_total += got.nbytes
+        self._count_hit(got.nbytes)
         return got.meta
 
     def _store_many(self, names: Sequence[str], objects: Sequence[Encoder]) -> list[Stored]:

@@ -245,17 +245,35 @@ def get_into(pool: Any, name: str, key: bytes, place: Place) -> Placed | None:
         called = True
         return place(nbytes, meta)
 
+    return _on_a_connection(
+        pool, [name], lambda replies: replies.value_into(key, place_once), lambda: not called
+    )
+
+
+def _on_a_connection(
+    pool: Any,
+    names: Sequence[str],
+    read: Callable[[_Replies], T],
+    may_retry: Callable[[], bool] = lambda: True,
+) -> T:
+    """Send a GET of each name on one pooled connection and ``read`` the replies.
+
+    A connection that broke (a pooled socket gone stale when the server
+    restarted) is retried once at once on a new one, as the client's other
+    commands are, while ``may_retry`` says so; a deadline is not retried. A
+    connection is never pooled with a reply half-read.
+    """
     for attempt in (1, 2):
         conn = pool.get_connection()
         try:
-            conn.send_packed_command(conn.pack_commands([("GET", name)]))
-            return _read(conn, lambda replies: replies.value_into(key, place_once))
+            conn.send_packed_command(conn.pack_commands([("GET", name) for name in names]))
+            return _read(conn, read)
         except redis.exceptions.ConnectionError:
             conn.disconnect()
-            if attempt == 2 or called:
+            if attempt == 2 or not may_retry():
                 raise
         except BaseException:
-            conn.disconnect()  # never pool a connection with a reply half-read
+            conn.disconnect()
             raise
         finally:
             pool.release(conn)
@@ -276,28 +294,5 @@ def _read(conn: Any, read: Callable[[_Replies], T]) -> T:
 
 def get_many(pool: Any, names: Sequence[str], keys: Sequence[bytes]) -> list[Fetched]:
     """Pipelined GETs of ``names`` on one pooled connection; ``keys`` are the
-    chunk keys each object must hold. Raises redis-py's exceptions.
-
-    A connection that broke before the reply (a pooled socket gone stale
-    when the server restarted) is retried once at once on a new one, as the
-    client's other commands are; a deadline is not retried.
-    """
-    for attempt in (1, 2):
-        conn = pool.get_connection()
-        try:
-            return _get_on(conn, names, keys)
-        except redis.exceptions.ConnectionError:
-            conn.disconnect()
-            if attempt == 2:
-                raise
-        except BaseException:
-            conn.disconnect()  # never pool a connection with a reply half-read
-            raise
-        finally:
-            pool.release(conn)
-    raise AssertionError("unreachable")
-
-
-def _get_on(conn: Any, names: Sequence[str], keys: Sequence[bytes]) -> list[Fetched]:
-    conn.send_packed_command(conn.pack_commands([("GET", name) for name in names]))
-    return _read(conn, lambda replies: [replies.value(key) for key in keys])
+    chunk keys each object must hold. Raises redis-py's exceptions."""
+    return _on_a_connection(pool, names, lambda replies: [replies.value(k) for k in keys])
