@@ -543,9 +543,9 @@ def summarise(regime: str, plan: Plan, runs: dict[str, list[dict]]) -> dict[str,
         out["ideal_ratio"] = best["request_throughput"] / med["vllm"]
         out["fraction_of_ideal"] = med["kvstrata"] / best["request_throughput"]
     out["ceiling_ratio"] = med["ceiling"] / med["vllm"]
-    if regime != "new_replica":  # its first round has no first use to compute: no ceiling
+    if regime != "new_replica":
         out["fraction_of_ceiling"] = med["kvstrata"] / med["ceiling"]
-    if regime == "new_replica":
+    else:  # its first round has no first use to compute: no ceiling, a warm replica instead
         warm = [r["warm_replica"] for r in runs["kvstrata"]]
         out["warm_replica"] = {k: median_spread([w[k] for w in warm]) for k in keys}
     return out

@@ -41,6 +41,17 @@ logger = logging.getLogger(__name__)
 Place = Callable[[int, ChunkMeta], memoryview | None]
 
 
+def copy_placed(obj: DecodedObject, place: Place) -> ChunkMeta | None:
+    """Copy a validated object's payload where ``place`` says: its meta, or
+    None when ``place`` had nowhere to put it (see :meth:`Tier.get_into`)."""
+    payload = memoryview(obj.payload).cast("B")
+    dest = place(len(payload), obj.meta)
+    if dest is None:
+        return None
+    dest[:] = payload
+    return obj.meta
+
+
 @dataclass
 class TierStats:
     """Plain counters a tier keeps; the sidecar's metrics read them at scrape."""
@@ -127,14 +138,7 @@ class Tier(abc.ABC):
         receive straight into the destination overrides it (Valkey).
         """
         obj = self.get(key)
-        if obj is None:
-            return None
-        payload = memoryview(obj.payload).cast("B")
-        dest = place(len(payload), obj.meta)
-        if dest is None:
-            return None
-        dest[:] = payload
-        return obj.meta
+        return None if obj is None else copy_placed(obj, place)
 
     def put_many(
         self, items: Sequence[tuple[ChunkKey, bytes | memoryview, ChunkMeta]]

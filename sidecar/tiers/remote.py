@@ -89,8 +89,9 @@ class RemoteTier(Tier):
         """For each key, whether its object is there within the lookup deadline."""
 
     @abc.abstractmethod
-    def _fetch(self, names: Sequence[str]) -> list[Fetched]:
-        """The stored values of ``names``, each as :data:`Fetched` says."""
+    def _fetch(self, keys: Sequence[ChunkKey], names: Sequence[str]) -> list[Fetched]:
+        """The stored values of ``names`` (the objects of ``keys``), each as
+        :data:`Fetched` says."""
 
     @abc.abstractmethod
     def _store_many(self, names: Sequence[str], objects: Sequence[Encoder]) -> list[Stored]:
@@ -137,7 +138,7 @@ class RemoteTier(Tier):
             self._count(misses=len(keys))
             return [None] * len(keys)
         names = [self._name(k) for k in keys]
-        blobs = self._fetch(names)
+        blobs = self._fetch(keys, names)
         return [self._validated(k, n, b) for k, n, b in zip(keys, names, blobs, strict=True)]
 
     def put(self, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta) -> bool:

@@ -362,9 +362,15 @@ class S3Tier(RemoteTier):
             self._breaker.record_success()
         return answers
 
-    def _fetch(self, names: Sequence[str]) -> list[Fetched]:
+    def _fetch(self, keys: Sequence[ChunkKey], names: Sequence[str]) -> list[Fetched]:
         """Concurrent GETs on the pool, all within one ``timeout_seconds`` deadline."""
-        return self._run_many("get", [lambda n=n: self._download(n) for n in names])
+        return self._run_many(
+            "get",
+            [
+                lambda k=k, n=n: self._download(n, bytes(k))
+                for k, n in zip(keys, names, strict=True)
+            ],
+        )
 
     def _store_many(self, names: Sequence[str], objects: Sequence[Encoder]) -> list[Stored]:
         """Concurrent uploads, each skipped when the object already exists; each
@@ -450,7 +456,7 @@ class S3Tier(RemoteTier):
         )
         return True
 
-    def _download(self, object_key: str) -> Validated | bytes:
+    def _download(self, object_key: str, key: bytes) -> Validated | bytes:
         """One plain GET, checked on this thread. Parallelism comes from fetching
         many chunks at once (:meth:`get_many`), which keeps every connection busy
         without the per-request overhead of ranged GETs on objects of a few MiB;
@@ -461,9 +467,8 @@ class S3Tier(RemoteTier):
         body = response["Body"].read()
         if self._refresher is not None:
             self._refresher.offer(object_key, response.get("LastModified"))
-        expected = bytes.fromhex(object_key[len(self._config.prefix) :])
         try:
-            return Validated(decode(body, expected_key=expected), len(body))
+            return Validated(decode(body, expected_key=key), len(body))
         except CorruptObjectError:
             return body
 

@@ -328,15 +328,14 @@ class ValkeyTier(RemoteTier):
         self._breaker.record_success()
         return [bool(a) for a in answers]
 
-    def _fetch(self, names: Sequence[str]) -> list[Fetched]:
+    def _fetch(self, keys: Sequence[ChunkKey], names: Sequence[str]) -> list[Fetched]:
         """Pipelined GETs (one round trip; per node in cluster mode). A standalone
         server's replies are read by :mod:`.valkey_get`: one copy per value, each
         payload hashed while the rest arrives."""
         try:
             client = self._client("io")
             if not self._config.cluster:
-                keys = [bytes.fromhex(name[len(self._prefix) :]) for name in names]
-                blobs = valkey_get.get_many(client.connection_pool, names, keys)
+                blobs = valkey_get.get_many(client.connection_pool, names, [bytes(k) for k in keys])
             elif len(names) == 1:
                 blobs = [client.get(names[0])]
             else:

@@ -41,7 +41,7 @@ from kvstrata.sidecar.objformat import (
     decode,
     decode_header,
 )
-from kvstrata.sidecar.tiers.base import Place
+from kvstrata.sidecar.tiers.base import Place, copy_placed
 from kvstrata.sidecar.tiers.remote import Fetched, Validated
 
 T = TypeVar("T")
@@ -114,20 +114,28 @@ class _Replies:
                 raise redis.exceptions.InvalidResponse("reply line too long for a GET")
             self._fill()
 
-    def _exactly(self, out: memoryview, hasher: _Receiver | None = None) -> None:
-        """Fill ``out``: buffered bytes first, then straight from the socket."""
+    def _exactly(self, out: memoryview, hasher: _Receiver | None = None, base: int = 0) -> None:
+        """Fill ``out``: buffered bytes first, then straight from the socket.
+        ``hasher`` hears ``base`` + the bytes of ``out`` filled so far."""
         filled = min(len(out), self._end - self._start)
         out[:filled] = self._buf[self._start : self._start + filled]
         self._start += filled
         if hasher is not None:
-            hasher.received(filled)
+            hasher.received(base + filled)
         while filled < len(out):
             received = self._sock.recv_into(out[filled:])
             if received == 0:
                 raise redis.exceptions.ConnectionError("connection closed inside a reply")
             filled += received
             if hasher is not None:
-                hasher.received(filled)
+                hasher.received(base + filled)
+
+    def _crlf(self) -> None:
+        """The CRLF that ends a bulk string."""
+        end = bytearray(2)
+        self._exactly(memoryview(end))
+        if end != b"\r\n":
+            raise redis.exceptions.InvalidResponse("bulk string not ended by CRLF")
 
     def value(self, expected_key: bytes) -> Fetched:
         """The next reply: None for nil, a validated object, or the bytes of one
@@ -135,14 +143,17 @@ class _Replies:
         size = self._bulk_length()  # RESP2's and RESP3's nulls are None
         if size is None:
             return None
+        return self._whole(size, memoryview(b""), expected_key)
+
+    def _whole(self, size: int, head: memoryview, expected_key: bytes) -> Fetched:
+        """A value of ``size`` bytes whose first bytes ``head`` are already read,
+        received into one buffer and checked (as :meth:`value` answers)."""
         # Uninitialised: every byte of it is received over before it is read.
         view = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+        view[: len(head)] = head
         hasher = PayloadHasher(view)
-        self._exactly(view, hasher)
-        end = bytearray(2)
-        self._exactly(memoryview(end))
-        if end != b"\r\n":
-            raise redis.exceptions.InvalidResponse("bulk string not ended by CRLF")
+        self._exactly(view[len(head) :], hasher, base=len(head))
+        self._crlf()
         try:
             return Validated(decode(view, expected_key, hasher.digest()), size)
         except CorruptObjectError:
@@ -173,19 +184,10 @@ class _Replies:
         payload_bytes = header.stored_length
         if header.codec != "none" or header.header_length + payload_bytes + trailer != size:
             # Compressed (or not what its header says): decode it whole, then copy.
-            whole = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
-            whole[: len(head)] = head
-            self._exactly(whole[len(head) :])
-            self._skip(2)
-            try:
-                obj = decode(whole, expected_key)
-            except CorruptObjectError:
+            got = self._whole(size, head, expected_key)
+            if not isinstance(got, Validated):
                 return Placed(None, size, corrupt=True)
-            payload = memoryview(obj.payload).cast("B")
-            dest = place(len(payload), obj.meta)
-            if dest is not None:
-                dest[:] = payload
-            return Placed(obj.meta if dest is not None else None, size)
+            return Placed(copy_placed(got.obj, place), size)
         dest = place(payload_bytes, header.meta)
         if dest is None:
             self._skip(size - len(head) + 2)
@@ -194,15 +196,12 @@ class _Replies:
         first = min(len(early), payload_bytes)
         dest[:first] = early[:first]
         running = _RunningHash(dest)
-        running.received(first)
-        rest = dest[first:]
-        self._exactly(rest, _Offset(running, first))
-        tail = bytearray(early[first:])
-        more = bytearray(trailer - len(tail) + 2)
+        self._exactly(dest[first:], running, base=first)
+        tail = bytearray(early[first:])  # the trailer's bytes read with the header
+        more = bytearray(trailer - len(tail))
         self._exactly(memoryview(more))
         tail += more
-        if tail[-2:] != b"\r\n":
-            raise redis.exceptions.InvalidResponse("bulk string not ended by CRLF")
+        self._crlf()
         checksum = struct.unpack_from("<Q", tail)[0] if trailer else header.checksum
         if running.intdigest() != checksum:
             return Placed(None, size, corrupt=True)
@@ -221,16 +220,6 @@ class _Replies:
         except ValueError:
             raise redis.exceptions.InvalidResponse(f"bad bulk length {line[:32]!r}") from None
         return None if size < 0 else size
-
-
-class _Offset:
-    """A receiver for a view that starts ``offset`` bytes into another's."""
-
-    def __init__(self, inner: _RunningHash, offset: int) -> None:
-        self._inner, self._offset = inner, offset
-
-    def received(self, filled: int) -> None:
-        self._inner.received(self._offset + filled)
 
 
 def get_into(pool: Any, name: str, key: bytes, place: Place) -> Placed | None:
