@@ -43,6 +43,7 @@ import torch
 
 from kvstrata.connector import ipc
 from kvstrata.connector.device import CudaCopies
+from kvstrata.connector.layout import scatter_on_host
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -202,8 +203,7 @@ class AsyncLoads:
     def _copy_in(self, work: Sources, after: Any) -> None:
         layouts = self.path.layouts
         if self._stream is None:  # CPU: inline, while vLLM computes other blocks
-            for chunk, src in work:
-                layouts[chunk.group].scatter(src, chunk.block_ids, chunk.first_block)
+            scatter_on_host(layouts, work)
             return
         if after is not None:
             self._stream.wait_event(after)

@@ -60,7 +60,12 @@ from kvstrata.connector.client import SidecarClient
 from kvstrata.connector.client_ipc import REGISTER_TIMEOUT_S
 from kvstrata.connector.cpu_amx import ask_for_amx_tiles
 from kvstrata.connector.device import DeviceCopies, copies_for
-from kvstrata.connector.layout import ChunkLayout, UnsupportedLayoutError, detect_layout
+from kvstrata.connector.layout import (
+    ChunkLayout,
+    UnsupportedLayoutError,
+    detect_layout,
+    scatter_on_host,
+)
 from kvstrata.connector.leased_reads import Sources
 from kvstrata.connector.metadata import ChunkKeys, ChunkTransfer, KVStrataMetadata, RequestTransfer
 from kvstrata.connector.transfer_path import HostPath, IpcPath, TransferPath
@@ -307,12 +312,11 @@ class KVStrataWorker:
 
         Asynchronous copies (CUDA) go layer by layer, one event per layer, so
         ``wait_for_layer_load`` waits for its layer only; inline ones (CPU) go
-        a chunk at a time through :meth:`ChunkLayout.scatter`, which uses the
-        csrc host library for all layers at once.
+        through :meth:`ChunkLayout.scatter_many`, which uses the csrc host
+        library for all layers and chunks at once.
         """
         if not self.copies.asynchronous:
-            for chunk, src in work:
-                self.layouts[chunk.group].scatter(src, chunk.block_ids, chunk.first_block)
+            scatter_on_host(self.layouts, work)
             return
         with self.copies.loading():
             for group, layout in enumerate(self.layouts):

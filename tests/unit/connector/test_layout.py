@@ -95,6 +95,49 @@ def test_scatter_from_first_block_leaves_the_leading_blocks_alone(
         assert torch.equal(block_bytes(case, kv, 11), block_bytes(case, kv, 4))
 
 
+@pytest.mark.parametrize("case", CASES[:12], ids=lambda c: c.name)
+def test_a_batched_scatter_lands_every_chunk_as_its_own_scatter_would(
+    case: KVLayoutCase, copies: str
+) -> None:
+    """Full chunks, one skipping its leading block, and a partial chunk, in one call."""
+    layout = layout_for(case, blocks_per_chunk=2, copies=copies)
+    sources = {}
+    for blocks in ([0, 1], [2, 3], [4, 5]):
+        sources[tuple(blocks)] = torch.empty(layout.chunk_nbytes, dtype=torch.uint8)
+        layout.gather(blocks, sources[tuple(blocks)])
+    partial = torch.empty(layout.partial_nbytes(1), dtype=torch.uint8)
+    layout.gather([6], partial)
+    before = {n: t.clone() for n, t in case.layers.items()}
+    calls = []
+    if layout.host_copies is not None:
+        library = layout.host_copies
+
+        class CountingLibrary:  # the real library, its scatter calls counted
+            def scatter(self, *args, **kwargs):
+                calls.append(args[3])  # blocks per chunk of the batch
+                return library.scatter(*args, **kwargs)
+
+        layout = dataclasses.replace(layout, host_copies=CountingLibrary())
+    layout.scatter_many(
+        [
+            (sources[(0, 1)], [7, 8], 0),
+            (sources[(2, 3)], [9, 10], 1),  # vLLM holds block 9 already
+            (sources[(4, 5)], [11, 1], 0),
+            (partial, [0], 0),
+        ]
+    )
+    for name, kv in case.layers.items():
+        old = before[name]
+        for src, dst in ((0, 7), (1, 8), (3, 10), (4, 11), (5, 1), (6, 0)):
+            assert torch.equal(block_bytes(case, kv, dst), block_bytes(case, old, src)), name
+        for untouched in (2, 3, 4, 5, 6, 9):
+            assert torch.equal(
+                block_bytes(case, kv, untouched), block_bytes(case, old, untouched)
+            ), name
+    if copies == "csrc-host":
+        assert sorted(calls) == [1, 2]  # one call for the full chunks, one for the partial
+
+
 def test_layers_are_ordered_by_their_index_not_by_name() -> None:
     case = vllm_layers("LBHNC", num_layers=4)
     names = list(case.layers)
