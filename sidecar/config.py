@@ -154,6 +154,11 @@ class L2Config(_Section):
         "a write beyond it evicts that namespace's own least recent files first",
     )
     writer_threads: int = Field(2, ge=1, le=64, description="threads writing chunk files")
+    direct_io: bool = Field(
+        True,
+        description="read and write chunk files past the page cache (O_DIRECT) where the "
+        "filesystem allows it; false: through the page cache",
+    )
 
 
 class ValkeyConfig(_Section):

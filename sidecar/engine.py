@@ -135,6 +135,7 @@ class StorageManager:
                     config.l2.path,
                     config.l2.size_bytes,
                     namespace_quota=config.l2.namespace_quota_bytes,
+                    direct=config.l2.direct_io,
                 )
             self._wb = WriteBehind(
                 config, self.arena, self._store, self._lock, self._count, self.l2, shared_tier

@@ -15,6 +15,10 @@ under its final name only by ``rename`` after a complete write, so a crash
 leaves either the old state or a stray temp file, never a half object
 under a real name.
 
+Files are written and read past the page cache (``O_DIRECT``, see
+:mod:`.direct_io`) where the filesystem allows it, and through it where not; the
+bytes on disk are the same either way.
+
 On start the directory is re-indexed by reading each file's header only
 (a few hundred bytes), so a restarted sidecar hits at once. A file whose
 header, length or payload checksum is wrong is deleted and counted in
@@ -26,6 +30,7 @@ write starts).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -46,6 +51,7 @@ from kvstrata.sidecar.objformat import (
     decode_header,
     encode,
 )
+from kvstrata.sidecar.tiers import direct_io
 from kvstrata.sidecar.tiers.base import Tier, TierStats
 
 if TYPE_CHECKING:
@@ -79,6 +85,7 @@ class DiskTier(Tier):
         capacity_bytes: int,
         fsync: bool = False,
         namespace_quota: int | None = None,
+        direct: bool = True,
     ):
         self.root = os.fspath(path)
         self.capacity_bytes = capacity_bytes
@@ -88,6 +95,9 @@ class DiskTier(Tier):
         self.namespace_quota = namespace_quota
         self._ns_usage: dict[bytes, int] = {}
         self.fsync = fsync
+        # Files go past the page cache (tiers.direct_io) until the filesystem
+        # refuses O_DIRECT once; then buffered, said once in the log.
+        self.direct_io = direct
         self._lock = threading.Lock()
         # Told of each file stored and each one removed (the KV event journal), when set.
         self.events: TierEvents | None = None
@@ -220,13 +230,7 @@ class DiskTier(Tier):
         tmp = f"{final}{TMP_MARK}{secrets.token_hex(4)}"
         try:
             os.makedirs(os.path.dirname(final), exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                _write_all(fd, [memoryview(header), memoryview(stored).cast("B")])
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            self._write_tmp(tmp, [memoryview(header), memoryview(stored).cast("B")])
             os.replace(tmp, final)
             return True
         except OSError as exc:
@@ -236,6 +240,62 @@ class DiskTier(Tier):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             return False
+
+    def _write_tmp(self, tmp: str, pieces: list[memoryview]) -> None:
+        """Create ``tmp`` holding ``pieces``: past the page cache where the
+        filesystem allows (a refusal, at open or at the first write, turns
+        direct I/O off for good)."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        if self.direct_io:
+            fd = direct_io.open_direct(tmp, flags)
+            if fd is not None:
+                try:
+                    direct_io.write_object(fd, pieces)
+                    if self.fsync:
+                        os.fsync(fd)
+                    return
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                finally:
+                    os.close(fd)
+                os.unlink(tmp)
+            self._no_direct_io()
+        fd = os.open(tmp, flags, 0o600)
+        try:
+            _write_all(fd, pieces)
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _read_file(
+        self, path: str, head: bytearray, target: memoryview
+    ) -> tuple[int, int, int, int]:
+        """Read the header into ``head`` and the payload into ``target``, past
+        the page cache where the filesystem allows (as :meth:`_write_tmp`):
+        (header bytes, payload bytes, xxh3_64 of the payload, file size)."""
+        if self.direct_io:
+            fd = direct_io.open_direct(path, os.O_RDONLY)
+            if fd is not None:
+                try:
+                    got_head, got, digest = direct_io.read_object(fd, memoryview(head), target)
+                    return got_head, got, digest, os.fstat(fd).st_size
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                finally:
+                    os.close(fd)
+            self._no_direct_io()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            with contextlib.suppress(OSError, AttributeError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            got_head = _read_all(fd, [head], len(head))
+            got, digest = _read_hashed(fd, target, len(head))
+            return got_head, got, digest, os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def read_into(self, key: bytes, out: memoryview) -> ChunkMeta | None:
         """Read the payload of ``key`` straight into ``out``; its meta, or None.
@@ -260,7 +320,7 @@ class DiskTier(Tier):
         head = bytearray(entry.header_bytes)
         path = self.path_of(key)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            got_head, got, digest, size = self._read_file(path, head, target)
         except FileNotFoundError:
             self._forget(key, missing=True)
             return None
@@ -268,18 +328,7 @@ class DiskTier(Tier):
             self._count_error(exc)
             return None
         try:
-            with contextlib.suppress(OSError, AttributeError):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            got_head = _read_all(fd, [head], entry.header_bytes)
-            got, digest = _read_hashed(fd, target, entry.header_bytes)
-            extra = os.pread(fd, 1, entry.file_bytes)
-        except OSError as exc:
-            self._count_error(exc)
-            return None
-        finally:
-            os.close(fd)
-        try:
-            if got_head + got != entry.file_bytes or extra:
+            if got_head + got != entry.file_bytes or size != entry.file_bytes:
                 raise CorruptObjectError("file length changed")
             header = decode_header(head, expected_key=key)
             if header.codec != "none" or header.stored_length != got:
@@ -423,6 +472,12 @@ class DiskTier(Tier):
             self._stats.misses_total += 1
         if self._forget(key):
             self._unlink_all([path])
+
+    def _no_direct_io(self) -> None:
+        """The filesystem refused O_DIRECT: buffered I/O from now on."""
+        if self.direct_io:
+            self.direct_io = False
+            logger.info("L2 %s: no direct I/O on this filesystem; using the page cache", self.root)
 
     def _count_error(self, exc: OSError) -> None:
         with self._lock:
