@@ -1,13 +1,14 @@
 """Chunk files read and written past the page cache (``O_DIRECT``).
 
 Why: a buffered write puts every byte through the page cache, and on the
-machine the benchmarks run on that cost 2.3 ns of kernel CPU per byte
-(page allocation and accounting): 300 ms for the 128 MiB a new replica
-promotes from the shared tier on its first request, spent by the L2 writers
-while that request waits for the same CPUs. Direct I/O moved the same bytes
-for 3 ms of CPU (``docs/benchmarks.md``). A chunk in L2 is in L1 too, or on
-its way there, so a third copy in the page cache buys little, and the page
-cache is charged to the sidecar's memory cgroup besides.
+machine the benchmarks run on that cost up to 2.3 ns of kernel CPU per byte
+(allocating pages): 300 ms for the 128 MiB a new replica promotes from the
+shared tier on its first request, spent by the L2 writers while that
+request waited for the same CPUs. Direct I/O moved the same bytes for 3 ms
+of system time, 40 ms with the copy through the aligned buffer below
+(``docs/benchmarks.md``). A chunk in L2 is in L1 too, or on its way there,
+so a third copy in the page cache buys little, and the page cache is
+charged to the sidecar's memory cgroup besides.
 
 How: the file keeps its layout (:mod:`..objformat`: header, then payload)
 and its bytes pass through one page-aligned buffer per thread
