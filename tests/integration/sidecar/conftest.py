@@ -115,6 +115,22 @@ def client_leases(sidecar: Sidecar, client: SidecarClient) -> int:
     raise AssertionError(f"client {client.client_id} has no session")
 
 
+def connections_taken_in(sidecar: Sidecar, listener: str) -> float:
+    """Connections ``listener`` accepted that are open now or that it closed
+    itself, whatever the reason (from ``/metrics``; on the HTTP port this
+    counts the scrape that asks too)."""
+    taken = 0.0
+    for line in sidecar.get("/metrics").splitlines():
+        if line.startswith(
+            (
+                f'kvstrata_connections_open{{listener="{listener}"}}',
+                f'kvstrata_connections_closed_total{{listener="{listener}"',
+            )
+        ):
+            taken += float(line.rsplit(" ", 1)[1])
+    return taken
+
+
 @pytest.fixture
 def sidecar_factory(tmp_path: Path) -> Iterator[Callable[..., Sidecar]]:
     made: list[Sidecar] = []
