@@ -12,13 +12,14 @@ warm-up:
 * ``lookup``: ``lookup`` of a 32k-token prompt (128 chunk keys, all in L1),
   median and p99 over many calls.
 * ``l2.retrieve``: a fresh engine on the same L2 directory (L1 empty,
-  arena pre-touched) ``acquire``s each chunk (one ``preadv`` straight into
-  the arena slot + payload checksum) and copies it out; baseline: plain
-  reads of files of the same sizes into a preallocated buffer, the way the
-  tier reads: past the page cache (``O_DIRECT``, the default ``l2.direct_io``)
-  from the disk itself, the baseline's files written back and dropped from
-  the cache first; or, where the filesystem has no direct I/O, both
-  page-cache warm (files just written; dropping the whole cache needs root).
+  arena pre-touched) ``acquire``s each chunk (read into the arena slot +
+  payload checksum, :mod:`kvstrata.sidecar.tiers.disk`) and copies it out;
+  baseline: plain reads of files of the same sizes into a preallocated
+  buffer, the way the tier reads: past the page cache (``O_DIRECT``, the
+  default ``l2.direct_io``) from the disk itself, the baseline's files
+  written back and dropped from the cache first; or, where the filesystem
+  has no direct I/O, both page-cache warm (files just written; dropping the
+  whole cache needs root).
 
 Shapes: ``8b`` (32 layers, 8 KV heads, head dim 128, bf16: 128 KiB per
 token, 32 MiB per 256-token chunk) and ``tiny`` (2 layers, 2 heads, head
@@ -38,6 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvstrata.sidecar.allocator import align_up
 from kvstrata.sidecar.config import SidecarConfig, config_from_dict
 from kvstrata.sidecar.keys import ChunkKey, Namespace, make_key
 from kvstrata.sidecar.objformat import ChunkMeta
@@ -223,7 +225,7 @@ def _disk_read(paths: list[str], into: Any, direct: bool) -> None:
         try:
             size = os.fstat(fd).st_size
             # O_DIRECT reads whole aligned units; the buffer has room for them.
-            want = -(-size // direct_io.ALIGN) * direct_io.ALIGN if direct else size
+            want = align_up(size, direct_io.ALIGN) if direct else size
             done = 0
             while done < size:
                 n = os.preadv(fd, [view[offset + done : offset + want]], done)
@@ -250,7 +252,7 @@ def _l2_row(p: dict[str, Any], root: str) -> dict[str, Any]:
     direct = _l2_reads_direct(config)
     paths = _plain_files(plain_dir, file_sizes, direct)
     out = torch.empty(total, dtype=torch.uint8)
-    aligned = sum(-(-n // direct_io.ALIGN) * direct_io.ALIGN for n in file_sizes)
+    aligned = sum(align_up(n, direct_io.ALIGN) for n in file_sizes)
     disk_buf = mmap.mmap(-1, aligned)  # starts on a page, as O_DIRECT needs
     times_disk, times_promote, times_engine = _timed_l2_reads(
         config, keys, paths, lambda: _disk_read(paths, disk_buf, direct), out, chunk, p["reps"]
@@ -299,14 +301,7 @@ def _fill_l2(config: SidecarConfig, keys: list[ChunkKey], src: Any, chunk: int) 
 
 def _l2_reads_direct(config: SidecarConfig) -> bool:
     """Whether the L2 tier of ``config`` reads past the page cache here."""
-    if not config.l2.direct_io:
-        return False
-    fd = direct_io.open_direct(os.path.join(config.l2.path, ".probe"), os.O_WRONLY | os.O_CREAT)
-    if fd is None:
-        return False
-    os.close(fd)
-    os.unlink(os.path.join(config.l2.path, ".probe"))
-    return True
+    return config.l2.direct_io and direct_io.supported(config.l2.path)
 
 
 def _plain_files(directory: str, sizes: list[int], direct: bool) -> list[str]:

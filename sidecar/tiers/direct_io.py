@@ -36,7 +36,9 @@ import threading
 
 import xxhash
 
-__all__ = ["ALIGN", "SEGMENT_BYTES", "open_direct", "read_object", "write_object"]
+from kvstrata.sidecar.allocator import align_up
+
+__all__ = ["ALIGN", "SEGMENT_BYTES", "open_direct", "read_object", "supported", "write_object"]
 
 ALIGN = 4096
 SEGMENT_BYTES = 2 << 20  # per thread doing L2 I/O; measured against 1 and 4 MiB (docs)
@@ -66,6 +68,18 @@ def open_direct(path: str, flags: int, mode: int = 0o600) -> int | None:
         raise
 
 
+def supported(directory: str) -> bool:
+    """Whether files in ``directory`` can be opened with ``O_DIRECT`` (a probe
+    file is created and removed)."""
+    probe = os.path.join(directory, f".direct-io-probe-{os.getpid()}")
+    fd = open_direct(probe, os.O_WRONLY | os.O_CREAT)
+    if fd is None:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
 def write_object(fd: int, pieces: list[memoryview]) -> int:
     """Write ``pieces`` one after the other from offset 0 of ``fd`` (opened
     with ``O_DIRECT``), then truncate the file to their total; that total."""
@@ -84,7 +98,7 @@ def write_object(fd: int, pieces: list[memoryview]) -> int:
                 fill = 0
     total = offset + fill
     if fill:
-        padded = -(-fill // ALIGN) * ALIGN
+        padded = align_up(fill, ALIGN)
         buf[fill:padded] = bytes(padded - fill)
         _pwrite_all(fd, buf[:padded], offset)
         os.ftruncate(fd, total)
