@@ -58,6 +58,12 @@ EXTRA_CONFIG_KEYS: tuple[ExtraConfigKey, ...] = (
     ExtraConfigKey("call_timeout_seconds", "0.5", "deadline of one sidecar call"),
     ExtraConfigKey("load_timeout_seconds", "5.0", "deadline of the whole load of one request"),
     ExtraConfigKey(
+        "lookup_wait_seconds",
+        "0.005",
+        "how long vLLM's scheduler waits for a new request's lookup before it moves on "
+        "and asks again at its next step (0: never waits)",
+    ),
+    ExtraConfigKey(
         "chunk_size",
         str(DEFAULT_CHUNK_SIZE),
         "tokens per chunk, rounded up to a multiple of the block size; should equal the "
@@ -156,6 +162,7 @@ class ConnectorSettings:
     # tiers' changes for them from this client's HELLO on.
     kv_events: bool = False
     load_async: str = "auto"  # LOAD_ASYNC_MODES
+    lookup_wait_s: float = 0.005  # the scheduler's wait for a new lookup's answer
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -187,6 +194,7 @@ def settings_from_config(
         endpoint=endpoint,
         call_timeout_s=_float(extra, "call_timeout_seconds", 0.5),
         load_timeout_s=_float(extra, "load_timeout_seconds", 5.0),
+        lookup_wait_s=_float(extra, "lookup_wait_seconds", 0.005, zero_ok=True),
         transfer_mode=transfer_mode,
         chunk_size=chunk_size,
         block_size=block_size,
@@ -318,8 +326,9 @@ def _curve(extra: dict[str, Any]) -> CurveKeys | None:
     return CurveKeys.load(str(certificates[0]), str(certificates[1]))
 
 
-def _float(extra: dict[str, Any], key: str, default: float) -> float:
-    """A positive number from the extra config; ValueError names the key."""
+def _float(extra: dict[str, Any], key: str, default: float, *, zero_ok: bool = False) -> float:
+    """A positive number (or 0 where ``zero_ok``) from the extra config;
+    ValueError names the key."""
     value = extra.get(key, default)
     try:
         out = float(value)
@@ -327,8 +336,9 @@ def _float(extra: dict[str, Any], key: str, default: float) -> float:
         raise ValueError(
             f"kv_connector_extra_config.{key} must be a number, not {value!r}"
         ) from None
-    if out <= 0:
-        raise ValueError(f"kv_connector_extra_config.{key} must be > 0, not {value!r}")
+    if out < 0 or (out == 0 and not zero_ok) or out != out:  # out != out: NaN
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ValueError(f"kv_connector_extra_config.{key} must be {bound}, not {value!r}")
     return out
 
 

@@ -139,16 +139,18 @@ def test_a_scheduler_session_may_not_name_a_namespace_beyond_its_ranks(
         scheduler.close()
 
 
-def test_a_lookup_never_waits_for_a_stalled_sidecar(
+def test_a_stalled_sidecar_holds_the_scheduler_no_longer_than_the_lookup_wait(
     sidecar: Any, monkeypatch: Any, case: Any, kit: Any
 ) -> None:
-    """vLLM's scheduler loop is never blocked: None (ask again) while the
-    sidecar does not answer, a miss once the call has given up.
+    """vLLM's scheduler loop is not held by a stalled sidecar: the first ask
+    waits ``lookup_wait_s`` at most, then None (ask again) while the sidecar
+    does not answer, a miss once the call has given up.
 
     A lookup that waited for the stalled sidecar would come back with its
-    answer, a miss (0) after the deadline, not None; and no deadline has
-    passed while the scheduler still says "ask again"."""
+    answer, a miss (0) after the call's deadline, not None; and no deadline
+    has passed while the scheduler still says "ask again"."""
     s = replace(settings(sidecar.endpoint, case), call_timeout_s=5.0)
+    assert 0 < s.lookup_wait_s < s.call_timeout_s  # the default wait, well short of the call
     scheduler = KVStrataScheduler(s)
     req = request("r", chunk_hashes(2, "stalled"))
     try:
@@ -162,5 +164,55 @@ def test_a_lookup_never_waits_for_a_stalled_sidecar(
             sidecar.resume()
         assert matched(kit, scheduler, req) == 0  # the timed-out lookup is a miss
         assert scheduler.counters.lookup_failures == 1
+    finally:
+        scheduler.close()
+
+
+def test_the_first_ask_waits_for_the_lookup_so_a_hit_needs_no_second_step(
+    sidecar: Any, monkeypatch: Any, case: Any, kit: Any
+) -> None:
+    """With the wait longer than any call, vLLM's first ask gets the answer
+    itself: the hit, or the miss of a call that gave up. Asked again later
+    (the stall), it never saw None."""
+    s = replace(settings(sidecar.endpoint, case), call_timeout_s=0.3, lookup_wait_s=60.0)
+    ranks = [rank_worker(monkeypatch, s, case, r) for r in range(TP)]
+    scheduler = KVStrataScheduler(s)
+    try:
+        hashes = chunk_hashes(3, "first-ask")
+        for w in ranks:
+            save(w, hashes)
+        assert scheduler.get_num_new_matched_tokens(request("hit", hashes), 0) == 3 * CHUNK
+        assert scheduler.counters.lookups == 1
+        scheduler.request_finished("hit")
+        no_leases(kit, sidecar)
+        sidecar.pause()
+        try:  # the call gives up after its 0.3 s; the wait outlasts it
+            stalled = request("stalled", chunk_hashes(2, "first-ask-stalled"))
+            assert scheduler.get_num_new_matched_tokens(stalled, 0) == 0
+        finally:
+            sidecar.resume()
+        assert scheduler.counters.lookup_failures == 1
+    finally:
+        scheduler.close()
+        for w in ranks:
+            w.close()
+
+
+def test_a_lookup_wait_of_zero_never_waits(
+    sidecar: Any, monkeypatch: Any, case: Any, kit: Any
+) -> None:
+    """``lookup_wait_seconds: 0`` restores the scheduler that never waits: a
+    stalled sidecar's first ask is None at once, however long the call."""
+    s = replace(settings(sidecar.endpoint, case), call_timeout_s=60.0, lookup_wait_s=0.0)
+    scheduler = KVStrataScheduler(s)
+    req = request("r", chunk_hashes(1, "zero-wait"))
+    try:
+        assert scheduler.client.ping()
+        sidecar.pause()
+        try:
+            assert scheduler.get_num_new_matched_tokens(req, 0) is None
+        finally:
+            sidecar.resume()
+        assert matched(kit, scheduler, req) == 0  # nothing stored: the resumed call misses
     finally:
         scheduler.close()

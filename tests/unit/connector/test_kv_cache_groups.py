@@ -165,6 +165,7 @@ def test_saves_are_planned_per_group_with_each_groups_blocks(scheduler: Any) -> 
         req_id="r", block_ids=(sw_blocks[:5], full_blocks[:5]), num_computed_tokens=0
     )
     meta = scheduler.build_connector_meta(output([new], scheduled={"r": 160}))
+    assert not meta.idle  # a step with tokens to compute
     (save,) = meta.saves
     assert summary(save.chunks) == [
         (0, 1, [1, 2], 0), (1, 1, [11, 12], 0),
@@ -277,3 +278,34 @@ def test_an_unknown_load_async_value_is_refused_naming_the_key(tmp_path: Any) ->
     config.kv_transfer_config.kv_connector_extra_config["load_async"] = "sometimes"
     with pytest.raises(ValueError, match="load_async must be one of auto, always, never"):
         settings_from_config(config, gemma2_config())
+
+
+def single_group_settings(tmp_path: Any, **extra: Any) -> Any:
+    config = vllm_config(tmp_path)
+    config.kv_transfer_config.kv_connector_extra_config.update(extra)
+    groups = [KVCacheGroupSpec(FULL_LAYERS, FullAttentionSpec(**spec_args()))]
+    return settings_from_config(config, kv_cache_config(groups))
+
+
+def test_the_lookup_wait_is_read_and_zero_turns_it_off(tmp_path: Any) -> None:
+    assert single_group_settings(tmp_path).lookup_wait_s == 0.005
+    assert single_group_settings(tmp_path, lookup_wait_seconds=0.02).lookup_wait_s == 0.02
+    assert single_group_settings(tmp_path, lookup_wait_seconds=0).lookup_wait_s == 0.0
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        ("lookup_wait_seconds", -0.001, "lookup_wait_seconds must be >= 0, not -0.001"),
+        ("lookup_wait_seconds", "nan", "lookup_wait_seconds must be >= 0, not 'nan'"),
+        ("lookup_wait_seconds", "soon", "lookup_wait_seconds must be a number, not 'soon'"),
+        ("call_timeout_seconds", 0, "call_timeout_seconds must be > 0, not 0"),
+        ("load_timeout_seconds", "nan", "load_timeout_seconds must be > 0, not 'nan'"),
+    ],
+)
+def test_a_bad_number_is_refused_naming_its_key(
+    tmp_path: Any, key: str, value: Any, says: str
+) -> None:
+    with pytest.raises(ValueError) as refused:
+        single_group_settings(tmp_path, **{key: value})
+    assert str(refused.value) == f"kv_connector_extra_config.{says}"
