@@ -14,12 +14,17 @@ use), whose call deadline is the whole ``load_timeout_seconds``. The thread
 sets its session up before it takes any job (HELLO, the arena mapped and,
 on CUDA, registered for DMA): the worker starts it when vLLM registers its
 KV, so a new replica's first parked request does not wait for that. The async
-loads of one step are one job: one PREPARE_RETRIEVE (one run per request),
-the copies into vLLM's KV -- inline on the CPU; on a CUDA stream of our own
-that first waits for what vLLM had queued when the step began, then
-synchronised -- the leases released, and each request reported finished.
-In ipc mode the session registers the same KV handles and the sidecar does
-the copies (one LOAD_BLOCKS per job, done when it answers).
+loads of one step are one job, leased and copied in waves of about
+:data:`WAVE_BYTES` (one PREPARE_RETRIEVE per wave, one run per request, so a
+wave's copy overlaps the landing of the next): the copies into vLLM's KV --
+inline on the CPU; on a CUDA stream of our own that first waits for what
+vLLM had queued when the step began, then synchronised -- then the leases
+released, and each request reported finished. In ipc mode the session
+registers the same KV handles and the sidecar does the copies (one
+LOAD_BLOCKS per job, done when it answers).
+
+While a job is in flight, a step in which vLLM scheduled nothing waits for
+its report a moment instead of spinning (``KVStrataWorker.take_finished``).
 
 Failures: every request handed in is reported finished exactly once,
 whatever happens (vLLM holds its blocks until then, an aborted request's
@@ -36,7 +41,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,11 +56,15 @@ if TYPE_CHECKING:
     from kvstrata.connector.client import SidecarClient
     from kvstrata.connector.leased_reads import Sources
     from kvstrata.connector.metadata import RequestTransfer
-    from kvstrata.connector.transfer_path import TransferPath
+    from kvstrata.connector.transfer_path import CopyIn, TransferPath
 
 logger = logging.getLogger(__name__)
 
 CLOSE_JOIN_S = 5.0  # how long close() waits for a job in flight
+# A background load leases and copies this many bytes of chunks at a time
+# (:meth:`AsyncLoads._load_in_waves`): on this VM's Valkey (about 1 GB/s) a
+# wave lands in some 30 ms, and its copy (a few ms) hides behind the next.
+WAVE_BYTES = 32 << 20
 
 
 @dataclass(slots=True)
@@ -105,6 +114,7 @@ class LoadReports:
         self.whole_requests = whole_requests
         self._lock = threading.Lock()
         self._done = FinishedLoads()
+        self._reported = threading.Event()  # set while ``_done`` holds a report
 
     def report(self, outcomes: Sequence[LoadOutcome], seconds: float = 0.0) -> None:
         with self._lock:
@@ -118,11 +128,17 @@ class LoadReports:
                 else:
                     done.failed_blocks |= o.failed_blocks
             done.seconds += seconds
+            self._reported.set()
 
     def take(self) -> FinishedLoads:
         with self._lock:
             done, self._done = self._done, FinishedLoads()
+            self._reported.clear()
         return done
+
+    def wait(self, timeout: float) -> bool:
+        """Wait (without the GIL) until a report is there to take, at most ``timeout``."""
+        return self._reported.wait(timeout)
 
 
 class AsyncLoads:
@@ -131,14 +147,23 @@ class AsyncLoads:
     how chunks move on the loader's own session (its client and copies are
     this object's from now on)."""
 
-    def __init__(self, path: TransferPath, load_timeout_s: float, reports: LoadReports) -> None:
+    def __init__(
+        self,
+        path: TransferPath,
+        load_timeout_s: float,
+        reports: LoadReports,
+        wave_bytes: int = WAVE_BYTES,
+    ) -> None:
         self.path = path
         self.load_timeout_s = load_timeout_s
         self.reports = reports
+        self.wave_bytes = wave_bytes
         self._device = path.layouts[0].device
         copies = path.copies
         self._stream = copies.stream if isinstance(copies, CudaCopies) else None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._in_flight = 0  # jobs submitted and not yet reported
+        self._count_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kvstrata-loads", daemon=True)
         self._thread.start()
 
@@ -153,7 +178,13 @@ class AsyncLoads:
         elif self._stream is not None:
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self._device))
+        with self._count_lock:
+            self._in_flight += 1
         self._jobs.put(_Job(list(reqs), after, handle))
+
+    def in_flight(self) -> bool:
+        """Whether a job submitted here has not been reported yet."""
+        return self._in_flight > 0
 
     def close(self) -> None:
         """Stop the thread (after the job in flight, if any) and close the session."""
@@ -188,17 +219,52 @@ class AsyncLoads:
             except Exception:  # a bug here must cost a recompute, never a stuck request
                 logger.exception("kvstrata: a background load failed; vLLM recomputes it")
                 outcomes = [outcome_of(req, 0) for req in job.reqs]
+            with self._count_lock:  # before the report: a waiter then sees it done
+                self._in_flight -= 1
             self.reports.report(outcomes, time.perf_counter() - started)
 
     def _load(self, job: _Job) -> list[LoadOutcome]:
         deadline = time.monotonic() + self.load_timeout_s
+
+        def copy_in(work: Sources) -> None:
+            self._copy_in(work, job.after)
+
         try:
-            loaded = self.path.load(
-                job.reqs, deadline, lambda work: self._copy_in(work, job.after), job.after_handle
-            )
+            if self.path.sidecar_copies:  # ipc: the sidecar copies the whole job
+                loaded = self.path.load(job.reqs, deadline, copy_in, job.after_handle)
+            else:
+                loaded = self._load_in_waves(job.reqs, deadline, copy_in)
         finally:
             self.path.release_loaded()  # the copies are done (synchronised on CUDA)
         return [outcome_of(r, n) for r, n in zip(job.reqs, loaded, strict=True)]
+
+    def _load_in_waves(
+        self, reqs: Sequence[RequestTransfer], deadline: float, copy_in: CopyIn
+    ) -> list[int]:
+        """Lease and copy the job a wave at a time (``wave_bytes`` of each
+        request's chunks, in order); per request, its leading chunks copied.
+
+        Why: a PREPARE_RETRIEVE answers once all its chunks are in L1, and the
+        chunks of a hit below L1 land one after the other (the lookup started
+        their promotion). One call for the whole job copied nothing until the
+        last chunk had landed; in waves, each wave's copy runs while the
+        sidecar still fetches the next. A request that comes back short (a
+        miss, a refused slot) ends there: later waves skip it."""
+        per_wave = max(1, self.wave_bytes // max(g.chunk_nbytes for g in self.path.layouts))
+        loaded = [0] * len(reqs)
+        going = list(range(len(reqs)))
+        for start in range(0, max((len(r.chunks) for r in reqs), default=0), per_wave):
+            wave = [(i, reqs[i].chunks[start : start + per_wave]) for i in going]
+            wave = [(i, chunks) for i, chunks in wave if chunks]
+            if not wave:
+                break
+            got = self.path.load(
+                [replace(reqs[i], chunks=chunks) for i, chunks in wave], deadline, copy_in
+            )
+            for (i, _), n in zip(wave, got, strict=True):
+                loaded[i] += n
+            going = [i for (i, chunks), n in zip(wave, got, strict=True) if n == len(chunks)]
+        return loaded
 
     def _copy_in(self, work: Sources, after: Any) -> None:
         layouts = self.path.layouts

@@ -286,7 +286,7 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
         blocks are among this pass's load errors). No save is ever delayed."""
         if self._worker is None:
             return None, None
-        return None, self._worker.take_finished().req_ids or None
+        return None, self._worker.take_finished(self._idle_step()).req_ids or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """As :meth:`get_finished`, and the requests to recompute whole: a
@@ -294,7 +294,7 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
         errors with several KV cache groups)."""
         if self._worker is None:
             return KVConnectorTransferResults()
-        done = self._worker.take_finished()
+        done = self._worker.take_finished(self._idle_step())
         return KVConnectorTransferResults(
             finished_recving=done.req_ids, failed_recving=done.failed_req_ids
         )
@@ -307,6 +307,10 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.close()
         if self._scheduler is not None:
             self._scheduler.close()
+
+    def _idle_step(self) -> bool:
+        meta = self._bound_metadata()
+        return meta is not None and meta.idle
 
     def _bound_metadata(self) -> KVStrataMetadata | None:
         if not self.has_connector_metadata():

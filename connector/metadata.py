@@ -65,11 +65,13 @@ class RequestTransfer:
 @dataclass(slots=True)
 class KVStrataMetadata(KVConnectorMetadata):
     """What the workers do in one step: loads before the forward pass,
-    saves after it (in ``wait_for_save``)."""
+    saves after it (in ``wait_for_save``). ``idle``: vLLM scheduled no token
+    this step (it only keeps parked requests waiting for their loads)."""
 
     loads: list[RequestTransfer] = field(default_factory=list)
     saves: list[RequestTransfer] = field(default_factory=list)
     finished: list[ReqId] = field(default_factory=list)
+    idle: bool = False
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.finished)

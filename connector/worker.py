@@ -80,6 +80,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# How long an empty step waits for a background load to report (take_finished):
+# a load that lands meanwhile ends the wait at once, a new request waits no longer.
+IDLE_STEP_WAIT_S = 0.001
+
 
 @dataclass
 class WorkerCounters:
@@ -93,6 +97,7 @@ class WorkerCounters:
     save_dropped_chunks: int = 0  # sidecar unavailable or copy failed
     load_seconds: float = 0.0
     save_seconds: float = 0.0
+    idle_waits: int = 0  # empty steps that waited for a background load (take_finished)
 
 
 def _ranks() -> tuple[int, int]:
@@ -291,9 +296,25 @@ class KVStrataWorker:
             self._finish_loads()
         return loaded
 
-    def take_finished(self) -> FinishedLoads:
+    def take_finished(self, idle: bool = False) -> FinishedLoads:
         """Background loads finished since the last call; the blocks they
-        failed to fill go out with this pass's load errors."""
+        failed to fill go out with this pass's load errors.
+
+        ``idle``: vLLM scheduled nothing this step. With a background load in
+        flight and none reported yet, wait for one up to
+        :data:`IDLE_STEP_WAIT_S`: vLLM would otherwise run its next empty step
+        at once, spinning on a core and holding the GIL, which the loader
+        thread needs after each of its calls (up to a switch interval, 5 ms,
+        each time), while the sidecar and the shared tier feeding the load
+        lack that core."""
+        if (
+            idle
+            and self._background is not None
+            and self._background.in_flight()
+            and not self.reports.wait(0)
+        ):
+            self.counters.idle_waits += 1
+            self.reports.wait(IDLE_STEP_WAIT_S)
         done = self.reports.take()
         self.counters.loaded_chunks += done.loaded_chunks
         self.counters.failed_chunks += done.failed_chunks

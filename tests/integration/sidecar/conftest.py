@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvstrata.connector.client import SidecarClient
 from kvstrata.sidecar.keys import ChunkKey, Namespace
@@ -113,6 +114,25 @@ def client_leases(sidecar: Sidecar, client: SidecarClient) -> int:
         if entry["client_id"] == client.client_id:
             return int(entry["leases"])
     raise AssertionError(f"client {client.client_id} has no session")
+
+
+STEP_OPS = ("PREPARE_STORE", "COMMIT_STORE", "PREPARE_RETRIEVE", "RELEASE")
+
+
+def op_counts(sidecar: Sidecar) -> dict[str, float]:
+    """Requests the sidecar answered so far, by protocol op (its per-op
+    duration histogram's counts on /metrics), for the ops a worker's steps use."""
+    counts = dict.fromkeys(STEP_OPS, 0.0)
+    for family in text_string_to_metric_families(sidecar.get("/metrics")):
+        for sample in family.samples:
+            op = sample.labels.get("op")
+            if sample.name == "kvstrata_operation_duration_seconds_count" and op in counts:
+                counts[op] = sample.value
+    return counts
+
+
+def op_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    return {op: int(after[op] - before[op]) for op in STEP_OPS}
 
 
 def connections_taken_in(sidecar: Sidecar, listener: str) -> float:

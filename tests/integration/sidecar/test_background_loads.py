@@ -144,6 +144,90 @@ def test_a_stopped_sidecar_fails_background_loads_within_the_deadline(
         w.close()
 
 
+def test_a_background_load_is_leased_and_copied_a_wave_at_a_time(sidecar: Any, kit: Any) -> None:
+    """Waves of one chunk: each request's chunks are asked for in order, one
+    PREPARE_RETRIEVE per wave for every request still going, and the bytes
+    are those an inline load gives; with the default waves (far larger than
+    these chunks) the whole job is one call."""
+    w = kit.host_worker(sidecar, model="background-waves")
+    try:
+        assert w._background is not None and w.layout is not None
+        reqs = kit.chunk_requests("bg-waves", 2, 3)
+        w.save(KVStrataMetadata(saves=reqs))
+        blocks = [b for r in reqs for c in r.chunks for b in c.block_ids]
+        saved = _kv_bytes(w, blocks)
+
+        for wave_bytes, calls in ((w.layout.chunk_nbytes, 3), (32 << 20, 1)):
+            w._background.wave_bytes = wave_bytes
+            for kv in w.layout.layers:
+                kv.zero_()
+            before = kit.op_counts(sidecar)
+            w.start_load(KVStrataMetadata(loads=_background(reqs)))
+            done = _finished(w, 2)
+            assert not done.failed_req_ids and not done.failed_blocks
+            assert _kv_bytes(w, blocks) == saved
+            assert kit.op_delta(before, kit.op_counts(sidecar)) == {
+                "PREPARE_STORE": 0,
+                "COMMIT_STORE": 0,
+                "PREPARE_RETRIEVE": calls,
+                "RELEASE": 1,  # every wave's leases, once the job is done
+            }
+        assert w.counters.loaded_chunks == 12
+    finally:
+        w.close()
+
+
+def test_a_request_cut_short_in_a_wave_is_asked_for_no_more(sidecar: Any, kit: Any) -> None:
+    """Waves of one chunk: a miss in the second wave ends that request there
+    (its third chunk is never asked for: no third wave) while the other
+    request of the job loads to its end."""
+    w = kit.host_worker(sidecar, model="background-waves")
+    try:
+        assert w._background is not None and w.layout is not None
+        w._background.wave_bytes = w.layout.chunk_nbytes
+        short, other = kit.chunk_requests("bg-cut", 2, 3)
+        w.save(KVStrataMetadata(saves=[short, other]))
+        missing = ChunkTransfer(hashlib.sha256(b"bg-cut never stored").digest(), [30, 31])
+        cut = RequestTransfer("cut", [short.chunks[0], missing, short.chunks[2]])
+        two = RequestTransfer("two", other.chunks[:2])
+        before = kit.op_counts(sidecar)
+        w.start_load(KVStrataMetadata(loads=_background([cut, two])))
+        done = _finished(w, 2)
+        assert done.req_ids == {"cut", "two"} and not done.failed_req_ids
+        assert w.take_load_errors() == {30, 31, *short.chunks[2].block_ids}
+        assert w.counters.loaded_chunks == 1 + 2 and w.counters.failed_chunks == 2
+        assert kit.op_delta(before, kit.op_counts(sidecar))["PREPARE_RETRIEVE"] == 2
+    finally:
+        w.close()
+
+
+def test_an_idle_step_waits_for_a_load_in_flight_and_a_busy_one_never(
+    sidecar: Any, kit: Any
+) -> None:
+    """A step in which vLLM scheduled nothing, asked for finished loads while
+    one is in flight (the sidecar stopped), waits for it a moment; a step
+    with work never does, nor an idle one with nothing in flight."""
+    w = kit.host_worker(sidecar, model="background-idle")
+    try:
+        reqs = kit.chunk_requests("bg-idle", 1, 1)
+        w.save(KVStrataMetadata(saves=reqs))
+        assert w.take_finished(idle=True).req_ids == set()
+        assert w.counters.idle_waits == 0  # nothing in flight
+        sidecar.pause()
+        try:
+            w.start_load(KVStrataMetadata(loads=_background(reqs)))
+            assert w.take_finished(idle=False).req_ids == set()
+            assert w.counters.idle_waits == 0
+            assert w.take_finished(idle=True).req_ids == set()  # still stopped
+            assert w.counters.idle_waits == 1
+        finally:
+            sidecar.resume()
+        done = _finished(w, 1)
+        assert done.req_ids == {"req-0"} and not done.failed_blocks
+    finally:
+        w.close()
+
+
 # -- the scheduler's side ---------------------------------------------------------------
 
 
@@ -204,6 +288,7 @@ def test_the_scheduler_loads_hits_below_l1_in_the_background(sidecar: Any, kit: 
         assert [(t.req_id, t.asynchronous, len(t.chunks)) for t in meta.loads] == [
             ("below-l1", True, 2)
         ]
+        assert meta.idle  # vLLM scheduled no token: the workers may wait for the load
         assert scheduler.build_connector_meta(_step([])).loads == []  # sent once
         scheduler.request_finished("below-l1")
 
