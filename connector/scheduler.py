@@ -41,9 +41,10 @@ Rules it keeps:
 
 Lookups never hold vLLM's scheduler loop for long: the LOOKUP runs on one
 background thread; the first time vLLM asks, the scheduler waits for the
-answer at most ``lookup_wait_seconds`` (a healthy sidecar answers in well
-under a millisecond), and while it is still in flight after that the
-answer is None ("ask again later", per vLLM's contract). Why wait at all:
+answer (a healthy sidecar answers in well under a millisecond), at most
+``lookup_wait_seconds`` in all per step however many new requests vLLM
+asks about, and while it is still in flight after that the answer is
+None ("ask again later", per vLLM's contract). Why wait at all:
 with nothing else to run, vLLM's engine loop spins on empty steps holding
 the GIL, and the lookup thread then waited for it at each of its steps
 (submit, send, receive) up to a switch interval (5 ms) each: an L1 hit
@@ -58,6 +59,7 @@ miss, it never raises into vLLM's scheduler.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
@@ -119,6 +121,8 @@ class KVStrataScheduler:
         self._warned_chunk_size = False
         # One thread: calls run in order (a request's END_REQUEST after its LOOKUP).
         self._calls = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-lookup")
+        # What is left of this step's lookup_wait_s (reset by build_connector_meta).
+        self._wait_left = settings.lookup_wait_s
 
     def _new_client(self, more_namespaces: Sequence[Namespace] = ()) -> SidecarClient:
         s = self.settings
@@ -229,8 +233,7 @@ class KVStrataScheduler:
         if state.pending is None or state.pending_blocks != max_blocks:
             state.pending = self._start_lookup(request, loadable, max_blocks)
             state.pending_blocks = max_blocks
-            if self.settings.lookup_wait_s > 0:  # once per lookup: see the module's doc
-                wait((state.pending,), timeout=self.settings.lookup_wait_s)
+            self._wait_for(state.pending)
         if not state.pending.done():
             return None
         reply = state.pending.result()
@@ -252,6 +255,17 @@ class KVStrataScheduler:
         state.partial_blocks = partial_blocks
         self._describe(request, range(hit_chunks))  # promotions into L1 become events
         return hit_chunks, tiers, partial_blocks
+
+    def _wait_for(self, lookup: Future[p.LookupReply | None]) -> None:
+        """Wait for a new lookup out of this step's ``lookup_wait_s``: one
+        budget per step, not per lookup, so a burst of new requests on a
+        stalled sidecar holds a step no longer than one lookup would."""
+        if self._wait_left <= 0:
+            return
+        self.counters.lookup_waits += 1
+        started = time.monotonic()
+        wait((lookup,), timeout=self._wait_left)
+        self._wait_left -= time.monotonic() - started
 
     def _start_lookup(
         self, request: Request, loadable: int, max_blocks: int
@@ -378,6 +392,7 @@ class KVStrataScheduler:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStrataMetadata:
         # Background loads go out whatever else happens: vLLM waits for them.
+        self._wait_left = self.settings.lookup_wait_s  # schedule() ends here: a new step next
         background, self._async_planned = self._async_planned, []
         idle = not any(scheduler_output.num_scheduled_tokens.values())
         meta = KVStrataMetadata(loads=list(background), idle=idle)

@@ -46,6 +46,7 @@ class SchedulerCounters:
     """What the scheduler role did (read by tests, the demo and the benchmark)."""
 
     lookups: int = 0
+    lookup_waits: int = 0  # lookups the scheduler waited for (lookup_wait_seconds)
     lookup_failures: int = 0
     hit_tokens: int = 0
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)

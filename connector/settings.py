@@ -60,8 +60,8 @@ EXTRA_CONFIG_KEYS: tuple[ExtraConfigKey, ...] = (
     ExtraConfigKey(
         "lookup_wait_seconds",
         "0.005",
-        "how long vLLM's scheduler waits for a new request's lookup before it moves on "
-        "and asks again at its next step (0: never waits)",
+        "how long vLLM's scheduler waits, in all per step, for new requests' lookups "
+        "before it moves on and asks again at its next step (0: never waits)",
     ),
     ExtraConfigKey(
         "chunk_size",

@@ -198,6 +198,55 @@ def test_the_first_ask_waits_for_the_lookup_so_a_hit_needs_no_second_step(
             w.close()
 
 
+def test_the_lookup_wait_is_one_budget_per_step_however_many_requests_arrive(
+    sidecar: Any, monkeypatch: Any, case: Any, kit: Any
+) -> None:
+    """A burst of new requests on a stalled sidecar: the first lookup of the
+    step uses the whole wait, the others of that step get none (a wait per
+    lookup would hold the step once per request); the next step (after vLLM
+    built its plan) has a budget again. On a healthy sidecar each lookup's
+    answer comes well within the budget, so every one of a step is waited for."""
+    s = replace(settings(sidecar.endpoint, case), call_timeout_s=60.0, lookup_wait_s=0.2)
+    scheduler = KVStrataScheduler(s)
+    burst = [request(f"r{i}", chunk_hashes(1, f"burst-{i}")) for i in range(3)]
+    try:
+        assert scheduler.client.ping()
+        sidecar.pause()
+        try:
+            assert [scheduler.get_num_new_matched_tokens(r, 0) for r in burst] == [None] * 3
+            assert scheduler.counters.lookup_waits == 1
+            scheduler.build_connector_meta(step_output())  # the step ends
+            late = request("late", chunk_hashes(1, "burst-late"))
+            assert scheduler.get_num_new_matched_tokens(late, 0) is None
+            assert scheduler.counters.lookup_waits == 2
+        finally:
+            sidecar.resume()
+    finally:
+        scheduler.close()
+
+    healthy = KVStrataScheduler(replace(s, lookup_wait_s=60.0))
+    try:
+        answers = [healthy.get_num_new_matched_tokens(r, 0) for r in burst]
+        assert answers == [0, 0, 0]  # answered (misses: nothing stored), none "ask again"
+        assert healthy.counters.lookup_waits == 3
+    finally:
+        healthy.close()
+
+
+def step_output() -> Any:
+    """A SchedulerOutput of a step that schedules nothing."""
+    cached = SimpleNamespace(
+        req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+    )
+    return SimpleNamespace(
+        preempted_req_ids=set(),
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={},
+        finished_req_ids=set(),
+    )
+
+
 def test_a_lookup_wait_of_zero_never_waits(
     sidecar: Any, monkeypatch: Any, case: Any, kit: Any
 ) -> None:
