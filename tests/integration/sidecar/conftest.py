@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -114,6 +115,21 @@ def client_leases(sidecar: Sidecar, client: SidecarClient) -> int:
         if entry["client_id"] == client.client_id:
             return int(entry["leases"])
     raise AssertionError(f"client {client.client_id} has no session")
+
+
+def empty_step(parked: Sequence[str] = ()) -> Any:
+    """What the scheduler role reads of a vLLM SchedulerOutput for a step that
+    schedules nothing new (as when vLLM only keeps ``parked`` requests
+    waiting for their loads)."""
+    cached = SimpleNamespace(
+        req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+    )
+    return SimpleNamespace(
+        preempted_req_ids=set(),
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=dict.fromkeys(parked, 0),
+    )
 
 
 STEP_OPS = ("PREPARE_STORE", "COMMIT_STORE", "PREPARE_RETRIEVE", "RELEASE")

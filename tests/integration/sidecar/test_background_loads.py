@@ -239,20 +239,6 @@ def _request(req_id: str, hashes: list[bytes], kit: Any) -> Any:
     )
 
 
-def _step(req_ids: list[str]) -> Any:
-    """A SchedulerOutput of a step that schedules nothing new (as when vLLM
-    only parks requests waiting for their loads)."""
-    cached = SimpleNamespace(
-        req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
-    )
-    return SimpleNamespace(
-        preempted_req_ids=set(),
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=cached,
-        num_scheduled_tokens=dict.fromkeys(req_ids, 0),
-    )
-
-
 def _stored_chunk_hashes(sidecar: Any, kit: Any, model: str) -> list[bytes]:
     """Two chunks saved by a worker of ``model``; their hashes."""
     w = kit.host_worker(sidecar, model=model)
@@ -284,12 +270,12 @@ def test_the_scheduler_loads_hits_below_l1_in_the_background(sidecar: Any, kit: 
         assert _matched(scheduler, req, kit) == 2 * kit.WORKER_CHUNK
         assert scheduler.loads_async("below-l1")
         scheduler.update_state_after_alloc(req, [[0, 1, 2, 3]], 2 * kit.WORKER_CHUNK)
-        meta = scheduler.build_connector_meta(_step([]))
+        meta = scheduler.build_connector_meta(kit.empty_step())
         assert [(t.req_id, t.asynchronous, len(t.chunks)) for t in meta.loads] == [
             ("below-l1", True, 2)
         ]
         assert meta.idle  # vLLM scheduled no token: the workers may wait for the load
-        assert scheduler.build_connector_meta(_step([])).loads == []  # sent once
+        assert scheduler.build_connector_meta(kit.empty_step()).loads == []  # sent once
         scheduler.request_finished("below-l1")
 
         kit.wait_until(
@@ -315,7 +301,7 @@ def test_the_load_async_setting_and_a_failed_background_load(sidecar: Any, kit: 
         assert _matched(scheduler, req, kit) == 2 * kit.WORKER_CHUNK
         assert scheduler.loads_async("r")
         scheduler.update_state_after_alloc(req, [[0, 1, 2, 3]], 2 * kit.WORKER_CHUNK)
-        assert scheduler.build_connector_meta(_step([])).loads[0].asynchronous
+        assert scheduler.build_connector_meta(kit.empty_step()).loads[0].asynchronous
         scheduler.background_loads_finished({"r"}, {"r"}, set())  # a failed receive
         assert scheduler.get_num_new_matched_tokens(req, 0) == 0
     finally:

@@ -215,7 +215,7 @@ def test_the_lookup_wait_is_one_budget_per_step_however_many_requests_arrive(
         try:
             assert [scheduler.get_num_new_matched_tokens(r, 0) for r in burst] == [None] * 3
             assert scheduler.counters.lookup_waits == 1
-            scheduler.build_connector_meta(step_output())  # the step ends
+            scheduler.build_connector_meta(kit.empty_step())  # the step ends
             late = request("late", chunk_hashes(1, "burst-late"))
             assert scheduler.get_num_new_matched_tokens(late, 0) is None
             assert scheduler.counters.lookup_waits == 2
@@ -231,20 +231,6 @@ def test_the_lookup_wait_is_one_budget_per_step_however_many_requests_arrive(
         assert healthy.counters.lookup_waits == 3
     finally:
         healthy.close()
-
-
-def step_output() -> Any:
-    """A SchedulerOutput of a step that schedules nothing."""
-    cached = SimpleNamespace(
-        req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
-    )
-    return SimpleNamespace(
-        preempted_req_ids=set(),
-        scheduled_new_reqs=[],
-        scheduled_cached_reqs=cached,
-        num_scheduled_tokens={},
-        finished_req_ids=set(),
-    )
 
 
 def test_a_lookup_wait_of_zero_never_waits(
