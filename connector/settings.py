@@ -20,6 +20,7 @@ the plain namespace. Groups of other kinds (Mamba, chunked local attention,
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -336,9 +337,11 @@ def _float(extra: dict[str, Any], key: str, default: float, *, zero_ok: bool = F
         raise ValueError(
             f"kv_connector_extra_config.{key} must be a number, not {value!r}"
         ) from None
-    if out < 0 or (out == 0 and not zero_ok) or out != out:  # out != out: NaN
+    if out < 0 or (out == 0 and not zero_ok) or math.isnan(out):
         bound = ">= 0" if zero_ok else "> 0"
         raise ValueError(f"kv_connector_extra_config.{key} must be {bound}, not {value!r}")
+    if math.isinf(out):  # no wait or deadline takes it (threading: OverflowError)
+        raise ValueError(f"kv_connector_extra_config.{key} must be finite, not {value!r}")
     return out
 
 

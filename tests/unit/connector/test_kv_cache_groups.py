@@ -301,6 +301,8 @@ def test_the_lookup_wait_is_read_and_zero_turns_it_off(tmp_path: Any) -> None:
         ("lookup_wait_seconds", "soon", "lookup_wait_seconds must be a number, not 'soon'"),
         ("call_timeout_seconds", 0, "call_timeout_seconds must be > 0, not 0"),
         ("load_timeout_seconds", "nan", "load_timeout_seconds must be > 0, not 'nan'"),
+        ("lookup_wait_seconds", "inf", "lookup_wait_seconds must be finite, not 'inf'"),
+        ("call_timeout_seconds", float("inf"), "call_timeout_seconds must be finite, not inf"),
     ],
 )
 def test_a_bad_number_is_refused_naming_its_key(
