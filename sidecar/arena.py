@@ -50,6 +50,8 @@ import mmap
 import os
 import secrets
 
+from kvstrata.sidecar.prefault import Prefaulter
+
 logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
@@ -165,7 +167,9 @@ class Arena:
     from :func:`owner_prefix`; None removes nothing) or of the configured
     ``name`` are removed first, every page is reserved, and
     ``size`` may end up smaller than asked only with ``fit_to_shm``.
-    :meth:`attach` maps an existing one (clients, tests).
+    :meth:`attach` maps an existing one (clients, tests). Either way a
+    background thread maps every page into this process ahead of use
+    (:mod:`.prefault`) unless ``prefault`` is False or the segment is pinned.
     """
 
     def __init__(
@@ -177,6 +181,7 @@ class Arena:
         create: bool = True,
         prefix: str | None = None,
         fit_to_shm: bool = False,
+        prefault: bool = True,
     ) -> None:
         if size <= 0:
             raise ValueError(f"l1.size_bytes: arena size must be > 0, got {size}")
@@ -216,6 +221,10 @@ class Arena:
         self.buffer = memoryview(self._mmap)
         if pin_memory:
             self.pinned = self._pin()
+        # Registering as pinned memory maps every page already.
+        self.prefaulter: Prefaulter | None = None
+        if prefault and not self.pinned:
+            self.prefaulter = Prefaulter(self.address(), size, self.name).start()
 
     @classmethod
     def attach(cls, name: str, size: int | None = None) -> Arena:
@@ -300,6 +309,8 @@ class Arena:
         if self._closed:
             return
         self._closed = True
+        if self.prefaulter is not None:
+            self.prefaulter.stop()  # before the unmap (see .prefault)
         if self.pinned:
             self._unpin()
         with contextlib.suppress(BufferError):

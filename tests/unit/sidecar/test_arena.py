@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ from kvstrata.sidecar.arena import Arena
 
 _CHILD = r"""
 import sys
+from pathlib import Path
 from kvstrata.sidecar.arena import Arena
 arena = Arena.attach(sys.argv[1])
 assert bytes(arena.buffer[100:105]) == b"hello", bytes(arena.buffer[100:105])
@@ -71,3 +73,67 @@ def test_pinning_without_cuda_leaves_the_arena_pageable():
         except ImportError:
             has_cuda = False
         assert arena.pinned == has_cuda
+
+
+def _resident_bytes(address: int) -> int:
+    """Bytes of the mapping starting at ``address`` that this process's page
+    table maps now (``Rss`` in /proc/self/smaps)."""
+    start = f"{address:x}-"
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(start):
+            for field in lines[i + 1 :]:
+                if field.startswith("Rss:"):
+                    return int(field.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_every_page_is_mapped_ahead_of_use_by_creator_and_attacher():
+    size = 64 << 20
+    with Arena(size, prefault=False) as cold:
+        # The segment's pages exist (fallocate), but none is in the page table yet.
+        assert _resident_bytes(cold.address()) == 0
+        assert cold.prefaulter is None
+    with Arena(size) as arena:
+        assert arena.prefaulter is not None
+        assert arena.prefaulter.done.wait(60), "populating 64 MiB did not finish"
+        assert arena.prefaulter.populated_bytes == size
+        assert _resident_bytes(arena.address()) == size
+        assert bytes(arena.buffer[:4096]) == bytes(4096), "populating changed the bytes"
+        client = Arena.attach(arena.name)
+        try:
+            assert client.prefaulter is not None and client.prefaulter.done.wait(60)
+            assert _resident_bytes(client.address()) == size
+        finally:
+            client.close()
+
+
+def test_close_stops_the_populating_thread_before_unmapping():
+    arena = Arena(256 << 20)
+    prefaulter = arena.prefaulter
+    assert prefaulter is not None
+    arena.close()
+    assert not prefaulter._thread.is_alive()
+    assert prefaulter.populated_bytes <= 256 << 20
+
+
+def test_a_kernel_without_populate_leaves_the_arena_as_it_was(monkeypatch):
+    """Fault stand-in: madvise answering EINVAL, as kernels before 5.14 do."""
+    import ctypes
+    import errno
+
+    from kvstrata.sidecar import prefault
+
+    def refusing_madvise(address: int, length: int, advice: int) -> int:
+        ctypes.set_errno(errno.EINVAL)
+        return -1
+
+    monkeypatch.setattr(prefault, "_madvise", lambda: refusing_madvise)
+    with Arena(4 << 20) as arena:
+        assert arena.prefaulter is not None
+        arena.prefaulter._thread.join(60)
+        assert not arena.prefaulter.supported
+        assert not arena.prefaulter.done.is_set()
+        arena.buffer[:5] = b"still"
+        assert bytes(arena.buffer[:5]) == b"still"
