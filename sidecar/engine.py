@@ -184,9 +184,10 @@ class StorageManager:
 
     # -- lookup -------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
-        """Longest contiguous prefix of ``keys`` present in any tier."""
-        return self._lookup.lookup(keys)
+    def lookup(self, keys: Sequence[ChunkKey], fetch_ahead: bool = False) -> LookupResult:
+        """Longest contiguous prefix of ``keys`` present in any tier
+        (``fetch_ahead``: a prefetch of it follows; see :meth:`PrefixLookup.lookup`)."""
+        return self._lookup.lookup(keys, fetch_ahead)
 
     def lookup_partial(self, candidates: Sequence[ChunkKey]) -> tuple[int, str] | None:
         """(index, tier) of the first of ``candidates`` some tier holds (see

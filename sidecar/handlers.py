@@ -177,7 +177,7 @@ class Handlers:
         runs = [all_keys[g * n : (g + 1) * n] for g in range(body.groups)]
         # One run per namespace (rank or KV cache group): a chunk counts when
         # every run holds it.
-        results = [self.engine.lookup(keys) for keys in runs]
+        results = [self.engine.lookup(keys, fetch_ahead=body.prefetch) for keys in runs]
         hit = max(0, min(min(r.hit_chunks for r in results), n))
         tiers = list(results[0].tiers[:hit])
         # A partial chunk after the full prefix (one namespace only; see .partials).

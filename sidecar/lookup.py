@@ -66,11 +66,13 @@ class PrefixLookup:
         self.shared = shared
         self._count = count
 
-    def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
+    def lookup(self, keys: Sequence[ChunkKey], fetch_ahead: bool = False) -> LookupResult:
         """Longest contiguous prefix of ``keys`` present in any tier.
 
         The local indexes are read under the lock; the shared tier's batched
-        existence check runs without it."""
+        existence check runs without it. ``fetch_ahead``: the caller fetches
+        the prefix found next, so the shared tier may start fetching with
+        the question (:meth:`Tier.contains_many_ahead`)."""
         asked = {"l1": 0} if self.l2 is None else {"l1": 0, "l2": 0}
         tiers: list[str] = []
         with self._lock:
@@ -84,7 +86,10 @@ class PrefixLookup:
                 return LookupResult(len(tiers), tiers, asked)
         rest = keys[len(tiers) :]
         try:
-            remote = self.shared.contains_many(rest)
+            if fetch_ahead:
+                remote = self.shared.contains_many_ahead(rest)
+            else:
+                remote = self.shared.contains_many(rest)
         except Exception:  # a tier must not raise; a failure is a miss
             logger.exception("shared tier %s raised from contains_many", self.shared.name)
             remote = []

@@ -94,6 +94,12 @@ class Tier(abc.ABC):
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """For each key, whether a ``get`` would likely find it."""
 
+    def contains_many_ahead(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """``contains_many`` for a caller about to fetch every key found, in
+        order: a tier may start those fetches with the question (S3 answers
+        from GETs whose bodies the fetches then read)."""
+        return self.contains_many(keys)
+
     def contains(self, key: ChunkKey) -> bool:
         """``contains_many`` for one key; local tiers answer from memory."""
         return self.contains_many([key])[0]

@@ -88,6 +88,11 @@ class RemoteTier(Tier):
     def _exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """For each key, whether its object is there within the lookup deadline."""
 
+    def _exists_ahead(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """:meth:`_exists` for :meth:`contains_many_ahead`; a backend that can
+        start the fetches with the question overrides it."""
+        return self._exists(keys)
+
     @abc.abstractmethod
     def _fetch(self, keys: Sequence[ChunkKey], names: Sequence[str]) -> list[Fetched]:
         """The stored values of ``names`` (the objects of ``keys``), each as
@@ -126,6 +131,13 @@ class RemoteTier(Tier):
         if not self._allow():
             return [False] * len(keys)
         return self._exists(keys)
+
+    def contains_many_ahead(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        if not keys:
+            return []
+        if not self._allow():
+            return [False] * len(keys)
+        return self._exists_ahead(keys)
 
     def get(self, key: ChunkKey) -> DecodedObject | None:
         return self.get_many([key])[0]

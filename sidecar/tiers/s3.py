@@ -18,9 +18,11 @@ Deadlines: each HTTP attempt has connect/read timeouts of
 every operation runs on a worker pool of ``max_concurrency`` threads whose
 result the caller waits for at most ``timeout_seconds`` (the wall-clock
 deadline: a stalled endpoint costs one deadline, then a miss). Lookups
-send their HEADs concurrently and answer False for any key not answered
-within ``lookup_timeout_seconds``. Consecutive failures open the same
-:class:`CircuitBreaker` as the Valkey tier.
+send their requests concurrently and answer False for any key not answered
+within ``lookup_timeout_seconds``: HEADs, or, when the caller fetches what
+it finds next (:meth:`S3Tier.contains_many_ahead`), GETs whose unread
+responses the fetches take over (:mod:`.s3ahead`), one request per chunk.
+Consecutive failures open the same :class:`CircuitBreaker` as the Valkey tier.
 
 Bounded storage: the operator applies an expiry (a bucket lifecycle rule on
 the prefix) and a size cap (its sweeper deletes the least recently modified
@@ -56,6 +58,7 @@ from kvstrata.sidecar.tiers.remote import (
     Validated,
     read_secret,
 )
+from kvstrata.sidecar.tiers.s3ahead import HeldGets, close_response
 from kvstrata.sidecar.tiers.s3refresh import Refresher
 
 logger = logging.getLogger(__name__)
@@ -152,6 +155,12 @@ def _modified(future: cf.Future[Any]) -> dt.datetime | None:
     return future.result().get("LastModified")
 
 
+def _close_opened(future: cf.Future[Any]) -> None:
+    """Close a lookup's GET response nobody will read (a done-callback)."""
+    if not future.cancelled() and future.exception() is None:
+        close_response(future.result())
+
+
 class _ObjectBody(io.RawIOBase):
     """A seekable read-only file over a :class:`StreamedObject`.
 
@@ -225,6 +234,8 @@ class S3Tier(RemoteTier):
         self._lookups = cf.ThreadPoolExecutor(
             max_workers=lookup_threads(self._config), thread_name_prefix="kvstrata-s3-head"
         )
+        # GET responses a lookup opened, for the fetches that follow it.
+        self._held = HeldGets(lookup_threads(self._config), self._config.timeout_seconds)
         self._refresher: Refresher | None = None
         if self._config.refresh_after_seconds is not None:
             self._refresher = Refresher(
@@ -339,12 +350,58 @@ class S3Tier(RemoteTier):
             self._lookups.submit(self._client.head_object, Bucket=bucket, Key=self._name(k))
             for k in keys
         ]
-        done, pending = cf.wait(futures, timeout=self._lookup_timeout)
+        return self._answers(keys, futures)
+
+    def _exists_ahead(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """GETs instead of HEADs for the keys there is room to hold (see
+        :mod:`.s3ahead`): each answers from its status line and its response
+        is held for the fetch that follows. Keys already held are present
+        without a request; responses after the first missing key are closed
+        (the prefix walk stops there: nobody will fetch them)."""
+        bucket = self._config.bucket
+        names = [self._name(k) for k in keys]
+        room = self._held.room()
+        futures: list[cf.Future[Any] | None] = []
+        gets: set[int] = set()
+        for i, name in enumerate(names):
+            if self._held.holds(name):
+                futures.append(None)
+            elif len(gets) < room:
+                gets.add(i)
+                futures.append(self._lookups.submit(self._open_get, name))
+            else:
+                head = self._lookups.submit(self._client.head_object, Bucket=bucket, Key=name)
+                futures.append(head)
+        answers = self._answers(keys, futures)
+        wanted = next((i for i, there in enumerate(answers) if not there), len(answers))
+        for i, (name, future) in enumerate(zip(names, futures, strict=True)):
+            if future is None and i > wanted:
+                self._held.drop(name)
+            elif i in gets and i < wanted:  # answered in time, so done and found
+                self._held.hold(name, future.result())
+            elif i in gets:  # missing, too late or not wanted: closed once it answers
+                future.add_done_callback(_close_opened)
+        return answers
+
+    def _open_get(self, name: str) -> dict[str, Any]:
+        """A GET whose body is left unread (held by :meth:`_exists_ahead`)."""
+        return self._client.get_object(Bucket=self._config.bucket, Key=name)
+
+    def _answers(
+        self, keys: Sequence[ChunkKey], futures: Sequence[cf.Future[Any] | None]
+    ) -> list[bool]:
+        """Wait for the lookup's requests (None: known present) until the lookup
+        deadline; whether each key is there. Failures feed the breaker once."""
+        started = [f for f in futures if f is not None]
+        done, pending = cf.wait(started, timeout=self._lookup_timeout)
         for future in pending:
             future.cancel()
         answers: list[bool] = []
         failure: BaseException | None = None
         for key, future in zip(keys, futures, strict=True):
+            if future is None:
+                answers.append(True)
+                continue
             if future not in done:
                 answers.append(False)
                 continue
@@ -416,6 +473,7 @@ class S3Tier(RemoteTier):
             self._refresher.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._lookups.shutdown(wait=False, cancel_futures=True)
+        self._held.close_all()
         self._client.close()
 
     # -- transfers (run on the pool) ---------------------------------------
@@ -463,8 +521,17 @@ class S3Tier(RemoteTier):
         checking each object here overlaps its checksum with the other GETs.
         A body that fails the check goes back as bytes: the caller counts and
         deletes it (never from a pool thread, which would wait on the pool)."""
-        response = self._client.get_object(Bucket=self._config.bucket, Key=object_key)
-        body = response["Body"].read()
+        response = self._held.take(object_key)
+        body = None
+        if response is not None:
+            try:
+                body = response["Body"].read()
+            except Exception as exc:  # the held connection broke: ask again, once
+                logger.debug("s3 held GET of %s failed (%s); sending it again", object_key, exc)
+                close_response(response)
+        if body is None:
+            response = self._client.get_object(Bucket=self._config.bucket, Key=object_key)
+            body = response["Body"].read()
         if self._refresher is not None:
             self._refresher.offer(object_key, response.get("LastModified"))
         try:
