@@ -126,18 +126,20 @@ class RemoteTier(Tier):
     # -- Tier -------------------------------------------------------------
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        if not keys:
-            return []
-        if not self._allow():
-            return [False] * len(keys)
-        return self._exists(keys)
+        return self._ask(keys, self._exists)
 
     def contains_many_ahead(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return self._ask(keys, self._exists_ahead)
+
+    def _ask(
+        self, keys: Sequence[ChunkKey], exists: Callable[[Sequence[ChunkKey]], list[bool]]
+    ) -> list[bool]:
+        """``exists(keys)`` unless there is nothing to ask or the breaker refuses."""
         if not keys:
             return []
         if not self._allow():
             return [False] * len(keys)
-        return self._exists_ahead(keys)
+        return exists(keys)
 
     def get(self, key: ChunkKey) -> DecodedObject | None:
         return self.get_many([key])[0]

@@ -7,9 +7,9 @@ LOOKUP with ``prefetch``, which the connector always sends) sends GETs
 instead: the status line answers the lookup, and the response, its body not
 read yet, waits here until the promotion's GET of the same object takes it
 instead of sending a request of its own. Measured against moto on the
-benchmark VM: 16 HEADs took 40-50 ms of a new replica's first request, and
-moto spent about as much CPU on them as on the GETs (``docs/benchmarks.md``,
-"Warm start from S3 with one request per chunk").
+benchmark VM: 16 HEADs took 40-50 ms, and a fresh sidecar's lookup with
+its fetches cost moto 2-3 times the CPU of the same GETs alone
+(``docs/benchmarks.md``, "warm start from S3 with one request per chunk").
 
 Bounds: at most ``capacity`` responses are held (a lookup asks with HEADs
 for what would not fit); each is held at most ``ttl`` seconds, then closed
