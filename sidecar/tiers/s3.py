@@ -85,7 +85,9 @@ def botocore_config(config: S3Config) -> botocore.config.Config:
         connect_timeout=config.timeout_seconds,
         read_timeout=config.timeout_seconds,
         retries={"max_attempts": config.max_attempts, "mode": "standard"},
-        # Transfers, their multipart parts and the lookup HEADs share one pool.
+        # Transfers, their multipart parts and the lookups' requests share one
+        # pool; a lookup's GETs keep their connections while held (at most
+        # lookup_threads of them, see S3Tier._held), so the transfers keep theirs.
         max_pool_connections=config.max_concurrency * 2 + lookup_threads(config),
         # Objects carry their own xxh3 checksums, verified on every read.
         request_checksum_calculation="when_required",
@@ -94,7 +96,8 @@ def botocore_config(config: S3Config) -> botocore.config.Config:
 
 
 def lookup_threads(config: S3Config) -> int:
-    """HEADs are tiny: a lookup sends many more at once than there are transfers."""
+    """A lookup's requests are small (HEADs, or GETs whose bodies it leaves for
+    the fetches): a lookup sends many more at once than there are transfers."""
     return min(4 * config.max_concurrency, 64)
 
 
@@ -232,9 +235,10 @@ class S3Tier(RemoteTier):
         # Lookups have their own threads so a burst of large transfers never
         # makes a prefix lookup wait behind them.
         self._lookups = cf.ThreadPoolExecutor(
-            max_workers=lookup_threads(self._config), thread_name_prefix="kvstrata-s3-head"
+            max_workers=lookup_threads(self._config), thread_name_prefix="kvstrata-s3-lookup"
         )
-        # GET responses a lookup opened, for the fetches that follow it.
+        # GET responses a lookup opened, for the fetches that follow it: one per
+        # lookup thread at most, the share of the connection pool lookups have.
         self._held = HeldGets(lookup_threads(self._config), self._config.timeout_seconds)
         self._refresher: Refresher | None = None
         if self._config.refresh_after_seconds is not None:
