@@ -65,6 +65,14 @@ SHM_SIZE = "1g"  # the namespace's own /dev/shm (vLLM's queues and the arena)
 SHM_LEFT_FREE = 24 << 20  # what "nearly full" leaves
 SIDECAR_STOP_MIN_S = 6.0  # a SIGSTOP outlasts the connector's 0.5 s calls and 5 s loads
 QUIET_TIMEOUT_S = 60.0
+# The S3 tier's settings (the endpoint is the fault proxy's): short deadlines so
+# a stalled or refusing endpoint costs a few seconds, not the default's.
+S3_SETTINGS: dict[str, Any] = {
+    "bucket": "soak",
+    "create_bucket": True,
+    "timeout_seconds": 2.0,
+    "max_attempts": 2,
+}
 VLLM_KILL_WAIT_S = 10.0  # how long a vLLM kill waits for a moment with leases held
 FLOOD_CONNECTIONS = 500  # open at once by the hostile client
 AWS_ENV = {
@@ -358,7 +366,7 @@ class Soak:
         self.fillers: dict[str, Path] = {}
         self.t0 = time.monotonic()
         self.leak_peer: Any = None
-        self.bounds = checks.Bounds()
+        self.bounds = self.resource_bounds()
         self.harness_error = ""
         self.vllm_killer: threading.Thread | None = None
         self.hits: list[dict[str, float]] = []  # sampled: cumulative hit and prompt tokens
@@ -378,19 +386,26 @@ class Soak:
         else:
             tier = {
                 "backend": "s3",
-                "s3": {
-                    "endpoint_url": f"http://127.0.0.1:{self.s3_proxy.port}",
-                    "bucket": "soak",
-                    "create_bucket": True,
-                    "timeout_seconds": 2.0,
-                    "max_attempts": 2,
-                },
+                "s3": {"endpoint_url": f"http://127.0.0.1:{self.s3_proxy.port}", **S3_SETTINGS},
             }
         return {
             "l2": {"path": str(self.l2_dir / "l2"), "size_bytes": self.plan.l2_size},
             "shared": tier,
             "server": {"client_timeout_seconds": 10.0, "lease_seconds": 5.0},
         }
+
+    @staticmethod
+    def resource_bounds() -> checks.Bounds:
+        """The bounds, with what the S3 tier's pools may start and keep open as
+        configured for this run (transfer and lookup threads, pooled connections)."""
+        from kvstrata.sidecar.config import S3Config
+        from kvstrata.sidecar.tiers.s3 import botocore_config, lookup_threads
+
+        s3 = S3Config(**S3_SETTINGS)
+        return checks.Bounds(
+            s3_threads=s3.max_concurrency + lookup_threads(s3),
+            s3_connections=botocore_config(s3).max_pool_connections,
+        )
 
     def setup(self) -> None:
         from kvstrata.testing.servers import MotoS3Server, RedisServer
@@ -838,8 +853,8 @@ class Soak:
 
         def measure() -> dict[str, int]:
             now = checks.resources(self.sidecar.proc.pid)  # type: ignore[union-attr]
-            if self.defect == "fd_leak":
-                now = {**now, "fds": now["fds"] + self.bounds.fds + 1}
+            if self.defect == "fd_leak" and self.baseline is not None:
+                now = {**now, "fds": now["fds"] + self.bounds.allowed("fds", self.shared) + 1}
             return now
 
         now = measure()
@@ -847,7 +862,8 @@ class Soak:
             self.baseline = now
         baseline = self.baseline
         found["resources"] = self.poll(  # a flood's connections take a moment to close
-            "resources", lambda: checks.resources_check(measure(), baseline, self.bounds)
+            "resources",
+            lambda: checks.resources_check(measure(), baseline, self.bounds, self.shared),
         )
         found["events"] = checks.events_check([lst.seqs for lst in self.listeners])
         record["resources"] = now

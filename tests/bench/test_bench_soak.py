@@ -153,6 +153,30 @@ def test_resources_check_catches_leaked_descriptors() -> None:
     assert problems and "fds" in problems[0]
 
 
+def test_resources_check_allows_the_s3_pools_only_on_s3() -> None:
+    """The S3 tier's pools start threads and keep connections up to their caps:
+    that growth passes on S3 and is a leak on Valkey; beyond the caps it fails."""
+    bounds = checks.Bounds(fds=8, threads=4, rss_bytes=1 << 30, s3_threads=40, s3_connections=48)
+    base = {"fds": 30, "threads": 18, "rss_bytes": 1 << 28}
+    grown = {**base, "threads": 18 + 4 + 40, "fds": 30 + 8 + 48}
+    assert checks.resources_check(grown, base, bounds, "s3") == []
+    assert len(checks.resources_check(grown, base, bounds, "valkey")) == 2
+    beyond = {**grown, "threads": grown["threads"] + 1}
+    assert checks.resources_check(beyond, base, bounds, "s3") == ["sidecar threads 63 > 18 + 44"]
+
+
+def test_the_runs_bounds_allow_the_configured_s3_pools() -> None:
+    """The soak's S3 allowance is what its S3 settings configure, not a constant."""
+    from kvstrata.bench.soak import S3_SETTINGS, Soak
+    from kvstrata.sidecar.config import S3Config
+    from kvstrata.sidecar.tiers.s3 import botocore_config, lookup_threads
+
+    s3 = S3Config(**S3_SETTINGS)
+    bounds = Soak.resource_bounds()
+    assert bounds.s3_threads == s3.max_concurrency + lookup_threads(s3) > 0
+    assert bounds.s3_connections == botocore_config(s3).max_pool_connections > 0
+
+
 @pytest.fixture()
 def private_sidecar(tmp_path: Path):  # type: ignore[no-untyped-def]
     """A real sidecar in its own mount namespace (its own /dev/shm: no other
