@@ -86,6 +86,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "(S3 with refresh_after_seconds; 0 elsewhere)"),
     MetricSpec("kvstrata_tier_refresh_dropped_total", "counter", ("tier",), "objects",
                "refreshes dropped because refresh_queue_depth were already waiting"),
+    MetricSpec("kvstrata_tier_lookup_gets_used_total", "counter", ("tier",), "responses",
+               "GET responses a lookup opened whose bodies a fetch then read instead of "
+               "sending a request of its own (S3 with prefetch; 0 elsewhere)"),
+    MetricSpec("kvstrata_tier_lookup_gets_closed_total", "counter", ("tier",), "responses",
+               "GET responses a lookup opened that were closed unread (held past "
+               "timeout_seconds, beyond the held cap, or after the prompt's first missing "
+               "chunk), each dropping its connection"),
     MetricSpec("kvstrata_tier_server_evicted_keys", "gauge", ("tier",), "keys",
                "the shared server's own count of keys it evicted for maxmemory (Valkey INFO "
                "stats evicted_keys, read at scrape; all KVCaches on that server; resets "
@@ -337,6 +344,8 @@ _TIER_VALUES: dict[str, Callable[[Any], float]] = {
     "kvstrata_corrupt_objects_total": lambda t: t.corrupt_total,
     "kvstrata_tier_refreshed_total": lambda t: t.refreshed_total,
     "kvstrata_tier_refresh_dropped_total": lambda t: t.refresh_dropped_total,
+    "kvstrata_tier_lookup_gets_used_total": lambda t: t.lookup_gets_used_total,
+    "kvstrata_tier_lookup_gets_closed_total": lambda t: t.lookup_gets_closed_total,
 }
 
 

@@ -78,6 +78,9 @@ class TierStats:
     # S3: objects copied onto themselves to push their expiry back (tiers.s3refresh).
     refreshed_total: int = 0
     refresh_dropped_total: int = 0
+    # S3: GET responses a lookup opened, read by the fetch or closed unread (tiers.s3ahead).
+    lookup_gets_used_total: int = 0
+    lookup_gets_closed_total: int = 0
     # Valkey: the server's own evicted_keys (INFO stats); None for other tiers.
     server_evicted_keys: int | None = None
 

@@ -158,12 +158,6 @@ def _modified(future: cf.Future[Any]) -> dt.datetime | None:
     return future.result().get("LastModified")
 
 
-def _close_opened(future: cf.Future[Any]) -> None:
-    """Close a lookup's GET response nobody will read (a done-callback)."""
-    if not future.cancelled() and future.exception() is None:
-        close_response(future.result())
-
-
 class _ObjectBody(io.RawIOBase):
     """A seekable read-only file over a :class:`StreamedObject`.
 
@@ -384,8 +378,13 @@ class S3Tier(RemoteTier):
             elif i in gets and i < wanted:  # answered in time, so done and found
                 self._held.hold(name, future.result())
             elif i in gets:  # missing, too late or not wanted: closed once it answers
-                future.add_done_callback(_close_opened)
+                future.add_done_callback(self._close_opened)
         return answers
+
+    def _close_opened(self, future: cf.Future[Any]) -> None:
+        """Close a lookup's GET response nobody will read (a done-callback)."""
+        if not future.cancelled() and future.exception() is None:
+            self._held.discard(future.result())
 
     def _open_get(self, name: str) -> dict[str, Any]:
         """A GET whose body is left unread (held by :meth:`_exists_ahead`)."""
@@ -466,6 +465,8 @@ class S3Tier(RemoteTier):
         if self._refresher is not None:
             snap.refreshed_total = self._refresher.refreshed_total
             snap.refresh_dropped_total = self._refresher.dropped_total
+        snap.lookup_gets_used_total = self._held.taken_total
+        snap.lookup_gets_closed_total = self._held.closed_unread_total
         return snap
 
     def drain_refreshes(self, timeout: float) -> bool:

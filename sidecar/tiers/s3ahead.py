@@ -15,7 +15,10 @@ Bounds: at most ``capacity`` responses are held (a lookup asks with HEADs
 for what would not fit); each is held at most ``ttl`` seconds, then closed
 by the next call that looks; :meth:`HeldGets.close_all` closes every one
 (the tier's ``close``). Closing a response whose body was not read drops its
-connection, which is what a response nobody will read should cost.
+connection, which is what a response nobody will read should cost. Both
+outcomes are counted (``kvstrata_tier_lookup_gets_used_total`` and
+``kvstrata_tier_lookup_gets_closed_total``): many closed against few used
+means lookups open GETs that nobody reads.
 """
 
 from __future__ import annotations
@@ -96,6 +99,10 @@ class HeldGets:
             got = self._held.pop(name, None)
         if got is not None:
             self._close([got[0]])
+
+    def discard(self, response: dict[str, Any]) -> None:
+        """Close a response that was never held: nobody will read it."""
+        self._close([response])
 
     def close_all(self) -> None:
         with self._lock:

@@ -19,6 +19,7 @@ from kvstrata.sidecar.keys import ChunkKey, Namespace, make_key
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.tiers.factory import build_shared_tier
 from kvstrata.sidecar.tiers.s3 import S3Tier
+from kvstrata.testing.poll import wait_until
 from kvstrata.testing.servers import MotoS3Server
 
 NS = Namespace(model="s3-ahead").fingerprint()
@@ -86,7 +87,8 @@ def test_a_lookup_ahead_costs_one_get_per_chunk_and_the_fetch_reads_its_body(tie
     for i in range(4):
         assert _fetched(reader, i) == payload(i)
     assert requests.take() == {}, "the fetches sent requests of their own"
-    assert reader._held.taken_total == 4
+    stats = reader.stats()
+    assert (stats.lookup_gets_used_total, stats.lookup_gets_closed_total) == (4, 0)
     # The plain question still asks with HEADs and the fetch with GETs.
     assert reader.contains_many([key(0), key(1)]) == [True, True]
     assert _fetched(reader, 0) == payload(0)
@@ -102,6 +104,8 @@ def test_responses_after_the_first_missing_chunk_are_closed_not_held(tiers):
     assert requests.take() == {"GetObject": 4}
     names = [reader._name(k) for k in keys]
     assert [reader._held.holds(n) for n in names] == [True, True, False, False]
+    # Chunk 3's response is closed once it has answered (a done-callback).
+    wait_until(lambda: reader.stats().lookup_gets_closed_total == 1, 10, "chunk 3 closed")
     # Chunk 3 is still there: fetching it anyway sends a GET of its own.
     assert _fetched(reader, 3) == payload(3)
     assert requests.take() == {"GetObject": 1}

@@ -85,3 +85,12 @@ def test_drop_and_close_all_close_what_they_remove():
     held.close_all()
     assert all(r["Body"].closed for r in responses.values())
     assert held.room() == 4 and held.closed_unread_total == 3
+
+
+def test_a_discarded_response_is_closed_and_counted_without_being_held():
+    held = HeldGets(capacity=1, ttl=5.0, clock=_Clock())
+    kept, unwanted = _response(), _response()
+    held.hold("a", kept)
+    held.discard(unwanted)
+    assert unwanted["Body"].closed and not kept["Body"].closed
+    assert held.closed_unread_total == 1 and held.take("a") is kept
