@@ -38,6 +38,7 @@ import concurrent.futures as cf
 import datetime as dt
 import io
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -48,8 +49,9 @@ from boto3.s3.transfer import TransferConfig
 
 from kvstrata.sidecar.config import S3Config, SharedConfig
 from kvstrata.sidecar.keys import ChunkKey, key_hex
-from kvstrata.sidecar.objformat import CorruptObjectError, StreamedObject, decode
-from kvstrata.sidecar.tiers.base import TierStats
+from kvstrata.sidecar.objformat import ChunkMeta, CorruptObjectError, StreamedObject, decode
+from kvstrata.sidecar.tiers.base import Place, TierStats
+from kvstrata.sidecar.tiers.placing import Placed, receive_into
 from kvstrata.sidecar.tiers.remote import (
     Encoder,
     Fetched,
@@ -59,6 +61,7 @@ from kvstrata.sidecar.tiers.remote import (
     read_secret,
 )
 from kvstrata.sidecar.tiers.s3ahead import HeldGets, close_response
+from kvstrata.sidecar.tiers.s3body import BodyStream
 from kvstrata.sidecar.tiers.s3refresh import Refresher
 
 logger = logging.getLogger(__name__)
@@ -140,6 +143,12 @@ def _error_kind(exc: BaseException) -> str:
         return "auth" if code in ("AccessDenied", "403", "InvalidAccessKeyId") else "server"
     if isinstance(exc, botocore.exceptions.BotoCoreError):
         return "connection"
+    # A body read straight off the socket (.s3body): its deadline or the
+    # socket's timeout, or the connection ending early.
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, OSError):
+        return "connection"
     return "client"
 
 
@@ -151,6 +160,12 @@ def _error_code(exc: BaseException) -> str:
 
 def _is_missing(exc: BaseException) -> bool:
     return _error_code(exc) in _MISSING_CODES
+
+
+def _close_late(future: cf.Future[Any]) -> None:
+    """Close a GET response that came after its caller gave up (a done-callback)."""
+    if not future.cancelled() and future.exception() is None:
+        close_response(future.result())
 
 
 def _modified(future: cf.Future[Any]) -> dt.datetime | None:
@@ -518,6 +533,84 @@ class S3Tier(RemoteTier):
             Config=self._transfer,
         )
         return True
+
+    def get_into(self, key: ChunkKey, place: Place) -> ChunkMeta | None:
+        """The payload is received straight into what ``place`` names (an L1
+        slot; :mod:`.placing`, :mod:`.s3body`), from the response a lookup
+        opened when one is held. On the calling thread, and never after this
+        returns: a read left running on a pool thread past its deadline could
+        still be writing into a slot the engine had given to another chunk.
+        Bounded by ``timeout_seconds``: the request by the deadline itself
+        (:meth:`_open_by`), the body between pieces, plus the client's read
+        timeout on each piece."""
+        if not self._allow():
+            self._count(misses=1)
+            return None
+        name = self._name(key)
+        try:
+            placed = self._receive_into(name, bytes(key), place)
+        except Exception as exc:
+            if _is_missing(exc):
+                self._breaker.record_success()
+            else:
+                self._failed("get", [exc])
+            self._count(misses=1)
+            return None
+        self._breaker.record_success()
+        if placed.corrupt:
+            self._drop_corrupt(name, "checksum, key or length")
+            return None
+        if placed.meta is None:  # nowhere to put it
+            self._count(misses=1)
+            return None
+        self._count_hit(placed.nbytes)
+        return placed.meta
+
+    def _receive_into(self, name: str, key: bytes, place: Place) -> Placed:
+        """A held response is read when there is one; if its connection broke
+        before anything was placed, the object is asked for again, once (a
+        reserved destination is never placed twice)."""
+        deadline = time.monotonic() + self._config.timeout_seconds
+        placed_once = False
+
+        def place_once(nbytes: int, meta: ChunkMeta) -> memoryview | None:
+            nonlocal placed_once
+            placed_once = True
+            return place(nbytes, meta)
+
+        response = self._held.take(name)
+        if response is not None:
+            try:
+                return self._receive(name, response, key, place_once, deadline)
+            except Exception as exc:
+                if placed_once:
+                    raise
+                logger.debug("s3 held GET of %s failed (%s); sending it again", name, exc)
+        return self._receive(name, self._open_by(name, deadline), key, place_once, deadline)
+
+    def _open_by(self, name: str, deadline: float) -> dict[str, Any]:
+        """A GET's response (headers in, body unread) by ``deadline``. The request
+        runs on the pool, so a stalled endpoint costs the caller no more than
+        the deadline; a response that comes later is closed unread."""
+        future = self._pool.submit(self._open_get, name)
+        try:
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except cf.TimeoutError:
+            if not future.cancel():
+                future.add_done_callback(_close_late)
+            raise _DeadlineExceeded(f"get exceeded {self._config.timeout_seconds}s") from None
+
+    def _receive(
+        self, name: str, response: dict[str, Any], key: bytes, place: Place, deadline: float
+    ) -> Placed:
+        body = BodyStream(response, deadline)
+        try:
+            placed = receive_into(body.size, key, place, body.fill, body.skip)
+        finally:
+            body.finish()
+        if placed.meta is not None and self._refresher is not None:
+            self._refresher.offer(name, response.get("LastModified"))
+        return placed
 
     def _download(self, object_key: str, key: bytes) -> Validated | bytes:
         """One plain GET, checked on this thread. Parallelism comes from fetching

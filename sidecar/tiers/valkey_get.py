@@ -23,63 +23,22 @@ servers; a cluster client's pipelines route by slot and keep redis-py's path.
 from __future__ import annotations
 
 import socket
-import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
-import numpy as np
 import redis.exceptions
-import xxhash
 from redis._parsers import BaseParser
 
-from kvstrata.sidecar.objformat import (
-    TRAILER_BYTES,
-    ChunkMeta,
-    CorruptObjectError,
-    PayloadHasher,
-    decode,
-    decode_header,
-)
-from kvstrata.sidecar.tiers.base import Place, copy_placed
-from kvstrata.sidecar.tiers.remote import Fetched, Validated
+from kvstrata.sidecar.objformat import ChunkMeta
+from kvstrata.sidecar.tiers.base import Place
+from kvstrata.sidecar.tiers.placing import Placed, Receiver, receive_into, receive_whole
+from kvstrata.sidecar.tiers.remote import Fetched
 
 T = TypeVar("T")
 
 # A reply line ("$<length>", "-ERR ...") longer than this is not a GET's.
 _MAX_LINE = 64 * 1024
 _LINE_BUFFER = 64 * 1024
-
-
-class _Receiver(Protocol):
-    def received(self, filled: int) -> None: ...
-
-
-class _RunningHash:
-    """xxh3_64 of a view, hashed as its bytes arrive (``received``)."""
-
-    def __init__(self, view: memoryview) -> None:
-        self._view = view
-        self._hash = xxhash.xxh3_64()
-        self._hashed = 0
-
-    def received(self, filled: int) -> None:
-        if filled > self._hashed:
-            self._hash.update(self._view[self._hashed : filled])
-            self._hashed = filled
-
-    def intdigest(self) -> int:
-        return self._hash.intdigest()
-
-
-@dataclass(frozen=True, slots=True)
-class Placed:
-    """What :func:`get_into` read: ``meta`` when the validated payload is where
-    ``place`` said (None: a miss, nowhere to put it, or ``corrupt``)."""
-
-    meta: ChunkMeta | None
-    nbytes: int  # the stored object's length
-    corrupt: bool = False
 
 
 class _Replies:
@@ -114,7 +73,7 @@ class _Replies:
                 raise redis.exceptions.InvalidResponse("reply line too long for a GET")
             self._fill()
 
-    def _exactly(self, out: memoryview, hasher: _Receiver | None = None, base: int = 0) -> None:
+    def _exactly(self, out: memoryview, hasher: Receiver | None = None, base: int = 0) -> None:
         """Fill ``out``: buffered bytes first, then straight from the socket.
         ``hasher`` hears ``base`` + the bytes of ``out`` filled so far."""
         filled = min(len(out), self._end - self._start)
@@ -143,21 +102,9 @@ class _Replies:
         size = self._bulk_length()  # RESP2's and RESP3's nulls are None
         if size is None:
             return None
-        return self._whole(size, memoryview(b""), expected_key)
-
-    def _whole(self, size: int, head: memoryview, expected_key: bytes) -> Fetched:
-        """A value of ``size`` bytes whose first bytes ``head`` are already read,
-        received into one buffer and checked (as :meth:`value` answers)."""
-        # Uninitialised: every byte of it is received over before it is read.
-        view = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
-        view[: len(head)] = head
-        hasher = PayloadHasher(view)
-        self._exactly(view[len(head) :], hasher, base=len(head))
+        got = receive_whole(size, memoryview(b""), expected_key, self._exactly)
         self._crlf()
-        try:
-            return Validated(decode(view, expected_key, hasher.digest()), size)
-        except CorruptObjectError:
-            return view
+        return got
 
     def _skip(self, n: int) -> None:
         """Read and drop ``n`` bytes (the rest of a value nothing will keep)."""
@@ -169,43 +116,14 @@ class _Replies:
 
     def value_into(self, expected_key: bytes, place: Place) -> Placed | None:
         """The next reply, its payload received straight into what ``place``
-        names once the header says its length; None for nil."""
+        names once the header says its length (:func:`.placing.receive_into`);
+        None for nil."""
         size = self._bulk_length()
         if size is None:
             return None
-        head = memoryview(bytearray(min(size, PayloadHasher.HEADER_BYTES_MAX)))
-        self._exactly(head)
-        try:
-            header = decode_header(head, expected_key)
-        except CorruptObjectError:
-            self._skip(size - len(head) + 2)
-            return Placed(None, size, corrupt=True)
-        trailer = TRAILER_BYTES if header.trailer else 0
-        payload_bytes = header.stored_length
-        if header.codec != "none" or header.header_length + payload_bytes + trailer != size:
-            # Compressed (or not what its header says): decode it whole, then copy.
-            got = self._whole(size, head, expected_key)
-            if not isinstance(got, Validated):
-                return Placed(None, size, corrupt=True)
-            return Placed(copy_placed(got.obj, place), size)
-        dest = place(payload_bytes, header.meta)
-        if dest is None:
-            self._skip(size - len(head) + 2)
-            return Placed(None, size)
-        early = head[header.header_length :]  # payload (and trailer) bytes read with the header
-        first = min(len(early), payload_bytes)
-        dest[:first] = early[:first]
-        running = _RunningHash(dest)
-        self._exactly(dest[first:], running, base=first)
-        tail = bytearray(early[first:])  # the trailer's bytes read with the header
-        more = bytearray(trailer - len(tail))
-        self._exactly(memoryview(more))
-        tail += more
+        placed = receive_into(size, expected_key, place, self._exactly, self._skip)
         self._crlf()
-        checksum = struct.unpack_from("<Q", tail)[0] if trailer else header.checksum
-        if running.intdigest() != checksum:
-            return Placed(None, size, corrupt=True)
-        return Placed(header.meta, size)
+        return placed
 
     def _bulk_length(self) -> int | None:
         line = self._line()

@@ -22,6 +22,7 @@ from kvstrata.sidecar.config import SharedConfig
 from kvstrata.sidecar.keys import ChunkKey, Namespace, make_key
 from kvstrata.sidecar.objformat import ChunkMeta, encode_streamed
 from kvstrata.sidecar.tiers.valkey import ValkeyTier
+from kvstrata.testing.destination import Destination
 from kvstrata.testing.servers import LOOPBACK, RedisServer
 
 NS = Namespace(model="valkey-get").fingerprint()
@@ -223,22 +224,6 @@ def test_an_error_reply_is_a_miss_counted_by_kind(fake, error: bytes, kind: str)
 
 
 # -- get_into: the payload straight into its destination -------------------------
-
-
-class Destination:
-    """What a promotion's ``place`` does: hands out a buffer of the asked length."""
-
-    def __init__(self, room: bool = True) -> None:
-        self.room = room
-        self.asked: list[tuple[int, ChunkMeta]] = []
-        self.buffer = bytearray()
-
-    def __call__(self, nbytes: int, meta: ChunkMeta) -> memoryview | None:
-        self.asked.append((nbytes, meta))
-        if not self.room:
-            return None
-        self.buffer = bytearray(b"\xee" * nbytes)
-        return memoryview(self.buffer)
 
 
 @pytest.mark.parametrize("size", [1, 100, 65_000, 200_000, 3 << 20])

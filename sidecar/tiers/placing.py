@@ -1,0 +1,129 @@
+"""An object received from a stream straight into the L1 slot reserved for it.
+
+Why its own module: the Valkey tier (off its socket, :mod:`.valkey_get`) and
+the S3 tier (off a GET's body, :mod:`.s3body`) receive an object the same
+way. The header comes first; once it says the payload's length and meta,
+``place`` reserves the destination (an L1 slot) and the payload is received
+into it, hashed piece by piece while the rest is still arriving, so a chunk
+is copied once, by the kernel, into L1 and the checksum costs no pass of its
+own. A compressed object (or one whose header does not add up) is received
+whole, decoded, then copied.
+
+A stream is two callables: ``fill(out, hasher, base)`` fills ``out``
+exactly (raising when the stream ends first) and tells ``hasher`` how many
+bytes from ``base`` on are in; ``skip(n)`` passes over ``n`` bytes nobody
+will keep (a stream that is closed afterwards need not read them).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import xxhash
+
+from kvstrata.sidecar.objformat import (
+    TRAILER_BYTES,
+    ChunkMeta,
+    CorruptObjectError,
+    PayloadHasher,
+    decode,
+    decode_header,
+)
+from kvstrata.sidecar.tiers.base import Place, copy_placed
+from kvstrata.sidecar.tiers.remote import Fetched, Validated
+
+__all__ = ["Fill", "Placed", "Receiver", "RunningHash", "receive_into", "receive_whole"]
+
+
+class Receiver(Protocol):
+    def received(self, filled: int) -> None: ...
+
+
+Fill = Callable[[memoryview, "Receiver | None", int], None]
+
+
+class RunningHash:
+    """xxh3_64 of a view, hashed as its bytes arrive (``received``)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._hash = xxhash.xxh3_64()
+        self._hashed = 0
+
+    def received(self, filled: int) -> None:
+        if filled > self._hashed:
+            self._hash.update(self._view[self._hashed : filled])
+            self._hashed = filled
+
+    def intdigest(self) -> int:
+        return self._hash.intdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """What :func:`receive_into` read: ``meta`` when the validated payload is
+    where ``place`` said (None: nowhere to put it, or ``corrupt``)."""
+
+    meta: ChunkMeta | None
+    nbytes: int  # the stored object's length
+    corrupt: bool = False
+
+
+def receive_whole(size: int, head: memoryview, expected_key: bytes, fill: Fill) -> Fetched:
+    """An object of ``size`` bytes whose first bytes ``head`` are already read,
+    received into one buffer and checked: validated, or the bytes of one that
+    failed validation (the tier counts it corrupt and deletes it)."""
+    # Uninitialised: every byte of it is received over before it is read.
+    view = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+    view[: len(head)] = head
+    hasher = PayloadHasher(view)
+    fill(view[len(head) :], hasher, len(head))
+    try:
+        return Validated(decode(view, expected_key, hasher.digest()), size)
+    except CorruptObjectError:
+        return view
+
+
+def receive_into(
+    size: int, expected_key: bytes, place: Place, fill: Fill, skip: Callable[[int], None]
+) -> Placed:
+    """An object of ``size`` bytes, its payload received straight into what
+    ``place`` names once the header says its length (module docstring). On
+    return every one of the ``size`` bytes was received or skipped."""
+    head = memoryview(bytearray(min(size, PayloadHasher.HEADER_BYTES_MAX)))
+    fill(head, None, 0)
+    try:
+        header = decode_header(head, expected_key)
+    except CorruptObjectError:
+        skip(size - len(head))
+        return Placed(None, size, corrupt=True)
+    trailer = TRAILER_BYTES if header.trailer else 0
+    payload_bytes = header.stored_length
+    if header.codec != "none" or header.header_length + payload_bytes + trailer != size:
+        # Compressed (or not what its header says): decode it whole, then copy.
+        got = receive_whole(size, head, expected_key, fill)
+        if not isinstance(got, Validated):
+            return Placed(None, size, corrupt=True)
+        return Placed(copy_placed(got.obj, place), size)
+    dest = place(payload_bytes, header.meta)
+    if dest is None:
+        skip(size - len(head))
+        return Placed(None, size)
+    early = head[header.header_length :]  # payload (and trailer) bytes read with the header
+    first = min(len(early), payload_bytes)
+    dest[:first] = early[:first]
+    running = RunningHash(dest)
+    running.received(first)
+    fill(dest[first:], running, first)
+    tail = bytearray(early[first:])  # the trailer's bytes read with the header
+    more = bytearray(trailer - len(tail))
+    fill(memoryview(more), None, 0)
+    tail += more
+    checksum = struct.unpack_from("<Q", tail)[0] if trailer else header.checksum
+    if running.intdigest() != checksum:
+        return Placed(None, size, corrupt=True)
+    return Placed(header.meta, size)
