@@ -29,6 +29,7 @@ from kvstrata.sidecar.keys import ChunkKey, key_hex
 from kvstrata.sidecar.tiers.base import Tier
 from kvstrata.sidecar.tiers.disk import DiskTier
 from kvstrata.sidecar.tiers.factory import build_shared_tier
+from kvstrata.sidecar.tiers.s3 import S3Tier
 from kvstrata.testing.faults import FaultyLink
 from kvstrata.testing.servers import (
     LOOPBACK,
@@ -312,6 +313,26 @@ def own_moto_s3() -> Iterator[MotoS3Server]:
 def valkey_config() -> Callable[..., SharedConfig]:
     """``valkey_config(url, cluster=False, **shared_overrides)`` with a fresh key prefix."""
     return valkey_shared_config
+
+
+@pytest.fixture
+def s3_tiers(moto_s3: MotoS3Server, s3_config) -> Iterator[Callable[..., S3Tier]]:
+    """``s3_tiers(endpoint_url=None, s3={...}, **shared_overrides)``: S3 tiers
+    on one prefix (by default on the session's moto), closed after the test."""
+    made: list[S3Tier] = []
+    prefix = s3_config(moto_s3.endpoint_url).s3.prefix
+
+    def make(endpoint_url: str | None = None, **overrides: Any) -> S3Tier:
+        s3 = {"prefix": prefix, **overrides.pop("s3", {})}
+        config = s3_config(endpoint_url or moto_s3.endpoint_url, s3=s3, **overrides)
+        tier = build_shared_tier(config)
+        assert isinstance(tier, S3Tier)
+        made.append(tier)
+        return tier
+
+    yield make
+    for tier in made:
+        tier.close()
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ endpoint saw.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,10 +17,8 @@ from kvstrata.sidecar.config import SidecarConfig
 from kvstrata.sidecar.engine import StorageManager
 from kvstrata.sidecar.keys import ChunkKey, Namespace, make_key
 from kvstrata.sidecar.objformat import ChunkMeta
-from kvstrata.sidecar.tiers.factory import build_shared_tier
 from kvstrata.sidecar.tiers.s3 import S3Tier
 from kvstrata.testing.poll import wait_until
-from kvstrata.testing.servers import MotoS3Server
 
 NS = Namespace(model="s3-ahead").fingerprint()
 SIZE = 64 << 10
@@ -52,21 +50,8 @@ class Requests:
 
 
 @pytest.fixture
-def tiers(moto_s3: MotoS3Server, s3_config) -> Iterator[Callable[..., S3Tier]]:
-    """``tiers(**s3_overrides)``: S3 tiers on one prefix (the first one writes)."""
-    made: list[S3Tier] = []
-    config = s3_config(moto_s3.endpoint_url)
-
-    def make(**s3: Any) -> S3Tier:
-        cfg = config.model_copy(update={"s3": config.s3.model_copy(update=s3)})
-        tier = build_shared_tier(cfg)
-        assert isinstance(tier, S3Tier)
-        made.append(tier)
-        return tier
-
-    yield make
-    for tier in made:
-        tier.close()
+def tiers(s3_tiers: Callable[..., S3Tier]) -> Callable[..., S3Tier]:
+    return s3_tiers
 
 
 def _stored(writer: S3Tier, indexes: list[int]) -> None:
@@ -125,7 +110,7 @@ def test_keys_held_already_are_answered_without_a_request(tiers):
 
 def test_keys_beyond_the_room_to_hold_are_asked_with_heads(tiers):
     _stored(tiers(), list(range(6)))
-    reader = tiers(max_concurrency=1)  # room for 4 held responses
+    reader = tiers(s3={"max_concurrency": 1})  # room for 4 held responses
     assert reader._held.capacity == 4
     requests = Requests(reader)
     assert reader.contains_many_ahead([key(i) for i in range(6)]) == [True] * 6

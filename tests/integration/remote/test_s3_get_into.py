@@ -12,15 +12,13 @@ from __future__ import annotations
 import http.client
 import os
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 import urllib3
 
 from kvstrata.sidecar.keys import ChunkKey, Namespace, make_key
 from kvstrata.sidecar.objformat import ChunkMeta, encode_bytes
-from kvstrata.sidecar.tiers.factory import build_shared_tier
 from kvstrata.sidecar.tiers.s3 import S3Tier
 from kvstrata.sidecar.tiers.s3body import PIECE_BYTES, BodyStream
 from kvstrata.testing.destination import Destination
@@ -38,22 +36,8 @@ def meta(size: int) -> ChunkMeta:
 
 
 @pytest.fixture
-def tiers(moto_s3: MotoS3Server, s3_config) -> Iterator[Callable[..., S3Tier]]:
-    """``tiers(endpoint_url=None, **shared_overrides)``: S3 tiers on one prefix."""
-    made: list[S3Tier] = []
-    prefix = s3_config(moto_s3.endpoint_url).s3.prefix
-
-    def make(endpoint_url: str | None = None, **overrides: Any) -> S3Tier:
-        s3 = {"prefix": prefix, **overrides.pop("s3", {})}
-        config = s3_config(endpoint_url or moto_s3.endpoint_url, s3=s3, **overrides)
-        tier = build_shared_tier(config)
-        assert isinstance(tier, S3Tier)
-        made.append(tier)
-        return tier
-
-    yield make
-    for tier in made:
-        tier.close()
+def tiers(s3_tiers: Callable[..., S3Tier]) -> Callable[..., S3Tier]:
+    return s3_tiers
 
 
 def test_the_installed_clients_let_a_body_be_read_into_a_buffer(tiers) -> None:
