@@ -114,6 +114,9 @@ class Plan:
     l2_size: str = "8Gi"
     reserved_cpus: int = 1  # VLLM_CPU_NUM_OF_RESERVED_CPU, the same for every server
     omp_bind: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND, the same for every server
+    # The sidecar's CPUs (its ``cpus`` setting): "reserved" for the cores vLLM
+    # reserves (checked against the log), "" to leave it unpinned.
+    sidecar_cpus: str = "reserved"
     regimes: str = ",".join(REGIMES)
     seed: int = 0
 
@@ -418,8 +421,12 @@ def _run_kvstrata(
     from kvstrata.connector.transfer_config import kv_transfer_config
     from kvstrata.testing.localstack import LocalSidecar
 
+    cpus = sidecar_cpus(plan)
+
     def replica(name: str, rounds: int) -> tuple[list[dict], dict, dict[str, int]]:
         l1, overrides = _sidecar_overrides(regime, plan, shared)
+        if cpus:
+            overrides = {**overrides, "cpus": cpus}
         sidecar = LocalSidecar(
             root / name, chunk_size=plan.chunk_size, l1_size=l1, l2_size=plan.l2_size,
             overrides=overrides,
@@ -435,6 +442,7 @@ def _run_kvstrata(
                 ]
                 after = sidecar.hit_tokens_by_tier()
                 facts = server.facts()
+                check_sidecar_cpus(cpus, facts["binding"])
         finally:
             sidecar.stop()  # SIGTERM flushes the write-behind into the shared tier
         hits = {t: after.get(t, 0) - before.get(t, 0) for t in after}
@@ -442,15 +450,50 @@ def _run_kvstrata(
 
     if regime != "new_replica":
         results, facts, hits = replica("replica", 1)
-        return {**_summary(results[0]), **facts, "hit_tokens": hits}
+        return {**_summary(results[0]), **facts, "hit_tokens": hits, "sidecar_cpus": cpus}
     warm, _, _ = replica("replica-a", 2)
     first, facts, hits = replica("replica-b", 1)
     return {
         **_summary(first[0]),
         **facts,
         "hit_tokens": hits,
+        "sidecar_cpus": cpus,
         "warm_replica": _summary(warm[1]),
     }
+
+
+def sidecar_cpus(plan: Plan) -> str:
+    """The sidecar's ``cpus`` for ``plan.sidecar_cpus``.
+
+    "reserved": the cores vLLM-CPU reserves for its scheduler and API server,
+    computed as it does for one rank on one node (``_get_autobind_cpu_ids``
+    in ``vllm/utils/ompmultiprocessing.py``: the last ``reserve_cpu_num``
+    CPUs of the rank's list) and checked against its log after the run.
+    The sidecar then shares those cores with vLLM's own non-compute
+    processes, and every system still runs on the same CPUs
+    (kvstrata.sidecar.cpus says why it matters)."""
+    if plan.sidecar_cpus != "reserved":
+        return plan.sidecar_cpus
+    from kvstrata.sidecar.cpus import format_cpu_list
+
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) <= plan.reserved_cpus:
+        return ""  # vLLM reserves nothing it can keep apart: leave the sidecar unpinned
+    return format_cpu_list(set(allowed[-plan.reserved_cpus :]))
+
+
+def check_sidecar_cpus(cpus: str, binding: dict[str, str] | None) -> None:
+    """Raise unless a pinned sidecar ran inside the cores vLLM logged as reserved."""
+    if not cpus:
+        return
+    from kvstrata.sidecar.cpus import parse_cpu_list
+
+    reserved = (binding or {}).get("reserved_cpus")
+    if not reserved or not parse_cpu_list(cpus) <= parse_cpu_list(reserved):
+        raise RuntimeError(
+            f"the sidecar ran on CPU(s) {cpus}, vLLM reserved {reserved!r}: "
+            "set --param sidecar_cpus to the reserved cores"
+        )
 
 
 @contextlib.contextmanager

@@ -40,6 +40,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvstrata.sidecar.cpus import parse_cpu_list
 from kvstrata.sidecar.endpoint import check_endpoint, default_endpoint, endpoint_is_local
 
 ENV_PREFIX = "KVSTRATA_"
@@ -330,6 +331,17 @@ class IpcConfig(_Section):
     )
 
 
+def _cpu_list(value: object) -> str | None:
+    """A CPU list, checked; a bare number (``KVSTRATA_CPUS=1`` reads as one) as its text."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ValueError("expected a CPU list such as '1' or '2-3,6'")
+    text = str(value)
+    parse_cpu_list(text)
+    return text
+
+
 class SidecarConfig(_Section):
     """The whole sidecar configuration."""
 
@@ -345,6 +357,12 @@ class SidecarConfig(_Section):
     )
     log_format: Literal["text", "json"] = Field(
         "text", description="text, or json: one object per line with the request id"
+    )
+    cpus: Annotated[str | None, BeforeValidator(_cpu_list)] = Field(
+        None,
+        description="CPUs every sidecar thread runs on, a Linux CPU list ('1', '2-3,6'); unset: "
+        "wherever the process may. On vLLM-CPU, the cores vLLM does not bind its compute "
+        "threads to (see kvstrata.sidecar.cpus)",
     )
     l1: L1Config = Field(default_factory=L1Config)
     l2: L2Config = Field(default_factory=L2Config)

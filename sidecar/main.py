@@ -95,6 +95,7 @@ def _serve(config: SidecarConfig) -> int:
     is unmapped), engine (stops writers, unlinks the segment), shared tier.
     """
     try:
+        _pin(config)  # first: every thread started from here on inherits the mask
         with contextlib.ExitStack() as stack:
             server, http, engine = _start(config, stack)
             _serve_until_signalled(server, http, engine)
@@ -102,6 +103,20 @@ def _serve(config: SidecarConfig) -> int:
     except _StartError as exc:
         print(f"kvstrata sidecar: {exc}", file=sys.stderr)
         return exc.exit_code
+
+
+def _pin(config: SidecarConfig) -> None:
+    """Pin the process to ``config.cpus`` (see kvstrata.sidecar.cpus); exit 2 when it cannot."""
+    if config.cpus is None:
+        return
+    from kvstrata.sidecar.cpus import format_cpu_list, parse_cpu_list, pin_process
+
+    cpus = parse_cpu_list(config.cpus)
+    try:
+        pin_process(cpus)
+    except ValueError as exc:
+        raise _StartError(str(exc), 2) from None
+    logger.info("sidecar threads run on CPU(s) %s", format_cpu_list(cpus))
 
 
 def _start(

@@ -7,6 +7,7 @@ benchmark's own record (bench/results), not to a test."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -44,6 +45,11 @@ def test_bench_serve_quick_runs_with_equal_bindings_and_kvstrata_hits() -> None:
     (hits,) = regime["kvstrata"]["hit_tokens"]
     assert sum(hits.values()) > 0, hits
     assert regime["failed_requests"] == {"vllm": 0, "ceiling": 0, "kvstrata": 0}
+    # The sidecar ran on the cores vLLM reserved (the run checks it against the log).
+    (run,) = regime["kvstrata"]["runs"]
+    if len(os.sched_getaffinity(0)) > plan["reserved_cpus"]:
+        reserved = regime["kvstrata"]["bindings"][0]["reserved_cpus"]
+        assert run["sidecar_cpus"] and run["sidecar_cpus"] == reserved
 
 
 def test_a_new_replica_first_round_from_valkey_fails_no_request() -> None:

@@ -172,3 +172,32 @@ def test_without_flags_it_serves_on_the_default_endpoint(tmp_path: Path, kit: An
         assert sidecar.stop() == 0
     finally:
         sidecar.cleanup()
+
+
+def _threads_cpus(pid: int) -> dict[str, str]:
+    """Each thread's ``Cpus_allowed_list`` (proc(5)) by thread id."""
+    out = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/status") as status:
+            for line in status:
+                if line.startswith("Cpus_allowed_list:"):
+                    out[task] = line.split(":", 1)[1].strip()
+    return out
+
+
+def test_cpus_pins_every_thread_of_the_serving_sidecar(sidecar_factory: Any, kit: Any):
+    cpu = max(os.sched_getaffinity(0))  # one this test process may use: so may its child
+    sidecar = sidecar_factory(overrides={"cpus": str(cpu)}).start()
+    client = sidecar.client()  # serving: the threads a session starts exist too
+    keys = kit.make_keys(2, seed=31)
+    kit.store(client, keys, NBYTES, owner="w")
+    threads = _threads_cpus(sidecar.proc.pid)
+    assert len(threads) > 1
+    assert set(threads.values()) == {str(cpu)}, threads
+
+
+def test_cpus_outside_the_allowed_set_are_refused_at_start_naming_them(kit: Any):
+    beyond = max(os.sched_getaffinity(0)) + 1000
+    result = _run_sidecar(kit, [], env={"KVSTRATA_CPUS": str(beyond)})
+    assert result.returncode == 2, result.stderr
+    assert f"CPU(s) {beyond} are not among" in result.stderr
