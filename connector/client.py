@@ -47,7 +47,7 @@ import zmq
 
 from kvstrata.connector.client_ipc import REGISTER_TIMEOUT_S, IpcOps
 from kvstrata.connector.transport import Channel, CurveKeys
-from kvstrata.sidecar import liveness
+from kvstrata.sidecar import liveness, prefault
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.arena import Arena
 from kvstrata.sidecar.endpoint import ipc_path
@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 # bounds how long a sidecar that is back waits for its first call.
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 4.0
+POPULATE_MODES = ("now", "background", "off")
 # Ops retried once after a re-HELLO (their arguments hold no lease ids).
 _RETRYABLE = frozenset({p.LOOKUP, p.PREPARE_STORE, p.PREPARE_RETRIEVE, p.PING, p.STATS, p.EVENTS})
 
@@ -76,8 +77,12 @@ class _Arena:
     """The sidecar's shared-memory segment (:meth:`Arena.attach`) and the view
     the connector copies through."""
 
-    def __init__(self, name: str, size: int) -> None:
-        self.arena = Arena.attach(name, size)
+    def __init__(self, name: str, size: int, populate: str) -> None:
+        """``populate`` (see ``SidecarClient``): "now" populates the mapping's
+        page table before returning, "background" on a thread, "off" never."""
+        self.arena = Arena.attach(name, size, prefault=populate == "background")
+        if populate == "now":
+            prefault.populate(self.arena.address(), size)
         self.size = size
         # A view of the arena's buffer, handed out and dropped, never
         # released: another thread may be mid-copy on it.
@@ -109,6 +114,7 @@ class SidecarClient:
         more_namespaces: Sequence[Namespace] = (),
         kv_events: bool = False,
         backoff_clock: Callable[[], float] = time.monotonic,
+        populate_arena: str = "background",
     ) -> None:
         if not 0 < backoff_s <= backoff_max_s:
             raise ValueError(f"bad back-off {backoff_s}..{backoff_max_s} s")
@@ -122,6 +128,13 @@ class SidecarClient:
         # Further namespaces this session may name (a scheduler's other ranks).
         self.more_fingerprints: list[bytes] = [ns.fingerprint() for ns in more_namespaces]
         self.kv_events = kv_events  # HELLO asks the sidecar to record tier events
+        # How the arena mapping's page table is filled (kvstrata.sidecar.prefault):
+        # "now" at the first HELLO, "background" on a thread, "off" for a
+        # client that never copies (a scheduler: its thread would take a core
+        # from the process's real work for nothing).
+        if populate_arena not in POPULATE_MODES:
+            raise ValueError(f"populate_arena: {populate_arena!r} is not one of {POPULATE_MODES}")
+        self.populate_arena = populate_arena
         self.chunk_size: int | None = None
         self.write_budget = 0  # uncommitted write bytes the sidecar lets this session hold
         # How long the sidecar keeps a lease's slot pinned (HELLO); until then, none.
@@ -424,7 +437,12 @@ class SidecarClient:
                 self._back_off()
             return False
         try:
-            arena = _Arena(reply.arena_name, reply.arena_size)
+            # The first mapping as asked; after a sidecar restart a "now" would
+            # sit inside whichever step re-connects: in the background instead.
+            populate = self.populate_arena
+            if populate == "now" and self._epoch > 0:
+                populate = "background"
+            arena = _Arena(reply.arena_name, reply.arena_size, populate)
         except (OSError, ValueError) as exc:
             logger.warning("cannot map the sidecar arena %s: %s", reply.arena_name, exc)
             self._count("arena_map")

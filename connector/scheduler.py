@@ -134,6 +134,7 @@ class KVStrataScheduler:
             curve=s.curve,
             more_namespaces=more_namespaces,
             kv_events=s.kv_events,
+            populate_arena="off",  # the scheduler never copies through the arena
         )
 
     def take_events(self) -> list:

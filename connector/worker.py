@@ -138,7 +138,7 @@ class KVStrataWorker:
         self._layer_index: dict[str, int] = {}
         self._layer_offsets: list[int] = []  # per group: its first copy-event layer
 
-    def _new_client(self, call_timeout_s: float) -> SidecarClient:
+    def _new_client(self, call_timeout_s: float, populate: str = "background") -> SidecarClient:
         s = self.settings
         return SidecarClient(
             s.endpoint,
@@ -148,7 +148,17 @@ class KVStrataWorker:
             curve=s.curve,
             more_namespaces=self._namespaces[1:],
             kv_events=s.kv_events,
+            populate_arena=populate,
         )
+
+    def _populate_mode(self) -> str:
+        """On CPU, the arena's page table is filled at registration, before vLLM
+        serves: filled in the background, the thread ran on the core vLLM
+        computes on during its first requests (a fresh server's first prompts
+        took up to 2x as long in ``kvstrata bench serve``). On CUDA, registering
+        the mapping as pinned memory maps its pages anyway."""
+        on_cpu = self.layout is not None and self.layout.device.type == "cpu"
+        return "now" if on_cpu else "background"
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         s = self.settings
@@ -186,6 +196,12 @@ class KVStrataWorker:
             merged = layout.plan.num_layers != len(layout.layer_names)  # coalesced into one
             for i, name in enumerate(layout.layer_names):
                 self._layer_index[name] = offset + (0 if merged else i)
+        if self._populate_mode() == "now" and not self.client.available():
+            # Connect the step session now, its arena mapped and populated
+            # (a sidecar not up yet: the first call connects, in the background).
+            self.client.populate_arena = "now"
+            self.client.ping()
+            self.client.populate_arena = "background"
         self._start_loader()
         logger.info(
             "kvstrata: %d layers on %s, chunk of %d tokens = %d bytes %s",
@@ -272,7 +288,7 @@ class KVStrataWorker:
             self._background = None
         if self.layout is None:
             return
-        client = self._new_client(self.settings.load_timeout_s)
+        client = self._new_client(self.settings.load_timeout_s, self._populate_mode())
         # The device's copies register its arena mapping (pinned for CUDA);
         # their stream is the one its copies run on.
         path = self.transfer.for_session(client, copies_for(self.layout.device, 1))

@@ -227,12 +227,13 @@ class Arena:
             self.prefaulter = Prefaulter(self.address(), size, self.name).start()
 
     @classmethod
-    def attach(cls, name: str, size: int | None = None) -> Arena:
-        """Map an existing segment (never unlinks it on close)."""
+    def attach(cls, name: str, size: int | None = None, *, prefault: bool = True) -> Arena:
+        """Map an existing segment (never unlinks it on close); ``prefault``
+        as for a new one (populated in the background)."""
         _check_name(name)
         if size is None:
             size = os.stat(os.path.join(SHM_DIR, name)).st_size
-        return cls(size, name, create=False)
+        return cls(size, name, create=False, prefault=prefault)
 
     def _open(self, create: bool) -> int:
         if not create:

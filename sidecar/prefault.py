@@ -28,8 +28,9 @@ import errno
 import logging
 import os
 import threading
+from collections.abc import Callable
 
-__all__ = ["MADV_POPULATE_WRITE", "PREFAULT_STEP_BYTES", "Prefaulter"]
+__all__ = ["MADV_POPULATE_WRITE", "PREFAULT_STEP_BYTES", "Prefaulter", "populate"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,25 +89,40 @@ class Prefaulter:
             self._thread.join()
 
     def _run(self) -> None:
-        madvise = _madvise()
-        if madvise is None:
-            self.supported = False
-            return
-        for offset in range(0, self.size, PREFAULT_STEP_BYTES):
-            if self._stop.is_set():
-                return
-            length = min(PREFAULT_STEP_BYTES, self.size - offset)
-            if madvise(self.address + offset, length, MADV_POPULATE_WRITE) != 0:
-                err = ctypes.get_errno()
-                self.supported = err not in (errno.EINVAL, errno.ENOSYS)
-                if self.supported:
-                    logger.warning(
-                        "populating the arena's pages stopped at byte %d: %s",
-                        offset,
-                        os.strerror(err),
-                    )
-                else:
-                    logger.info("this kernel cannot populate the arena ahead of use")
-                return
-            self.populated_bytes = offset + length
-        self.done.set()
+        self.supported = populate(self.address, self.size, self._stop, self._progress)
+        if self.supported and self.populated_bytes == self.size:
+            self.done.set()
+
+    def _progress(self, populated: int) -> None:
+        self.populated_bytes = populated
+
+
+def populate(
+    address: int,
+    size: int,
+    stop: threading.Event | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> bool:
+    """Populate ``size`` bytes mapped at ``address`` now, in the calling thread,
+    step by step (``stop`` ends it between steps; ``progress`` hears the bytes
+    done after each). False when the kernel cannot (no ``MADV_POPULATE_WRITE``,
+    or no libc): the mapping then faults on first touch, as without it."""
+    madvise = _madvise()
+    if madvise is None:
+        return False
+    for offset in range(0, size, PREFAULT_STEP_BYTES):
+        if stop is not None and stop.is_set():
+            return True
+        length = min(PREFAULT_STEP_BYTES, size - offset)
+        if madvise(address + offset, length, MADV_POPULATE_WRITE) != 0:
+            err = ctypes.get_errno()
+            if err in (errno.EINVAL, errno.ENOSYS):
+                logger.info("this kernel cannot populate the arena ahead of use")
+                return False
+            logger.warning(
+                "populating the arena's pages stopped at byte %d: %s", offset, os.strerror(err)
+            )
+            return True
+        if progress is not None:
+            progress(offset + length)
+    return True

@@ -318,19 +318,18 @@ def test_the_load_async_setting_and_a_failed_background_load(sidecar: Any, kit: 
 
 def test_the_loader_sets_its_session_up_when_the_kv_is_registered(sidecar: Any, kit: Any) -> None:
     """Ordered by events: the loader's HELLO comes after the KV registration
-    and before any load is asked; its first job then reuses that session."""
+    and before any load is asked; its first job then reuses that session.
+    On CPU the step's own session is set up at registration too (its arena
+    mapping populated before vLLM serves: test_arena_populate.py)."""
     w = kit.host_worker(sidecar, model="background-test")
     try:
 
         def sessions() -> list[str]:
             return [c["client_id"] for c in sidecar.status()["clients"]]
 
-        # No step has run: the step's own session is not set up, so the one
-        # session the sidecar can see is the background loader's.
-        kit.wait_until(lambda: len(sessions()) == 1, 10, "the loader's HELLO")
-        [loader_id] = sessions()
-        assert loader_id != w.client.client_id
-        assert not w.client.available()
+        assert w.client.available()  # connected by register_kv_caches itself
+        kit.wait_until(lambda: len(sessions()) == 2, 10, "the loader's HELLO")
+        [loader_id] = [c for c in sessions() if c != w.client.client_id]
         reqs = kit.chunk_requests("bg-early", 1, 2)
         w.save(KVStrataMetadata(saves=reqs))
         w.start_load(KVStrataMetadata(loads=_background(reqs)))
@@ -340,5 +339,6 @@ def test_the_loader_sets_its_session_up_when_the_kv_is_registered(sidecar: Any, 
         assert w.counters.loaded_chunks == 2
         assert sorted(sessions()) == sorted([loader_id, w.client.client_id])
         assert sidecar.log().count(f"HELLO from {loader_id}") == 1
+        assert sidecar.log().count(f"HELLO from {w.client.client_id}") == 1
     finally:
         w.close()

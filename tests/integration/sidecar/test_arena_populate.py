@@ -1,0 +1,100 @@
+"""Whose mapping of the sidecar's arena is populated, and when
+(``SidecarClient(populate_arena=...)``, kvstrata.sidecar.prefault).
+
+A CPU worker's mappings are populated at registration, before vLLM serves,
+in the registering thread: populated on a background thread, that work ran
+on the core vLLM computes on during a fresh server's first requests. A
+scheduler never copies through the arena, so its mapping stays unpopulated.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from kvstrata.connector.scheduler import KVStrataScheduler
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists("/proc/self/smaps"), reason="reads page residency from Linux /proc"
+)
+
+
+def _resident_bytes(address: int) -> int:
+    """``Rss`` of the mapping starting at ``address`` in this process (proc(5))."""
+    with open("/proc/self/smaps") as smaps:
+        lines = smaps.read().splitlines()
+    for i, line in enumerate(lines):
+        if "-" in line.split(" ", 1)[0] and int(line.split("-", 1)[0], 16) == address:
+            for field in lines[i + 1 :]:
+                if field.startswith("Rss:"):
+                    return int(field.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def _mapping(client: Any) -> Any:
+    arena = client._arena  # the client's own mapping (connector/client.py _Arena)
+    assert arena is not None, "the client has not mapped the arena"
+    return arena.arena
+
+
+def test_now_populates_before_the_call_returns_off_never(sidecar: Any, kit: Any) -> None:
+    now = sidecar.client(populate_arena="now")
+    off = sidecar.client(populate_arena="off")
+    try:
+        assert now.ping() and off.ping()
+        mapped = _mapping(now)
+        assert mapped.prefaulter is None  # no thread: done in the calling one
+        assert _resident_bytes(mapped.address()) == mapped.size
+        assert _mapping(off).prefaulter is None
+        assert _resident_bytes(_mapping(off).address()) == 0
+    finally:
+        now.close()
+        off.close()
+
+
+def test_background_populates_on_a_thread(sidecar: Any, kit: Any) -> None:
+    client = sidecar.client(populate_arena="background")
+    try:
+        assert client.ping()
+        mapped = _mapping(client)
+        assert mapped.prefaulter is not None
+        assert mapped.prefaulter.done.wait(60)
+        assert _resident_bytes(mapped.address()) == mapped.size
+    finally:
+        client.close()
+
+
+def test_an_unknown_populate_mode_is_refused_naming_it(sidecar: Any) -> None:
+    with pytest.raises(ValueError, match="populate_arena: 'eager'"):
+        sidecar.client(populate_arena="eager")
+
+
+def test_a_cpu_worker_populates_its_mappings_at_registration(sidecar: Any, kit: Any) -> None:
+    worker = kit.host_worker(sidecar, model="populate-test")
+    try:
+        step = _mapping(worker.client)  # connected and populated by register_kv_caches
+        assert step.prefaulter is None
+        assert _resident_bytes(step.address()) == step.size
+        loader = worker._background.client  # its own session, set up on its own thread
+        kit.wait_until(lambda: loader.available(), 10, "the loader's session")
+        kit.wait_until(
+            lambda: _resident_bytes(_mapping(loader).address()) == _mapping(loader).size,
+            10,
+            "the loader's mapping populated",
+        )
+        assert _mapping(loader).prefaulter is None
+    finally:
+        worker.close()
+
+
+def test_the_scheduler_leaves_its_mapping_unpopulated(sidecar: Any, kit: Any) -> None:
+    scheduler = KVStrataScheduler(kit.worker_settings(sidecar, model="populate-sched"))
+    try:
+        assert scheduler.client.ping()
+        mapped = _mapping(scheduler.client)
+        assert mapped.prefaulter is None
+        assert _resident_bytes(mapped.address()) == 0
+    finally:
+        scheduler.close()
