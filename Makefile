@@ -66,10 +66,10 @@ format: $(STAMP)
 # buildah and run them) included: pyproject's addopts leave them out of a plain
 # pytest, `-m ""` takes them back in. The k8s suite (tests/k8s) runs whenever it
 # has a control plane: KUBEBUILDER_ASSETS (etcd, kube-apiserver[, kube-controller-manager],
-# started on loopback by the suite) or KUBECONFIG; without either it skips, saying so. About 12 minutes on 2 cores once the venv
-# exists, well inside CI's budget.
+# started on loopback by the suite) or KUBECONFIG; without either it skips, saying so. About 23 minutes on 2 cores once the venv
+# exists; --durations names the slowest tests, to keep it well inside CI's budget.
 test: system-deps image-deps dev lint
-	$(BIN)/python -m pytest -m "" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "" --durations=25 $(PYTEST_ARGS)
 
 # Pages generated from the code (tests/unit/test_reference_docs.py checks they
 # are current): docs/metrics.md, protocol.md, configuration.md, connector.md,
