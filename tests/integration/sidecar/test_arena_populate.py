@@ -15,22 +15,11 @@ from typing import Any
 import pytest
 
 from kvstrata.connector.scheduler import KVStrataScheduler
+from kvstrata.testing.residency import resident_bytes
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists("/proc/self/smaps"), reason="reads page residency from Linux /proc"
 )
-
-
-def _resident_bytes(address: int) -> int:
-    """``Rss`` of the mapping starting at ``address`` in this process (proc(5))."""
-    with open("/proc/self/smaps") as smaps:
-        lines = smaps.read().splitlines()
-    for i, line in enumerate(lines):
-        if "-" in line.split(" ", 1)[0] and int(line.split("-", 1)[0], 16) == address:
-            for field in lines[i + 1 :]:
-                if field.startswith("Rss:"):
-                    return int(field.split()[1]) * 1024
-    raise AssertionError(f"no mapping at {address:#x}")
 
 
 def _mapping(client: Any) -> Any:
@@ -46,9 +35,9 @@ def test_now_populates_before_the_call_returns_off_never(sidecar: Any, kit: Any)
         assert now.ping() and off.ping()
         mapped = _mapping(now)
         assert mapped.prefaulter is None  # no thread: done in the calling one
-        assert _resident_bytes(mapped.address()) == mapped.size
+        assert resident_bytes(mapped.address()) == mapped.size
         assert _mapping(off).prefaulter is None
-        assert _resident_bytes(_mapping(off).address()) == 0
+        assert resident_bytes(_mapping(off).address()) == 0
     finally:
         now.close()
         off.close()
@@ -61,7 +50,7 @@ def test_background_populates_on_a_thread(sidecar: Any, kit: Any) -> None:
         mapped = _mapping(client)
         assert mapped.prefaulter is not None
         assert mapped.prefaulter.done.wait(60)
-        assert _resident_bytes(mapped.address()) == mapped.size
+        assert resident_bytes(mapped.address()) == mapped.size
     finally:
         client.close()
 
@@ -76,11 +65,11 @@ def test_a_cpu_worker_populates_its_mappings_at_registration(sidecar: Any, kit: 
     try:
         step = _mapping(worker.client)  # connected and populated by register_kv_caches
         assert step.prefaulter is None
-        assert _resident_bytes(step.address()) == step.size
+        assert resident_bytes(step.address()) == step.size
         loader = worker._background.client  # its own session, set up on its own thread
         kit.wait_until(lambda: loader.available(), 10, "the loader's session")
         kit.wait_until(
-            lambda: _resident_bytes(_mapping(loader).address()) == _mapping(loader).size,
+            lambda: resident_bytes(_mapping(loader).address()) == _mapping(loader).size,
             10,
             "the loader's mapping populated",
         )
@@ -95,6 +84,6 @@ def test_the_scheduler_leaves_its_mapping_unpopulated(sidecar: Any, kit: Any) ->
         assert scheduler.client.ping()
         mapped = _mapping(scheduler.client)
         assert mapped.prefaulter is None
-        assert _resident_bytes(mapped.address()) == 0
+        assert resident_bytes(mapped.address()) == 0
     finally:
         scheduler.close()

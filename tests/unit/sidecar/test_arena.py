@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from kvstrata.sidecar.arena import Arena
+from kvstrata.testing.residency import resident_bytes
 
 _CHILD = r"""
 import sys
@@ -75,36 +75,23 @@ def test_pinning_without_cuda_leaves_the_arena_pageable():
         assert arena.pinned == has_cuda
 
 
-def _resident_bytes(address: int) -> int:
-    """Bytes of the mapping starting at ``address`` that this process's page
-    table maps now (``Rss`` in /proc/self/smaps)."""
-    start = f"{address:x}-"
-    lines = Path("/proc/self/smaps").read_text().splitlines()
-    for i, line in enumerate(lines):
-        if line.startswith(start):
-            for field in lines[i + 1 :]:
-                if field.startswith("Rss:"):
-                    return int(field.split()[1]) * 1024
-    raise AssertionError(f"no mapping at {address:#x}")
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
 def test_every_page_is_mapped_ahead_of_use_by_creator_and_attacher():
     size = 64 << 20
     with Arena(size, prefault=False) as cold:
         # The segment's pages exist (fallocate), but none is in the page table yet.
-        assert _resident_bytes(cold.address()) == 0
+        assert resident_bytes(cold.address()) == 0
         assert cold.prefaulter is None
     with Arena(size) as arena:
         assert arena.prefaulter is not None
         assert arena.prefaulter.done.wait(60), "populating 64 MiB did not finish"
         assert arena.prefaulter.populated_bytes == size
-        assert _resident_bytes(arena.address()) == size
+        assert resident_bytes(arena.address()) == size
         assert bytes(arena.buffer[:4096]) == bytes(4096), "populating changed the bytes"
         client = Arena.attach(arena.name)
         try:
             assert client.prefaulter is not None and client.prefaulter.done.wait(60)
-            assert _resident_bytes(client.address()) == size
+            assert resident_bytes(client.address()) == size
         finally:
             client.close()
 
