@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+from itertools import groupby
 
 __all__ = ["format_cpu_list", "parse_cpu_list", "pin_process"]
 
@@ -46,16 +47,11 @@ def parse_cpu_list(text: str) -> frozenset[int]:
 
 def format_cpu_list(cpus: frozenset[int] | set[int]) -> str:
     """The shortest CPU list of ``cpus`` (``{0, 1, 2, 5}`` -> ``"0-2,5"``)."""
-    parts: list[str] = []
-    ordered = sorted(cpus)
-    start = prev = None
-    for cpu in [*ordered, None]:
-        if cpu is not None and prev is not None and cpu == prev + 1:
-            prev = cpu
-            continue
-        if start is not None:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = cpu
+    parts = []
+    # In a run of consecutive CPUs, CPU minus its position in the sorted list is constant.
+    for _, run in groupby(enumerate(sorted(cpus)), key=lambda pair: pair[1] - pair[0]):
+        first, *rest = (cpu for _, cpu in run)
+        parts.append(f"{first}-{rest[-1]}" if rest else str(first))
     return ",".join(parts)
 
 
