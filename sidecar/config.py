@@ -300,8 +300,18 @@ class ServerConfig(_Section):
         0.25,
         gt=0,
         le=1,
-        description="uncommitted write bytes one session may hold, as a fraction of L1 "
-        "(one chunk is always allowed); a PREPARE_STORE beyond it gets nil slots",
+        description="write bytes one session may hold, as a fraction of L1: its uncommitted "
+        "write leases and its expired ones whose writer has not said it is done (their "
+        "slots stay pinned until then); one chunk is always allowed; a PREPARE_STORE "
+        'beyond it gets nil slots, counted in kvstrata_errors_total{kind="write_budget"}',
+    )
+    chunk_max_fraction: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="the largest chunk a PREPARE_STORE may ask for, as a fraction of L1: "
+        "bounds what the one chunk a session is always allowed can pin; a larger one is "
+        "refused as a bad request",
     )
     client_timeout_seconds: float = Field(
         60.0, gt=0, description="a client silent this long has its leases reclaimed"

@@ -43,8 +43,13 @@ COMMIT_STORE or RELEASE naming it, refused) or its client ends (also when
 it is reclaimed after ``server.client_timeout_seconds`` of silence): a writer
 that reached its copy late (a starved thread, a stopped process) would
 otherwise write into a slot that another chunk owns by then, changing that
-chunk silently. Read leases expire outright: a late reader checks its own
-copy against the lease's time (``connector/lease_clock.py``).
+chunk silently. A quarantined slot still counts against its client's write
+budget (:meth:`StorageManager.client_write_bytes`), and the server caps one
+chunk at ``server.chunk_max_fraction`` of the arena: a client that goes
+silent holding an expired lease keeps at most its own share of L1 pinned,
+and everyone else's stores and promotions go on in the rest. Read leases
+expire outright: a late reader checks its own copy against the lease's time
+(``connector/lease_clock.py``).
 
 Locking: one lock guards the index, leases, counters, write-behind's and
 prefetch's state; it is never held during a copy or any I/O. Lookup,
@@ -122,8 +127,6 @@ class StorageManager:
         self._cond = threading.Condition(self._lock)
         self._leases = LeaseTable()
         self._ended: OrderedDict[str, None] = OrderedDict()  # see release_client
-        # Expired write leases whose writers may still write (module docstring).
-        self._quarantined: dict[int, Lease] = {}
         self._counters: dict[str, int] = {}
         self._hits = self._misses = self._stored_bytes = self._retrieved_bytes = 0
         self._prefetched_bytes = 0
@@ -489,15 +492,17 @@ class StorageManager:
             leases = self._leases.pop_client(client)
             for lease in leases:
                 self._end_lease(lease)
-            for lease_id in [i for i, q in self._quarantined.items() if q.client == client]:
+            for lease_id in self._leases.quarantined_ids(client):
                 self._free_quarantined(lease_id)
             self._prefetcher.client_released(client)
             return len(leases)
 
     def client_write_bytes(self, client: str) -> int:
-        """Arena bytes under ``client``'s uncommitted write leases."""
+        """Arena bytes ``client`` holds for writing: its uncommitted write
+        leases and its quarantined slots (expired leases whose writer has not
+        said it is done), so an expired lease still counts against its client."""
         with self._lock:
-            return self._leases.write_bytes(client)
+            return self._leases.held_bytes(client)
 
     def lease_counts(self) -> dict[str, int]:
         """Leases held per client."""
@@ -521,16 +526,15 @@ class StorageManager:
     def _quarantine(self, lease: Lease) -> None:
         """Caller holds the lock: abort an expired write lease, keeping its slot
         pinned until :meth:`_free_quarantined` (module docstring)."""
-        self._quarantined[lease.slot.lease_id] = lease
+        self._leases.quarantine(lease)
         self._abort_entry(lease.entry, keep_pinned=True)
 
     def _free_quarantined(self, lease_id: int, client: str | None = None) -> bool:
         """Caller holds the lock: unpin the quarantined slot of ``lease_id``
         (its writer is done with it); False if there is none (of ``client``)."""
-        lease = self._quarantined.get(lease_id)
-        if lease is None or (client is not None and client != lease.client):
+        lease = self._leases.unquarantine(lease_id, client)
+        if lease is None:
             return False
-        del self._quarantined[lease_id]
         self._store.unpin(lease.entry)
         return True
 
@@ -630,6 +634,7 @@ class StorageManager:
             )
             counters = dict(self._counters)
             counters["leases_active"] = len(self._leases)
+            counters["quarantined_bytes"] = self._leases.quarantined_total
             counters["writeback_pinned_bytes"] = self._wb.pinned
             counters["writeback_backlog"] = self._wb.backlog
             counters["l1_free_largest_bytes"] = store.allocator.largest_free

@@ -92,6 +92,7 @@ class Handlers:
         self.ipc_unavailable = ipc_unavailable
         self.transfer_modes = frozenset({"host", "ipc"} if ipc is not None else {"host"})
         self.write_budget = int(engine.arena.size * config.server.session_write_fraction)
+        self.chunk_limit = int(engine.arena.size * config.server.chunk_max_fraction)
         self._table = {
             p.LOOKUP: self._lookup,
             p.PREPARE_STORE: self._prepare_store,
@@ -199,10 +200,12 @@ class Handlers:
     def _prepare_store(self, body: p.PrepareStoreRequest, session: Session) -> p.SlotsReply:
         if not body.dtype.isascii() or not body.dtype:
             raise p.ProtocolError(p.E_BAD_REQUEST, "field 'dtype': expected an ASCII type name")
-        if body.nbytes > self.engine.arena.size:
+        if body.nbytes > self.chunk_limit:
             raise p.ProtocolError(
                 p.E_BAD_REQUEST,
-                f"field 'nbytes': {body.nbytes} exceeds the arena ({self.engine.arena.size})",
+                f"field 'nbytes': {body.nbytes} exceeds the largest chunk this sidecar takes "
+                f"({self.chunk_limit} bytes: server.chunk_max_fraction of the "
+                f"{self.engine.arena.size}-byte arena)",
             )
         meta = ChunkMeta(dtype=body.dtype, shape=tuple(body.shape), blocks=body.blocks)
         if body.covers:  # longer partials and full chunks supersede shorter partials
@@ -212,10 +215,12 @@ class Handlers:
         over_budget = 0
         deepest: Slot | None = None
         for key in _own_keys(body.keys, session):
-            # One session's uncommitted writes may hold only its share of L1:
-            # a client that reserves and never commits (or asks for the whole
-            # arena at once) must not evict or starve everyone else. One chunk
-            # is always allowed, so a small arena still takes stores.
+            # One session's writes may hold only its share of L1: a client that
+            # reserves and never commits (or asks for the whole arena at once)
+            # must not evict or starve everyone else. Its expired leases count
+            # too: their slots stay pinned until it says it is done. One chunk
+            # (at most chunk_limit) is always allowed, so a small arena still
+            # takes stores.
             held = self.engine.client_write_bytes(session.session_id)
             if held and held + body.nbytes > self.write_budget:
                 over_budget += 1

@@ -12,11 +12,19 @@ An owner is ``"<client>/<request>"`` (the server makes request ids unique
 per session that way, the session id being the client); an owner with no
 ``/`` is a client of its own (the engine's internal owners).
 
+An expired write lease is *quarantined* rather than ended (see
+:mod:`.engine`): its slot stays pinned until its writer says it is done, and
+its bytes still count against its client (:meth:`LeaseTable.held_bytes`),
+so a client whose leases expire cannot take more of the arena than a client
+that holds them.
+
 State (process memory only)::
 
-    leases:      lease_id -> Lease(slot, entry, owner, client, write, created)
-    by_owner:    owner -> {lease_id, ...}
-    write_bytes: client -> arena bytes under its uncommitted write leases
+    leases:            lease_id -> Lease(slot, entry, owner, client, write, created)
+    by_owner:          owner -> {lease_id, ...}
+    write_bytes:       client -> arena bytes under its uncommitted write leases
+    quarantined:       lease_id -> Lease, expired write leases whose writer may still write
+    quarantined_bytes: client -> arena bytes of its quarantined slots
 """
 
 from __future__ import annotations
@@ -69,6 +77,8 @@ class LeaseTable:
         self._leases: dict[int, Lease] = {}
         self._by_owner: dict[str, set[int]] = {}
         self._write_bytes: dict[str, int] = {}
+        self._quarantined: dict[int, Lease] = {}
+        self._quarantined_bytes: dict[str, int] = {}
         self._ids = itertools.count(1)
 
     def __len__(self) -> int:
@@ -114,6 +124,43 @@ class LeaseTable:
     def write_bytes(self, client: str) -> int:
         """Arena bytes under ``client``'s write leases."""
         return self._write_bytes.get(client, 0)
+
+    def held_bytes(self, client: str) -> int:
+        """Arena bytes ``client`` holds for writing: its write leases and its
+        quarantined slots (what its write budget is measured against)."""
+        return self._write_bytes.get(client, 0) + self._quarantined_bytes.get(client, 0)
+
+    # -- quarantine ----------------------------------------------------------
+
+    def quarantine(self, lease: Lease) -> None:
+        """Keep ``lease`` (a popped, expired write lease) as quarantined."""
+        self._quarantined[lease.slot.lease_id] = lease
+        self._quarantined_bytes[lease.client] = (
+            self._quarantined_bytes.get(lease.client, 0) + lease.slot.length
+        )
+
+    def unquarantine(self, lease_id: int, client: str | None = None) -> Lease | None:
+        """Remove and return the quarantined lease ``lease_id`` (of ``client``
+        when given); None if there is none."""
+        lease = self._quarantined.get(lease_id)
+        if lease is None or (client is not None and client != lease.client):
+            return None
+        del self._quarantined[lease_id]
+        left = self._quarantined_bytes[lease.client] - lease.slot.length
+        if left:
+            self._quarantined_bytes[lease.client] = left
+        else:
+            del self._quarantined_bytes[lease.client]
+        return lease
+
+    def quarantined_ids(self, client: str) -> list[int]:
+        """Ids of ``client``'s quarantined leases."""
+        return [i for i, lease in self._quarantined.items() if lease.client == client]
+
+    @property
+    def quarantined_total(self) -> int:
+        """Arena bytes of every quarantined slot."""
+        return sum(self._quarantined_bytes.values())
 
     def counts(self) -> dict[str, int]:
         """Leases held per client."""

@@ -102,6 +102,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("kvstrata_tier_errors_total", "counter", ("tier", "kind"), "operations",
                "tier operation failures by kind", from_start=False),
     MetricSpec("kvstrata_leases_active", "gauge", (), "leases", "arena leases held by clients"),
+    MetricSpec("kvstrata_l1_quarantined_bytes", "gauge", (), "bytes",
+               "L1 bytes of expired write leases whose writer may still be writing: kept "
+               "pinned until it commits, releases or its session ends, and counted against "
+               "that session's write budget"),
     MetricSpec("kvstrata_writeback_pinned_bytes", "gauge", (), "bytes",
                "L1 bytes pinned until their write-behind ends"),
     MetricSpec("kvstrata_prefetch_chunks_total", "counter", (), "chunks",
@@ -411,6 +415,9 @@ def _counter_metrics(counters: dict[str, int]) -> Iterator[Metric]:
     leases = _gauge("kvstrata_leases_active")
     leases.add_metric([], counters.get("leases_active", 0))
     yield leases
+    quarantined = _gauge("kvstrata_l1_quarantined_bytes")
+    quarantined.add_metric([], counters.get("quarantined_bytes", 0))
+    yield quarantined
     pinned = _gauge("kvstrata_writeback_pinned_bytes")
     pinned.add_metric([], counters.get("writeback_pinned_bytes", 0))
     yield pinned
