@@ -277,14 +277,15 @@ class StorageManager:
     ) -> Slot | None:
         """A write lease on fresh arena space for ``key`` (evicting as needed).
 
-        None when ``key`` is already in L1 (being written or stored) or
-        nothing evictable frees enough contiguous space. ``parent`` is the
-        previous chunk of the same prompt, for prefix-aware eviction.
+        None when ``key`` is already held (see :meth:`_held_below`; in L1
+        being written or stored) or nothing evictable frees enough contiguous
+        space. ``parent`` is the previous chunk of the same prompt, for
+        prefix-aware eviction.
         """
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         with self._lock:
-            if key in self._store.entries:
+            if key in self._store.entries or self._held_below(key):
                 self._count("store_deduplicated_total")
                 return None
             if client_of(owner) in self._ended:
@@ -294,6 +295,17 @@ class StorageManager:
                 self._count("store_rejected_total")
                 return None
             return self._leases.new(entry, owner, write=True)
+
+    def _held_below(self, key: ChunkKey) -> bool:
+        """Caller holds the lock: whether L2 holds ``key``. Keys name content:
+        a tier that holds a key answers a store of it as already stored, so
+        that no two tiers hold different bytes under one key. L2's index is
+        in memory, so a store never waits on the disk. The shared tier is not
+        asked here (a network round trip on every PREPARE_STORE, and the keys
+        this sidecar saw there may have expired since): its upload finds an
+        object already there, and this sidecar's copies yield to it then
+        (:mod:`.writeback`)."""
+        return self._in_l2(key)
 
     def supersede(self, slot: Slot, covers: Sequence[ChunkKey]) -> None:
         """The chunk being written into ``slot`` supersedes the partial chunks

@@ -62,6 +62,9 @@ class Entry:
     # Partial chunks this chunk supersedes: deleted from the shared tier once
     # this chunk is written there (kvstrata.sidecar.partials).
     supersedes: tuple[ChunkKey, ...] = ()
+    # The shared tier already held other bytes under this key: this copy was
+    # dropped, and so is its L2 copy when that write ends (kvstrata.sidecar.writeback).
+    yielded: bool = False
 
 
 class L1Store:

@@ -118,7 +118,11 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("kvstrata_store_rejected_total", "counter", (), "chunks",
                "chunks refused at PREPARE_STORE"),
     MetricSpec("kvstrata_store_deduplicated_total", "counter", (), "chunks",
-               "chunks not stored again because L1 already held them"),
+               "chunks not stored again because L1 or L2 already held them"),
+    MetricSpec("kvstrata_shared_already_held_total", "counter", (), "chunks",
+               "uploads that found the shared tier already holding the key (its first "
+               "writer's bytes are kept): this sidecar's L1 and L2 copies were dropped, so "
+               "every tier answers the key with the same bytes"),
     MetricSpec("kvstrata_promotion_failures_total", "counter", (), "chunks",
                "promotions into L1 that failed"),
     MetricSpec("kvstrata_writeback_skipped_total", "counter", (), "chunks",
@@ -402,6 +406,7 @@ _ENGINE_COUNTERS = {
     "store_deduplicated_total": "kvstrata_store_deduplicated_total",
     "promotion_failed_total": "kvstrata_promotion_failures_total",
     "writeback_skipped_total": "kvstrata_writeback_skipped_total",
+    "shared_already_held_total": "kvstrata_shared_already_held_total",
     "partial_stored_total": "kvstrata_partial_stored_total",
     "partial_replaced_total": "kvstrata_partial_replaced_total",
     "partial_dropped_total": "kvstrata_partial_dropped_total",

@@ -15,6 +15,15 @@ State (process memory only)::
                   (bounded; a forgotten key is at worst uploaded twice)
     ready:        (queue, job) pairs to hand to their queues
 
+Keys name content, so every tier must answer a key with the same bytes. The
+shared tier never overwrites an object (its first writer wins): when an
+upload finds the key already there, this sidecar's own copies yield to it --
+the L1 entry leaves the index and the L2 object is removed (also when the L2
+write of that entry ends later) -- and the next read promotes the shared
+tier's bytes, counted in ``shared_already_held_total``. Checking the shared
+tier before each store instead would put a network round trip on every
+PREPARE_STORE; the upload already asks, for free.
+
 Write-behind may pin at most ``WRITEBACK_PIN_FRACTION`` of the arena;
 further writes wait in the backlog (oldest first) and are lost -- counted
 in ``writeback_skipped_total`` -- only if evicted before their turn. A slow
@@ -178,8 +187,25 @@ class WriteBehind:
             entry.pins += 1
             self.pinned += entry.length
             view = self._buf[entry.offset : entry.offset + entry.length]
-            done = self._done_callback(entry, shared)
-            self._ready.append((queue, WriteJob(entry.key, view, entry.meta, on_done=done)))
+            job = WriteJob(entry.key, view, entry.meta, on_done=self._done_callback(entry, shared))
+            if shared:
+                job.on_present = self._present_callback(entry)
+            self._ready.append((queue, job))
+
+    def _present_callback(self, entry: Entry) -> Callable[[], None]:
+        """What to do when the shared tier already held ``entry``'s key: drop
+        this sidecar's copies, so every tier answers with the shared bytes."""
+
+        def present() -> None:
+            with self._lock:
+                entry.yielded = True
+                if self._store.entries.get(entry.key) is entry:
+                    self._store.remove(entry.key)  # freed at its last unpin
+                self._count("shared_already_held_total", 1)
+                if self._l2 is not None:
+                    self._l2.remove(entry.key)  # L2's lock inside ours, as everywhere
+
+        return present
 
     def _done_callback(self, entry: Entry, shared: bool) -> Callable[[bool], None]:
         def done(ok: bool) -> None:
@@ -187,6 +213,8 @@ class WriteBehind:
             with self._lock:
                 self.pinned -= entry.length
                 self._store.unpin(entry)
+                if ok and not shared and entry.yielded and self._l2 is not None:
+                    self._l2.remove(entry.key)  # written after the shared tier's answer
                 if ok and shared:
                     self.note_shared(entry.key)
                     superseded, entry.supersedes = entry.supersedes, ()

@@ -10,6 +10,10 @@ Contract of a :class:`Tier` (the engine relies on each point):
 * ``put`` is synchronous and may be slow; the engine never calls it on a
   request path, only from a :class:`WriteBehindQueue` worker. It returns
   False when the object was not stored (full, error, refused).
+* ``put_outcome`` is ``put`` saying whether the tier already held an object
+  under that key (:data:`PutOutcome` ``"present"``): a shared tier never
+  overwrites one (the first writer wins), and the engine then drops its own
+  copies so that every tier answers a key with the same bytes.
 * ``contains_many`` answers for a batch of keys at once (one round trip for
   remote tiers) and respects the tier's lookup deadline: an unanswered key
   is False.
@@ -25,7 +29,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.objformat import ChunkMeta, DecodedObject
@@ -35,6 +39,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+
+# What a put did: "stored" (written now), "present" (an object was already
+# there under that key and was kept as it is), "failed" (not stored).
+PutOutcome = Literal["stored", "present", "failed"]
 
 # Where a payload of (length, meta) goes: a writable view of exactly that
 # length, or None when there is nowhere to put it (see Tier.get_into).
@@ -115,6 +123,13 @@ class Tier(abc.ABC):
     def put(self, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta) -> bool:
         """Store one object synchronously; True when stored."""
 
+    def put_outcome(
+        self, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta
+    ) -> PutOutcome:
+        """``put``, saying whether an object was already there (see the module
+        docstring); this default, for tiers that overwrite, never says so."""
+        return "stored" if self.put(key, payload, meta) else "failed"
+
     @abc.abstractmethod
     def remove(self, key: ChunkKey) -> None:
         """Forget one object; absent keys are fine."""
@@ -167,6 +182,9 @@ class WriteJob:
     # Called after the write with its outcome; the engine releases the L1
     # read lease it took for the payload here.
     on_done: Callable[[bool], None] | None = None
+    # Called before on_done when the tier already held an object under the
+    # key (and kept it): the engine's copies yield to it.
+    on_present: Callable[[], None] | None = None
 
 
 class WriteBehindQueue:
@@ -261,7 +279,10 @@ class WriteBehindQueue:
                 return
             ok = False
             try:
-                ok = self.tier.put(job.key, job.payload, job.meta)
+                outcome = self.tier.put_outcome(job.key, job.payload, job.meta)
+                ok = outcome != "failed"
+                if outcome == "present" and job.on_present is not None:
+                    job.on_present()
             except Exception:  # a tier must not raise; keep the writer alive if one does
                 logger.exception("tier %s raised from put", self.tier.name)
             finally:

@@ -32,7 +32,7 @@ from kvstrata.sidecar.objformat import (
     decode,
     encode_streamed,
 )
-from kvstrata.sidecar.tiers.base import Tier, TierStats
+from kvstrata.sidecar.tiers.base import PutOutcome, Tier, TierStats
 from kvstrata.sidecar.tiers.breaker import CircuitBreaker
 
 logger = logging.getLogger(__name__)
@@ -158,17 +158,28 @@ class RemoteTier(Tier):
     def put(self, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta) -> bool:
         return self.put_many([(key, payload, meta)])[0]
 
+    def put_outcome(
+        self, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta
+    ) -> PutOutcome:
+        return self._put_outcomes([(key, payload, meta)])[0]
+
     def put_many(
         self, items: Sequence[tuple[ChunkKey, bytes | memoryview, ChunkMeta]]
     ) -> list[bool]:
         """Store a batch; an object already there counts as stored (deduplicated)."""
+        return [outcome != "failed" for outcome in self._put_outcomes(items)]
+
+    def _put_outcomes(
+        self, items: Sequence[tuple[ChunkKey, bytes | memoryview, ChunkMeta]]
+    ) -> list[PutOutcome]:
+        """Store a batch unless present: what happened to each (first writer wins)."""
         if not items:
             return []
         # Bad meta raises ValueError before anything is sent.
         for key, _, meta in items:
             check_meta(bytes(key), meta)
         if not self._allow():
-            return [False] * len(items)
+            return ["failed"] * len(items)
         sizes = [0] * len(items)
 
         def encoder(i: int, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta) -> Encoder:
@@ -187,7 +198,7 @@ class RemoteTier(Tier):
                     self._stats.stored_bytes_total += size
                 elif outcome is False:  # another writer stored this chunk first
                     self._stats.deduplicated_total += 1
-        return [isinstance(o, bool) for o in outcomes]
+        return ["stored" if o is True else "present" if o is False else "failed" for o in outcomes]
 
     def remove(self, key: ChunkKey) -> None:
         if self._allow():
