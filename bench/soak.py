@@ -55,6 +55,7 @@ from kvstrata.bench import soakplan
 from kvstrata.bench.faultproxy import HttpFaultProxy, TcpFaultProxy
 from kvstrata.bench.serve import QUICK, RESULTS_DIR, VllmServer
 from kvstrata.bench.serve import Plan as ServePlan
+from kvstrata.bench.soakhostile import HOSTILE, Hostile
 from kvstrata.bench.supervisor import Supervisor
 
 # bench serve's servers size their max model length per regime; the soak's
@@ -114,6 +115,9 @@ class SoakPlan:
     l1_size: str = "1Mi"
     l2_tmpfs: str = "3m"
     l2_size: str = "2Mi"
+    # The sidecar runs under prlimit with this many descriptors (soft and hard,
+    # as a container runtime may set them): fd_flood goes beyond it. 0: unchanged.
+    sidecar_nofile: int = 1024
     kinds: str = ",".join(k for k in soakplan.KINDS)
 
 
@@ -168,14 +172,17 @@ class NamespacedSidecar:
     """Builds the sidecar process class that starts inside the namespace."""
 
     @staticmethod
-    def make(ns: Namespace | None) -> type:
+    def make(ns: Namespace | None, nofile: int = 0) -> type:
         from kvstrata.testing.sidecarproc import SIDECAR_COMMAND, SidecarProcess
+
+        # prlimit execs the sidecar, so the pid the checks measure is still its own.
+        limit = ["prlimit", f"--nofile={nofile}:{nofile}", "--"] if nofile else []
 
         class _Sidecar(SidecarProcess):
             extra_env = AWS_ENV
 
             def command(self) -> list[str]:
-                return [*(ns.prefix() if ns else []), *SIDECAR_COMMAND]
+                return [*(ns.prefix() if ns else []), *limit, *SIDECAR_COMMAND]
 
         return _Sidecar
 
@@ -363,6 +370,8 @@ class Soak:
         self.baseline: dict[str, int] | None = None
         self.listeners: list[EventListener] = []
         self.flood_stop: threading.Event | None = None
+        self.hostiles: dict[str, Hostile] = {}  # kind -> the running hostile client
+        self.hostile_reports: list[dict[str, Any]] = []
         self.fillers: dict[str, Path] = {}
         self.t0 = time.monotonic()
         self.leak_peer: Any = None
@@ -440,7 +449,7 @@ class Soak:
                 "not applicable: no control plane (kvstrata.testing.controlplane needs "
                 "KUBEBUILDER_ASSETS)"
             )
-        cls = NamespacedSidecar.make(self.ns)
+        cls = NamespacedSidecar.make(self.ns, self.plan.sidecar_nofile)
         self.sidecar = cls(
             self.root / "sc",
             chunk_size=self.plan.chunk_size,
@@ -674,6 +683,30 @@ class Soak:
 
         threading.Thread(target=flood, daemon=True, name="flood").start()
 
+    def fault_fd_flood(self, fault: soakplan.Fault, begin: bool) -> None:
+        self._hostile(fault, begin)
+
+    def fault_unread_reader(self, fault: soakplan.Fault, begin: bool) -> None:
+        self._hostile(fault, begin)
+
+    def fault_lease_hog(self, fault: soakplan.Fault, begin: bool) -> None:
+        self._hostile(fault, begin)
+
+    def _hostile(self, fault: soakplan.Fault, begin: bool) -> None:
+        """Start or stop one of :mod:`.soakhostile`'s clients; what it did goes
+        to the JSON (``hostile_clients``)."""
+        if begin:
+            client = HOSTILE[fault.kind](self.sidecar.endpoint, self.sidecar.http_port)
+            self.hostiles[fault.kind] = client.start()
+            return
+        self._end_hostile(fault.kind, fault.start)
+
+    def _end_hostile(self, kind: str, start: int | None) -> None:
+        client = self.hostiles.pop(kind, None)
+        if client is not None:
+            client.stop()
+            self.hostile_reports.append({"kind": kind, "request": start, **client.report()})
+
     def fault_operator_restart(self, fault: soakplan.Fault, begin: bool) -> None:
         raise NotImplementedError("needs a control plane")  # skipped in setup without one
 
@@ -692,6 +725,8 @@ class Soak:
                 filler.unlink()
         if self.flood_stop is not None:
             self.flood_stop.set()
+        for kind in list(self.hostiles):
+            self._end_hostile(kind, None)
 
     # -- load ------------------------------------------------------------------------------
 
@@ -992,6 +1027,7 @@ class Soak:
             "resource_bounds": asdict(self.bounds),
             "quiet_points": self.quiet,
             "fault_marks": self.fault_marks,
+            "hostile_clients": self.hostile_reports,
             "timeline": self.timeline,
             "kv_event_seqs": [lst.seqs for lst in self.listeners],
             "outputs": [[o.index, o.prompt, list(o.tokens)] for o in self.outcomes],

@@ -68,9 +68,14 @@ def outputs_check(outcomes: list[Outcome], references: list[list[int]]) -> list[
 
 
 def leases_check(status: dict) -> list[str]:
-    """No lease held once the clients are idle or gone."""
+    """No lease held once the clients are idle or gone, and no slot still
+    quarantined for an expired write lease (its client gone, it is freed)."""
     n = status.get("leases_active")
-    return [] if n == 0 else [f"leases_active is {n}, not 0"]
+    problems = [] if n == 0 else [f"leases_active is {n}, not 0"]
+    quarantined = status.get("counters", {}).get("quarantined_bytes", 0)
+    if quarantined:
+        problems.append(f"{quarantined} L1 bytes still quarantined for expired write leases")
+    return problems
 
 
 def clients_check(status: dict, live_client_pids: set[int]) -> list[str]:

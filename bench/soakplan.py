@@ -36,6 +36,11 @@ KINDS: dict[str, tuple[str, str | None, bool]] = {
     "l2_full": ("l2", None, False),
     "shm_full": ("vllm_shm", None, False),
     "flood": ("flood", None, False),
+    # The hostile local clients of .soakhostile. fd_flood shares flood's target:
+    # two floods at once would only measure the harness's own descriptors.
+    "fd_flood": ("flood", None, False),
+    "unread_reader": ("unread_reader", None, False),
+    "lease_hog": ("lease_hog", None, False),
     "operator_restart": ("operator", None, True),
 }
 

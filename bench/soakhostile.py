@@ -1,0 +1,220 @@
+"""The soak's hostile local clients: what one client in the pod can do to its sidecar.
+
+Why a module of its own: each is a bare ZeroMQ (or socket) peer with a
+thread of its own that the soak starts at a fault's beginning and stops at
+its end; none of them is vLLM, so none of them may cost vLLM anything
+but cache misses. Each is bounded (it stops opening, sending or storing
+by itself) and keeps what it did for the JSON (:meth:`Hostile.report`).
+
+* :class:`FdFlood` (``fd_flood``): more connections than the sidecar has
+  descriptors (the soak runs the sidecar under ``prlimit``): ZeroMQ, HTTP
+  and liveness at once, held open until the fault ends.
+* :class:`UnreadReader` (``unread_reader``): asks for large EVENTS replies
+  (its own namespace's journal, filled first) and never reads one.
+* :class:`LeaseHog` (``lease_hog``): takes the largest write lease the
+  sidecar grants, never commits, and keeps its session alive with PINGs
+  until it vanishes at the fault's end (its lease expires into quarantine
+  meanwhile; its session times out afterwards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+from typing import Any
+
+import zmq
+
+from kvstrata.sidecar import protocol as p
+from kvstrata.sidecar.endpoint import ipc_path
+from kvstrata.sidecar.keys import FINGERPRINT_BYTES
+from kvstrata.sidecar.liveness import liveness_path
+from kvstrata.testing.rawpeer import RawPeer
+
+FD_FLOOD_ZMQ = 1100  # more than a 1024-descriptor sidecar can hold
+FD_FLOOD_HTTP = 200
+FD_FLOOD_LIVENESS = 200
+UNREAD_CHUNKS = 2048  # chunks of the reader's own namespace: its journal records
+UNREAD_REQUESTS = 1000  # EVENTS requests, each asking for up to MAX_EVENTS records (~250 KB)
+HOG_PING_S = 1.0  # well inside the soak's client_timeout_seconds
+
+
+def _key(fingerprint: bytes, n: int) -> bytes:
+    return fingerprint + n.to_bytes(8, "big") * 4  # a key names its namespace first
+
+
+class Hostile:
+    """A hostile peer on a thread: :meth:`start` at the fault's beginning,
+    :meth:`stop` at its end; :meth:`report` says what it did."""
+
+    def __init__(self, endpoint: str, http_port: int) -> None:
+        self.endpoint, self.http_port = endpoint, http_port
+        self.done = threading.Event()
+        self.counts: dict[str, Any] = {}
+        self.error = ""
+        self._thread = threading.Thread(target=self._guarded, daemon=True, name=type(self).__name__)
+
+    def start(self) -> Hostile:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.done.set()
+        self._thread.join(timeout=30)
+
+    def report(self) -> dict[str, Any]:
+        return {**self.counts, **({"error": self.error} if self.error else {})}
+
+    def _guarded(self) -> None:
+        try:
+            self.run()
+        except Exception as exc:  # the fault's own failure is reported, not raised
+            self.error = repr(exc)
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+
+class FdFlood(Hostile):
+    """ZeroMQ, HTTP and liveness connections beyond the sidecar's descriptors."""
+
+    def run(self) -> None:
+        ctx = zmq.Context()
+        ctx.set(zmq.MAX_SOCKETS, FD_FLOOD_ZMQ + 64)
+        socks: list[zmq.Socket[bytes]] = []
+        plain: list[socket.socket] = []
+        live = ipc_path(self.endpoint)
+        self.counts = {"zmq": 0, "http": 0, "liveness": 0, "refused": 0}
+        try:
+            # Interleaved, so every listener is short of descriptors at once.
+            for i in range(max(FD_FLOOD_ZMQ, FD_FLOOD_HTTP, FD_FLOOD_LIVENESS)):
+                if self.done.is_set():
+                    break
+                if i < FD_FLOOD_ZMQ:
+                    s = ctx.socket(zmq.DEALER)
+                    s.setsockopt(zmq.LINGER, 0)
+                    s.connect(self.endpoint)
+                    with contextlib.suppress(zmq.ZMQError):
+                        s.send(b"\xc1not msgpack", zmq.NOBLOCK)
+                    socks.append(s)
+                    self.counts["zmq"] += 1
+                if i < FD_FLOOD_HTTP:
+                    self._connect(plain, socket.AF_INET, ("127.0.0.1", self.http_port), "http")
+                if i < FD_FLOOD_LIVENESS and live is not None:
+                    self._connect(plain, socket.AF_UNIX, liveness_path(live), "liveness")
+            self.done.wait()
+        finally:
+            for s in socks:
+                s.close(0)
+            for c in plain:
+                c.close()
+            ctx.term()
+
+    def _connect(self, into: list[socket.socket], family: int, address: Any, name: str) -> None:
+        conn = socket.socket(family, socket.SOCK_STREAM)
+        conn.settimeout(2.0)
+        try:
+            conn.connect(address)
+        except OSError:
+            conn.close()
+            self.counts["refused"] += 1
+            return
+        into.append(conn)
+        self.counts[name] += 1
+
+
+class UnreadReader(Hostile):
+    """Large EVENTS replies asked for and never read."""
+
+    def run(self) -> None:
+        fingerprint = b"\x02" * FINGERPRINT_BYTES
+        peer = RawPeer(self.endpoint)
+        # Its receive side holds one message; the rest waits at the sidecar.
+        peer.sock.setsockopt(zmq.RCVHWM, 1)
+        self.counts = {"stored": 0, "sent": 0, "blocked": 0}
+        try:
+            peer.hello(fingerprint, client_id="soak-unread-reader", kv_events=True)
+            self._fill_journal(peer, fingerprint)
+            rid = 1000
+            while not self.done.is_set() and self.counts["sent"] < UNREAD_REQUESTS:
+                rid += 1
+                body = {"after": 0, "limit": p.MAX_EVENTS}
+                frame = [p.PROTOCOL_VERSION, rid, p.EVENTS, peer.session_id, body]
+                try:
+                    peer.sock.send(_pack(frame), zmq.NOBLOCK)
+                    self.counts["sent"] += 1
+                except zmq.Again:
+                    self.counts["blocked"] += 1
+                    self.done.wait(0.05)
+            self.done.wait()
+        finally:
+            peer.close()
+
+    def _fill_journal(self, peer: RawPeer, fingerprint: bytes) -> None:
+        """Chunks of its own namespace (uncopied: only the journal matters)."""
+        batch = 128
+        for start in range(0, UNREAD_CHUNKS, batch):
+            keys = [_key(fingerprint, n) for n in range(start, start + batch)]
+            body = {"keys": keys, "nbytes": 64, "dtype": "uint8", "shape": [64], "owner": "u"}
+            reply = peer.call(p.PREPARE_STORE, body, request_id=start + 1)
+            ids = [s[0] for s in (reply[3].get("slots", []) if reply[2] else []) if s]
+            if ids:
+                peer.call(
+                    p.COMMIT_STORE,
+                    {"lease_ids": ids, "ok": [True] * len(ids)},
+                    request_id=start + 2,
+                )
+                self.counts["stored"] += len(ids)
+
+
+class LeaseHog(Hostile):
+    """The largest write lease it is granted, held silently with its session alive."""
+
+    def run(self) -> None:
+        fingerprint = b"\x03" * FINGERPRINT_BYTES
+        peer = RawPeer(self.endpoint)
+        try:
+            hello = {
+                "client_id": "soak-lease-hog",
+                "role": "worker",
+                "fingerprint": fingerprint,
+                "transfer_mode": "host",
+                "pid": os.getpid(),
+            }
+            reply = peer.call(p.HELLO, hello, session_id="")
+            if not reply[2]:
+                raise RuntimeError(f"HELLO refused: {reply[3]}")
+            peer.session_id = str(reply[3]["session_id"])
+            arena = int(reply[3]["arena_size"])
+            # The whole arena first, as a hostile client would; then its budget.
+            self.counts = {"arena_bytes": arena, "asked": [], "granted_bytes": 0}
+            for n, size in enumerate((arena, int(reply[3].get("write_budget") or arena // 4))):
+                body = {"keys": [_key(fingerprint, n)], "nbytes": size, "dtype": "uint8",
+                        "shape": [size], "owner": "hog"}  # fmt: skip
+                answer = peer.call(p.PREPARE_STORE, body, request_id=10 + n)
+                slot = answer[3]["slots"][0] if answer[2] else None
+                self.counts["asked"].append({"bytes": size, "granted": slot is not None})
+                if slot is not None:
+                    self.counts["granted_bytes"] = size
+                    break
+            rid = 100
+            while not self.done.wait(HOG_PING_S):  # alive, and silent about its lease
+                rid += 1
+                peer.call(p.PING, {}, request_id=rid)
+        finally:
+            peer.close()  # it vanishes: its session times out, its slot is freed then
+
+
+def _pack(frame: list[Any]) -> bytes:
+    import msgpack
+
+    return msgpack.packb(frame)
+
+
+HOSTILE: dict[str, type[Hostile]] = {
+    "fd_flood": FdFlood,
+    "unread_reader": UnreadReader,
+    "lease_hog": LeaseHog,
+}

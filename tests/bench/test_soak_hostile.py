@@ -1,0 +1,61 @@
+"""The soak's silent lease hog against a real sidecar: it gets only its share
+of L1, the leases check sees its quarantined slot while it lives, and once it
+vanishes (its session timed out) nothing is left for the check to find.
+Ordered by the sidecar's own counters, not the clock."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstrata.bench import soakchecks as checks
+from kvstrata.bench.soakhostile import LeaseHog
+from kvstrata.testing.poll import wait_until
+from kvstrata.testing.sidecarproc import SidecarProcess
+
+L1_BYTES = 4 << 20
+
+
+class _Sidecar(SidecarProcess):
+    error = AssertionError
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path) -> Iterator[SidecarProcess]:
+    sc = _Sidecar(
+        tmp_path / "sc",
+        chunk_size=64,
+        l1_size=str(L1_BYTES),
+        l2_size="4Mi",
+        overrides={"server": {"lease_seconds": 0.5, "client_timeout_seconds": 2.0}},
+    )
+    sc.start()
+    try:
+        yield sc
+    finally:
+        sc.stop()
+
+
+def quarantined(sidecar: SidecarProcess) -> int:
+    return int(sidecar.status()["counters"].get("quarantined_bytes", 0))
+
+
+def test_the_lease_hog_pins_only_its_share_and_leaves_nothing_behind(
+    sidecar: SidecarProcess,
+) -> None:
+    hog = LeaseHog(sidecar.endpoint, sidecar.http_port).start()
+    try:
+        wait_until(lambda: quarantined(sidecar) > 0, 30, "the hog's lease to expire")
+        assert checks.leases_check(sidecar.status())  # a quarantined slot is a held slot
+        report = hog.report()
+        assert report["asked"][0] == {"bytes": L1_BYTES, "granted": False}, report
+        assert report["granted_bytes"] == L1_BYTES // 4 == quarantined(sidecar)
+        assert sidecar.status()["leases_active"] == 0
+    finally:
+        hog.stop()
+    assert hog.error == ""
+    # It vanished without a word: its session times out and its slot is freed.
+    wait_until(lambda: checks.leases_check(sidecar.status()) == [], 30, "the slot freed")
+    assert checks.clients_check(sidecar.status(), set()) == []
