@@ -13,16 +13,19 @@ by itself) and keeps what it did for the JSON (:meth:`Hostile.report`).
   (its own namespace's journal, filled first) and never reads one.
 * :class:`LeaseHog` (``lease_hog``): takes the largest write lease the
   sidecar grants, never commits, and keeps its session alive with PINGs
-  until it vanishes at the fault's end (its lease expires into quarantine
-  meanwhile; its session times out afterwards).
+  until it vanishes at the fault's end; it stays at least until the sidecar
+  shows its lease expired into quarantine (so the fault always covers a
+  quarantined slot), and its session times out afterwards.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import threading
+import urllib.request
 from typing import Any
 
 import zmq
@@ -39,6 +42,7 @@ FD_FLOOD_LIVENESS = 200
 UNREAD_CHUNKS = 2048  # chunks of the reader's own namespace: its journal records
 UNREAD_REQUESTS = 1000  # EVENTS requests, each asking for up to MAX_EVENTS records (~250 KB)
 HOG_PING_S = 1.0  # well inside the soak's client_timeout_seconds
+HOG_EXPIRY_WAIT_S = 60.0  # at most this long past its fault's end for the expiry
 
 
 def _key(fingerprint: bytes, n: int) -> bytes:
@@ -172,6 +176,31 @@ class UnreadReader(Hostile):
 class LeaseHog(Hostile):
     """The largest write lease it is granted, held silently with its session alive."""
 
+    def __init__(self, endpoint: str, http_port: int) -> None:
+        super().__init__(endpoint, http_port)
+        self.quarantined = threading.Event()  # the sidecar shows its slot quarantined
+        # Quarantined, or nothing left to wait for (its session or thread is gone).
+        self._settled = threading.Event()
+
+    def stop(self) -> None:
+        """Vanish, once the sidecar has quarantined the expired lease (or has
+        lost it with the hog's session: a restarted sidecar knows neither)."""
+        if self._thread.is_alive():
+            self._settled.wait(HOG_EXPIRY_WAIT_S)
+        self.counts["quarantined_seen"] = self.quarantined.is_set()
+        super().stop()
+
+    def _guarded(self) -> None:
+        try:
+            super()._guarded()
+        finally:
+            self._settled.set()
+
+    def _quarantined_bytes(self) -> int:
+        url = f"http://127.0.0.1:{self.http_port}/status"
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return int(json.load(resp)["counters"].get("quarantined_bytes", 0))
+
     def run(self) -> None:
         fingerprint = b"\x03" * FINGERPRINT_BYTES
         peer = RawPeer(self.endpoint)
@@ -200,9 +229,23 @@ class LeaseHog(Hostile):
                     self.counts["granted_bytes"] = size
                     break
             rid = 100
+            if not self.counts["granted_bytes"]:
+                self._settled.set()  # nothing granted: nothing to see expire
             while not self.done.wait(HOG_PING_S):  # alive, and silent about its lease
                 rid += 1
-                peer.call(p.PING, {}, request_id=rid)
+                try:
+                    pong = peer.call(p.PING, {}, request_id=rid)
+                except zmq.Again:  # a stopped sidecar: ask again
+                    continue
+                if pong[2] and pong[3].get("session_valid") is False:
+                    self.counts["session_lost"] = True  # the sidecar restarted meanwhile
+                    self._settled.set()
+                    continue
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    granted = self.counts["granted_bytes"]
+                    if granted and self._quarantined_bytes() >= granted:
+                        self.quarantined.set()
+                        self._settled.set()
         finally:
             peer.close()  # it vanishes: its session times out, its slot is freed then
 

@@ -55,7 +55,7 @@ def test_the_lease_hog_pins_only_its_share_and_leaves_nothing_behind(
         assert sidecar.status()["leases_active"] == 0
     finally:
         hog.stop()
-    assert hog.error == ""
+    assert hog.error == "" and hog.report()["quarantined_seen"] is True
     # It vanished without a word: its session times out and its slot is freed.
     wait_until(lambda: checks.leases_check(sidecar.status()) == [], 30, "the slot freed")
     assert checks.clients_check(sidecar.status(), set()) == []
