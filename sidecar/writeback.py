@@ -198,23 +198,29 @@ class WriteBehind:
 
         def present() -> None:
             with self._lock:
+                # Set before L2's copy is removed: an L2 write of this entry
+                # that ends after this removal sees it and removes its own.
                 entry.yielded = True
                 if self._store.entries.get(entry.key) is entry:
                     self._store.remove(entry.key)  # freed at its last unpin
                 self._count("shared_already_held_total", 1)
-                if self._l2 is not None:
-                    self._l2.remove(entry.key)  # L2's lock inside ours, as everywhere
+            if self._l2 is not None:
+                self._l2.remove(entry.key)  # file I/O: never under the engine's lock
 
         return present
 
     def _done_callback(self, entry: Entry, shared: bool) -> Callable[[bool], None]:
         def done(ok: bool) -> None:
             superseded: tuple[ChunkKey, ...] = ()
+            if ok and not shared and entry.yielded and self._l2 is not None:
+                # Written after the shared tier's answer. Read without the lock:
+                # ``present`` sets the flag before it removes L2's copy, so either
+                # this sees it or that removal comes after this write. Before the
+                # pin goes, so a drained write-behind has no such copy left.
+                self._l2.remove(entry.key)
             with self._lock:
                 self.pinned -= entry.length
                 self._store.unpin(entry)
-                if ok and not shared and entry.yielded and self._l2 is not None:
-                    self._l2.remove(entry.key)  # written after the shared tier's answer
                 if ok and shared:
                     self.note_shared(entry.key)
                     superseded, entry.supersedes = entry.supersedes, ()
