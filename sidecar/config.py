@@ -311,7 +311,7 @@ class ServerConfig(_Section):
         le=1,
         description="the largest chunk a PREPARE_STORE may ask for, as a fraction of L1: "
         "bounds what the one chunk a session is always allowed can pin; a larger one is "
-        "refused as a bad request",
+        'refused as a bad request (kvstrata_errors_total{kind="bad_request"})',
     )
     client_timeout_seconds: float = Field(
         60.0, gt=0, description="a client silent this long has its leases reclaimed"

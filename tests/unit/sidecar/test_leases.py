@@ -35,3 +35,18 @@ def test_a_clients_leases_and_write_bytes_are_counted_from_its_owners():
     assert table.write_bytes("s1") == 0
     assert [lease.owner for lease in table.pop_client("s1")] == ["s1/req-b"]
     assert table.counts() == {"s2": 1, "engine": 1}
+
+
+def test_a_quarantined_write_lease_still_counts_against_its_client_until_its_writer_is_done():
+    table = LeaseTable()
+    entry = Entry(b"k" * 48, 0, 512, META)
+    slot = table.new(entry, "s1/req-a", write=True)
+    (expired,) = table.pop_older_than(float("inf"))
+    table.quarantine(expired)
+    assert len(table) == 0 and table.write_bytes("s1") == 0
+    assert table.held_bytes("s1") == 512 and table.quarantined_total == 512
+    assert table.quarantined_ids("s1") == [slot.lease_id]
+    assert table.unquarantine(slot.lease_id, client="s2") is None  # not another client's
+    assert table.unquarantine(slot.lease_id, client="s1") is expired
+    assert table.held_bytes("s1") == 0 and table.quarantined_total == 0
+    assert table.unquarantine(slot.lease_id) is None
