@@ -904,6 +904,9 @@ class Soak:
             lambda: checks.resources_check(measure(), baseline, self.bounds, self.shared),
         )
         found["events"] = checks.events_check([lst.seqs for lst in self.listeners])
+        found["exits"] = checks.exits_check(
+            list(self.supervisor.exits), self.injected["sidecar_kill"]
+        )
         record["resources"] = now
         record["leases_active"] = status.get("leases_active")
         self.sample_hits()

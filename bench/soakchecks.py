@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +76,21 @@ def leases_check(status: dict) -> list[str]:
     quarantined = status.get("counters", {}).get("quarantined_bytes", 0)
     if quarantined:
         problems.append(f"{quarantined} L1 bytes still quarantined for expired write leases")
+    return problems
+
+
+def exits_check(exits: list[int], kills: int) -> list[str]:
+    """The sidecar exited only when the schedule SIGKILLed it (``kills`` times):
+    an abort, a crash or an exit of its own under a fault fails the run even
+    when the supervisor's restart hid it from vLLM."""
+    problems = []
+    for code in exits:
+        if code != -signal.SIGKILL:
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"status {code}"
+            problems.append(f"the sidecar exited by itself ({how})")
+    killed = sum(code == -signal.SIGKILL for code in exits)
+    if killed > kills:
+        problems.append(f"the sidecar was SIGKILLed {killed} times; the schedule did it {kills}")
     return problems
 
 

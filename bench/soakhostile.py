@@ -41,6 +41,7 @@ FD_FLOOD_HTTP = 200
 FD_FLOOD_LIVENESS = 200
 UNREAD_CHUNKS = 2048  # chunks of the reader's own namespace: its journal records
 UNREAD_REQUESTS = 1000  # EVENTS requests, each asking for up to MAX_EVENTS records (~250 KB)
+UNREAD_WAIT_S = 60.0
 HOG_PING_S = 1.0  # well inside the soak's client_timeout_seconds
 HOG_EXPIRY_WAIT_S = 60.0  # at most this long past its fault's end for the expiry
 
@@ -132,6 +133,22 @@ class FdFlood(Hostile):
 class UnreadReader(Hostile):
     """Large EVENTS replies asked for and never read."""
 
+    def __init__(self, endpoint: str, http_port: int) -> None:
+        super().__init__(endpoint, http_port)
+        self._sent_all = threading.Event()  # every request sent, or the thread is gone
+
+    def stop(self) -> None:
+        """Vanish once every request is sent (at most a minute past the fault's
+        end: a quick soak's fault is over before the journal is filled)."""
+        self._sent_all.wait(UNREAD_WAIT_S)
+        super().stop()
+
+    def _guarded(self) -> None:
+        try:
+            super()._guarded()
+        finally:
+            self._sent_all.set()
+
     def run(self) -> None:
         fingerprint = b"\x02" * FINGERPRINT_BYTES
         peer = RawPeer(self.endpoint)
@@ -142,16 +159,18 @@ class UnreadReader(Hostile):
             peer.hello(fingerprint, client_id="soak-unread-reader", kv_events=True)
             self._fill_journal(peer, fingerprint)
             rid = 1000
-            while not self.done.is_set() and self.counts["sent"] < UNREAD_REQUESTS:
+            while self.counts["sent"] < UNREAD_REQUESTS:
                 rid += 1
                 body = {"after": 0, "limit": p.MAX_EVENTS}
                 frame = [p.PROTOCOL_VERSION, rid, p.EVENTS, peer.session_id, body]
                 try:
                     peer.sock.send(_pack(frame), zmq.NOBLOCK)
                     self.counts["sent"] += 1
-                except zmq.Again:
+                except zmq.Again:  # its own send queue is full: the sidecar stopped reading
                     self.counts["blocked"] += 1
-                    self.done.wait(0.05)
+                    if self.done.wait(0.05):
+                        break
+            self._sent_all.set()
             self.done.wait()
         finally:
             peer.close()

@@ -25,6 +25,10 @@ class Supervisor:
     def __init__(self, process: SidecarProcess, on_start: Callable[[], None] | None = None) -> None:
         self.process = process
         self.restarts = 0
+        # The exit status of every exit it did not ask for (a planned stop is
+        # held), oldest first: -N for signal N (subprocess's convention).
+        self.exits: list[int] = []
+        self._recorded: object = None  # the process whose exit is in ``exits`` already
         self.failed_starts = 0
         self._on_start = on_start
         self._held = threading.Event()
@@ -56,6 +60,9 @@ class Supervisor:
             if self._held.is_set() or proc is None or proc.poll() is None:
                 self._stop.wait(0.1)
                 continue
+            if proc is not self._recorded:
+                self._recorded = proc
+                self.exits.append(proc.returncode)
             self._stop.wait(BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)])
             if self._stop.is_set() or self._held.is_set():
                 continue

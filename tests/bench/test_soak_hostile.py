@@ -5,6 +5,7 @@ Ordered by the sidecar's own counters, not the clock."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,3 +60,16 @@ def test_the_lease_hog_pins_only_its_share_and_leaves_nothing_behind(
     # It vanished without a word: its session times out and its slot is freed.
     wait_until(lambda: checks.leases_check(sidecar.status()) == [], 30, "the slot freed")
     assert checks.clients_check(sidecar.status(), set()) == []
+
+
+def test_the_exits_check_fails_an_exit_the_schedule_did_not_cause() -> None:
+    kill, abort = -signal.SIGKILL, -signal.SIGABRT
+    assert checks.exits_check([], kills=0) == []
+    assert checks.exits_check([kill, kill], kills=2) == []
+    assert checks.exits_check([kill, abort], kills=1) == [
+        "the sidecar exited by itself (signal SIGABRT)"
+    ]
+    assert checks.exits_check([1], kills=0) == ["the sidecar exited by itself (status 1)"]
+    assert checks.exits_check([kill], kills=0) == [
+        "the sidecar was SIGKILLed 1 times; the schedule did it 0"
+    ]
