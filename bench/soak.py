@@ -372,6 +372,7 @@ class Soak:
         self.flood_stop: threading.Event | None = None
         self.hostiles: dict[str, Hostile] = {}  # kind -> the running hostile client
         self.hostile_reports: list[dict[str, Any]] = []
+        self.hostile_checked = 0  # reports already checked at a quiet point
         self.fillers: dict[str, Path] = {}
         self.t0 = time.monotonic()
         self.leak_peer: Any = None
@@ -904,6 +905,10 @@ class Soak:
             lambda: checks.resources_check(measure(), baseline, self.bounds, self.shared),
         )
         found["events"] = checks.events_check([lst.seqs for lst in self.listeners])
+        found["hostile"] = checks.hostile_check(
+            self.hostile_reports[self.hostile_checked :], self.bounds.allowed("rss_bytes", "")
+        )
+        self.hostile_checked = len(self.hostile_reports)
         found["exits"] = checks.exits_check(
             list(self.supervisor.exits), self.injected["sidecar_kill"]
         )

@@ -94,6 +94,24 @@ def exits_check(exits: list[int], kills: int) -> list[str]:
     return problems
 
 
+def hostile_check(reports: list[dict], rss_bound: int) -> list[str]:
+    """What the hostile clients (bench/soakhostile.py) got: a lease hog is never
+    granted the whole arena, and unread replies never grow the sidecar's
+    resident memory by more than ``rss_bound``."""
+    problems = []
+    for r in reports:
+        if r["kind"] == "lease_hog" and r.get("asked") and r["asked"][0]["granted"]:
+            problems.append(f"lease_hog: granted a write lease of the whole arena: {r['asked']}")
+        if r["kind"] == "unread_reader" and "rss_held" in r:
+            grew = r["rss_held"] - r["rss_before"]
+            if grew > rss_bound:
+                problems.append(
+                    f"unread_reader: the sidecar's RSS grew {grew >> 20} MiB with "
+                    f"{r['sent']} replies unread (bound {rss_bound >> 20} MiB)"
+                )
+    return problems
+
+
 def clients_check(status: dict, live_client_pids: set[int]) -> list[str]:
     """Every session the sidecar still holds belongs to a live client process."""
     stale = [c for c in status.get("clients", []) if c.get("pid") not in live_client_pids]

@@ -10,7 +10,9 @@ by itself) and keeps what it did for the JSON (:meth:`Hostile.report`).
   descriptors (the soak runs the sidecar under ``prlimit``): ZeroMQ, HTTP
   and liveness at once, held open until the fault ends.
 * :class:`UnreadReader` (``unread_reader``): asks for large EVENTS replies
-  (its own namespace's journal, filled first) and never reads one.
+  (its own namespace's journal, filled first) and never reads one; it
+  measures the sidecar's resident memory before and once the sidecar has
+  answered them all (its EVENTS count on /metrics), while they are unread.
 * :class:`LeaseHog` (``lease_hog``): takes the largest write lease the
   sidecar grants, never commits, and keeps its session alive with PINGs
   until it vanishes at the fault's end; it stays at least until the sidecar
@@ -23,13 +25,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import threading
+import time
 import urllib.request
 from typing import Any
 
 import zmq
 
+from kvstrata.bench.soakchecks import resources
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.endpoint import ipc_path
 from kvstrata.sidecar.keys import FINGERPRINT_BYTES
@@ -39,9 +44,12 @@ from kvstrata.testing.rawpeer import RawPeer
 FD_FLOOD_ZMQ = 1100  # more than a 1024-descriptor sidecar can hold
 FD_FLOOD_HTTP = 200
 FD_FLOOD_LIVENESS = 200
-UNREAD_CHUNKS = 2048  # chunks of the reader's own namespace: its journal records
-UNREAD_REQUESTS = 1000  # EVENTS requests, each asking for up to MAX_EVENTS records (~250 KB)
+UNREAD_CHUNKS = 4096  # chunks of the reader's own namespace: its journal records
+# EVENTS requests, each answered with up to MAX_EVENTS records (about 260 KB):
+# about 520 MB if the sidecar keeps every unread reply, beyond the soak's RSS bound.
+UNREAD_REQUESTS = 2000
 UNREAD_WAIT_S = 60.0
+EVENTS_ANSWERED = r'^kvstrata_operation_duration_seconds_count\{op="EVENTS"\} (\S+)$'
 HOG_PING_S = 1.0  # well inside the soak's client_timeout_seconds
 HOG_EXPIRY_WAIT_S = 60.0  # at most this long past its fault's end for the expiry
 
@@ -68,6 +76,14 @@ class Hostile:
     def stop(self) -> None:
         self.done.set()
         self._thread.join(timeout=30)
+
+    def _get(self, path: str) -> bytes:
+        url = f"http://127.0.0.1:{self.http_port}{path}"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return bytes(resp.read())
+
+    def _get_json(self, path: str) -> Any:
+        return json.loads(self._get(path))
 
     def report(self) -> dict[str, Any]:
         return {**self.counts, **({"error": self.error} if self.error else {})}
@@ -149,6 +165,12 @@ class UnreadReader(Hostile):
         finally:
             self._sent_all.set()
 
+    def _events_answered(self) -> float:
+        """EVENTS requests the sidecar answered (its per-op histogram's count)."""
+        text = self._get("/metrics").decode()
+        found = re.search(EVENTS_ANSWERED, text, re.M)
+        return float(found.group(1)) if found else 0.0
+
     def run(self) -> None:
         fingerprint = b"\x02" * FINGERPRINT_BYTES
         peer = RawPeer(self.endpoint)
@@ -158,6 +180,10 @@ class UnreadReader(Hostile):
         try:
             peer.hello(fingerprint, client_id="soak-unread-reader", kv_events=True)
             self._fill_journal(peer, fingerprint)
+            stats = peer.call(p.STATS, {}, request_id=999)
+            pid = int(stats[3]["stats"]["pid"])  # the sidecar's, as STATS tells it
+            self.counts["rss_before"] = resources(pid)["rss_bytes"]
+            answered = self._events_answered()
             rid = 1000
             while self.counts["sent"] < UNREAD_REQUESTS:
                 rid += 1
@@ -170,6 +196,13 @@ class UnreadReader(Hostile):
                     self.counts["blocked"] += 1
                     if self.done.wait(0.05):
                         break
+            # Every reply made (answered, not read): what the sidecar holds now.
+            deadline = time.monotonic() + UNREAD_WAIT_S
+            while self._events_answered() < answered + self.counts["sent"]:
+                if time.monotonic() > deadline or self.done.wait(0.1):
+                    break
+            else:
+                self.counts["rss_held"] = resources(pid)["rss_bytes"]
             self._sent_all.set()
             self.done.wait()
         finally:
@@ -216,9 +249,7 @@ class LeaseHog(Hostile):
             self._settled.set()
 
     def _quarantined_bytes(self) -> int:
-        url = f"http://127.0.0.1:{self.http_port}/status"
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return int(json.load(resp)["counters"].get("quarantined_bytes", 0))
+        return int(self._get_json("/status")["counters"].get("quarantined_bytes", 0))
 
     def run(self) -> None:
         fingerprint = b"\x03" * FINGERPRINT_BYTES

@@ -53,6 +53,7 @@ def test_the_lease_hog_pins_only_its_share_and_leaves_nothing_behind(
         report = hog.report()
         assert report["asked"][0] == {"bytes": L1_BYTES, "granted": False}, report
         assert report["granted_bytes"] == L1_BYTES // 4 == quarantined(sidecar)
+        assert checks.hostile_check([{"kind": "lease_hog", **report}], 0) == []
         assert sidecar.status()["leases_active"] == 0
     finally:
         hog.stop()
@@ -73,3 +74,16 @@ def test_the_exits_check_fails_an_exit_the_schedule_did_not_cause() -> None:
     assert checks.exits_check([kill], kills=0) == [
         "the sidecar was SIGKILLed 1 times; the schedule did it 0"
     ]
+
+
+def test_the_hostile_check_fails_a_hog_given_the_arena_and_unread_replies_held_in_memory() -> None:
+    hog = {"kind": "lease_hog", "asked": [{"bytes": L1_BYTES, "granted": True}]}
+    reader = {"kind": "unread_reader", "sent": 2000, "rss_before": 100 << 20}
+    bound = 256 << 20
+    assert checks.hostile_check([{**reader, "rss_held": 300 << 20}], bound) == []
+    problems = checks.hostile_check([hog, {**reader, "rss_held": 700 << 20}], bound)
+    assert len(problems) == 2
+    assert problems[0].startswith("lease_hog: granted a write lease of the whole arena")
+    assert problems[1] == (
+        "unread_reader: the sidecar's RSS grew 600 MiB with 2000 replies unread (bound 256 MiB)"
+    )
