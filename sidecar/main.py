@@ -40,6 +40,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--l2-path", help="directory of the L2 disk tier")
 
 
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """The config's problem as one line (None: it loads), before anything starts."""
+    from kvstrata.sidecar.config import ConfigError
+
+    try:
+        load(args)
+    except ConfigError as exc:
+        return one_line(str(exc))
+    return None
+
+
+def one_line(message: str) -> str:
+    """A loader's message (a heading, then one indented line per field) on one line."""
+    head, *fields = message.splitlines()
+    return f"{head} {'; '.join(f.strip() for f in fields)}" if fields else head
+
+
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if args.endpoint is not None:
