@@ -163,6 +163,13 @@ def _start(
         except ValueError as exc:
             raise _StartError(str(exc), 2) from exc
         stack.callback(shared.close)
+        if shared is not None:
+            from kvstrata.sidecar.tiers.reachability import ReachabilityWatch
+
+            # Asked on a thread of its own: an unreachable server delays nothing.
+            watch = ReachabilityWatch(shared, config.shared.breaker_reset_seconds)
+            watch.start()
+            stack.callback(watch.close)  # before shared.close (the stack unwinds newest first)
     try:
         engine = StorageManager(config, shared_tier=shared)
     except (OSError, ValueError) as exc:  # no room in /dev/shm, unwritable L2 path, ...
