@@ -52,7 +52,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("kvstrata_lookup_tokens_total", "counter", (), "tokens",
                "tokens asked for in lookups (the hit rate's denominator)"),
     MetricSpec("kvstrata_hit_tokens_total", "counter", ("tier",), "tokens",
-               "tokens found, by the tier holding them"),
+               "tokens found in whole chunks at lookup, by the tier holding them (a partial "
+               "chunk's blocks are not counted: vLLM's vllm:kvstrata_hit_tokens_total, which "
+               "counts the tokens it loads, includes them)"),
     MetricSpec("kvstrata_tier_lookup_tokens_total", "counter", ("tier",), "tokens",
                "tokens a lookup consulted a tier for (not in a faster tier, before the first "
                "chunk no tier holds): a tier's hit rate is its hit tokens over this"),
