@@ -79,3 +79,30 @@ def test_the_prometheusrule_is_rendered_only_when_asked_for_with_four_alerts():
 def test_helm_refuses_a_malformed_alert_window():
     with pytest.raises(helm.HelmError, match="schema"):
         render({"monitoring": {"prometheusRule": {"enabled": True, "window": "soon"}}})
+
+
+def operator_images(values: dict[str, Any]) -> dict[str, str]:
+    (deployment,) = [d for d in render(values) if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    images = {"operator": container["image"]}
+    for env in container["env"]:
+        if env["name"].endswith("_IMAGE"):
+            images[env["name"]] = env["value"]
+    return images
+
+
+def test_a_global_image_registry_replaces_every_images_registry_and_keeps_the_paths():
+    default = operator_images({})
+    mirrored = operator_images({"global": {"imageRegistry": "mirror.example.com:5000/ml"}})
+    assert default.keys() == mirrored.keys() and len(mirrored) == 5
+    assert mirrored["operator"] == "mirror.example.com:5000/ml/kvstrata/kvstrata-operator:0.1.0"
+    valkey = mirrored["KVSTRATA_OPERATOR_VALKEY_IMAGE"]
+    assert valkey.startswith("mirror.example.com:5000/ml/valkey/")
+    for name, image in mirrored.items():
+        host, path = default[name].split("/", 1)
+        assert image == f"mirror.example.com:5000/ml/{path}", (name, host)
+
+
+def test_an_image_repository_without_a_registry_is_prefixed_whole():
+    values = {"global": {"imageRegistry": "mirror.local"}, "image": {"repository": "team/op"}}
+    assert operator_images(values)["operator"] == "mirror.local/team/op:0.1.0"
