@@ -14,7 +14,7 @@ DEMO_APT_PACKAGES := redis-server
 MIN_PYTHON := 3.11
 
 .PHONY: help demo test test-fast bench bench-serve bench-soak lint format dev venv system-deps
-.PHONY: python-version clean docs
+.PHONY: python-version clean docs chart
 .PHONY: images push-images image-names image-deps image-test
 
 help:
@@ -27,6 +27,7 @@ help:
 	@echo "make lint   - ruff check + ruff format --check"
 	@echo "make dev    - re-install in place (after changing csrc/ or the entry points)"
 	@echo "make docs   - regenerate the reference pages (docs/, chart README) from the code"
+	@echo "make chart  - the Helm chart as dist/kvstrata-VERSION.tgz and an OCI layout (dist/kvstrata-oci)"
 	@echo "make images - the operator, sidecar and sidecar-cuda images (REGISTRY=, IMAGE_TAG=)"
 	@echo "make push-images - push them;  make image-test - build and run them here"
 
@@ -92,6 +93,11 @@ test: system-deps image-deps dev lint
 # kvcache.md, the chart's README and its copy of crds/kvcache.yaml.
 docs: dev
 	$(BIN)/python -m kvstrata.refdocs .
+
+# The chart packaged for a registry (see src/kvstrata/chartpackage.py):
+# helm push dist/kvstrata-$(VERSION).tgz oci://REGISTRY/charts
+chart: dev
+	$(BIN)/python -m kvstrata.chartpackage dist
 
 test-fast: dev
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
