@@ -420,8 +420,11 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
         if not name.startswith(ENV_PREFIX):
             continue
         path = [p.lower() for p in name[len(ENV_PREFIX) :].split(ENV_NESTING) if p]
-        if not path or path[0] not in SidecarConfig.model_fields:
-            continue  # KVSTRATA_CONFIG and friends are not schema fields
+        if not path or (len(path) == 1 and path[0] not in SidecarConfig.model_fields):
+            # KVSTRATA_CONFIG and friends are not schema fields; a nested name
+            # (SECTION__KEY) always is meant as one, so a misspelt section is
+            # refused by validation, with the key it was probably meant to be.
+            continue
         node = tree
         for part in path[:-1]:
             node = node.setdefault(part, {})

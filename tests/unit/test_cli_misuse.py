@@ -159,3 +159,8 @@ def test_no_command_line_ends_in_a_traceback(argv):
             return
         assert len(lines) == 1, (argv, err.getvalue())
         assert lines[0].startswith("kvstrata"), lines
+
+
+def test_a_misspelt_section_in_a_sidecar_environment_variable_is_refused_not_ignored():
+    done = kvstrata("sidecar", env={"KVSTRATA_SHARDE__BACKEND": "valkey"})
+    assert_one_line_refusal(done, "sharde", "did you mean shared?")
