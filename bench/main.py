@@ -23,6 +23,8 @@ BENCHMARKS: dict[str, str] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvstrata.cli import int_in_range
+
     parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for smoke runs")
@@ -33,13 +35,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="a benchmark's own setting (serve: model and workload sizes, see bench/serve.py)",
     )
-    parser.add_argument("--seed", type=int, help="soak: the schedule's seed (printed, in the JSON)")
-    parser.add_argument("--duration", type=int, help="soak: the run's length in requests")
+    parser.add_argument(
+        "--seed",
+        type=int_in_range(0, 2**32 - 1),
+        help="soak: the schedule's seed (printed, in the JSON)",
+    )
+    parser.add_argument(
+        "--duration", type=int_in_range(1, 10**8), help="soak: the run's length in requests"
+    )
     parser.add_argument(
         "--inject-defect",
         metavar="NAME",
         help="soak: inject a named defect a check must catch (see bench/soak.py DEFECTS)",
     )
+
+
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """A benchmark's own settings (``--param``, soak's ``--inject-defect``) checked
+    before it starts anything: the message of what is wrong, or None."""
+    module = importlib.import_module(f"kvstrata.bench.{args.name}")
+    if args.inject_defect is not None:
+        defects = getattr(module, "DEFECTS", ())
+        if args.inject_defect not in defects:
+            known = f"one of {', '.join(defects)}" if defects else f"bench {args.name} has none"
+            return f"--inject-defect {args.inject_defect!r}: {known}"
+    plan_from = getattr(module, "plan_from", None)
+    if plan_from is None:
+        if args.param:
+            return f"--param: bench {args.name} takes none"
+        return None
+    try:
+        plan_from(args)
+    except SystemExit as exc:  # the plan's own one-line refusal
+        return str(exc.code)
+    except (TypeError, ValueError) as exc:
+        return f"--param: {exc}"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -650,45 +650,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """Throughput and TTFT percentiles per regime, kvstrata vs vLLM alone, the ideal marked."""
-    import matplotlib
+    """``serve.png`` (see :mod:`kvstrata.bench.plots`, which also redraws it from the JSON)."""
+    from kvstrata.bench.plots import save, serve_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    regimes = list(result["regimes"])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.27
-    colors = {"vllm": "#999999", "ceiling": "#2ca02c", "kvstrata": "#1f77b4"}
-    for i, regime in enumerate(regimes):
-        r = result["regimes"][regime]
-        for j, system in enumerate(SYSTEMS):
-            t = r[system]["request_throughput"]
-            left.bar(i + (j - 1) * width, t["median"], width,
-                     yerr=[[t["median"] - t["min"]], [t["max"] - t["median"]]],
-                     color=colors[system], label=system if i == 0 else None)  # fmt: skip
-        if r.get("ideal"):
-            left.hlines(r["ideal"]["request_throughput"], i - 1.5 * width, i + 1.5 * width,
-                        colors="k", linestyles="dashed",
-                        label="ideal (modelled)" if i == 0 else None)  # fmt: skip
-    left.set_xticks(range(len(regimes)), regimes)
-    left.set_ylabel("requests / s (median, min-max)")
-    left.legend()
-    for j, system in enumerate(SYSTEMS):
-        for k, pct in enumerate(("p50", "p90", "p99")):
-            values = [result["regimes"][g][system][f"ttft_{pct}_s"]["median"] for g in regimes]
-            right.plot(range(len(regimes)), values, marker="os^"[k],
-                       linestyle=("--", ":", "-")[j], color=colors[system],
-                       label=f"{system} {pct}")  # fmt: skip
-    right.set_xticks(range(len(regimes)), regimes)
-    right.set_yscale("log")
-    right.set_ylabel("TTFT s")
-    right.legend(fontsize=7)
-    machine = result.get("machine", {}).get("summary", "machine not recorded")
-    fig.suptitle(f"kvstrata bench serve: same CPU binding for every server ({machine})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(serve_figure(result), path)
 
 
 def format_table(result: dict[str, Any]) -> str:

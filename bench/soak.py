@@ -1187,7 +1187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # 30-minute run are megabytes (``--out`` writes the whole of it).
         summary = {k: v for k, v in out.items() if k not in PER_REQUEST_RECORDS}
         (RESULTS_DIR / "soak.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-        plot(out, RESULTS_DIR / "soak.png")
+        plot(summary, RESULTS_DIR / "soak.png")
     return out
 
 
@@ -1195,42 +1195,11 @@ PER_REQUEST_RECORDS = ("timeline", "outputs", "kv_event_seqs", "hit_samples")
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """Hit tokens and TTFT over time, faults marked."""
-    import matplotlib
+    """``soak.png`` from the summary (see :mod:`kvstrata.bench.plots`, which also
+    redraws it from the committed JSON)."""
+    from kvstrata.bench.plots import save, soak_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 6), sharex=True)
-    tl = result["timeline"]
-    bottom.scatter(
-        [r["t"] for r in tl],
-        [r["ttft_s"] for r in tl],
-        s=4,
-        c=["#999999" if r["fault_free"] else "#1f77b4" for r in tl],
-    )
-    bottom.set_yscale("log")
-    bottom.set_ylabel("TTFT s")
-    bottom.set_xlabel("seconds since start")
-    samples = result["hit_samples"]
-    times, rates = [], []
-    for a, b in zip(samples, samples[5:], strict=False):  # over 5 s windows
-        if b["prompt_tokens"] > a["prompt_tokens"]:
-            times.append(b["t"])
-            rates.append(
-                (b["hit_tokens"] - a["hit_tokens"]) / (b["prompt_tokens"] - a["prompt_tokens"])
-            )
-    top.plot(times, rates)
-    for p in result["quiet_points"]:
-        top.axvline(p["t"], color="k", linestyle=":", linewidth=0.8)
-    top.set_ylabel("kvstrata hit rate (5 s windows)")
-    for mark in result["fault_marks"]:
-        for ax in (top, bottom):
-            ax.axvline(mark["t"], color="#d62728", alpha=0.25, linewidth=0.8)
-    top.set_title(f"kvstrata bench soak, seed {result['seed']}: faults marked in red")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(soak_figure(result), path)
 
 
 def format_table(result: dict[str, Any]) -> str:

@@ -50,7 +50,15 @@ COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("load_seconds", "kvstrata_load_seconds", "seconds the workers spent loading KV"),
     ("save_seconds", "kvstrata_save_seconds", "seconds the workers spent saving KV"),
 )  # fmt: skip
-HIT_TOKENS = ("hit_tokens", "kvstrata_hit_tokens", "tokens kvstrata hit, by the tier holding them")
+HIT_TOKENS = (
+    "hit_tokens",
+    "kvstrata_hit_tokens",
+    "tokens loaded from kvstrata, by the tier holding them: whole chunks and the blocks of a "
+    "partial chunk (the sidecar's kvstrata_hit_tokens_total counts whole chunks only)",
+)
+# Tiers every sidecar has: their hit series are served from the start, at 0,
+# so a hit rate reads 0 before the first hit (a shared tier's appear with its first).
+STANDING_TIERS = ("l1", "l2")
 
 
 @dataclass
@@ -132,6 +140,8 @@ class KVStrataPromMetrics(KVConnectorPromMetrics):
         for labelvalues in per_engine_labelvalues.values():
             for counter in self._counters.values():
                 counter.labels(*labelvalues)
+            for tier in STANDING_TIERS:
+                self._hits.labels(*labelvalues, tier)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labelvalues = self.per_engine_labelvalues[engine_idx]

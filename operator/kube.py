@@ -107,9 +107,16 @@ def client_configuration(service_account_dir: Path | None = None) -> Configurati
     configuration = client.Configuration()
     existing = [str(p) for p in kubeconfig_paths() if p.is_file()]
     if existing:
-        config.load_kube_config(
-            config_file=os.pathsep.join(existing), client_configuration=configuration
-        )
+        try:
+            config.load_kube_config(
+                config_file=os.pathsep.join(existing), client_configuration=configuration
+            )
+        except config.ConfigException:
+            raise
+        except Exception as exc:  # malformed YAML or a wrong shape: the client raises anything
+            raise config.ConfigException(
+                f"kubeconfig {', '.join(existing)} is unusable: {_one_line(exc)}"
+            ) from None
         _strip_token(configuration)
         return configuration
     directory = service_account_dir or SERVICE_ACCOUNT_DIR
@@ -124,6 +131,11 @@ def client_configuration(service_account_dir: Path | None = None) -> Configurati
             f"and not in a pod with a service account ({exc})"
         ) from None
     return configuration
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line (a YAML parser's message spans several)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _strip_token(configuration: Configuration) -> None:

@@ -17,6 +17,8 @@ def _env(name: str, default: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvstrata.cli import port
+
     parser.add_argument(
         "--namespace",
         default=_env("NAMESPACE", os.environ.get("POD_NAMESPACE", "kvstrata-system")),
@@ -30,8 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--webhook-port",
-        type=int,
-        default=int(_env("WEBHOOK_PORT", "9443")),
+        type=port,
+        default=_env("WEBHOOK_PORT", "9443"),  # argparse applies ``type`` to a string default
         help="HTTPS port of the admission webhook; 0 disables the webhook",
     )
     parser.add_argument("--webhook-service", default=_env("WEBHOOK_SERVICE", "kvstrata-webhook"))
@@ -57,8 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--metrics-port",
-        type=int,
-        default=int(_env("METRICS_PORT", "9465")),
+        type=port,
+        default=_env("METRICS_PORT", "9465"),
         help="port of the operator's Prometheus /metrics; 0 disables it",
     )
     parser.add_argument("--verbose", action="store_true", help="debug logging")
@@ -76,10 +78,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         cluster = KubeCluster()
     except ConfigException as exc:
-        print(
-            f"kvstrata operator: no Kubernetes configuration (in-cluster or KUBECONFIG): {exc}",
-            file=sys.stderr,
-        )
+        message = str(exc)
+        if not message.startswith("kubeconfig "):  # neither a kubeconfig nor a pod
+            message = f"no Kubernetes configuration (in-cluster or KUBECONFIG): {message}"
+        print(f"kvstrata operator: {message}", file=sys.stderr)
         return 2
     registry = kopf.OperatorRegistry()
     handlers.register(registry, webhook=args.webhook_port > 0)

@@ -254,6 +254,10 @@ def render_valkey_statefulset(kvcache: KVCacheLike) -> dict[str, Any]:
     }
 
 
+# Prometheus's name for the pod label kvstrata.io/cache (the KVCache's name).
+KVCACHE_SOURCE_LABEL = "__meta_kubernetes_pod_label_kvstrata_io_cache"
+
+
 def render_metrics_objects(kvcache: KVCacheLike) -> list[dict[str, Any]]:
     """A headless Service over the injected pods' metrics port, and its ServiceMonitor.
 
@@ -276,7 +280,13 @@ def render_metrics_objects(kvcache: KVCacheLike) -> list[dict[str, Any]]:
     }
     meta = _metadata(kvcache, name, "metrics")
     meta["labels"].update(monitor.labels or {})
-    endpoint = {"port": "metrics", "path": "/metrics", "interval": monitor.interval}
+    endpoint = {
+        "port": "metrics",
+        "path": "/metrics",
+        "interval": monitor.interval,
+        # The series carry the KVCache's name, as with the chart's ServiceMonitor.
+        "relabelings": [{"sourceLabels": [KVCACHE_SOURCE_LABEL], "targetLabel": "kvcache"}],
+    }
     service_monitor = {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",

@@ -22,6 +22,7 @@ Sizes accept integers (bytes) or Kubernetes quantities (``512Mi``, ``4Gi``,
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import tempfile
@@ -391,8 +392,36 @@ def _format_errors(exc: ValidationError, source: str) -> str:
     lines = [f"invalid sidecar config ({source}):"]
     for err in exc.errors():
         field = ".".join(str(p) for p in err["loc"]) or "(root)"
-        lines.append(f"  {field}: {err['msg']} (got {err.get('input')!r})")
+        lines.append(f"  {field}: {_error_text(err)}")
     return "\n".join(lines)
+
+
+def _error_text(err: Any) -> str:
+    """One validation error as a user reads it: the value shown once, and the
+    known key nearest to a misspelt one."""
+    if err["type"] == "extra_forbidden":
+        known = _known_keys(err["loc"][:-1])
+        close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1, cutoff=0.6)
+        if close:
+            parent = "".join(f"{p}." for p in err["loc"][:-1])
+            return f"unknown key (did you mean {parent}{close[0]}?)"
+        return "unknown key (known: " + ", ".join(known) + ")" if known else "unknown key"
+    message = str(err["msg"]).removeprefix("Value error, ")
+    if "got " in message:  # the validator quoted the value already
+        return message
+    return f"{message} (got {err.get('input')!r})"
+
+
+def _known_keys(loc: tuple[int | str, ...]) -> list[str]:
+    """The field names of the section at ``loc`` (empty when it is no section)."""
+    model: type[BaseModel] = SidecarConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        annotation = field.annotation if field is not None else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
 
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
@@ -401,8 +430,11 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
         if not name.startswith(ENV_PREFIX):
             continue
         path = [p.lower() for p in name[len(ENV_PREFIX) :].split(ENV_NESTING) if p]
-        if not path or path[0] not in SidecarConfig.model_fields:
-            continue  # KVSTRATA_CONFIG and friends are not schema fields
+        if not path or (len(path) == 1 and path[0] not in SidecarConfig.model_fields):
+            # KVSTRATA_CONFIG and friends are not schema fields; a nested name
+            # (SECTION__KEY) always is meant as one, so a misspelt section is
+            # refused by validation, with the key it was probably meant to be.
+            continue
         node = tree
         for part in path[:-1]:
             node = node.setdefault(part, {})

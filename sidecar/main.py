@@ -40,6 +40,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--l2-path", help="directory of the L2 disk tier")
 
 
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """The config's problem as one line (None: it loads), before anything starts."""
+    from kvstrata.sidecar.config import ConfigError
+
+    try:
+        load(args)
+    except ConfigError as exc:
+        return one_line(str(exc))
+    return None
+
+
+def one_line(message: str) -> str:
+    """A loader's message (a heading, then one indented line per field) on one line."""
+    head, *fields = message.splitlines()
+    return f"{head} {'; '.join(f.strip() for f in fields)}" if fields else head
+
+
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if args.endpoint is not None:
@@ -146,6 +163,13 @@ def _start(
         except ValueError as exc:
             raise _StartError(str(exc), 2) from exc
         stack.callback(shared.close)
+        if shared is not None:
+            from kvstrata.sidecar.tiers.reachability import ReachabilityWatch
+
+            # Asked on a thread of its own: an unreachable server delays nothing.
+            watch = ReachabilityWatch(shared, config.shared.breaker_reset_seconds)
+            watch.start()
+            stack.callback(watch.close)  # before shared.close (the stack unwinds newest first)
     try:
         engine = StorageManager(config, shared_tier=shared)
     except (OSError, ValueError) as exc:  # no room in /dev/shm, unwritable L2 path, ...

@@ -15,11 +15,12 @@ table in the module-level ``METRICS`` list.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -52,7 +53,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("kvstrata_lookup_tokens_total", "counter", (), "tokens",
                "tokens asked for in lookups (the hit rate's denominator)"),
     MetricSpec("kvstrata_hit_tokens_total", "counter", ("tier",), "tokens",
-               "tokens found, by the tier holding them"),
+               "tokens found in whole chunks at lookup, by the tier holding them (a partial "
+               "chunk's blocks are not counted: vLLM's vllm:kvstrata_hit_tokens_total, which "
+               "counts the tokens it loads, includes them)"),
     MetricSpec("kvstrata_tier_lookup_tokens_total", "counter", ("tier",), "tokens",
                "tokens a lookup consulted a tier for (not in a faster tier, before the first "
                "chunk no tier holds): a tier's hit rate is its hit tokens over this"),
@@ -61,6 +64,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("kvstrata_errors_total", "counter", ("kind",), "requests",
                "request errors by kind (protocol error codes, recv, send, stats)"),
     MetricSpec("kvstrata_clients", "gauge", (), "sessions", "connected client sessions"),
+    MetricSpec("kvstrata_start_time_seconds", "gauge", (), "seconds",
+               "when this sidecar process started, Unix time (changes at each restart: "
+               "the restart-loop alert counts its changes)"),
     MetricSpec("kvstrata_stored_bytes_total", "counter", ("tier",), "bytes",
                "bytes written into a tier"),
     MetricSpec("kvstrata_retrieved_bytes_total", "counter", ("tier",), "bytes",
@@ -228,6 +234,9 @@ class ServerMetrics:
         # Pre-create the common error kinds so dashboards see zeros, not gaps.
         for kind in ("bad_frame", "bad_request", "no_session", "forbidden", "internal"):
             self.errors.labels(kind=kind)
+        spec = SPECS["kvstrata_start_time_seconds"]
+        self.start_time = Gauge(spec.name, spec.help, registry=r)
+        self.start_time.set(time.time())
 
     def expect_tiers(self, tiers: Iterable[str]) -> None:
         """Zero hit counters for every tier the engine has, so a hit rate reads 0

@@ -79,6 +79,8 @@ class TierStats:
     dropped_total: int = 0
     deduplicated_total: int = 0
     degraded: bool = False
+    # Why the tier is degraded, for /status ("" while it is not).
+    degraded_reason: str = ""
     errors_total: dict[str, int] = field(default_factory=dict)
     # A shared tier's circuit breaker ("" for tiers without one).
     breaker_state: str = ""  # closed | open | half_open
@@ -169,6 +171,13 @@ class Tier(abc.ABC):
     ) -> list[bool]:
         """``put`` for a batch of (key, payload, meta); remote tiers pipeline it."""
         return [self.put(key, payload, meta) for key, payload, meta in items]
+
+    def probe(self) -> str | None:
+        """One round trip to the tier's backend: None when it answers, else why
+        not (the tier then counts itself degraded until a call succeeds). Asked
+        at start and, while it fails, again in the background by
+        :mod:`kvstrata.sidecar.tiers.reachability`; local tiers have nothing to ask."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections, threads and files."""

@@ -107,6 +107,13 @@ class CircuitBreaker:
             elif self._state == "closed" and self._consecutive >= self.failures:
                 self._open()
 
+    def trip(self) -> None:
+        """Open now, whatever the count: a failed reachability probe says the
+        remote is down before any call has had to time out against it."""
+        with self._lock:
+            if self._state != "open":
+                self._open()
+
     def _open(self) -> None:
         self._state = "open"
         self._opened_at = self._clock()

@@ -76,7 +76,8 @@ class RemoteTier(Tier):
         self._lookup_timeout = min(config.lookup_timeout_seconds, timeout_seconds)
         self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_seconds)
         self._stats = TierStats(tier=self.name)
-        self._lock = threading.Lock()  # guards _stats
+        self._lock = threading.Lock()  # guards _stats and _probe_failure
+        self._probe_failure = ""  # what the last failed probe said; "" after a success
 
     # -- backend hooks ----------------------------------------------------
 
@@ -109,6 +110,10 @@ class RemoteTier(Tier):
         Send each object's bytes through its :class:`StreamedObject`
         (``pieces`` or ``read_at``), which hashes the payload as it goes out.
         """
+
+    @abc.abstractmethod
+    def _ping(self) -> None:
+        """One cheap round trip (Valkey PING, S3 HEAD of the bucket); raises on failure."""
 
     @abc.abstractmethod
     def _delete(self, name: str) -> None:
@@ -220,7 +225,28 @@ class RemoteTier(Tier):
         snap.breaker_state = self._breaker.state
         snap.breaker_opened_total = self._breaker.opened_total
         snap.degraded = snap.breaker_state != "closed"
+        if snap.degraded:
+            with self._lock:
+                probe_failure = self._probe_failure
+            snap.degraded_reason = probe_failure or (
+                f"circuit breaker {snap.breaker_state} after failed calls"
+            )
         return snap
+
+    def probe(self) -> str | None:
+        """See :meth:`Tier.probe`: a failure opens the breaker at once."""
+        try:
+            self._ping()
+        except Exception as exc:  # whatever the client raises, the answer is "not reachable"
+            why = " ".join(str(exc).split()) or type(exc).__name__
+            with self._lock:
+                self._probe_failure = f"unreachable: {why}"
+            self._breaker.trip()
+            return why
+        with self._lock:
+            self._probe_failure = ""
+        self._breaker.record_success()
+        return None
 
     # -- helpers ----------------------------------------------------------
 

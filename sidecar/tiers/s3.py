@@ -267,6 +267,9 @@ class S3Tier(RemoteTier):
     def _name(self, key: ChunkKey) -> str:
         return self._config.prefix + key_hex(key)
 
+    def _ping(self) -> None:
+        self._call("head_bucket", lambda: self._client.head_bucket(Bucket=self._config.bucket))
+
     def _run_many(self, op: str, fns: Sequence[Callable[[], T]]) -> list[T | BaseException]:
         """Run each ``fn`` on the pool; wait for all at most ``timeout_seconds``.
 

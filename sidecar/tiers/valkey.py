@@ -313,6 +313,9 @@ class ValkeyTier(RemoteTier):
     def _name(self, key: ChunkKey) -> str:
         return self._prefix + key_hex(key)
 
+    def _ping(self) -> None:
+        self._client("io").ping()
+
     # -- RemoteTier hooks ---------------------------------------------------
 
     def _exists(self, keys: Sequence[ChunkKey]) -> list[bool]:

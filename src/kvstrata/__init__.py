@@ -11,7 +11,8 @@ repository root are mapped into this package by ``pyproject.toml``):
 * :mod:`kvstrata.refdocs`   the reference pages ``make docs`` generates
 
 and modules :mod:`.cli` (the ``kvstrata`` command), :mod:`.demo`
-(``kvstrata demo``) and :mod:`.metricsdoc` (``docs/metrics.md``).
+(``kvstrata demo``), :mod:`.demo_table` (what the demo measured and prints),
+:mod:`.metricsdoc` (``docs/metrics.md``) and :mod:`.chartpackage` (``make chart``).
 """
 
 __version__ = "0.1.0"

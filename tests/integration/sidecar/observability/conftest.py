@@ -38,6 +38,8 @@ class Target:
     address: str
     namespace: str
     pod: str
+    # More labels a ServiceMonitor's relabelings add (the sidecars' kvcache).
+    extra: tuple[tuple[str, str], ...] = ()
 
 
 def _free_port() -> int:
@@ -75,7 +77,7 @@ class Prometheus:
     def _config(targets: list[Target]) -> dict[str, Any]:
         jobs: dict[str, list[dict[str, Any]]] = {}
         for t in targets:
-            labels = {"namespace": t.namespace, "pod": t.pod}
+            labels = {"namespace": t.namespace, "pod": t.pod, **dict(t.extra)}
             jobs.setdefault(t.job, []).append({"targets": [t.address], "labels": labels})
         return {
             "global": {
@@ -157,9 +159,18 @@ class Prometheus:
 def prometheus_factory(tmp_path: Path) -> Iterator[Any]:
     started: list[Prometheus] = []
 
-    def start(jobs: dict[str, str], namespace: str, pod: str) -> Prometheus:
-        """Prometheus scraping ``{job: "host:port"}``, each labelled with ``namespace``/``pod``."""
-        targets = [Target(job, address, namespace, pod) for job, address in jobs.items()]
+    def start(
+        jobs: dict[str, str],
+        namespace: str,
+        pod: str,
+        extra: dict[str, dict[str, str]] | None = None,
+    ) -> Prometheus:
+        """Prometheus scraping ``{job: "host:port"}``, each labelled with ``namespace``/``pod``
+        and the job's labels in ``extra``."""
+        targets = [
+            Target(job, address, namespace, pod, tuple(sorted((extra or {}).get(job, {}).items())))
+            for job, address in jobs.items()
+        ]
         prom = Prometheus(tmp_path / f"prometheus-{len(started)}", targets)
         started.append(prom)
         prom.wait_ready(jobs=len(targets))

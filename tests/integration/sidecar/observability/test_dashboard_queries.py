@@ -29,7 +29,7 @@ import pytest
 from kvstrata.testing.poll import wait_until
 
 DASHBOARD = Path(__file__).parents[4] / "charts" / "kvstrata" / "dashboards" / "kvstrata.json"
-NAMESPACE, POD = "team-a", "vllm-0"
+NAMESPACE, POD, KVCACHE = "team-a", "vllm-0", "quickstart"
 SCRAPE_S = 1.0
 RATE_INTERVAL = "4s"  # Grafana's $__rate_interval for a 1 s scrape: 4 x scrape interval
 CHUNK_BYTES = 256 << 10
@@ -53,6 +53,7 @@ def substitute(expr: str) -> str:
     return (
         expr.replace("$__rate_interval", RATE_INTERVAL)
         .replace("$namespace", NAMESPACE)
+        .replace("$kvcache", KVCACHE)
         .replace("$pod", POD)
     )
 
@@ -141,7 +142,9 @@ def observed(sidecar_factory: Any, kit: Any, tmp_path: Path, prometheus_factory:
                 "kvstrata-sidecar": f"127.0.0.1:{sidecar.http_port}",
                 "kvstrata-operator": f"127.0.0.1:{operator_port}",
             }
-            prom = prometheus_factory(jobs, namespace=NAMESPACE, pod=POD)
+            # The chart's ServiceMonitor gives the sidecars' series the kvcache label.
+            extra = {"kvstrata-sidecar": {"kvcache": KVCACHE}}
+            prom = prometheus_factory(jobs, namespace=NAMESPACE, pod=POD, extra=extra)
             yield Workload(sidecar, kit, valkey), prom
 
 
@@ -166,9 +169,9 @@ def operator_activity() -> Iterator[int]:
             metrics.record_reconcile("ready" if ticks % 3 else "progressing", 0.01 * (ticks % 5))
             metrics.record_admission("injected" if ticks % 4 else "skipped", "kvcache_not_found",
                                      0.002)  # fmt: skip
-            metrics.set_valkey_ready("ml", "demo", ticks > 10)
+            metrics.set_valkey_ready(NAMESPACE, KVCACHE, ticks > 10)
             swept = ticks % 2
-            metrics.record_sweep("ml", "demo", Sweep(10 + ticks, 4096, swept, 128 * swept))
+            metrics.record_sweep(NAMESPACE, KVCACHE, Sweep(10 + ticks, 4096, swept, 128 * swept))
 
     thread = threading.Thread(target=record, daemon=True)
     thread.start()
@@ -270,6 +273,9 @@ def test_every_dashboard_query_returns_plausible_data(observed: Any) -> None:
     cold_rate = float(prom.query(hit_rate, at=cold_end)[0]["value"][1])
     warm_rate = float(prom.query(hit_rate, at=warm_end)[0]["value"][1])
     assert cold_rate < 0.05 < 0.9 < warm_rate, (cold_rate, warm_rate)
+    # The KVCache filter selects: another KVCache's name leaves the panel empty.
+    other = hit_rate.replace(f'kvcache=~"{KVCACHE}"', 'kvcache=~"another"')
+    assert other != hit_rate and prom.query(other, at=warm_end) == []
 
     used, capacity = (substitute(t["expr"]) for t in panel_targets(panels, "Tier bytes used"))
     held = {s["metric"]["tier"]: float(s["value"][1]) for s in prom.query(used, at=end)}
