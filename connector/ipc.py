@@ -46,13 +46,18 @@ def device_uuid(device: torch.device) -> str:
 # returns the string ``c10::cuda::CUDACachingAllocator::shareIpcHandle()`` builds
 # (declared in the venv's torch/include/c10/cuda/CUDACachingAllocator.h,
 # ``ShareableHandle{offset, handle}``): one format-version byte
-# (SHAREABLE_HANDLE_VERSION: 1 when the format appeared, 2 in torch 2.13), one
-# type byte, then the payload. Type 'c' is a plain cudaMalloc segment and its
-# payload is the 64-byte cudaIpcMemHandle_t; type 'e' is an expandable segment
+# (SHAREABLE_HANDLE_VERSION in CUDACachingAllocator.cpp), one type byte, then
+# the payload. The version was 1 when the format appeared and 2 through torch
+# 2.12; torch 2.13's CUDA build writes 3 (its libc10_cuda.so stores 3 before the
+# type byte, and its getIpcDevPtr refuses only versions above 3) with the same
+# 'c' payload as 2. The CPU wheel ships no libc10_cuda, so the byte is not
+# readable here: versions above the last known one are refused, naming it.
+# Type 'c' is a plain cudaMalloc segment and its payload is the 64-byte
+# cudaIpcMemHandle_t; type 'e' is an expandable segment
 # (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), whose payload is a cuMem
 # shareable handle that cudaIpcOpenMemHandle cannot open. Torch releases before
 # the format returned the bare 64-byte handle.
-SHAREABLE_HANDLE_VERSIONS = (1, 2)
+SHAREABLE_HANDLE_VERSIONS = (1, 2, 3)
 SHAREABLE_CUDA_MALLOC = ord("c")
 SHAREABLE_CUDA_EXPANDABLE_SEGMENT = ord("e")
 

@@ -11,6 +11,7 @@ expandable segment), then the 64-byte ``cudaIpcMemHandle_t`` for ``'c'``.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,11 +23,17 @@ from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.keys import Namespace
 
 MEM_HANDLE = bytes(range(64))  # stands for a cudaIpcMemHandle_t
-TORCH_HANDLE_VERSION = 2  # SHAREABLE_HANDLE_VERSION in torch 2.13's allocator
+# SHAREABLE_HANDLE_VERSION as torch 2.13's CUDA build writes it (its
+# libc10_cuda.so; the CPU wheel here has no CUDA allocator to read it from).
+TORCH_HANDLE_VERSION = 3
 
 
-def torch_storage_handle(kind: bytes, payload: bytes = MEM_HANDLE) -> bytes:
-    return bytes([TORCH_HANDLE_VERSION]) + kind + payload
+def torch_storage_handle(
+    kind: bytes, payload: bytes = MEM_HANDLE, version: int = TORCH_HANDLE_VERSION
+) -> bytes:
+    """A storage handle as ``CUDACachingAllocator::shareIpcHandle`` writes it:
+    the version byte, the type byte, the payload."""
+    return bytes([version]) + kind + payload
 
 
 class StorageDouble:
@@ -98,6 +105,25 @@ def test_the_cudamalloc_handle_torch_exports_registers_its_64_byte_ipc_handle() 
     assert wire.layers[2].offset == 512 + 2 * layer_bytes
 
 
+def test_the_venv_runs_the_torch_whose_handle_format_the_fixture_encodes() -> None:
+    # The fixture's version byte is torch 2.13's; a torch upgrade must revisit it.
+    assert torch.__version__.startswith("2.13.")
+    # The handle is an opaque string beside the offset (ShareableHandle in the
+    # installed headers): nothing else the connector reads is in that struct.
+    header = Path(torch.__file__).parent / "include/c10/cuda/CUDACachingAllocator.h"
+    text = " ".join(header.read_text().split())
+    assert "struct ShareableHandle { ptrdiff_t offset; std::string handle; };" in text
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_a_cudamalloc_handle_of_every_torch_since_the_versioned_format_is_read(
+    version: int,
+) -> None:
+    # 1: the format's first release, 2: through torch 2.12, 3: torch 2.13.
+    raw = torch_storage_handle(b"c", version=version)
+    assert ipc.cuda_memory_handle(raw) == MEM_HANDLE
+
+
 def test_a_bare_64_byte_handle_of_older_torch_is_still_read() -> None:
     body = register(layers_over(StorageDouble(MEM_HANDLE, 3 * 8192, 0), 1))
     assert body.layers[0].handle == MEM_HANDLE
@@ -118,10 +144,11 @@ def test_an_expandable_segment_is_refused_naming_the_allocator_setting() -> None
 @pytest.mark.parametrize(
     ("raw", "reason"),
     [
-        (bytes([9]) + b"c" + MEM_HANDLE, "format version 9"),
+        (bytes([4]) + b"c" + MEM_HANDLE, "format version 4"),
         (bytes([TORCH_HANDLE_VERSION]) + b"x" + MEM_HANDLE, "unknown type byte"),
         (bytes([TORCH_HANDLE_VERSION]) + b"c" + MEM_HANDLE[:60], "60 bytes"),
     ],
+    ids=["future-version", "unknown-type", "short-payload"],
 )
 def test_a_handle_of_another_form_is_refused_with_the_reason(raw: bytes, reason: str) -> None:
     with pytest.raises(ipc.IpcExportError, match=reason):
