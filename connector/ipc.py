@@ -188,7 +188,14 @@ def load_requests(
     chunks = [c for i in asked for c in fulls[i]]
     event = None
     if after_event is None and torch.cuda.is_available():
-        event, after_event = compute_done_event()  # kept alive until the reply
+        try:
+            event, after_event = compute_done_event()  # kept alive until the reply
+        except Exception:
+            # A CUDA error (a sticky fault, no event left): without the event the
+            # sidecar could fill blocks the previous step still uses, so nothing
+            # loads; the caller reports every chunk and vLLM recomputes them.
+            logger.exception("kvstrata: cannot order the load after vLLM's work; not loaded")
+            return out
     loaded = client.ipc.load_block_runs(
         [key(c) for c in chunks],
         [load_block_ids(c) for c in chunks],
