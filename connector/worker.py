@@ -133,6 +133,8 @@ class KVStrataWorker:
         # via get_finished.
         self.reports = LoadReports(whole_requests=len(settings.groups) > 1)
         self._background: AsyncLoads | None = None
+        # The IPC references our KV exports took (ipc mode), given back at close.
+        self._ipc_references = ipc.IpcReferences()
 
     def _new_client(self, call_timeout_s: float, populate: str = "background") -> SidecarClient:
         s = self.settings
@@ -213,6 +215,7 @@ class KVStrataWorker:
         try:
             body = ipc.kv_registration(
                 layout.layers,
+                references=self._ipc_references,
                 kv_cache_layout=self.settings.kv_cache_layout,
                 block_dim=layout.block_dim,
                 blocks_per_chunk=layout.blocks_per_chunk,
@@ -409,6 +412,8 @@ class KVStrataWorker:
             self._finish_loads()
         self.transfer.close()
         self.client.close()
+        # Our sessions have ended, and the sidecar's mappings with them.
+        self._ipc_references.release()
 
 
 def _caches_by_group(

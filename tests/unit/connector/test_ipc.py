@@ -49,8 +49,11 @@ class StorageDouble:
     def _share_cuda_(self) -> tuple[Any, ...]:
         self.exports += 1
         # (device, handle, size_bytes, offset_bytes, ref_counter_handle,
-        #  ref_counter_offset, event_handle, event_sync_required)
-        return (0, self.handle, self.nbytes, self.offset, b"ref", 0, b"\0" * 64, False)
+        #  ref_counter_offset, event_handle, event_sync_required); the counter
+        # file is a shared-memory name, one int64 slot per export.
+        counter_file = f"/torch_4242_{id(self)}".encode()
+        return (0, self.handle, self.nbytes, self.offset, counter_file, self.exports - 1,
+                b"\0" * 64, False)  # fmt: skip
 
 
 class TensorDouble:
@@ -83,8 +86,69 @@ def no_cuda_properties(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ipc, "device_uuid", lambda device: "GPU-00000000-test")
 
 
-def register(tensors: list[Any]) -> p.RegisterKVRequest:
-    return ipc.kv_registration(tensors, kv_cache_layout="LBHNC", block_dim=0, blocks_per_chunk=2)
+def register(
+    tensors: list[Any], references: ipc.IpcReferences | None = None
+) -> p.RegisterKVRequest:
+    return ipc.kv_registration(
+        tensors,
+        references=references if references is not None else ipc.IpcReferences(),
+        kv_cache_layout="LBHNC",
+        block_dim=0,
+        blocks_per_chunk=2,
+    )
+
+
+class ReleasedCounters:
+    """A double of ``UntypedStorage._release_ipc_counter_cuda``, which this CPU
+    build of torch has but refuses ("CUDA is not available"): records each
+    (counter file, slot) given back."""
+
+    def __init__(self) -> None:
+        self.released: list[tuple[bytes, int]] = []
+
+    def __call__(self, counter_file: bytes, slot: int) -> None:
+        self.released.append((counter_file, slot))
+
+
+@pytest.fixture
+def released(monkeypatch: pytest.MonkeyPatch) -> ReleasedCounters:
+    # The real function exists in the installed torch with this name.
+    assert callable(torch.UntypedStorage._release_ipc_counter_cuda)
+    double = ReleasedCounters()
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter_cuda", double)
+    return double
+
+
+def test_each_exports_ipc_reference_is_given_back_once_when_released(
+    released: ReleasedCounters,
+) -> None:
+    first = StorageDouble(torch_storage_handle(b"c"), 3 * 8192, 0)
+    second = StorageDouble(torch_storage_handle(b"c"), 3 * 8192, 1 << 20)  # another allocation
+    references = ipc.IpcReferences()
+    register(layers_over(first, 3) + layers_over(second, 2), references)
+    # One reference per allocation exported, named as _share_cuda_ returned it.
+    assert len(references) == 2 and not released.released
+    references.release()
+    references.release()  # a second close gives nothing back twice
+    assert released.released == [
+        (f"/torch_4242_{id(first)}".encode(), 0),
+        (f"/torch_4242_{id(second)}".encode(), 0),
+    ]
+
+
+def test_an_export_refused_part_way_gives_back_the_references_it_took(
+    released: ReleasedCounters,
+) -> None:
+    plain = StorageDouble(torch_storage_handle(b"c"), 3 * 8192, 0)
+    expandable = StorageDouble(torch_storage_handle(b"e", b"\x01" * 20), 3 * 8192, 1 << 20)
+    references = ipc.IpcReferences()
+    with pytest.raises(ipc.IpcExportError):
+        register(layers_over(plain, 1) + layers_over(expandable, 1), references)
+    assert len(references) == 0
+    assert released.released == [
+        (f"/torch_4242_{id(plain)}".encode(), 0),
+        (f"/torch_4242_{id(expandable)}".encode(), 0),
+    ]
 
 
 def test_the_cudamalloc_handle_torch_exports_registers_its_64_byte_ipc_handle() -> None:
