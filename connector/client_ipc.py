@@ -30,7 +30,10 @@ logger = logging.getLogger("kvstrata.connector.client")
 # The first REGISTER_KV on a GPU makes the sidecar page-lock its arena for that
 # GPU (it cannot before: it would create a CUDA context on another GPU), seconds
 # for tens of GiB. register_kv runs when vLLM registers its KV caches, outside
-# any step, so it may wait that long; resends after a re-HELLO keep the call deadline.
+# any step, so it may wait that long. A resend after a re-HELLO runs inside a
+# step under the call deadline: when that passes first, the session stays in
+# host mode until the sidecar's answer arrives (IpcOps.awaiting), then turns to
+# ipc mode -- a restarted sidecar pins its arena then.
 REGISTER_TIMEOUT_S = 120.0
 
 Call = Callable[[str, p.Message], "p.Message | None"]
@@ -47,6 +50,10 @@ class IpcOps:
         self._bad_reply = bad_reply
         self.registration: p.RegisterKVRequest | None = None  # resent after every HELLO
         self.fallback_reason = ""  # why ipc mode is not used, once it was refused
+        # The request id of a REGISTER_KV of the current session whose call
+        # stopped waiting before the sidecar answered (0: none); the client
+        # takes that answer when it comes, on any later call.
+        self.awaiting = 0
         self._refused_logged = False
 
     def save_blocks(
@@ -129,6 +136,21 @@ class IpcOps:
                 f"this worker {body.chunk_nbytes}"
             )
             return False
+        return True
+
+    def late_answer(self, frames: Sequence[bytes]) -> bool:
+        """The sidecar's answer to the registration :attr:`awaiting` names,
+        arrived on a later call: whether it grants ipc mode (judged as
+        :meth:`accepted` does)."""
+        self.awaiting = 0
+        try:
+            reply = p.decode_reply(frames, p.REGISTER_KV)
+        except p.ProtocolError as exc:
+            self._bad_reply(p.REGISTER_KV, str(exc))
+            return False
+        if not self.accepted(reply.body):
+            return False
+        logger.info("kvstrata: the sidecar took the KV registration late; ipc mode from now on")
         return True
 
     def unavailable(self, why: str) -> None:
