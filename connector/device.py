@@ -114,7 +114,10 @@ class CudaCopies(DeviceCopies):
         if pinning is not None:
             pinning.join()  # a registration in flight ends before the mapping may go
         if self._registered is not None:
-            torch.cuda.synchronize(self.device)  # nothing may still copy from it
+            # Nothing may still copy from it: only our stream does (loads and
+            # saves alike). A device-wide synchronize would also wait for
+            # vLLM's queued compute, inside the step that re-maps the arena.
+            self.stream.synchronize()
             torch.cuda.cudart().cudaHostUnregister(self._registered)
             self._registered = None
 

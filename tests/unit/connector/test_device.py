@@ -120,3 +120,22 @@ def test_the_arena_is_page_locked_off_the_step_and_unregistered_only_after(
     cudart.release.set()
     copies.unregister_arena()
     assert cudart.calls == ["register", "unregister"]
+
+
+def test_unregistering_the_arena_waits_for_our_copies_only_not_the_whole_device(
+    streams: RecordingStreams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cudart = BlockingCudart()
+    cudart.release.set()
+    device_waits: list[Any] = []
+    cuda = device_module.torch.cuda
+    monkeypatch.setattr(cuda, "cudart", lambda: cudart, raising=False)
+    monkeypatch.setattr(cuda, "set_device", lambda device: None, raising=False)
+    monkeypatch.setattr(cuda, "synchronize", device_waits.append, raising=False)
+    copies = device_module.CudaCopies(torch.device("cuda", 0))
+    copies.register_arena(torch.zeros(4096, dtype=torch.uint8))
+    streams.log.clear()
+    copies.unregister_arena()  # a sidecar restart re-maps the arena inside a step
+    assert cudart.calls == ["register", "unregister"]
+    assert streams.log == [("synchronize", "copy", "")]  # the copy stream, before unregister
+    assert device_waits == []  # vLLM's queued compute is not waited for
