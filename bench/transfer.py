@@ -8,8 +8,9 @@ over ``chunks`` chunks whose block ids are shuffled (vLLM's free list).
 
 * ``store``: paged blocks -> chunk buffers in pinned host memory;
   ``load``: the reverse.
-* paths: ``torch`` (the connector's copier: one copy per layer and run of
-  consecutive blocks), ``kernel`` (the csrc library: all layers and chunks
+* paths: ``torch`` (the connector's copier: one copy per run of
+  consecutive blocks over every layer when the layers are cut from one
+  buffer, else one per layer and run), ``kernel`` (the csrc library: all layers and chunks
   in one launch; on CUDA straight into pinned host memory, "zero-copy"),
   ``kernel-staging`` (CUDA: into a device buffer, then one
   ``cudaMemcpyAsync`` to pinned host memory), ``ipc`` (CUDA: the sidecar's
