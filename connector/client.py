@@ -45,7 +45,7 @@ from typing import Any
 
 import zmq
 
-from kvstrata.connector.client_ipc import REGISTER_TIMEOUT_S, IpcOps
+from kvstrata.connector.client_ipc import REGISTER_TIMEOUT_S, IpcOps, sidecar_deadline_ms
 from kvstrata.connector.transport import Channel, CurveKeys
 from kvstrata.sidecar import liveness, prefault
 from kvstrata.sidecar import protocol as p
@@ -539,6 +539,8 @@ class SidecarClient:
         sock = self._channel.socket()
         self._next_id += 1
         request_id = self._next_id
+        if isinstance(body, (p.SaveBlocksRequest, p.LoadBlocksRequest)):
+            body.deadline_ms = sidecar_deadline_ms(deadline - time.monotonic())
         frame = p.encode_request(op, request_id, self._session_id, body)
         if not self._send(frame, deadline):
             self._count("unavailable")

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.keys import ChunkKey
 
-__all__ = ["REGISTER_TIMEOUT_S", "IpcOps"]
+__all__ = ["COPY_MARGIN_S", "REGISTER_TIMEOUT_S", "IpcOps", "sidecar_deadline_ms"]
 
 logger = logging.getLogger("kvstrata.connector.client")
 
@@ -36,7 +36,22 @@ logger = logging.getLogger("kvstrata.connector.client")
 # ipc mode -- a restarted sidecar pins its arena then.
 REGISTER_TIMEOUT_S = 120.0
 
+# SAVE_BLOCKS / LOAD_BLOCKS carry the client's deadline (deadline_ms), and the
+# sidecar touches no block past it: a client that stopped waiting reports the
+# chunks as dropped or missed, and vLLM may hand those blocks to other work at
+# once. The sidecar is told to stop this much earlier than the client does
+# (at most a fifth of the time left), so that a copy it starts just before
+# its deadline, and the answer's way back, end before the client gives up.
+COPY_MARGIN_S = 0.1
+
 Call = Callable[[str, p.Message], "p.Message | None"]
+
+
+def sidecar_deadline_ms(remaining_s: float) -> int:
+    """The ``deadline_ms`` to send with ``remaining_s`` left of the call (at
+    least 1: 0 would say there is none)."""
+    budget = remaining_s - min(COPY_MARGIN_S, max(remaining_s, 0.0) / 5)
+    return max(1, int(budget * 1000))
 
 
 class IpcOps:
