@@ -37,6 +37,7 @@ from kvstrata.sidecar.server import SidecarServer
 from kvstrata.sidecar.transfer.ipc import IpcTransfers
 from kvstrata.sidecar.transfer.plan import CopyPlan
 from kvstrata.testing.kvlayouts import vllm_layers
+from kvstrata.testing.rawpeer import RawPeer
 from kvstrata.testing.shmdevice import SharedMemoryDevice, handle_for
 
 GPU_UUID = "GPU-00000000-0000-0000-0000-0000deadline"
@@ -55,6 +56,7 @@ class HeldEventDevice(SharedMemoryDevice):
         self.waiting = threading.Event()
         self.gathers = 0
         self.finished = 0
+        self.scatters = 0
 
     def complete(self, event: bytes) -> None:
         self.completed.add(event)
@@ -80,9 +82,22 @@ class HeldEventDevice(SharedMemoryDevice):
         finally:
             self.finished += 1
 
+    def scatter(
+        self,
+        plan: CopyPlan,
+        block_ids: Sequence[int],
+        chunk_addresses: Sequence[int],
+        blocks_per_chunk: int,
+        after_event: bytes | None = None,
+    ) -> None:
+        self.scatters += 1
+        super().scatter(plan, block_ids, chunk_addresses, blocks_per_chunk, None)
+
 
 class Served:
-    def __init__(self, root: Path) -> None:
+    """The real server over :class:`HeldEventDevice`; ``workers``: its pool's threads."""
+
+    def __init__(self, root: Path, workers: int = 4) -> None:
         config = config_from_dict(
             {
                 "chunk_size": 32,
@@ -94,7 +109,9 @@ class Served:
         self.engine = StorageManager(config)
         self.device = HeldEventDevice(self.engine.arena.address())
         self.ipc = IpcTransfers(self.engine, lambda gpu: self.device)
-        self.server = SidecarServer(config, self.engine, server_version="test", ipc=self.ipc)
+        self.server = SidecarServer(
+            config, self.engine, server_version="test", ipc=self.ipc, workers=workers
+        )
         self.endpoint = self.server.bind()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.server.serve, args=(self.stop,), daemon=True)
@@ -112,6 +129,13 @@ class Served:
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[Served]:
     made = Served(tmp_path)
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def one_worker(tmp_path: Path) -> Iterator[Served]:
+    made = Served(tmp_path, workers=1)
     yield made
     made.close()
 
@@ -182,4 +206,41 @@ def test_a_save_whose_event_outlasts_the_clients_deadline_is_never_copied(
         assert served.ipc.gpu_stats()["copy_failures"] == {}  # not a GPU fault
         assert client.ping()  # the session serves on
     finally:
+        client.close()
+
+
+def test_a_load_that_waited_past_the_clients_deadline_is_released_unloaded(
+    one_worker: Served, registration: p.RegisterKVRequest, kit: Any
+) -> None:
+    served = one_worker
+    client = SidecarClient(
+        served.endpoint, NAMESPACE, role="worker", call_timeout_s=0.5, transfer_mode="ipc"
+    )
+    holder = RawPeer(served.endpoint)
+    try:
+        client.register_kv(registration)
+        assert client.ping() and client.ipc_granted
+        stored = keys(2, "load")
+        assert client.ipc.save_blocks(stored, [[1, 2], [3, 4]], None, "save") == [True, True]
+        # Another session's save, sent without a deadline, holds the pool's only
+        # thread while it waits for its vLLM's event.
+        holder.hello(NAMESPACE.fingerprint(), client_id="holder", transfer_mode="ipc")
+        assert holder.call(p.REGISTER_KV, registration.to_wire(), request_id=2)[2] is True
+        held = {"keys": keys(1, "held"), "block_ids": [[5, 6]], "owner": "h", "after_event": EVENT}
+        holder.send_request(p.SAVE_BLOCKS, held, request_id=3)
+        kit.wait_until(served.device.waiting.is_set, 10, "the held save to wait")
+
+        # The load waits behind it, past the client's deadline: the client gives up.
+        assert client.ipc.load_blocks(stored, [[6, 7], [0, 5]], "load") is None
+        served.device.complete(EVENT)  # the pool's thread is free only now
+        assert holder.receive()[2] is True
+        kit.wait_until(  # the load's turn came: it was either abandoned or copied
+            lambda: served.ipc.gpu_stats().get("expired") or served.device.scatters,
+            10,
+            "the load to be handled",
+        )
+        assert served.device.scatters == 0  # no block written after the client gave up
+        assert served.ipc.gpu_stats()["expired"] == {"load": 1}
+    finally:
+        holder.close()
         client.close()
