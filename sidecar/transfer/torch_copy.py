@@ -5,11 +5,12 @@ and every test on a machine without a GPU) and on CUDA tensors (the fallback
 where the ``csrc`` library is not built). The plan's units become strided
 byte views. When every layer sits at one stride from the previous in one
 storage (vLLM >= 0.32 cuts its per-layer views from one buffer), the
-layers are one more dimension of a single view, and a copy spans them
-all: between tensors on one device, a whole chunk is one
-``index_select`` / ``index_copy_`` over its block ids; across devices
-(pinned host memory and a GPU) one ``copy_`` per run of consecutive block
-ids. Otherwise it is one ``copy_`` per layer and run. Issuing one call per
+layers are one more dimension of a single view, and one ``copy_`` per run
+of consecutive block ids spans them all; across devices (pinned host
+memory and a GPU) the chunk moves in one DMA to or from a buffer on the
+KV's device, where the strided copies run (torch would copy a strided
+host destination through a pageable temporary, synchronously). Otherwise
+it is one ``copy_`` per layer and run. Issuing one call per
 layer and run from Python (32 layers x 16 scattered blocks: 512 calls a
 chunk) cost more than the bytes themselves on small blocks.
 
@@ -96,15 +97,29 @@ class TorchCopier:
         Positions whose id is negative are left untouched.
         """
         self.plan.check_block_ids(block_ids)
-        chunk = self.chunk_view(out, len(block_ids))
         stacked = self.stacked
-        if stacked is None:
-            for pos, start, n in runs(block_ids):
-                for i, view in enumerate(self.views):
-                    self._layer_slice(chunk, i, pos, n).copy_(
-                        view[start : start + n], non_blocking=True
-                    )
+        if stacked is not None and out.device != stacked.device and _all_blocks(block_ids):
+            # Across devices torch copies into a strided destination through a
+            # pageable temporary, synchronously: gather on the KV's device
+            # instead, then move the whole chunk in one DMA.
+            staging = torch.empty_like(out, device=stacked.device)
+            self._gather_runs(stacked, block_ids, self.chunk_view(staging, len(block_ids)))
+            out.copy_(staging, non_blocking=True)
             return
+        chunk = self.chunk_view(out, len(block_ids))
+        if stacked is not None and out.device == stacked.device:
+            self._gather_runs(stacked, block_ids, chunk)
+            return
+        for pos, start, n in runs(block_ids):
+            for i, view in enumerate(self.views):
+                self._layer_slice(chunk, i, pos, n).copy_(
+                    view[start : start + n], non_blocking=True
+                )
+
+    def _gather_runs(
+        self, stacked: torch.Tensor, block_ids: Sequence[int], chunk: torch.Tensor
+    ) -> None:
+        """One copy per run of consecutive blocks, every layer at once (one device)."""
         for pos, start, n in runs(block_ids):
             src = stacked[:, start : start + n]
             if self.plan.block_outer:
@@ -120,6 +135,10 @@ class TorchCopier:
                 self.scatter_layer(layer, src, block_ids, first_block)
             return
         self.plan.check_block_ids(block_ids)
+        if src.device != stacked.device:
+            # The whole chunk to the KV's device in one DMA, then strided copies
+            # there (see gather).
+            src = src.to(stacked.device, non_blocking=True)
         chunk = self.chunk_view(src, len(block_ids))
         for pos, start, n in runs(block_ids, first_block):
             if self.plan.block_outer:
@@ -163,3 +182,8 @@ def _stacked(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.as_strided(
         (len(views), *first.shape), (step, *first.stride()), first.storage_offset()
     )
+
+
+def _all_blocks(block_ids: Sequence[int]) -> bool:
+    """Every position names a block (no -1 to leave untouched)."""
+    return all(int(b) >= 0 for b in block_ids)
