@@ -164,8 +164,8 @@ def _stacked(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The layer views as one view with the layer as its outer dimension, when
     layer ``i`` starts ``i`` strides after layer 0 in the same storage."""
     first = views[0]
-    if len(views) < 2:
-        return first.unsqueeze(0)
+    if len(views) < 2:  # one layer (or one coalesced): nothing to stack
+        return None
     step = views[1].data_ptr() - first.data_ptr()
     storage = first.untyped_storage().data_ptr()
     if step <= 0:
