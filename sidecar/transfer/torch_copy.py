@@ -53,12 +53,16 @@ class TorchCopier:
     the first tensor's storage, which the check below proves covers it.
     """
 
-    def __init__(self, plan: CopyPlan, layers: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, plan: CopyPlan, layers: Sequence[torch.Tensor], *, stack_layers: bool = True
+    ) -> None:
         self.plan = plan
         self.views = [self._byte_view(plan, layers, i) for i in range(plan.num_layers)]
         # ``[L, num_blocks, num_segments, segment_bytes]`` over every layer, or
-        # None when the layers are not evenly spaced in one storage.
-        self.stacked = _stacked(self.views)
+        # None when the layers are not evenly spaced in one storage (or
+        # ``stack_layers`` is False: one copy per layer and run, as such KV
+        # takes; the transfer benchmark compares the two).
+        self.stacked = _stacked(self.views) if stack_layers else None
 
     @staticmethod
     def _byte_view(plan: CopyPlan, layers: Sequence[torch.Tensor], i: int) -> torch.Tensor:
