@@ -8,9 +8,13 @@ over ``chunks`` chunks whose block ids are shuffled (vLLM's free list).
 
 * ``store``: paged blocks -> chunk buffers in pinned host memory;
   ``load``: the reverse.
-* paths: ``torch`` (the connector's copier: one copy per layer and run of
-  consecutive blocks), ``kernel`` (the csrc library: all layers and chunks
-  in one launch; on CUDA straight into pinned host memory, "zero-copy"),
+* paths: ``torch`` (the connector's copier: one copy per run of
+  consecutive blocks over every layer when the layers are cut from one
+  buffer, else one per layer and run), ``torch-per-layer`` (the same
+  copier with one copy per layer and run: what KV of separate per-layer
+  allocations takes, and what every layout took before), ``kernel`` (the
+  csrc library: all layers and chunks in one launch; on CUDA straight into
+  pinned host memory, "zero-copy"),
   ``kernel-staging`` (CUDA: into a device buffer, then one
   ``cudaMemcpyAsync`` to pinned host memory), ``ipc`` (CUDA: the sidecar's
   own path: another process owns the KV and exports it over CUDA IPC; this
@@ -142,7 +146,14 @@ def _measure_layout(layout_name: str, params: dict[str, Any], device: str) -> di
     from kvstrata.sidecar.transfer import kernels
 
     run = _layout_run(layout_name, params, device)
-    rows = {"baseline": _baseline_row(run), "torch": _torch_row(run)}
+    from kvstrata.sidecar.transfer.torch_copy import TorchCopier
+
+    per_layer = TorchCopier(run.layout.plan, run.layout.layers, stack_layers=False)
+    rows = {
+        "baseline": _baseline_row(run),
+        "torch": _torch_row(run, run.layout.copier),
+        "torch-per-layer": _torch_row(run, per_layer),
+    }
     lib = kernels.load_cuda() if run.cuda else kernels.load_host()
     if lib is not None:
         rows.update(_kernel_rows(run, lib))
@@ -187,9 +198,9 @@ def _baseline_row(run: _LayoutRun) -> dict[str, float]:
     }
 
 
-def _torch_row(run: _LayoutRun) -> dict[str, float]:
-    """The connector's torch copier, chunk by chunk."""
-    per_chunk, copier = run.per_chunk, run.layout.copier
+def _torch_row(run: _LayoutRun, copier: Any) -> dict[str, float]:
+    """A torch copier (the connector's, or one copying layer by layer), chunk by chunk."""
+    per_chunk = run.per_chunk
 
     def by_chunk(op: Callable[[list[int], Any], None]) -> Callable[[], None]:
         def each() -> None:

@@ -171,16 +171,30 @@ class AsyncLoads:
         """Load ``reqs`` in the background (one job)."""
         if not reqs:
             return
-        after, handle = None, None
-        if self.path.sidecar_copies and self._device.type == "cuda":
-            # The sidecar scatters into our blocks: after the work vLLM queued.
-            after, handle = ipc.compute_done_event()
-        elif self._stream is not None:
-            after = torch.cuda.Event()
-            after.record(torch.cuda.current_stream(self._device))
+        try:
+            after, handle = self._after_queued_work()
+        except Exception:
+            # A CUDA error here (create, record or export) must cost vLLM a
+            # recompute of these requests, never an exception in its step.
+            logger.exception("kvstrata: cannot order a background load after vLLM's work")
+            self.reports.report([outcome_of(r, 0) for r in reqs])
+            return
         with self._count_lock:
             self._in_flight += 1
         self._jobs.put(_Job(list(reqs), after, handle))
+
+    def _after_queued_work(self) -> tuple[Any, bytes | None]:
+        """An event recorded on vLLM's stream now (and its interprocess handle
+        in ipc mode): the load's copies wait for it, as vLLM may still have
+        work queued on the blocks it fills."""
+        if self.path.sidecar_copies and self._device.type == "cuda":
+            # The sidecar scatters into our blocks: after the work vLLM queued.
+            return ipc.compute_done_event()
+        if self._stream is not None:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self._device))
+            return after, None
+        return None, None
 
     def in_flight(self) -> bool:
         """Whether a job submitted here has not been reported yet."""

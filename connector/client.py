@@ -45,7 +45,7 @@ from typing import Any
 
 import zmq
 
-from kvstrata.connector.client_ipc import REGISTER_TIMEOUT_S, IpcOps
+from kvstrata.connector.client_ipc import REGISTER_TIMEOUT_S, IpcOps, sidecar_deadline_ms
 from kvstrata.connector.transport import Channel, CurveKeys
 from kvstrata.sidecar import liveness, prefault
 from kvstrata.sidecar import protocol as p
@@ -343,7 +343,14 @@ class SidecarClient:
         """Caller holds the lock: REGISTER_KV; host mode unless it is accepted."""
         body = self.ipc.registration
         assert body is not None  # callers check
-        if not self.ipc.accepted(self._roundtrip(p.REGISTER_KV, body, deadline)):
+        reply = self._roundtrip(p.REGISTER_KV, body, deadline)
+        if reply is None and self.ipc.awaiting:
+            # Not refused: a restarted sidecar page-locks its arena for our GPU at
+            # this first registration (seconds), longer than a step's call may
+            # wait. Host mode until its answer comes in (IpcOps.late_answer).
+            self._granted_mode = "host"
+            return
+        if not self.ipc.accepted(reply):
             self._granted_mode = "host"
 
     def close(self) -> None:
@@ -430,6 +437,7 @@ class SidecarClient:
             fingerprints=self.more_fingerprints,
             kv_events=self.kv_events,
         )
+        self.ipc.awaiting = 0  # a registration of an earlier session answers nothing now
         reply = self._roundtrip(p.HELLO, hello, deadline)
         if not isinstance(reply, p.HelloReply):
             if isinstance(reply, p.ErrorReply):  # no answer has backed off already
@@ -465,7 +473,11 @@ class SidecarClient:
         if self.requested_mode == "ipc" and reply.transfer_mode != "ipc":
             self.ipc.fall_back(reply.fallback_reason or "not served")
         elif self._granted_mode == "ipc" and self.ipc.registration is not None:
-            self._send_registration(deadline)
+            # Half of what is left: a registration the sidecar is slow to take
+            # (see _send_registration) must leave the call that re-connected
+            # time for its own request.
+            now = time.monotonic()
+            self._send_registration(now + max(0.0, deadline - now) / 2)
         logger.info(
             "connected to sidecar %s (epoch %d, %s mode)",
             self.endpoint,
@@ -505,6 +517,7 @@ class SidecarClient:
         (a copy still running on a view of it keeps it mapped until it ends)."""
         self._session_id = ""
         self._connected = False
+        self.ipc.awaiting = 0  # a registration of that session answers nothing now
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -526,6 +539,8 @@ class SidecarClient:
         sock = self._channel.socket()
         self._next_id += 1
         request_id = self._next_id
+        if isinstance(body, (p.SaveBlocksRequest, p.LoadBlocksRequest)):
+            body.deadline_ms = sidecar_deadline_ms(deadline - time.monotonic())
         frame = p.encode_request(op, request_id, self._session_id, body)
         if not self._send(frame, deadline):
             self._count("unavailable")
@@ -536,9 +551,16 @@ class SidecarClient:
             remaining_ms = (deadline - time.monotonic()) * 1000
             if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
                 self._count("timeout")
-                self._back_off()
+                if op == p.REGISTER_KV and self._session_id:
+                    self.ipc.awaiting = request_id  # slow, not gone: see _send_registration
+                else:
+                    self._back_off()
                 return None
             frames = sock.recv_multipart(zmq.NOBLOCK)
+            if self.ipc.awaiting and p.peek_request_id(frames[0]) == self.ipc.awaiting:
+                if self.ipc.late_answer(frames):  # the registration went through
+                    self._granted_mode = "ipc"
+                continue
             try:
                 reply = p.decode_reply(frames, op)
             except p.ProtocolError as exc:

@@ -23,17 +23,35 @@ from collections.abc import Callable, Sequence
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.keys import ChunkKey
 
-__all__ = ["REGISTER_TIMEOUT_S", "IpcOps"]
+__all__ = ["COPY_MARGIN_S", "REGISTER_TIMEOUT_S", "IpcOps", "sidecar_deadline_ms"]
 
 logger = logging.getLogger("kvstrata.connector.client")
 
 # The first REGISTER_KV on a GPU makes the sidecar page-lock its arena for that
 # GPU (it cannot before: it would create a CUDA context on another GPU), seconds
 # for tens of GiB. register_kv runs when vLLM registers its KV caches, outside
-# any step, so it may wait that long; resends after a re-HELLO keep the call deadline.
+# any step, so it may wait that long. A resend after a re-HELLO runs inside a
+# step under the call deadline: when that passes first, the session stays in
+# host mode until the sidecar's answer arrives (IpcOps.awaiting), then turns to
+# ipc mode -- a restarted sidecar pins its arena then.
 REGISTER_TIMEOUT_S = 120.0
 
+# SAVE_BLOCKS / LOAD_BLOCKS carry the client's deadline (deadline_ms), and the
+# sidecar touches no block past it: a client that stopped waiting reports the
+# chunks as dropped or missed, and vLLM may hand those blocks to other work at
+# once. The sidecar is told to stop this much earlier than the client does
+# (at most a fifth of the time left), so that a copy it starts just before
+# its deadline, and the answer's way back, end before the client gives up.
+COPY_MARGIN_S = 0.1
+
 Call = Callable[[str, p.Message], "p.Message | None"]
+
+
+def sidecar_deadline_ms(remaining_s: float) -> int:
+    """The ``deadline_ms`` to send with ``remaining_s`` left of the call (at
+    least 1: 0 would say there is none)."""
+    budget = remaining_s - min(COPY_MARGIN_S, max(remaining_s, 0.0) / 5)
+    return max(1, int(budget * 1000))
 
 
 class IpcOps:
@@ -47,6 +65,10 @@ class IpcOps:
         self._bad_reply = bad_reply
         self.registration: p.RegisterKVRequest | None = None  # resent after every HELLO
         self.fallback_reason = ""  # why ipc mode is not used, once it was refused
+        # The request id of a REGISTER_KV of the current session whose call
+        # stopped waiting before the sidecar answered (0: none); the client
+        # takes that answer when it comes, on any later call.
+        self.awaiting = 0
         self._refused_logged = False
 
     def save_blocks(
@@ -129,6 +151,21 @@ class IpcOps:
                 f"this worker {body.chunk_nbytes}"
             )
             return False
+        return True
+
+    def late_answer(self, frames: Sequence[bytes]) -> bool:
+        """The sidecar's answer to the registration :attr:`awaiting` names,
+        arrived on a later call: whether it grants ipc mode (judged as
+        :meth:`accepted` does)."""
+        self.awaiting = 0
+        try:
+            reply = p.decode_reply(frames, p.REGISTER_KV)
+        except p.ProtocolError as exc:
+            self._bad_reply(p.REGISTER_KV, str(exc))
+            return False
+        if not self.accepted(reply.body):
+            return False
+        logger.info("kvstrata: the sidecar took the KV registration late; ipc mode from now on")
         return True
 
     def unavailable(self, why: str) -> None:

@@ -101,16 +101,6 @@ def load_failure_policy_warning(transfer: Any) -> str | None:
     )
 
 
-def hooks_skipped(forward_context: Any) -> bool:
-    """Whether this step's forward pass replays a full CUDA graph, in which no
-    ``wait_for_layer_load`` runs (vLLM's ``ForwardContext.cudagraph_runtime_mode``;
-    a context that does not say is taken as one)."""
-    from vllm.config import CUDAGraphMode
-
-    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
-    return mode not in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE)
-
-
 class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
     """Tiered KV cache through a local kvstrata sidecar (host or ipc transfer mode).
 
@@ -177,17 +167,13 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
         """No: vLLM keeps full CUDA graphs for decode batches.
 
         A full graph's replay runs no Python hook, so ``wait_for_layer_load``
-        cannot order attention after our asynchronous loads there. Asking for
-        piecewise graphs would fix that by taking full graphs away from every
-        decode step (most steps, and the ones full graphs speed up most).
-        Instead, :meth:`start_load_kv` reads the step's graph mode from its
-        forward context (vLLM sets it before it calls us:
-        ``gpu_model_runner.execute_model``) and, for a step that replays a full
-        graph, makes vLLM's stream wait for the whole load before it queues
-        the graph. Every other step keeps the layer-by-layer overlap. Correct
-        under every ``CUDAGraphMode`` of vLLM 0.32 (NONE, PIECEWISE, FULL,
-        FULL_DECODE_ONLY, FULL_AND_PIECEWISE): the runtime mode of a step is
-        NONE, PIECEWISE or FULL, and only FULL skips the hooks.
+        cannot order attention after a load there; and vLLM 0.32's V2 model
+        runner calls ``start_load_kv`` outside any forward context for such a
+        step, so the step's graph mode cannot be read from it either. Instead
+        :meth:`start_load_kv` makes vLLM's stream wait for the whole load
+        before it returns, whatever the runner and graph mode
+        (:mod:`kvstrata.connector.device`): every mode is ordered the same
+        way, and full graphs stay for every decode step.
         """
         return False
 
@@ -257,13 +243,11 @@ class KVStrataConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._worker is not None:
-            self._worker.start_load(
-                self._bound_metadata(), whole_before_compute=hooks_skipped(forward_context)
-            )
+            self._worker.start_load(self._bound_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # On CUDA, vLLM's stream waits for this layer's copies only; on the
-        # CPU every layer was loaded in start_load_kv.
+        # Every layer was loaded (CPU) or ordered before vLLM's compute (CUDA)
+        # in start_load_kv: nothing is left to wait for here.
         if self._worker is not None:
             self._worker.wait_for_layer(layer_name)
 

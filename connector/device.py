@@ -7,12 +7,17 @@ vLLM's KV run on the connector's own stream, so they overlap vLLM's
 compute, and are ordered against it with events:
 
 * loads: the stream first waits for what vLLM queued before
-  ``start_load_kv``; after each layer's copies an event is recorded, and
-  ``wait_for_layer_load(layer)`` makes vLLM's stream wait for that event
-  only (layer ``i`` computes while layer ``i + 1`` still loads). Leases
-  of the loaded slots are released once the copies have finished
-  (:meth:`DeviceCopies.loads_done`), never before: the sidecar may reuse
-  a released slot.
+  ``start_load_kv``; after the step's copies one event is recorded and
+  vLLM's current stream waits for it before ``start_load_kv`` returns, so
+  nothing vLLM queues afterwards -- an eager layer, a piecewise graph or
+  a replayed FULL graph, in which no Python hook runs -- can read a block
+  before its load finished. That ordering does not depend on which graph
+  mode vLLM picks, nor on whether it calls us inside a forward context
+  (vLLM 0.32's V2 model runner calls ``pre_forward`` outside one for
+  FULL graphs); what it gives up is overlapping one layer's compute with
+  the next layer's copies of an L1 hit. Leases of the loaded slots are
+  released once the copies have finished (:meth:`DeviceCopies.loads_done`),
+  never before: the sidecar may reuse a released slot.
 * saves: the stream waits for vLLM's forward pass, copies, and is
   synchronised before the slots are committed (a committed slot must
   hold its bytes).
@@ -55,17 +60,8 @@ class DeviceCopies:
 
     @contextlib.contextmanager
     def loading(self) -> Iterator[None]:
+        """Copies inside finish before anything vLLM queues after the block."""
         yield
-
-    def layer_loaded(self, layer: int) -> None:
-        """Copies for plan layer ``layer`` are queued."""
-
-    def wait_for_layer(self, layer: int) -> None:
-        """Make vLLM's compute wait until plan layer ``layer`` is loaded."""
-
-    def wait_for_all_loads(self) -> None:
-        """Make vLLM's compute wait until every queued load has finished (for
-        a step replayed as a full CUDA graph, where no per-layer wait runs)."""
 
     def loads_done(self) -> None:
         """Return once every queued load copy has finished (blocks on CUDA)."""
@@ -84,12 +80,11 @@ class CudaCopies(DeviceCopies):
 
     asynchronous = True
 
-    def __init__(self, device: torch.device, num_layers: int) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
-        self._layer_events = [torch.cuda.Event() for _ in range(num_layers)]
+        self._loaded = torch.cuda.Event()  # recorded after a step's load copies
         self._loads_queued = False
-        self._recorded = 0  # layer events recorded by the loads being queued
         self._registered: int | None = None  # data_ptr of the registered arena
         self._pinning: threading.Thread | None = None  # registering it now
 
@@ -119,41 +114,30 @@ class CudaCopies(DeviceCopies):
         if pinning is not None:
             pinning.join()  # a registration in flight ends before the mapping may go
         if self._registered is not None:
-            torch.cuda.synchronize(self.device)  # nothing may still copy from it
+            # Nothing may still copy from it: only our stream does (loads and
+            # saves alike). A device-wide synchronize would also wait for
+            # vLLM's queued compute, inside the step that re-maps the arena.
+            self.stream.synchronize()
             torch.cuda.cudart().cudaHostUnregister(self._registered)
             self._registered = None
 
     @contextlib.contextmanager
     def loading(self) -> Iterator[None]:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        self._recorded = 0
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)
         try:
             with torch.cuda.stream(self.stream):
                 yield
         finally:
             # Even when a copy failed part-way, what was queued is waited for:
-            # the layers not reached get their events recorded after it (a
-            # wait on an older event would not wait), and loads_done then
-            # synchronises before the leases go back to the sidecar.
-            for event in self._layer_events[self._recorded :]:
-                event.record(self.stream)
+            # vLLM may recompute those blocks, and its writes must come after.
+            self._loaded.record(self.stream)
+            compute.wait_event(self._loaded)
             self._loads_queued = True
-
-    def layer_loaded(self, layer: int) -> None:
-        self._layer_events[layer].record(self.stream)
-        self._recorded = max(self._recorded, layer + 1)
-
-    def wait_for_layer(self, layer: int) -> None:
-        if self._loads_queued:
-            torch.cuda.current_stream(self.device).wait_event(self._layer_events[layer])
-
-    def wait_for_all_loads(self) -> None:
-        if self._loads_queued:
-            torch.cuda.current_stream(self.device).wait_event(self._layer_events[-1])
 
     def loads_done(self) -> None:
         if self._loads_queued:
-            self._layer_events[-1].synchronize()
+            self._loaded.synchronize()
             self._loads_queued = False
 
     @contextlib.contextmanager
@@ -164,8 +148,8 @@ class CudaCopies(DeviceCopies):
         self.stream.synchronize()
 
 
-def copies_for(device: torch.device, num_layers: int) -> DeviceCopies:
+def copies_for(device: torch.device) -> DeviceCopies:
     """The copy ordering for KV tensors on ``device``."""
     if device.type == "cuda":
-        return CudaCopies(device, num_layers)
+        return CudaCopies(device)
     return DeviceCopies()

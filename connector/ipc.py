@@ -46,13 +46,18 @@ def device_uuid(device: torch.device) -> str:
 # returns the string ``c10::cuda::CUDACachingAllocator::shareIpcHandle()`` builds
 # (declared in the venv's torch/include/c10/cuda/CUDACachingAllocator.h,
 # ``ShareableHandle{offset, handle}``): one format-version byte
-# (SHAREABLE_HANDLE_VERSION: 1 when the format appeared, 2 in torch 2.13), one
-# type byte, then the payload. Type 'c' is a plain cudaMalloc segment and its
-# payload is the 64-byte cudaIpcMemHandle_t; type 'e' is an expandable segment
+# (SHAREABLE_HANDLE_VERSION in CUDACachingAllocator.cpp), one type byte, then
+# the payload. The version was 1 when the format appeared and 2 through torch
+# 2.12; torch 2.13's CUDA build writes 3 (its libc10_cuda.so stores 3 before the
+# type byte, and its getIpcDevPtr refuses only versions above 3) with the same
+# 'c' payload as 2. The CPU wheel ships no libc10_cuda, so the byte is not
+# readable here: versions above the last known one are refused, naming it.
+# Type 'c' is a plain cudaMalloc segment and its payload is the 64-byte
+# cudaIpcMemHandle_t; type 'e' is an expandable segment
 # (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), whose payload is a cuMem
 # shareable handle that cudaIpcOpenMemHandle cannot open. Torch releases before
 # the format returned the bare 64-byte handle.
-SHAREABLE_HANDLE_VERSIONS = (1, 2)
+SHAREABLE_HANDLE_VERSIONS = (1, 2, 3)
 SHAREABLE_CUDA_MALLOC = ord("c")
 SHAREABLE_CUDA_EXPANDABLE_SEGMENT = ord("e")
 
@@ -96,9 +101,59 @@ def cuda_memory_handle(shared: bytes) -> bytes:
     return payload
 
 
+class IpcReferences:
+    """The IPC references this worker's exports took, to give back at its end.
+
+    ``_share_cuda_`` (torch's ``THPStorage_shareCuda``) puts the storage
+    behind a reference-counted ``CudaIPCSentData`` whose counter, a slot in a
+    shared-memory file, it sets to 1 for the consumer, and returns that
+    file's name and slot as items 4 and 5 of its tuple. A torch consumer
+    gives it back when it drops its storage (``rebuild_cuda_tensor``, or
+    ``UntypedStorage._release_ipc_counter_cuda(name, slot)``, which takes 1
+    from the slot). The sidecar opens the raw handle instead and never
+    does, so the worker gives its references back itself, once its sessions
+    (the sidecar's mappings) have ended: with the count above 0, torch keeps
+    the freed KV out of its allocator ("limbo") and warns at exit that the
+    producer died with shared tensors outstanding.
+    """
+
+    def __init__(self) -> None:
+        self._taken: list[tuple[bytes, int]] = []
+
+    def take(self, counter_file: bytes, slot: int) -> None:
+        """One export's reference (items 4 and 5 of ``_share_cuda_()``)."""
+        self._taken.append((counter_file, slot))
+
+    def adopt(self, other: IpcReferences) -> None:
+        """Take over ``other``'s references (``other`` is left empty)."""
+        self._taken += other._taken
+        other._taken = []
+
+    def taken(self) -> list[tuple[bytes, int]]:
+        """The (counter file, slot) of each reference not given back yet."""
+        return list(self._taken)
+
+    def __len__(self) -> int:
+        return len(self._taken)
+
+    def release(self) -> None:
+        """Give every reference back, once (later calls do nothing). Best
+        effort, as torch's own release: a counter file already gone (the
+        process is ending) is skipped."""
+        taken, self._taken = self._taken, []
+        for counter_file, slot in taken:
+            try:
+                torch.UntypedStorage._release_ipc_counter_cuda(counter_file, slot)
+            except Exception as exc:
+                logger.debug(
+                    "kvstrata: IPC reference %r/%d not given back: %s", counter_file, slot, exc
+                )
+
+
 def kv_registration(
     tensors: Sequence[torch.Tensor],
     *,
+    references: IpcReferences,
     kv_cache_layout: str | None,
     block_dim: int,
     blocks_per_chunk: int,
@@ -109,30 +164,18 @@ def kv_registration(
 
     ``num_blocks``: vLLM's block count, when its kernels split each block
     into several of the tensors' (0: the tensors' own); ``chunk_nbytes``:
-    the chunk size the worker's layout expects (0: not checked). Raises
-    :class:`IpcExportError` when the KV cannot be shared by CUDA IPC.
+    the chunk size the worker's layout expects (0: not checked). Each
+    export's IPC reference goes into ``references`` (the caller gives them
+    back when its sessions end). Raises :class:`IpcExportError` when the
+    KV cannot be shared by CUDA IPC, having given back what it took.
     """
-    layers: list[p.KVLayerHandle] = []
-    # One export per allocation: vLLM often backs every layer with one storage,
-    # and each _share_cuda_() takes another reference on the block it shares.
-    exported: dict[int, tuple[bytes, int, int]] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        key = int(storage.data_ptr())
-        if key not in exported:
-            shared = storage._share_cuda_()
-            # (device, handle, storage size in bytes, storage offset in the allocation, ...)
-            exported[key] = (cuda_memory_handle(shared[1]), int(shared[2]), int(shared[3]))
-        handle, storage_nbytes, storage_offset_bytes = exported[key]
-        layers.append(
-            p.KVLayerHandle(
-                handle=handle,
-                offset=storage_offset_bytes + t.storage_offset() * t.element_size(),
-                shape=tuple(int(d) for d in t.shape),
-                strides=tuple(int(s) for s in t.stride()),
-                mapped_nbytes=storage_offset_bytes + storage_nbytes,
-            )
-        )
+    mine = IpcReferences()
+    try:
+        layers = _layer_handles(tensors, mine)
+    except BaseException:
+        mine.release()
+        raise
+    references.adopt(mine)
     first = tensors[0]
     return p.RegisterKVRequest(
         device_uuid=device_uuid(first.device),
@@ -145,6 +188,35 @@ def kv_registration(
         num_blocks=num_blocks,
         chunk_nbytes=chunk_nbytes,
     )
+
+
+def _layer_handles(
+    tensors: Sequence[torch.Tensor], references: IpcReferences
+) -> list[p.KVLayerHandle]:
+    layers: list[p.KVLayerHandle] = []
+    # One export per allocation: vLLM often backs every layer with one storage,
+    # and each _share_cuda_() takes another reference on the block it shares.
+    exported: dict[int, tuple[bytes, int, int]] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = int(storage.data_ptr())
+        if key not in exported:
+            # (device, handle, storage size in bytes, storage offset in the
+            # allocation, ref counter file, its slot, event handle, event sync)
+            shared = storage._share_cuda_()
+            references.take(bytes(shared[4]), int(shared[5]))
+            exported[key] = (cuda_memory_handle(shared[1]), int(shared[2]), int(shared[3]))
+        handle, storage_nbytes, storage_offset_bytes = exported[key]
+        layers.append(
+            p.KVLayerHandle(
+                handle=handle,
+                offset=storage_offset_bytes + t.storage_offset() * t.element_size(),
+                shape=tuple(int(d) for d in t.shape),
+                strides=tuple(int(s) for s in t.stride()),
+                mapped_nbytes=storage_offset_bytes + storage_nbytes,
+            )
+        )
+    return layers
 
 
 def compute_done_event() -> tuple[torch.cuda.Event, bytes]:
@@ -183,7 +255,14 @@ def load_requests(
     chunks = [c for i in asked for c in fulls[i]]
     event = None
     if after_event is None and torch.cuda.is_available():
-        event, after_event = compute_done_event()  # kept alive until the reply
+        try:
+            event, after_event = compute_done_event()  # kept alive until the reply
+        except Exception:
+            # A CUDA error (a sticky fault, no event left): without the event the
+            # sidecar could fill blocks the previous step still uses, so nothing
+            # loads; the caller reports every chunk and vLLM recomputes them.
+            logger.exception("kvstrata: cannot order the load after vLLM's work; not loaded")
+            return out
     loaded = client.ipc.load_block_runs(
         [key(c) for c in chunks],
         [load_block_ids(c) for c in chunks],

@@ -133,10 +133,8 @@ class KVStrataWorker:
         # via get_finished.
         self.reports = LoadReports(whole_requests=len(settings.groups) > 1)
         self._background: AsyncLoads | None = None
-        # Set before register_kv_caches can return early (a refused layout):
-        # wait_for_layer_load reads them on every layer whatever happened.
-        self._layer_index: dict[str, int] = {}
-        self._layer_offsets: list[int] = []  # per group: its first copy-event layer
+        # The IPC references our KV exports took (ipc mode), given back at close.
+        self._ipc_references = ipc.IpcReferences()
 
     def _new_client(self, call_timeout_s: float, populate: str = "background") -> SidecarClient:
         s = self.settings
@@ -186,16 +184,8 @@ class KVStrataWorker:
         if self.layout.device.type == "cuda" and s.transfer_mode != "host" and not hybrid:
             registration = self._ask_for_ipc()
         self.transfer.close()
-        copies = copies_for(self.layout.device, sum(g.plan.num_layers for g in self.layouts))
-        host = HostPath(self.client, self._keys, self.layouts, copies)
+        host = HostPath(self.client, self._keys, self.layouts, copies_for(self.layout.device))
         self.transfer = host if registration is None else IpcPath(host, registration)
-        self._layer_index, self._layer_offsets = {}, []
-        for layout in self.layouts:
-            offset = sum(g.plan.num_layers for g in self.layouts[: len(self._layer_offsets)])
-            self._layer_offsets.append(offset)
-            merged = layout.plan.num_layers != len(layout.layer_names)  # coalesced into one
-            for i, name in enumerate(layout.layer_names):
-                self._layer_index[name] = offset + (0 if merged else i)
         if self._populate_mode() == "now" and not self.client.available():
             # Connect the step session now, its arena mapped and populated
             # (a sidecar not up yet: the first call connects, in the background).
@@ -225,6 +215,7 @@ class KVStrataWorker:
         try:
             body = ipc.kv_registration(
                 layout.layers,
+                references=self._ipc_references,
                 kv_cache_layout=self.settings.kv_cache_layout,
                 block_dim=layout.block_dim,
                 blocks_per_chunk=layout.blocks_per_chunk,
@@ -252,16 +243,12 @@ class KVStrataWorker:
 
     # -- loads --------------------------------------------------------------------
 
-    def start_load(
-        self, meta: KVStrataMetadata | None, *, whole_before_compute: bool = False
-    ) -> None:
-        """Queue this step's loads: inline ones finish before the layers that
-        need them (on CUDA layer by layer on our stream), background ones on
-        their own thread (:mod:`~kvstrata.connector.async_loads`).
-
-        ``whole_before_compute``: the step replays a full CUDA graph, where no
-        ``wait_for_layer_load`` runs; vLLM's stream then waits for every
-        inline load before anything it queues next."""
+    def start_load(self, meta: KVStrataMetadata | None) -> None:
+        """Queue this step's loads: inline ones finish before anything vLLM
+        queues after this call (on CUDA, vLLM's stream waits for our copy
+        stream: :mod:`.device`), background ones on their own thread
+        (:mod:`~kvstrata.connector.async_loads`). Never raises: a load that
+        fails is reported and vLLM recomputes its blocks."""
         self._finish_loads()
         if meta is None or not meta.loads:
             return
@@ -271,11 +258,14 @@ class KVStrataWorker:
         if background:
             self._start_background(background)
         if inline:
-            for req, loaded in zip(inline, self._load_inline(inline), strict=True):
+            try:
+                loaded_per_req = self._load_inline(inline)
+            except Exception:  # a CUDA error, a bug: a recompute, never vLLM's step
+                logger.exception("kvstrata: this step's loads failed; vLLM recomputes them")
+                loaded_per_req = [0] * len(inline)
+            for req, loaded in zip(inline, loaded_per_req, strict=True):
                 self.counters.loaded_chunks += loaded
                 self._failed_loads(req.chunks[loaded:])
-            if whole_before_compute:
-                self.copies.wait_for_all_loads()
         self.counters.load_seconds += time.perf_counter() - started
 
     def _start_loader(self) -> None:
@@ -291,7 +281,7 @@ class KVStrataWorker:
         client = self._new_client(self.settings.load_timeout_s, self._populate_mode())
         # The device's copies register its arena mapping (pinned for CUDA);
         # their stream is the one its copies run on.
-        path = self.transfer.for_session(client, copies_for(self.layout.device, 1))
+        path = self.transfer.for_session(client, copies_for(self.layout.device))
         self._background = AsyncLoads(path, self.settings.load_timeout_s, self.reports)
 
     def _start_background(self, reqs: list[RequestTransfer]) -> None:
@@ -345,29 +335,20 @@ class KVStrataWorker:
         self.counters.failed_chunks += len(chunks)
 
     def _copy_in(self, work: Sources) -> None:
-        """Scatter every chunk into vLLM's KV.
-
-        Asynchronous copies (CUDA) go layer by layer, one event per layer, so
-        ``wait_for_layer_load`` waits for its layer only; inline ones (CPU) go
-        through :meth:`ChunkLayout.scatter_many`, which uses the csrc host
-        library for all layers and chunks at once.
-        """
+        """Scatter every chunk into vLLM's KV: inline on the CPU (the csrc
+        host library, all layers and chunks at once), on our stream on CUDA,
+        where vLLM's stream then waits for all of it (:mod:`.device`)."""
         if not self.copies.asynchronous:
             scatter_on_host(self.layouts, work)
             return
         with self.copies.loading():
-            for group, layout in enumerate(self.layouts):
-                mine = [(chunk, src) for chunk, src in work if chunk.group == group]
-                for layer in range(layout.plan.num_layers):
-                    for chunk, src in mine:
-                        layout.copier.scatter_layer(layer, src, chunk.block_ids, chunk.first_block)
-                    self.copies.layer_loaded(self._layer_offsets[group] + layer)
+            for chunk, src in work:
+                self.layouts[chunk.group].scatter(src, chunk.block_ids, chunk.first_block)
 
     def wait_for_layer(self, layer_name: str) -> None:
-        """Make vLLM's compute wait until ``layer_name``'s blocks are loaded."""
-        index = self._layer_index.get(layer_name)
-        if index is not None:
-            self.copies.wait_for_layer(index)
+        """Nothing to wait for: a step's loads are ordered before all of its
+        compute in :meth:`start_load` (vLLM's FULL graph replays call no
+        per-layer hook, so an order that needed one would not hold there)."""
 
     def _finish_loads(self) -> None:
         """Release the leases of finished loads (waits for the copies on CUDA)."""
@@ -431,6 +412,8 @@ class KVStrataWorker:
             self._finish_loads()
         self.transfer.close()
         self.client.close()
+        # Our sessions have ended, and the sidecar's mappings with them.
+        self._ipc_references.release()
 
 
 def _caches_by_group(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -107,7 +108,16 @@ class Handlers:
             p.LOAD_BLOCKS: self._load_blocks,
         }
 
-    def handle(self, request: p.Request, session: Session | None, identity: bytes) -> p.Message:
+    def handle(
+        self,
+        request: p.Request,
+        session: Session | None,
+        identity: bytes,
+        received: float | None = None,
+    ) -> p.Message:
+        """The reply body to ``request``; ``received``: when its frame arrived
+        (``time.perf_counter()``; None: now), from which a client's
+        ``deadline_ms`` counts."""
         if request.op == p.HELLO:
             return self._hello(request.body, identity)
         if request.op == p.PING:
@@ -118,7 +128,12 @@ class Handlers:
         # again before any per-item work.
         if not self.sessions.exists(session.session_id):
             raise p.ProtocolError(p.E_NO_SESSION, "the session has ended", request.request_id)
-        return self._table[request.op](request.body, session)
+        body = request.body
+        if isinstance(body, (p.SaveBlocksRequest, p.LoadBlocksRequest)) and body.deadline_ms:
+            # Counted from the frame's arrival: a wait in the pool's queue counts.
+            start = time.perf_counter() if received is None else received
+            return self._ipc_copy(body, session, start + body.deadline_ms / 1000)
+        return self._table[request.op](body, session)
 
     def reclaim(self, session: Session) -> int:
         """Release every lease of a session that is gone (timed out or replaced)."""
@@ -290,15 +305,26 @@ class Handlers:
     def _register_kv(self, body: p.RegisterKVRequest, session: Session) -> p.RegisterKVReply:
         return self._ipc_session(session).register(session.session_id, body)
 
-    def _save_blocks(self, body: p.SaveBlocksRequest, session: Session) -> p.CommitStoreReply:
-        ipc = self._ipc_session(session)
-        _own_keys(body.keys, session)
-        return ipc.save(session.session_id, body, session.owner_key(body.owner))
+    def _save_blocks(self, body: p.SaveBlocksRequest, session: Session) -> p.Message:
+        return self._ipc_copy(body, session, None)
 
-    def _load_blocks(self, body: p.LoadBlocksRequest, session: Session) -> p.LoadBlocksReply:
+    def _load_blocks(self, body: p.LoadBlocksRequest, session: Session) -> p.Message:
+        return self._ipc_copy(body, session, None)
+
+    def _ipc_copy(
+        self,
+        body: p.SaveBlocksRequest | p.LoadBlocksRequest,
+        session: Session,
+        expires: float | None,
+    ) -> p.Message:
+        """SAVE_BLOCKS / LOAD_BLOCKS; under a client's deadline no block is
+        touched past ``expires`` (``time.perf_counter()``; None: no deadline)."""
         ipc = self._ipc_session(session)
         _own_keys(body.keys, session)
-        return ipc.load(session.session_id, body, session.owner_key(body.owner))
+        owner = session.owner_key(body.owner)
+        if isinstance(body, p.SaveBlocksRequest):
+            return ipc.save(session.session_id, body, owner, expires)
+        return ipc.load(session.session_id, body, owner, expires)
 
     def _ping(self, body: p.PingRequest, session: Session | None) -> p.PingReply:
         return p.PingReply(server_version=self.server_version, session_valid=session is not None)

@@ -31,6 +31,7 @@ from kvstrata.sidecar.wire import (
 IPC_HANDLE_BYTES = 64  # cudaIpcMemHandle_t / cudaIpcEventHandle_t
 MAX_LAYERS = 1024
 MAX_BLOCKS_PER_CHUNK = 4096
+MAX_DEADLINE_MS = 3_600_000  # SAVE_BLOCKS / LOAD_BLOCKS deadline_ms: an hour at most
 
 
 def _read_handle(value: Any, name: str) -> bytes:
@@ -175,6 +176,9 @@ class SaveBlocksRequest(Message):
     # IPC handle of a CUDA event to wait for before reading the KV (nil: none)
     after_event: bytes | None = None
     owner: str = ""  # the step or request the save belongs to
+    # how long the client waits for the answer, in ms from sending (0: not said);
+    # the sidecar touches no block past it (a client that gave up may reuse them)
+    deadline_ms: int = 0
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> SaveBlocksRequest:
@@ -185,6 +189,7 @@ class SaveBlocksRequest(Message):
             block_ids=_read_blocks(body, keys, save=True),
             after_event=None if event is None else _read_handle(event, "after_event"),
             owner=read_str(required(body, "owner"), "owner"),
+            deadline_ms=read_int(body.get("deadline_ms", 0), "deadline_ms", 0, MAX_DEADLINE_MS),
         )
 
 
@@ -197,6 +202,7 @@ class LoadBlocksRequest(Message):
     owner: str = ""  # the step or request the load belongs to
     runs: list[int] = field(default_factory=list)  # prefix lengths (one per request); empty: one
     after_event: bytes | None = None  # the copies wait for it (vLLM's queued work)
+    deadline_ms: int = 0  # as SAVE_BLOCKS's: no block is touched past it
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> LoadBlocksRequest:
@@ -208,6 +214,7 @@ class LoadBlocksRequest(Message):
             owner=read_str(required(body, "owner"), "owner"),
             runs=read_runs(body, keys),
             after_event=None if event is None else _read_handle(event, "after_event"),
+            deadline_ms=read_int(body.get("deadline_ms", 0), "deadline_ms", 0, MAX_DEADLINE_MS),
         )
 
 

@@ -151,6 +151,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("kvstrata_ipc_copy_failures_total", "counter", ("op",), "calls",
                "ipc-mode GPU copies that failed (op: save or load; the chunks are dropped "
                "or missed)"),
+    MetricSpec("kvstrata_ipc_copies_expired_total", "counter", ("op",), "calls",
+               "SAVE_BLOCKS / LOAD_BLOCKS abandoned because the client's deadline passed "
+               "before the copy could start (op: save or load; no block was touched)"),
     MetricSpec("kvstrata_ipc_staging_fallbacks_total", "counter", (), "calls",
                "staging copies that ran zero-copy because one chunk exceeds the staging buffer"),
     MetricSpec("kvstrata_ipc_gpu_faulted", "gauge", (), "boolean",
@@ -339,6 +342,10 @@ class IpcCollector(Collector):
         for op in ("save", "load"):
             failures.add_metric([op], stats["copy_failures"].get(op, 0))
         yield failures
+        expired = _counter("kvstrata_ipc_copies_expired_total")
+        for op in ("save", "load"):
+            expired.add_metric([op], stats.get("expired", {}).get(op, 0))
+        yield expired
         fallbacks = _counter("kvstrata_ipc_staging_fallbacks_total")
         fallbacks.add_metric([], stats["staging_fallbacks"])
         yield fallbacks

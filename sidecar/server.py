@@ -61,7 +61,7 @@ MAX_POOL_BACKLOG = 1024  # pooled requests waiting; beyond it requests get E_BUS
 
 
 def _no_gpu_stats() -> dict[str, object]:
-    return {"copy_failures": {}, "staging_fallbacks": 0, "fault": ""}
+    return {"copy_failures": {}, "expired": {}, "staging_fallbacks": 0, "fault": ""}
 
 
 class SidecarServer:
@@ -355,7 +355,7 @@ class SidecarServer:
         client = session.client_id if session is not None else "-"
         with request_context(request.request_id, request.op, client):
             try:
-                body = self.handlers.handle(request, session, identity)
+                body = self.handlers.handle(request, session, identity, started)
                 reply = p.encode_reply(request.request_id, body)
             except p.ProtocolError as exc:
                 logger.debug("refused (%s): %s", exc.code, exc)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -111,6 +112,11 @@ class IpcMapping:
         return self.plan.chunk_nbytes(self.blocks_per_chunk)
 
 
+def past(expires: float | None) -> bool:
+    """Whether a client's deadline (``time.perf_counter()``; None: none) has passed."""
+    return expires is not None and time.perf_counter() >= expires
+
+
 def _check_extent(
     index: int, layer: p.KVLayerHandle, itemsize: int, device_nbytes: int | None
 ) -> None:
@@ -167,6 +173,8 @@ class IpcTransfers:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # a mapping's copies reached 0
         self.copy_failures: Counter[str] = Counter()  # op (save, load) -> failed copies
+        # op -> copies abandoned at the client's deadline (SAVE_BLOCKS / LOAD_BLOCKS)
+        self.expired: Counter[str] = Counter()
         self.fault = ""  # the CUDA fault that broke the GPU context; "" while healthy
 
     def _device(self, uuid: str) -> TransferDevice:
@@ -186,8 +194,10 @@ class IpcTransfers:
         with self._lock:
             devices = list(self._devices.values())
             failures = dict(self.copy_failures)
+            expired = dict(self.expired)
         return {
             "copy_failures": failures,
+            "expired": expired,
             "staging_fallbacks": sum(int(getattr(d, "fallbacks", 0)) for d in devices),
             "fault": self.fault,
         }
@@ -361,13 +371,21 @@ class IpcTransfers:
         session_id: str,
         body: p.SaveBlocksRequest,
         owner_key: str,
+        expires: float | None = None,
     ) -> p.CommitStoreReply:
-        """Reserve arena slots, gather the blocks into them on the GPU, commit."""
+        """Reserve arena slots, gather the blocks into them on the GPU, commit;
+        nothing is read past ``expires`` (``time.perf_counter()``; the client's
+        deadline: a client that gave up may hand the blocks to another request)."""
         with self._using(session_id) as mapping:
-            return self._save(mapping, body, owner_key, session_id)
+            return self._save(mapping, body, owner_key, session_id, expires)
 
     def _save(
-        self, mapping: IpcMapping, body: p.SaveBlocksRequest, owner_key: str, session_id: str
+        self,
+        mapping: IpcMapping,
+        body: p.SaveBlocksRequest,
+        owner_key: str,
+        session_id: str,
+        expires: float | None = None,
     ) -> p.CommitStoreReply:
         keys = body.keys
         blocks = body.block_ids
@@ -384,14 +402,18 @@ class IpcTransfers:
         try:
             mapping.device.gather(
                 mapping.plan, ids, addresses, mapping.blocks_per_chunk, body.after_event,
-                cancelled=mapping.closing.is_set,
+                cancelled=lambda: mapping.closing.is_set() or past(expires),
             )  # fmt: skip
         except Exception as exc:
-            self._copy_failed("save", session_id, exc)
+            if past(expires):  # the wait for vLLM's event outlasted the client's deadline
+                self.expired["save"] += 1
+            else:
+                self._copy_failed("save", session_id, exc)
             for _, slot in todo:
                 self.engine.abort(slot)
             return p.CommitStoreReply(committed=committed)
-        if mapping.closing.is_set():
+        if mapping.closing.is_set() or past(expires):
+            # Past the deadline the blocks read may already be another request's.
             # The session ended while its copy ran (its process died): what the
             # event guarded may be a dead forward pass's unfinished KV.
             for _, slot in todo:
@@ -401,13 +423,25 @@ class IpcTransfers:
             committed[i] = bool(self.engine.commit(slot))
         return p.CommitStoreReply(committed=committed)
 
-    def load(self, session_id: str, body: p.LoadBlocksRequest, owner_key: str) -> p.LoadBlocksReply:
-        """Lease the longest present prefix of the keys, scatter it on the GPU, release."""
+    def load(
+        self,
+        session_id: str,
+        body: p.LoadBlocksRequest,
+        owner_key: str,
+        expires: float | None = None,
+    ) -> p.LoadBlocksReply:
+        """Lease the longest present prefix of the keys, scatter it on the GPU,
+        release; no scatter starts past ``expires`` (as :meth:`save`'s)."""
         with self._using(session_id) as mapping:
-            return self._load(mapping, body, owner_key, session_id)
+            return self._load(mapping, body, owner_key, session_id, expires)
 
     def _load(
-        self, mapping: IpcMapping, body: p.LoadBlocksRequest, owner_key: str, session_id: str
+        self,
+        mapping: IpcMapping,
+        body: p.LoadBlocksRequest,
+        owner_key: str,
+        session_id: str,
+        expires: float | None = None,
     ) -> p.LoadBlocksReply:
         """Every run (one per request of a step) loads its longest present
         prefix; all of them in one scatter."""
@@ -423,6 +457,11 @@ class IpcTransfers:
             ids += [b for blocks in body.block_ids[start : start + len(got)] for b in blocks]
             per_run.append(len(got))
             start += n
+        if slots and past(expires):  # the client recomputes these blocks now
+            self.expired["load"] += 1
+            for slot in slots:
+                self.engine.release_lease(slot.lease_id)
+            slots, per_run = [], [0] * len(per_run)
         if not slots:
             return p.LoadBlocksReply(loaded=0, loaded_runs=per_run if body.runs else [])
         try:

@@ -18,7 +18,7 @@ where a GPU is, e.g. in the sidecar's CUDA image on a GPU node:
 5. ``killed-peer``: a worker SIGKILLed while the sidecar waits for its
    event (:mod:`kvstrata.testing.gpupeers`);
    and ``connector-stream``: host-mode loads on the connector's own stream
-   under concurrent compute, per-layer events (:mod:`kvstrata.testing.gpuconnector`);
+   under concurrent compute, the whole load before compute (:mod:`kvstrata.testing.gpuconnector`);
 6. ``bench``: ``kvstrata bench transfer`` (printed as JSON).
 
 The workers run in one PID namespace with this process, as the

@@ -15,6 +15,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from kvstrata.sidecar.config import config_from_dict
@@ -24,9 +25,14 @@ from kvstrata.sidecar.transfer.ipc import IpcTransfers
 from kvstrata.testing.shmdevice import SharedMemoryDevice
 
 
-def build(root: Path, gpu_uuid: str) -> tuple[StorageManager, SharedMemoryDevice, SidecarServer]:
+def build(
+    root: Path, gpu_uuid: str, opening: Callable[[], None] | None = None
+) -> tuple[StorageManager, SharedMemoryDevice, SidecarServer]:
     """The small engine, its stand-in GPU (known as ``gpu_uuid``) and the real
-    server over them, bound to nothing yet; in-process tests use it too."""
+    server over them, bound to nothing yet; in-process tests use it too.
+    ``opening``: called each time a registration opens the GPU, before it
+    is handed out (a test holds it there, as page-locking a large arena at
+    a first registration takes seconds)."""
     config = config_from_dict(
         {
             "chunk_size": 32,
@@ -41,6 +47,8 @@ def build(root: Path, gpu_uuid: str) -> tuple[StorageManager, SharedMemoryDevice
     def open_device(gpu: str) -> SharedMemoryDevice:
         if gpu != gpu_uuid:
             raise OSError(f"no GPU {gpu} visible here")
+        if opening is not None:
+            opening()
         return device
 
     server = SidecarServer(

@@ -226,7 +226,7 @@ def test_a_background_session_loads_through_the_same_handles(
             background,
             ChunkKeys([NAMESPACE.fingerprint()]),
             (layout,),
-            copies_for(layout.device, 1),
+            copies_for(layout.device),
         )
         loads = AsyncLoads(IpcPath(host, kv.registration()), 5.0, reports)
         blocks = [[6, 7], [0, 11]]

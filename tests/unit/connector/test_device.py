@@ -1,133 +1,61 @@
-"""The connector's CUDA copy ordering (connector.device.CudaCopies) without a GPU,
-and the graph-mode answer it rests on, read through vLLM's own config resolution.
+"""The connector's CUDA copy ordering (connector.device.CudaCopies) without a GPU.
 
-``torch.cuda``'s streams and events are replaced by :class:`RecordingStreams`,
-a double that records, in order, which stream waits for which event and
-where each event is recorded, so the ordering CudaCopies promises is checked
-step by step. What only a GPU shows is in tests/gpu.
+``torch.cuda``'s streams and events are replaced by
+:class:`~kvstrata.testing.streams.RecordingStreams`, a double that records,
+in order, which stream waits for which event and where each event is
+recorded, so the ordering CudaCopies promises is checked step by step.
+What only a GPU shows is in tests/gpu.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
 from kvstrata.connector import device as device_module
-from kvstrata.connector.connector import KVStrataConnector, hooks_skipped
-
-
-class RecordingStreams:
-    """A double of torch.cuda's streams and events (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple[str, str, str]] = []
-        self.compute = self.Stream(self, "compute")
-        self._events = 0
-
-    def Stream(self, owner: RecordingStreams | None = None, name: str = "", **_: Any) -> Any:
-        log = self
-
-        class _Stream:
-            def __init__(self) -> None:
-                self.name = name or "copy"
-
-            def wait_stream(self, other: Any) -> None:
-                log.log.append(("wait_stream", self.name, other.name))
-
-            def wait_event(self, event: Any) -> None:
-                log.log.append(("wait_event", self.name, event.name))
-
-            def synchronize(self) -> None:
-                log.log.append(("synchronize", self.name, ""))
-
-        return _Stream()
-
-    def Event(self, **_: Any) -> Any:
-        log = self
-        log._events += 1
-
-        class _Event:
-            name = f"event{log._events - 1}"
-
-            def record(self, stream: Any = None) -> None:
-                log.log.append(("record", self.name, stream.name))
-
-            def synchronize(self) -> None:
-                log.log.append(("event_synchronize", self.name, ""))
-
-        return _Event()
-
-    def current_stream(self, device: Any = None) -> Any:
-        return self.compute
-
-    @contextmanager
-    def stream(self, stream: Any) -> Iterator[None]:
-        yield
+from kvstrata.connector.connector import KVStrataConnector
+from kvstrata.testing.streams import RecordingStreams, unordered_launches
 
 
 @pytest.fixture
 def streams(monkeypatch: pytest.MonkeyPatch) -> RecordingStreams:
     double = RecordingStreams()
-    cuda = SimpleNamespace(
-        Stream=double.Stream,
-        Event=double.Event,
-        current_stream=double.current_stream,
-        stream=double.stream,
-    )
-    monkeypatch.setattr(device_module.torch, "cuda", cuda)
+    monkeypatch.setattr(device_module.torch, "cuda", double.as_torch_cuda())
     return double
 
 
-def test_a_step_replayed_as_a_full_graph_waits_for_the_whole_load_before_compute(
+def test_a_load_is_ordered_before_anything_vllm_queues_after_it(
     streams: RecordingStreams,
 ) -> None:
-    copies = device_module.CudaCopies(torch.device("cuda", 0), 3)
+    copies = device_module.CudaCopies(torch.device("cuda", 0))
+    streams.launch("previous step")
     with copies.loading():
-        for layer in range(3):
-            copies.layer_loaded(layer)
-    streams.log.clear()
-    copies.wait_for_all_loads()
-    # vLLM's stream waits for the last layer's event, recorded after every copy.
-    assert streams.log == [("wait_event", "compute", "event2")]
+        pass  # the copies
+    streams.launch("this step's forward")
+    # The copy stream waited for vLLM's queued work, and vLLM's stream for the copies.
+    assert streams.log[1] == ("wait_stream", "copy", "compute")
+    assert streams.log[-3:] == [
+        ("record", "event0", "copy"),
+        ("wait_event", "compute", "event0"),
+        ("launch", "compute", "this step's forward"),
+    ]
+    assert unordered_launches(streams.log) == []
 
 
-def test_a_copy_failing_part_way_still_leaves_every_wait_covering_what_was_queued(
+def test_a_copy_failing_part_way_still_orders_vllm_after_what_was_queued(
     streams: RecordingStreams,
 ) -> None:
-    copies = device_module.CudaCopies(torch.device("cuda", 0), 3)
+    copies = device_module.CudaCopies(torch.device("cuda", 0))
     with pytest.raises(RuntimeError), copies.loading():
-        copies.layer_loaded(0)
         raise RuntimeError("a copy of layer 1 failed")
-    # Layers 1 and 2 get their events recorded after what was queued ...
-    assert ("record", "event1", "copy") in streams.log
-    assert ("record", "event2", "copy") in streams.log
+    streams.launch("recompute of the blocks not loaded")
+    assert unordered_launches(streams.log) == []
     streams.log.clear()
-    copies.wait_for_layer(2)
     copies.loads_done()
-    # ... so vLLM's layer wait and the lease release both wait for them.
-    assert streams.log == [
-        ("wait_event", "compute", "event2"),
-        ("event_synchronize", "event2", ""),
-    ]
-
-
-@pytest.mark.parametrize(
-    ("mode", "skipped"),
-    [("NONE", False), ("PIECEWISE", False), ("FULL", True)],
-)
-def test_only_a_full_graph_replay_counts_as_skipping_the_layer_hooks(
-    mode: str, skipped: bool
-) -> None:
-    from vllm.config import CUDAGraphMode
-
-    context = SimpleNamespace(cudagraph_runtime_mode=CUDAGraphMode[mode])
-    assert hooks_skipped(context) is skipped
-    assert hooks_skipped(None) is True  # a context that does not say: the safe side
+    # The lease release waits for the same copies.
+    assert streams.log == [("event_synchronize", "event0", "")]
 
 
 def test_vllm_keeps_full_cuda_graphs_with_the_connector() -> None:
@@ -183,7 +111,7 @@ def test_the_arena_is_page_locked_off_the_step_and_unregistered_only_after(
     monkeypatch.setattr(cuda, "cudart", lambda: cudart, raising=False)
     monkeypatch.setattr(cuda, "set_device", devices_set.append, raising=False)
     monkeypatch.setattr(cuda, "synchronize", lambda device=None: None, raising=False)
-    copies = device_module.CudaCopies(torch.device("cuda", 1), 2)
+    copies = device_module.CudaCopies(torch.device("cuda", 1))
     arena = torch.zeros(4096, dtype=torch.uint8)
     copies.register_arena(arena)  # inside a step: must not wait for the registration
     assert cudart.entered.wait(10)
@@ -192,3 +120,22 @@ def test_the_arena_is_page_locked_off_the_step_and_unregistered_only_after(
     cudart.release.set()
     copies.unregister_arena()
     assert cudart.calls == ["register", "unregister"]
+
+
+def test_unregistering_the_arena_waits_for_our_copies_only_not_the_whole_device(
+    streams: RecordingStreams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cudart = BlockingCudart()
+    cudart.release.set()
+    device_waits: list[Any] = []
+    cuda = device_module.torch.cuda
+    monkeypatch.setattr(cuda, "cudart", lambda: cudart, raising=False)
+    monkeypatch.setattr(cuda, "set_device", lambda device: None, raising=False)
+    monkeypatch.setattr(cuda, "synchronize", device_waits.append, raising=False)
+    copies = device_module.CudaCopies(torch.device("cuda", 0))
+    copies.register_arena(torch.zeros(4096, dtype=torch.uint8))
+    streams.log.clear()
+    copies.unregister_arena()  # a sidecar restart re-maps the arena inside a step
+    assert cudart.calls == ["register", "unregister"]
+    assert streams.log == [("synchronize", "copy", "")]  # the copy stream, before unregister
+    assert device_waits == []  # vLLM's queued compute is not waited for
