@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.kvstrata-deps
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_PACKAGES := redis-server prometheus etcd-server iproute2
 
-.PHONY: help demo test test-fast bench lint format dev venv system-deps clean docs
+.PHONY: help demo test test-fast bench lint format dev venv system-deps clean docs gpu-kit
 .PHONY: images push-images image-names image-deps image-test
 
 help:
@@ -18,6 +18,7 @@ help:
 	@echo "make bench  - every benchmark, JSON into bench/results/"
 	@echo "make lint   - ruff check + ruff format --check"
 	@echo "make dev    - re-install in place (after changing csrc/ or the entry points)"
+	@echo "make gpu-kit - build/gpu-kit: the GPU checks for an offline GPU machine (run.sh there)"
 	@echo "make docs   - regenerate the reference pages (docs/, chart README) from the code"
 	@echo "make images - the operator, sidecar and sidecar-cuda images (REGISTRY=, IMAGE_TAG=)"
 	@echo "make push-images - push them;  make image-test - build and run them here"
@@ -76,6 +77,13 @@ test: system-deps image-deps dev lint
 # kvcache.md, the chart's README and its copy of crds/kvcache.yaml.
 docs: dev
 	$(BIN)/python -m kvstrata.refdocs .
+
+# The GPU checks as a folder (<= 60 MiB) for a machine with a CUDA GPU, Python 3.12
+# and PyTorch but no network: source, wheels, and run.sh, which installs, builds
+# csrc and prints one line per check (kvstrata.testing.gpukit_build says more).
+GPU_KIT ?= build/gpu-kit
+gpu-kit: $(STAMP)
+	$(BIN)/python -m kvstrata.testing.gpukit_build $(GPU_KIT)
 
 test-fast: dev
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
