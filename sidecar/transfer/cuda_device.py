@@ -16,9 +16,10 @@ What lives here, per sidecar process::
                           its copy path and, for "staging", its staging buffer
 
 Ordering contract of :class:`CudaDevice` (the ``TransferDevice`` protocol):
-``gather`` makes the device's stream wait for the peer's interprocess event
-(vLLM records it after the forward pass that wrote the blocks), launches the
-kernel, and synchronises the stream; ``scatter`` launches and synchronises.
+``gather`` and ``scatter`` wait on the host, boundedly, for the peer's
+interprocess event (vLLM records it after the forward pass that wrote the
+blocks, or after the step a load must follow), launch the kernel and
+synchronise the stream.
 So a copy has finished when the call returns, before the sidecar commits a
 slot or replies to LOAD_BLOCKS, and vLLM's next kernels (queued after that
 reply) see the loaded blocks. Copies of one device are serialised by a lock,
@@ -327,11 +328,11 @@ class CudaDevice:
                     f"querying the peer's event on device {self.index}: {exc}"
                 ) from None
             if cancelled is not None and cancelled():
-                raise CudaDeviceError("the session ended while its save waited for vLLM's event")
+                raise CudaDeviceError("the session ended while its copy waited for vLLM's event")
             if time.monotonic() >= deadline:
                 raise CudaDeviceError(
                     f"vLLM's event did not complete within {self.peer_event_timeout_s} s "
-                    "(its process may have died); the save is dropped"
+                    "(its process may have died); the copy is dropped"
                 )
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
@@ -343,16 +344,23 @@ class CudaDevice:
         chunk_addresses: Sequence[int],
         blocks_per_chunk: int,
         after_event: bytes | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> None:
         """Arena chunks -> paged KV, after the peer's event (vLLM's queued work,
         which may still use these blocks); done when it returns (errors as
-        :meth:`gather`)."""
+        :meth:`gather`).
+
+        The event is waited for as in :meth:`gather`, on the host and without
+        the device lock: a device-side wait on the event of a vLLM killed
+        mid-step may never end, and the stream sync after it would hold every
+        session's copies and the dead worker's mapping with it.
+        """
+        if after_event is not None:
+            self._wait_for_peer(after_event, cancelled)
         with self._lock:
             self._check_open()
             try:
                 self._lib.set_device(self.index)
-                if after_event is not None:
-                    self._lib.stream_wait_ipc_event(self.index, self.stream, after_event)
                 batch = self._batch_chunks(plan, blocks_per_chunk)
                 if batch:
                     self._staged(

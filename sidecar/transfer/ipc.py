@@ -85,8 +85,10 @@ class TransferDevice(Protocol):
         chunk_addresses: Sequence[int],
         blocks_per_chunk: int,
         after_event: bytes | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> None:
-        """Chunks in the arena -> paged KV, after the peer's event (if any)."""
+        """Chunks in the arena -> paged KV, after the peer's event (if any);
+        gives up (raising) once ``cancelled()`` is true, as :meth:`gather`."""
         ...
 
     def arena_address(self, offset: int) -> int:
@@ -105,6 +107,7 @@ class IpcMapping:
     meta: ChunkMeta  # dtype and shape recorded with every chunk saved
     copies: int = 0  # copies running on it now (its handles stay open until 0)
     closing: threading.Event = field(default_factory=threading.Event)  # a waiting copy gives up
+    detached: bool = False  # out of the table: the last copy to end closes the handles
 
     @property
     def chunk_nbytes(self) -> int:
@@ -165,7 +168,6 @@ class IpcTransfers:
         self._devices: dict[str, TransferDevice] = {}
         self._mappings: dict[str, IpcMapping] = {}
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)  # a mapping's copies reached 0
         self.copy_failures: Counter[str] = Counter()  # op (save, load) -> failed copies
         self.fault = ""  # the CUDA fault that broke the GPU context; "" while healthy
 
@@ -288,10 +290,13 @@ class IpcTransfers:
     def close(self, session_id: str) -> bool:
         """Close a session's handles; whether it had any.
 
-        Waits for the copies already running on them: a handle closed under
-        a running kernel is an illegal address, which would break the
-        sidecar's CUDA context for every session. No new copy can start once
-        the mapping is out of the table.
+        Never waits for the copies already running on them (the liveness
+        thread calls this for every dead session, and one wedged copy must
+        not keep the others mapped): a handle closed under a running kernel
+        is an illegal address, which would break the sidecar's CUDA context
+        for every session, so the last of those copies closes the handles
+        when it ends. Copies waiting for the peer's event give up at once.
+        No new copy can start once the mapping is out of the table.
         """
         with self._lock:
             mapping = self._mappings.pop(session_id, None)
@@ -302,10 +307,18 @@ class IpcTransfers:
         return True
 
     def _close_mapping(self, session_id: str, mapping: IpcMapping) -> None:
-        """Close the handles of a mapping already out of the table, once the
-        copies running on it are done."""
+        """Close the handles of a mapping already out of the table now, or, while
+        copies run on it, have the last of them do it (see :meth:`close`)."""
         with self._lock:
-            self._idle.wait_for(lambda: mapping.copies == 0)
+            mapping.detached = True
+            running = mapping.copies
+        if running:
+            logger.info("session %s: IPC handles close when its %d running copies end",
+                        session_id[:8], running)  # fmt: skip
+            return
+        self._release_handles(session_id, mapping)
+
+    def _release_handles(self, session_id: str, mapping: IpcMapping) -> None:
         for address in mapping.opened:
             try:
                 mapping.device.close_memory(address)
@@ -327,7 +340,9 @@ class IpcTransfers:
         finally:
             with self._lock:
                 mapping.copies -= 1
-                self._idle.notify_all()
+                last = mapping.copies == 0 and mapping.detached
+            if last:  # the session ended while this copy ran
+                self._release_handles(session_id, mapping)
 
     def _check_blocks(
         self, mapping: IpcMapping, block_ids: list[list[int]], *, save: bool = False
@@ -428,8 +443,9 @@ class IpcTransfers:
         try:
             addresses = [mapping.device.arena_address(s.offset) for s in slots]
             mapping.device.scatter(
-                mapping.plan, ids, addresses, mapping.blocks_per_chunk, body.after_event
-            )
+                mapping.plan, ids, addresses, mapping.blocks_per_chunk, body.after_event,
+                cancelled=mapping.closing.is_set,
+            )  # fmt: skip
         except Exception as exc:
             self._copy_failed("load", session_id, exc)
             per_run = [0] * len(per_run)

@@ -88,6 +88,7 @@ class SharedMemoryDevice:
         chunk_addresses: Sequence[int],
         blocks_per_chunk: int,
         after_event: bytes | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> None:
         if after_event is not None:
             self.events_waited.append(after_event)
