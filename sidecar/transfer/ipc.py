@@ -11,11 +11,14 @@ State, one :class:`IpcMapping` per session (never shared between
 sessions)::
 
     session_id -> IpcMapping(device, opened handles, CopyPlan, chunk dtype/shape)
+    session_id -> _Registering(count, ended)   while a REGISTER_KV opens handles
 
 A mapping lives exactly as long as its session: the handles are closed
 when the session ends for any reason (END, replaced by a new HELLO,
 reaped as idle, or its process gone, which the liveness socket reports at
-once), so no GPU memory of a dead vLLM stays mapped here.
+once), so no GPU memory of a dead vLLM stays mapped here. A session that
+ends while its REGISTER_KV is still opening handles is marked ended, and
+that registration closes what it opened instead of keeping it.
 
 The GPU is reached through a :class:`TransferDevice` (the CUDA one is
 :class:`~kvstrata.sidecar.transfer.cuda_device.CudaDevice`). Nothing here
@@ -153,6 +156,14 @@ STICKY_CUDA_ERRORS = frozenset(
 )
 
 
+@dataclass(slots=True)
+class _Registering:
+    """REGISTER_KVs of one session in flight, and whether the session ended meanwhile."""
+
+    count: int = 0
+    ended: bool = False
+
+
 class IpcTransfers:
     """The ipc-mode ops against the engine (see the module docstring).
 
@@ -167,6 +178,9 @@ class IpcTransfers:
         self._open_device = open_device
         self._devices: dict[str, TransferDevice] = {}
         self._mappings: dict[str, IpcMapping] = {}
+        # Sessions whose REGISTER_KV is opening handles now -> set once the session
+        # ended meanwhile: the registration then closes what it opened, never inserts.
+        self._registering: dict[str, _Registering] = {}
         self._lock = threading.Lock()
         self.copy_failures: Counter[str] = Counter()  # op (save, load) -> failed copies
         self.fault = ""  # the CUDA fault that broke the GPU context; "" while healthy
@@ -221,6 +235,20 @@ class IpcTransfers:
         once the new one is complete (a refused registration leaves the one that
         worked in place: the worker's copies keep running on it)."""
         self._check_healthy()
+        with self._lock:
+            registering = self._registering.setdefault(session_id, _Registering())
+            registering.count += 1
+        try:
+            return self._register(session_id, body, registering)
+        finally:
+            with self._lock:
+                registering.count -= 1
+                if registering.count == 0:
+                    del self._registering[session_id]
+
+    def _register(
+        self, session_id: str, body: p.RegisterKVRequest, registering: _Registering
+    ) -> p.RegisterKVReply:
         try:
             device = self._device(body.device_uuid)
         except OSError as exc:
@@ -274,8 +302,15 @@ class IpcTransfers:
             meta=ChunkMeta(dtype=body.dtype, shape=(chunk_nbytes // body.itemsize,)),
         )
         with self._lock:
-            old = self._mappings.get(session_id)
-            self._mappings[session_id] = mapping
+            ended = registering.ended
+            old = None if ended else self._mappings.get(session_id)
+            if not ended:
+                self._mappings[session_id] = mapping
+        if ended:
+            # close() ran while the handles were being opened and found nothing to
+            # close: inserting now would keep them mapped with no session to end them.
+            self._release_handles(session_id, mapping)
+            raise p.ProtocolError(p.E_BAD_REQUEST, "REGISTER_KV: the session ended meanwhile")
         if old is not None:
             self._close_mapping(session_id, old)
         logger.info(
@@ -299,10 +334,13 @@ class IpcTransfers:
         No new copy can start once the mapping is out of the table.
         """
         with self._lock:
+            registering = self._registering.get(session_id)
+            if registering is not None:
+                registering.ended = True  # its handles are closed by the registration
             mapping = self._mappings.pop(session_id, None)
             if mapping is None:
-                return False
-            mapping.closing.set()  # a save waiting for the dead peer's event stops
+                return registering is not None
+            mapping.closing.set()  # a copy waiting for the dead peer's event stops
         self._close_mapping(session_id, mapping)
         return True
 

@@ -441,6 +441,50 @@ def test_a_session_ending_during_a_copy_closes_its_handles_only_after_the_copy(
         engine.close()
 
 
+def test_a_session_ending_while_its_registration_opens_handles_leaves_nothing_mapped(
+    tmp_path: Path, kv: SharedKV
+) -> None:
+    # The worker dies (its liveness socket closes) while its REGISTER_KV is
+    # still opening handles: close() finds no mapping yet, so the registration
+    # itself must close what it opened instead of inserting it.
+    engine = in_process_engine(tmp_path)
+    held = HeldCopy()
+
+    class SlowOpen(SharedMemoryDevice):
+        def open_memory(self, handle: bytes) -> int:
+            address = super().open_memory(handle)
+            held.hold()
+            return address
+
+    device = SlowOpen(engine.arena.address())
+    ipc = IpcTransfers(engine, lambda gpu: device)
+    try:
+        outcome: list[object] = []
+
+        def register() -> None:
+            try:
+                outcome.append(ipc.register("s1", kv.registration()))
+            except p.ProtocolError as exc:
+                outcome.append(exc)
+
+        registrar = threading.Thread(target=register)
+        registrar.start()
+        assert held.entered.wait(10)  # a handle is open, the mapping not yet in the table
+        assert ipc.close("s1")  # the session ends
+        held.release.set()
+        registrar.join(10)
+        assert not registrar.is_alive()
+        assert isinstance(outcome[0], p.ProtocolError), outcome
+        assert "ended" in str(outcome[0])
+        assert len(ipc) == 0 and device.open_handles == 0
+        # A later session registers as usual: nothing of the race is left over.
+        ipc.register("s2", kv.registration())
+        assert ipc.close("s2") and device.open_handles == 0
+    finally:
+        held.release.set()
+        engine.close()
+
+
 def test_a_load_whose_leases_expired_during_its_copy_is_reported_as_not_loaded(
     tmp_path: Path, kv: SharedKV
 ) -> None:
