@@ -123,6 +123,7 @@ class ArenaRegistration:
         self._lib = lib
         self.host_address = arena.address()
         self.size = arena.size
+        self.device: int | None = None  # the first device mapped: current when unregistering
         try:
             _, self.owned = lib.host_register(self.host_address, self.size)
         except KernelError as exc:
@@ -138,6 +139,8 @@ class ArenaRegistration:
         except KernelError as exc:
             raise _failed(f"mapping the arena for device {device}", exc) from None
         self.owned = self.owned or registered
+        if self.device is None:
+            self.device = device
         return address
 
     def close(self) -> None:
@@ -147,6 +150,10 @@ class ArenaRegistration:
         self._closed = True
         if self.owned:
             try:
+                # A runtime call on a thread with no device chosen runs on device 0
+                # and creates a context there (maybe another pod's GPU): choose ours.
+                if self.device is not None:
+                    self._lib.set_device(self.device)
                 self._lib.host_unregister(self.host_address)
             except KernelError:
                 logger.exception("unregistering the arena from CUDA failed")
@@ -473,6 +480,9 @@ class CudaDevice:
             if self._closed:
                 return
             self._closed = True
+            # Closing may run on any thread (shutdown, a test): one that never chose a
+            # device would create a context on device 0 at its first runtime call.
+            self._quietly("cudaSetDevice", self._lib.set_device, self.index)
             leftover = list(self._opened.elements())
             self._opened.clear()
             if leftover:

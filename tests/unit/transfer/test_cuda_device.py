@@ -915,3 +915,84 @@ def test_closing_a_session_never_waits_for_its_wedged_copy_whose_end_closes_the_
         lib.release.set()
         devices.close()
         engine.close()
+
+
+def test_closing_from_a_thread_that_chose_no_device_runs_every_call_on_the_sessions_gpu(
+    arena: Arena,
+) -> None:
+    # The sidecar sees every GPU of the node; its vLLM's is device 1 here. A thread
+    # that never chose a device (shutdown, the liveness thread) is on device 0 for
+    # the runtime, and its first call there would create a context on another pod's
+    # GPU: closing must choose device 1 before anything else.
+    lib = RecordingCuda({GPU0: 0, GPU1: 1})
+    devices = CudaDevices(lib, arena)  # type: ignore[arg-type]
+    devices(GPU1)
+    lib.calls.clear()
+    lib.current = 0  # what a fresh thread's runtime state says
+
+    seen: list[tuple[str, int]] = []
+    for name in ("synchronize", "stream_destroy", "host_unregister"):
+        wrapped = getattr(lib, name)
+
+        def record(*args: Any, _name: str = name, _fn: Any = wrapped) -> Any:
+            seen.append((_name, lib.current))
+            return _fn(*args)
+
+        setattr(lib, name, record)
+    devices.close()
+
+    assert seen == [("synchronize", 1), ("stream_destroy", 1), ("host_unregister", 1)]
+    assert ("set_device", 0) not in lib.calls
+
+
+GUARD_TRACE = r"""
+#include <cstdio>
+#include "kvs_device_guard.h"
+
+// A recording stand-in for the CUDA runtime (named as such): the device the thread
+// has current, whether a context is current, and every cudaSetDevice.
+struct Recording {
+  int current;
+  bool context;
+  int sets = 0;
+  int set_to[8];
+  int get_device(int* d) { *d = current; return 0; }
+  int set_device(int d) { set_to[sets++] = d; current = d; context = true; return 0; }
+  bool has_current_context() { return context; }
+};
+
+int main() {
+  const int cases[][3] = {{0, 0, 1}, {0, 1, 1}, {2, 1, 1}, {1, 1, 1}, {1, 0, 1}};
+  for (const auto& c : cases) {
+    Recording rt{c[0], c[1] != 0};
+    { kvs::DeviceGuard<Recording> guard(rt, c[2]); }
+    std::printf("%d %d %d ->", c[0], c[1], c[2]);
+    for (int i = 0; i < rt.sets; ++i) std::printf(" %d", rt.set_to[i]);
+    std::printf("\n");
+  }
+  return 0;
+}
+"""
+
+
+def test_the_device_guard_gives_a_device_back_only_where_a_context_was_current(
+    tmp_path: Path,
+) -> None:
+    # csrc/kvs_device_guard.h compiled with the host compiler over a recording runtime.
+    cxx = csrc_build.find_cxx()
+    if cxx is None:
+        pytest.skip("no C++ compiler on this machine")
+    source = tmp_path / "guard.cpp"
+    source.write_text(GUARD_TRACE)
+    binary = tmp_path / "guard"
+    csrc = csrc_build.repo_csrc_dir()
+    assert csrc is not None
+    subprocess.run([cxx, "-std=c++17", f"-I{csrc}", "-o", str(binary), str(source)], check=True)
+    trace = subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout
+    assert trace.splitlines() == [
+        "0 0 1 -> 1",  # a fresh thread: switch to the target, never set device 0
+        "0 1 1 -> 1 0",  # torch had device 0 current (its context exists): given back
+        "2 1 1 -> 1 2",
+        "1 1 1 ->",  # already there: no call at all
+        "1 0 1 ->",
+    ]
