@@ -299,7 +299,11 @@ class IpcTransfers:
             opened=list(opened.values()),
             plan=plan,
             blocks_per_chunk=body.blocks_per_chunk,
-            meta=ChunkMeta(dtype=body.dtype, shape=(chunk_nbytes // body.itemsize,)),
+            # The shape a host-mode worker of the same layout expects: what one pod
+            # saves loads in another that shares the tier, whichever mode each runs.
+            meta=ChunkMeta(
+                dtype=body.dtype, shape=plan.chunk_shape(body.blocks_per_chunk, body.itemsize)
+            ),
         )
         with self._lock:
             ended = registering.ended

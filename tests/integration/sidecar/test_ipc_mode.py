@@ -485,6 +485,38 @@ def test_a_session_ending_while_its_registration_opens_handles_leaves_nothing_ma
         engine.close()
 
 
+def test_a_chunk_saved_in_ipc_mode_fits_a_host_mode_worker_of_the_same_layout(
+    tmp_path: Path, kv: SharedKV
+) -> None:
+    # Two pods share a tier, one in ipc mode, one in host mode: a chunk the first
+    # saved must carry the dtype and shape the second's loads check (slot_fits).
+    from kvstrata.connector.arena_view import slot_fits
+    from kvstrata.connector.client import ArenaSlot
+    from kvstrata.connector.layout import detect_layout
+
+    engine = in_process_engine(tmp_path)
+    device = SharedMemoryDevice(engine.arena.address())
+    ipc = IpcTransfers(engine, lambda gpu: device)
+    try:
+        ipc.register("s1", kv.registration())
+        body = p.SaveBlocksRequest(keys=keys(1, "shared-tier"), block_ids=[[1, 2]], owner="o")
+        assert ipc.save("s1", body, "s1/o").committed == [True]
+        ipc.close("s1")
+        layout = detect_layout(
+            kv.case.layers, kv_cache_layout=None, blocks_per_chunk=BLOCKS_PER_CHUNK, block_dim=0
+        )
+        slot = engine.acquire(body.keys[0], "host-worker")
+        assert slot is not None
+        seen = ArenaSlot(
+            slot.lease_id, slot.offset, slot.length, slot.meta.dtype, tuple(slot.meta.shape)
+        )
+        assert seen.shape == layout.chunk_shape
+        assert slot_fits(seen, layout)
+        engine.release_lease(slot.lease_id)
+    finally:
+        engine.close()
+
+
 def test_a_load_whose_leases_expired_during_its_copy_is_reported_as_not_loaded(
     tmp_path: Path, kv: SharedKV
 ) -> None:
