@@ -216,8 +216,8 @@ class IpcTransfers:
             if getattr(exc, "name", "") in STICKY_CUDA_ERRORS and not self.fault:
                 self.fault = f"{op}: {exc}"
                 logger.critical(
-                    "the GPU context is broken (%s): ipc calls are refused and /readyz "
-                    "fails until the sidecar restarts",
+                    "the GPU context is broken (%s): ipc calls are refused, sessions move "
+                    "to host mode until the sidecar restarts",
                     exc,
                 )
 

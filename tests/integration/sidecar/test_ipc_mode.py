@@ -573,7 +573,7 @@ def test_a_load_waits_for_the_event_vllm_recorded_before_it_fills_blocks(
         client.close()
 
 
-def test_a_cuda_fault_turns_the_sidecar_not_ready_refuses_ipc_and_is_exported(
+def test_a_cuda_fault_moves_ipc_sessions_to_host_mode_keeps_the_sidecar_ready_and_is_exported(
     sidecar: InProcessSidecar, kv: SharedKV
 ) -> None:
     from prometheus_client import generate_latest
@@ -591,17 +591,34 @@ def test_a_cuda_fault_turns_the_sidecar_not_ready_refuses_ipc_and_is_exported(
     try:
         client.register_kv(kv.registration())
         assert client.ipc.save_blocks(keys(1, "before"), [[1, 2]], None, "r") == [True]
-        assert sidecar.server.ready
+        assert client.transfer_mode == "ipc"
         sidecar.device.gather = illegal_address  # type: ignore[method-assign]
         assert client.ipc.save_blocks(keys(1, "fault"), [[3, 4]], None, "r") == [False]
-        assert not sidecar.server.ready
-        # Every later ipc call is refused at once with the reason ...
+        # The pod stays in its Service: the sidecar is still ready ...
+        assert sidecar.server.ready
+        # ... and the worker's session ended: its next call says HELLO again and
+        # is granted host mode, with the fault as the reason (a miss, not an error).
         assert client.ipc.load_blocks(keys(1, "before"), [[5, 6]], "r") is None
-        assert client.errors.get(p.E_UNSUPPORTED) == 1
-        # ... and the metrics say what happened.
+        assert client.transfer_mode == "host"
+        assert "GPU context is broken" in client.ipc_fallback_reason
+        assert len(sidecar.ipc) == 0  # nothing mapped for a session that ended
+        # Host mode serves: the chunk saved before the fault is found.
+        found = client.lookup(keys(1, "before"), prefetch=False, owner="r")
+        assert found is not None and found.hit_chunks == 1
+        # A new worker asking for ipc gets host mode and the reason.
+        other = ipc_client(sidecar.endpoint)
+        try:
+            assert other.stats() is not None
+            assert other.transfer_mode == "host"
+        finally:
+            other.close()
+        # The fault is said where an operator looks: metrics and /status.
         text = generate_latest(sidecar.server.metrics.registry).decode()
         assert 'kvstrata_ipc_copy_failures_total{op="save"} 1.0' in text
         assert "kvstrata_ipc_gpu_faulted 1.0" in text
+        status = sidecar.server.status()
+        assert "illegal memory access" in status["gpu_fault"] and status["ready"]
+        assert status["transfer_modes"] == ["host"]
     finally:
         client.close()
 
