@@ -259,4 +259,30 @@ KVS_API int kvs_cuda_memcpy_async(uint64_t dst, uint64_t src, uint64_t nbytes, u
                                    kvs::as_stream(stream)));
 }
 
+KVS_API int kvs_cuda_memcpy_batch_async(const uint64_t* dsts, const uint64_t* srcs,
+                                        const uint64_t* sizes, uint64_t count,
+                                        int32_t src_access_any, uint64_t stream) {
+  if (count == 0) return cudaSuccess;
+#if CUDART_VERSION >= 12080
+  // One attribute for the whole batch (attrsIdxs {0}); the pointer arrays are read
+  // during the call only. uint64_t and void*/size_t have one size on the 64-bit
+  // platforms this library builds for.
+  static_assert(sizeof(void*) == sizeof(uint64_t) && sizeof(size_t) == sizeof(uint64_t),
+                "64-bit addresses and sizes");
+  cudaMemcpyAttributes attrs;
+  memset(&attrs, 0, sizeof(attrs));
+  attrs.srcAccessOrder =
+      src_access_any ? cudaMemcpySrcAccessOrderAny : cudaMemcpySrcAccessOrderStream;
+  size_t first = 0;
+  return kvs::done(cudaMemcpyBatchAsync(reinterpret_cast<void* const*>(dsts),
+                                        reinterpret_cast<const void* const*>(srcs),
+                                        reinterpret_cast<const size_t*>(sizes),
+                                        static_cast<size_t>(count), &attrs, &first, 1,
+                                        kvs::as_stream(stream)));
+#else
+  (void)dsts, (void)srcs, (void)sizes, (void)src_access_any, (void)stream;
+  return cudaErrorNotSupported;
+#endif
+}
+
 }  // extern "C"
