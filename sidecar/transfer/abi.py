@@ -63,9 +63,13 @@ CUDA_IPC_ARGTYPES: dict[str, list[Any]] = {
     "kvs_cuda_free": [ctypes.c_int32, ctypes.c_uint64],
     "kvs_cuda_memcpy_async": [ctypes.c_uint64] * 4,
     "kvs_cuda_memcpy_batch_async": [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int32,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
         ctypes.c_uint64,
-    ],  # fmt: skip
+        ctypes.c_int32,
+        ctypes.c_uint64,
+    ],
 }
 
 

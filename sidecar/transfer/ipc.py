@@ -20,7 +20,8 @@ once), so no GPU memory of a dead vLLM stays mapped here. A session that
 ends while its REGISTER_KV is still opening handles is marked ended, and
 that registration closes what it opened instead of keeping it.
 
-The GPU is reached through a :class:`TransferDevice` (the CUDA one is
+The GPU is reached through a
+:class:`~kvstrata.sidecar.transfer.ipc_device.TransferDevice` (the CUDA one is
 :class:`~kvstrata.sidecar.transfer.cuda_device.CudaDevice`). Nothing here
 imports torch.
 """
@@ -31,12 +32,13 @@ import contextlib
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.objformat import ChunkMeta
+from kvstrata.sidecar.transfer.ipc_device import STICKY_CUDA_ERRORS, TransferDevice
 from kvstrata.sidecar.transfer.plan import (
     CopyPlan,
     TensorGeometry,
@@ -51,52 +53,6 @@ if TYPE_CHECKING:
     from kvstrata.sidecar.leases import Slot
 
 logger = logging.getLogger(__name__)
-
-
-class TransferDevice(Protocol):
-    """One GPU as the sidecar uses it in ipc mode. Every call is synchronous:
-    a copy has finished (or failed, raising) when it returns."""
-
-    def open_memory(self, handle: bytes) -> int:
-        """Map a peer's allocation; its device address. Raises OSError."""
-        ...
-
-    def close_memory(self, address: int) -> None: ...
-
-    def mapped_nbytes(self, address: int) -> int | None:
-        """How many bytes the allocation opened at ``address`` has; None when
-        the device cannot tell (the worker's ``mapped_nbytes`` is then the bound)."""
-        ...
-
-    def gather(
-        self,
-        plan: CopyPlan,
-        block_ids: Sequence[int],
-        chunk_addresses: Sequence[int],
-        blocks_per_chunk: int,
-        after_event: bytes | None,
-        cancelled: Callable[[], bool] | None = None,
-    ) -> None:
-        """Paged KV -> chunks in the arena, after the peer's event (if any);
-        gives up (raising) once ``cancelled()`` is true: the session ended."""
-        ...
-
-    def scatter(
-        self,
-        plan: CopyPlan,
-        block_ids: Sequence[int],
-        chunk_addresses: Sequence[int],
-        blocks_per_chunk: int,
-        after_event: bytes | None = None,
-        cancelled: Callable[[], bool] | None = None,
-    ) -> None:
-        """Chunks in the arena -> paged KV, after the peer's event (if any);
-        gives up (raising) once ``cancelled()`` is true, as :meth:`gather`."""
-        ...
-
-    def arena_address(self, offset: int) -> int:
-        """The device-visible address of arena byte ``offset``."""
-        ...
 
 
 @dataclass(slots=True)
@@ -136,24 +92,6 @@ def _check_extent(
             f"layer {index}: shape {layer.shape} strides {layer.strides} at offset "
             f"{layer.offset} reach byte {extent}, past the {limit} bytes mapped"
         )
-
-
-# cudaError_t names after which the CUDA context is unusable: every later call
-# of the process fails too (CUDA Runtime API, "sticky" errors).
-STICKY_CUDA_ERRORS = frozenset(
-    {
-        "cudaErrorIllegalAddress",
-        "cudaErrorLaunchFailure",
-        "cudaErrorHardwareStackError",
-        "cudaErrorIllegalInstruction",
-        "cudaErrorMisalignedAddress",
-        "cudaErrorInvalidAddressSpace",
-        "cudaErrorInvalidPc",
-        "cudaErrorAssert",
-        "cudaErrorECCUncorrectable",
-        "cudaErrorUnknown",
-    }
-)
 
 
 @dataclass(slots=True)
