@@ -101,7 +101,7 @@ def _case(layout: str, num_blocks: int, device: str) -> Any:
     import torch
 
     from kvstrata.connector.layout import detect_layout
-    from kvstrata.testing.kvlayouts import vllm_layers
+    from kvstrata.testing.kvlayouts import layout_to_check, vllm_layers
 
     case = vllm_layers(
         layout,
@@ -114,7 +114,10 @@ def _case(layout: str, num_blocks: int, device: str) -> Any:
         device=device,
     )
     return detect_layout(
-        case.layers, kv_cache_layout=layout, blocks_per_chunk=CHUNK_TOKENS // BLOCK
+        case.layers,
+        kv_cache_layout=layout_to_check(layout),
+        blocks_per_chunk=CHUNK_TOKENS // BLOCK,
+        block_dim=0,
     )
 
 

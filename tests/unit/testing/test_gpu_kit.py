@@ -97,3 +97,31 @@ def test_the_kit_runs_every_check_the_gpu_machine_must_show() -> None:
         "kernels", "torch-copier", "connector-stream", "handle-format", "ipc-round-trip",
         "handle-cleanup", "killed-peer-save", "killed-peer-load", "device-context", "bench",
     ]  # fmt: skip
+
+
+# vLLM made unimportable in a child process, as on the GPU machines the kit is for.
+WITHOUT_VLLM = """
+import importlib.abc, sys
+class NoVllm(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "vllm" and name not in sys.modules:
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, NoVllm())
+from kvstrata.bench import transfer
+from kvstrata.sidecar.transfer import kernels
+from kvstrata.testing import gpukit, selftest
+selftest.check_kernels(kernels.load_host(), device="cpu")
+selftest.check_torch_copier(device="cpu")
+transfer._case("BLNHC", 8, "cpu")
+handle = bytes([2]) + b"c" + bytes(range(64))
+assert gpukit._connector_ipc().cuda_memory_handle(handle) == bytes(range(64))
+print("checked without vLLM")
+"""
+
+
+def test_the_kits_checks_run_where_vllm_cannot_be_imported() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_VLLM], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "checked without vLLM" in done.stdout
