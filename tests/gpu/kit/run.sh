@@ -41,6 +41,18 @@ fi
 echo ">> venv over $("$PY" -c 'import sys; print(sys.executable)') with the kit's wheels"
 VENV="$WORK/venv"
 "$PY" -m venv --system-site-packages "$VENV" || exit 3
+# Where python3 is itself a venv (the lent machines': /opt/torch/.venv), the new
+# venv's "system" packages are the base interpreter's, not torch's: name the
+# interpreter's own site directories in a .pth, after the kit venv's own, so torch
+# and what the machine has are seen (and pip does not install them again).
+"$VENV/bin/python" - "$PY" <<'PY' || exit 3
+import pathlib, subprocess, sys, sysconfig
+shown = subprocess.run(
+    [sys.argv[1], "-c", "import sys; print(chr(10).join(p for p in sys.path if p.endswith('-packages')))"],
+    capture_output=True, text=True, check=True).stdout.split()
+mine = pathlib.Path(sysconfig.get_paths()["purelib"])
+(mine / "zz-kvstrata-kit-machine.pth").write_text("".join(f"{p}\n" for p in shown if p))
+PY
 "$VENV/bin/python" -m pip install -q --no-index --find-links "$KIT/wheels" \
   --disable-pip-version-check -r "$KIT/requirements.txt" || exit 3
 export PYTHONPATH="$KIT/kvstrata/src${PYTHONPATH:+:$PYTHONPATH}"

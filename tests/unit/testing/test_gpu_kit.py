@@ -66,22 +66,34 @@ def test_the_kit_driver_stops_at_once_saying_no_cuda_device(kit: Path, tmp_path:
     assert not (tmp_path / "work" / "venv").exists()  # nothing installed before the check
 
 
-def test_the_kit_installs_its_wheels_offline_and_imports_what_the_checks_need(
+def test_the_kit_installs_its_wheels_offline_over_a_venv_python_and_imports_what_it_needs(
     kit: Path, tmp_path: Path
 ) -> None:
+    # The lent machines' python3 is itself a venv (/opt/torch/.venv) holding torch
+    # and numpy: here a venv of Python 3.12 holding numpy plays it. The kit's venv
+    # must see its packages (not install numpy again) and import what the checks do.
     interpreter = python312()
     if interpreter is None:
         pytest.skip("no Python 3.12 on this machine to install the cp312 wheels into")
-    env = {
-        **os.environ, "PYTHON": interpreter, "KVSTRATA_KIT_WORK": str(tmp_path / "work"),
-        "PIP_NO_INDEX": "1", "PYTHONPATH": "",
-    }  # fmt: skip
+    machine = tmp_path / "machine-venv"
+    subprocess.run([interpreter, "-m", "venv", str(machine)], check=True)
+    subprocess.run(
+        [str(machine / "bin" / "python"), "-m", "pip", "install", "-q", "--no-index",
+         "--find-links", str(kit / "wheels"), "numpy"],
+        check=True,
+    )  # fmt: skip
+    work = tmp_path / "work"
+    env = {**os.environ, "PYTHON": str(machine / "bin" / "python"),
+           "KVSTRATA_KIT_WORK": str(work), "PIP_NO_INDEX": "1", "PYTHONPATH": ""}  # fmt: skip
     done = subprocess.run(
         [str(kit / "run.sh"), "--install-only"],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert "imports: ok" in done.stdout
+    installed = {p.name.lower() for p in (work / "venv").glob("lib/python3.12/site-packages/*")}
+    assert "numpy" not in installed  # the machine's own
+    assert "zmq" in installed  # the kit's
 
 
 def test_the_kit_checks_write_their_json_and_exit_2_without_a_gpu(tmp_path: Path) -> None:
