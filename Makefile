@@ -14,7 +14,7 @@ DEMO_APT_PACKAGES := redis-server
 MIN_PYTHON := 3.11
 
 .PHONY: help demo test test-fast bench bench-serve bench-soak lint format dev venv system-deps
-.PHONY: python-version clean docs chart
+.PHONY: python-version clean docs chart gpu-kit
 .PHONY: images push-images image-names image-deps image-test
 
 help:
@@ -26,6 +26,7 @@ help:
 	@echo "make bench-soak  - the chaos soak, 60,000 requests (about 30 minutes)"
 	@echo "make lint   - ruff check + ruff format --check"
 	@echo "make dev    - re-install in place (after changing csrc/ or the entry points)"
+	@echo "make gpu-kit - build/gpu-kit: the GPU checks for an offline GPU machine (run.sh there)"
 	@echo "make docs   - regenerate the reference pages (docs/, chart README) from the code"
 	@echo "make chart  - the Helm chart as dist/kvstrata-VERSION.tgz and an OCI layout (dist/kvstrata-oci)"
 	@echo "make images - the operator, sidecar and sidecar-cuda images (REGISTRY=, IMAGE_TAG=)"
@@ -98,6 +99,13 @@ docs: dev
 # helm push dist/kvstrata-$(VERSION).tgz oci://REGISTRY/charts
 chart: dev
 	$(BIN)/python -m kvstrata.chartpackage dist
+
+# The GPU checks as a folder (<= 60 MiB) for a machine with a CUDA GPU, Python 3.12
+# and PyTorch but no network: source, wheels, and run.sh, which installs, builds
+# csrc and prints one line per check (kvstrata.testing.gpukit_build says more).
+GPU_KIT ?= build/gpu-kit
+gpu-kit: $(STAMP)
+	$(BIN)/python -m kvstrata.testing.gpukit_build $(GPU_KIT)
 
 test-fast: dev
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

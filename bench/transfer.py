@@ -22,9 +22,18 @@ over ``chunks`` chunks whose block ids are shuffled (vLLM's free list).
   arena it registered, waiting for the owner's event on every store and
   synchronising its stream after every call, as SAVE_BLOCKS / LOAD_BLOCKS
   do; ``ipc_error`` says why where it could not run).
+* ``dma-batch`` (CUDA): vLLM's own OffloadingConnector transfer
+  (``vllm/v1/kv_offload/cpu/gpu_worker.py``: ``swap_blocks_batch``), one
+  ``cudaMemcpyBatchAsync`` per transfer with one entry per page run (layer
+  x block x segment) between the paged KV and the pinned chunks, on a side
+  stream; loads let the copy engines read the host side out of stream
+  order, as vLLM's do. Its descriptors are built once, outside the timing.
 * baseline, in the same run: one plain copy of the same number of bytes
   between one contiguous buffer on the KV's device and pinned host memory
   (CUDA: ``cudaMemcpyAsync``; CPU: memcpy). Ratio = path GB/s / baseline GB/s.
+* ``--param paths=a,b``: measure only these paths (the baseline always). On
+  a machine without CUDA the GPU paths (:data:`GPU_PATHS`) are refused by
+  name, and a run of every path says in ``not_measured`` which it left out.
 * CUDA only, ``matmul_slowdown``: how much longer a bf16 matmul loop takes
   while stores and loads run beside it on another stream.
 
@@ -44,6 +53,35 @@ from typing import Any
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 CHUNK_TOKENS = 256
 TARGET_VS_MEMCPY = 0.95
+CPU_PATHS = ("torch", "torch-per-layer", "kernel")
+GPU_PATHS = ("kernel-staging", "ipc", "dma-batch")
+
+
+def wanted_paths(args: argparse.Namespace, cuda: bool) -> tuple[str, ...]:
+    """The paths to measure (``--param paths=...``, default every one this machine
+    runs). SystemExit naming the problem for an unknown path or setting, or for a
+    GPU path asked for without a CUDA device."""
+    asked: tuple[str, ...] | None = None
+    for item in getattr(args, "param", None) or []:
+        key, _, value = item.partition("=")
+        if key != "paths":
+            raise SystemExit(f"kvstrata bench transfer: unknown --param {key!r} (known: paths)")
+        asked = tuple(p.strip() for p in value.split(",") if p.strip())
+        unknown = [p for p in asked if p not in CPU_PATHS + GPU_PATHS]
+        if unknown or not asked:
+            raise SystemExit(
+                f"kvstrata bench transfer: paths {unknown or asked} unknown; "
+                f"known: {', '.join(CPU_PATHS + GPU_PATHS)}"
+            )
+    if asked is None:
+        return CPU_PATHS + GPU_PATHS if cuda else CPU_PATHS
+    gpu_only = [p for p in asked if p in GPU_PATHS]
+    if gpu_only and not cuda:
+        raise SystemExit(
+            f"kvstrata bench transfer: {', '.join(gpu_only)} need a CUDA device, and torch "
+            "sees none here; run them on a GPU machine (make gpu-kit)"
+        )
+    return asked
 
 
 def _params(quick: bool, cuda: bool) -> dict[str, Any]:
@@ -67,7 +105,7 @@ def _case(layout: str, num_blocks: int, device: str) -> Any:
     import torch
 
     from kvstrata.connector.layout import detect_layout
-    from kvstrata.testing.kvlayouts import vllm_layers
+    from kvstrata.testing.kvlayouts import layout_to_check, vllm_layers
 
     case = vllm_layers(
         layout,
@@ -80,7 +118,10 @@ def _case(layout: str, num_blocks: int, device: str) -> Any:
         device=device,
     )
     return detect_layout(
-        case.layers, kv_cache_layout=layout, blocks_per_chunk=CHUNK_TOKENS // BLOCK
+        case.layers,
+        kv_cache_layout=layout_to_check(layout),
+        blocks_per_chunk=CHUNK_TOKENS // BLOCK,
+        block_dim=0,
     )
 
 
@@ -142,23 +183,31 @@ def _layout_run(layout_name: str, params: dict[str, Any], device: str) -> _Layou
     )
 
 
-def _measure_layout(layout_name: str, params: dict[str, Any], device: str) -> dict[str, Any]:
+def _measure_layout(
+    layout_name: str, params: dict[str, Any], device: str, paths: tuple[str, ...]
+) -> dict[str, Any]:
     from kvstrata.sidecar.transfer import kernels
 
     run = _layout_run(layout_name, params, device)
-    from kvstrata.sidecar.transfer.torch_copy import TorchCopier
+    rows = {"baseline": _baseline_row(run)}
+    if "torch" in paths:
+        rows["torch"] = _torch_row(run, run.layout.copier)
+    if "torch-per-layer" in paths:
+        from kvstrata.sidecar.transfer.torch_copy import TorchCopier
 
-    per_layer = TorchCopier(run.layout.plan, run.layout.layers, stack_layers=False)
-    rows = {
-        "baseline": _baseline_row(run),
-        "torch": _torch_row(run, run.layout.copier),
-        "torch-per-layer": _torch_row(run, per_layer),
-    }
+        per_layer = TorchCopier(run.layout.plan, run.layout.layers, stack_layers=False)
+        rows["torch-per-layer"] = _torch_row(run, per_layer)
     lib = kernels.load_cuda() if run.cuda else kernels.load_host()
     if lib is not None:
-        rows.update(_kernel_rows(run, lib))
+        rows.update({k: v for k, v in _kernel_rows(run, lib, paths).items() if k in paths})
+    errors: dict[str, str] = {}
+    if run.cuda and lib is not None and "dma-batch" in paths:
+        try:
+            rows["dma-batch"] = _dma_batch_row(run, lib)
+        except Exception as exc:  # e.g. a runtime before CUDA 12.8: said, not fatal
+            errors["dma-batch"] = f"{type(exc).__name__}: {exc}"
     ipc_error: str | None = None
-    if run.cuda and lib is not None:
+    if run.cuda and lib is not None and "ipc" in paths:
         try:
             rows["ipc"] = _measure_ipc(
                 lib,
@@ -182,6 +231,8 @@ def _measure_layout(layout_name: str, params: dict[str, Any], device: str) -> di
     }
     if ipc_error is not None:
         out["ipc_error"] = ipc_error
+    if errors:
+        out["errors"] = errors
     if run.cuda and lib is not None:
         out["matmul_slowdown"] = _matmul_slowdown(_side_transfer(run, lib), run.reps)
     return out
@@ -215,7 +266,7 @@ def _torch_row(run: _LayoutRun, copier: Any) -> dict[str, float]:
     }
 
 
-def _kernel_rows(run: _LayoutRun, lib: Any) -> dict[str, dict[str, float]]:
+def _kernel_rows(run: _LayoutRun, lib: Any, paths: tuple[str, ...]) -> dict[str, dict[str, float]]:
     """The csrc kernels straight into the host buffers and, on CUDA, through a
     device staging buffer and one copy."""
     import torch
@@ -223,13 +274,13 @@ def _kernel_rows(run: _LayoutRun, lib: Any) -> dict[str, dict[str, float]]:
     plan, ids, per_chunk = run.layout.plan, run.store_ids, run.per_chunk
     addresses = run.addresses()
     stream = torch.cuda.current_stream() if run.cuda else 0
-    rows = {
-        "kernel": {
+    rows: dict[str, dict[str, float]] = {}
+    if "kernel" in paths:
+        rows["kernel"] = {
             "store_gbps": run.gbps(lambda: lib.gather(plan, ids, addresses, per_chunk, stream)),
             "load_gbps": run.gbps(lambda: lib.scatter(plan, ids, addresses, per_chunk, stream)),
         }
-    }
-    if run.cuda:
+    if run.cuda and "kernel-staging" in paths:
         nbytes = run.layout.chunk_nbytes
         staging = torch.empty(run.total, dtype=torch.uint8, device=run.device)
         stage_addr = [staging.data_ptr() + c * nbytes for c in range(len(run.chunk_bufs))]
@@ -247,6 +298,53 @@ def _kernel_rows(run: _LayoutRun, lib: Any) -> dict[str, dict[str, float]]:
             "load_gbps": run.gbps(staged_load),
         }
     return rows
+
+
+def dma_descriptors(
+    plan: Any, block_ids: list[int], chunk_addresses: list[int], per_chunk: int
+) -> tuple[list[int], list[int], list[int]]:
+    """``(kv_addresses, chunk_addresses, sizes)``: one copy per page run (layer x
+    block x segment of the plan), as vLLM's batched DMA describes a transfer,
+    the chunk side in the plan's chunk byte order."""
+    kv, chunks, sizes = [], [], []
+    for c, base in enumerate(chunk_addresses):
+        for position in range(per_chunk):
+            block = block_ids[c * per_chunk + position]
+            for layer in range(plan.num_layers):
+                for segment in range(plan.num_segments):
+                    kv.append(plan.source_address(layer, block, segment))
+                    chunks.append(base + plan.chunk_offset(layer, position, segment, per_chunk))
+                    sizes.append(plan.segment_bytes)
+    return kv, chunks, sizes
+
+
+def _dma_batch_row(run: _LayoutRun, lib: Any) -> dict[str, float]:
+    """vLLM's batched DMA on the same blocks (see the module docstring)."""
+    import numpy as np
+    import torch
+
+    kv, chunks, sizes = (
+        np.asarray(a, dtype=np.uint64)
+        for a in dma_descriptors(run.layout.plan, run.store_ids, run.addresses(), run.per_chunk)
+    )
+    side = torch.cuda.Stream()  # a batch may not go on the legacy default stream
+    stream = side.cuda_stream
+    # The same bytes as the csrc kernel's gather, or the figure is of another transfer.
+    run.host.fill_(0x5A)
+    lib.memcpy_batch_async(chunks, kv, sizes, stream)
+    run.sync()
+    by_dma = run.host.clone()
+    lib.gather(run.layout.plan, run.store_ids, run.addresses(), run.per_chunk, stream)
+    run.sync()
+    if not torch.equal(by_dma, run.host):
+        raise RuntimeError("the batched DMA wrote other chunk bytes than the csrc kernel")
+    return {
+        "store_gbps": run.gbps(lambda: lib.memcpy_batch_async(chunks, kv, sizes, stream)),
+        "load_gbps": run.gbps(
+            lambda: lib.memcpy_batch_async(kv, chunks, sizes, stream, src_access_any=True)
+        ),
+        "copies_per_call": len(sizes),
+    }
 
 
 def _side_transfer(run: _LayoutRun, lib: Any) -> Callable[[], None]:
@@ -337,10 +435,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    params = _params(bool(args.quick), cuda)
-    layouts = {name: _measure_layout(name, params, device) for name in ("LBNHC", "BLNHC")}
+    paths = wanted_paths(args, cuda)
+    params = _params(bool(getattr(args, "quick", False)), cuda)
+    layouts = {name: _measure_layout(name, params, device, paths) for name in ("LBNHC", "BLNHC")}
     return {
         "device": device,
+        "paths": list(paths),
+        "not_measured": {} if cuda else {p: "needs a CUDA device" for p in GPU_PATHS},
         "shape": {
             "layers": LAYERS,
             "kv_heads": HEADS,
@@ -368,8 +469,12 @@ def format_table(result: dict[str, Any]) -> str:
             )
         if "ipc_error" in layout:
             lines.append(f"{name:8} ipc path not measured: {layout['ipc_error']}")
+        for path, why in layout.get("errors", {}).items():
+            lines.append(f"{name:8} {path} not measured: {why}")
         if "matmul_slowdown" in layout:
             lines.append(
                 f"{name:8} matmul slowdown while transferring: {layout['matmul_slowdown']:.2f}x"
             )
+    for path, why in result.get("not_measured", {}).items():
+        lines.append(f"{path} not measured: {why}")
     return "\n".join(lines)

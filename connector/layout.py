@@ -112,13 +112,7 @@ class ChunkLayout:
     @property
     def chunk_shape(self) -> tuple[int, ...]:
         """The chunk in KV-dtype elements, in the plan's chunk order."""
-        p = self.plan
-        outer = (
-            (self.blocks_per_chunk, p.num_layers)
-            if p.block_outer
-            else (p.num_layers, self.blocks_per_chunk)
-        )
-        return (*outer, p.num_segments, p.segment_bytes // self.dtype.itemsize)
+        return self.plan.chunk_shape(self.blocks_per_chunk, self.dtype.itemsize)
 
     @property
     def chunk_nbytes(self) -> int:
@@ -126,9 +120,7 @@ class ChunkLayout:
 
     def partial_shape(self, blocks: int) -> tuple[int, ...]:
         """:attr:`chunk_shape` of a partial chunk of ``blocks`` blocks."""
-        p = self.plan
-        outer = (blocks, p.num_layers) if p.block_outer else (p.num_layers, blocks)
-        return (*outer, p.num_segments, p.segment_bytes // self.dtype.itemsize)
+        return self.plan.chunk_shape(blocks, self.dtype.itemsize)
 
     def partial_nbytes(self, blocks: int) -> int:
         return self.plan.chunk_nbytes(blocks)

@@ -33,7 +33,7 @@
 
 // Bumped whenever a signature or a meaning above changes; the binding refuses a
 // library of another version.
-#define KVS_ABI_VERSION 3
+#define KVS_ABI_VERSION 4
 
 #define KVS_API __attribute__((visibility("default")))
 
@@ -141,6 +141,15 @@ KVS_API int kvs_cuda_free(int32_t device, uint64_t address);
 // stream's device can use: device memory, or pinned host memory by its device address.
 // Runs on the current device like kvs_gather: make the stream's device current first.
 KVS_API int kvs_cuda_memcpy_async(uint64_t dst, uint64_t src, uint64_t nbytes, uint64_t stream);
+// Queue `count` copies srcs[i] -> dsts[i] of sizes[i] bytes on `stream` in one
+// driver call (cudaMemcpyBatchAsync, CUDA 12.8+): what vLLM's OffloadingConnector
+// submits per transfer (swap_blocks_batch). The batch runs in stream order, its
+// copies in no order among themselves. `src_access_any` != 0 lets the copy engines
+// read the sources out of stream order (only where no stream still writes them).
+// cudaErrorNotSupported where the runtime this library was built with is older.
+KVS_API int kvs_cuda_memcpy_batch_async(const uint64_t* dsts, const uint64_t* srcs,
+                                        const uint64_t* sizes, uint64_t count,
+                                        int32_t src_access_any, uint64_t stream);
 
 #ifdef __cplusplus
 }

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "kvs_abi.h"
+#include "kvs_device_guard.h"
 #include "kvs_uuid.h"
 
 namespace kvs {
@@ -31,29 +32,43 @@ int done(cudaError_t err) {
   return static_cast<int>(err);
 }
 
-// Makes `device` current for its lifetime and gives the thread its earlier device
-// back: a caller that also runs torch on this thread keeps the device it chose.
+// The thread's current context, through the runtime's driver entry point so the
+// library still needs no -lcuda: cuCtxGetCurrent(CUcontext*) answers without
+// creating one (cuda.h), unlike cudaSetDevice. Where the entry point is missing the
+// answer is "none", so the guard never restores a device: never a context elsewhere.
+bool thread_has_context() {
+  using CtxGetCurrent = int (*)(void**);
+  static const CtxGetCurrent get_current = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<CtxGetCurrent>(nullptr);
+    }
+    return reinterpret_cast<CtxGetCurrent>(fn);
+  }();
+  void* context = nullptr;
+  return get_current != nullptr && get_current(&context) == 0 && context != nullptr;
+}
+
+struct CudaRuntime {
+  int get_device(int* device) { return static_cast<int>(cudaGetDevice(device)); }
+  int set_device(int device) { return static_cast<int>(cudaSetDevice(device)); }
+  bool has_current_context() { return thread_has_context(); }
+};
+
+// Makes `device` current for its lifetime; the thread gets its earlier device back
+// only where that device had a context current (kvs_device_guard.h says why).
 class OnDevice {
  public:
-  explicit OnDevice(int32_t device) {
-    err_ = cudaGetDevice(&previous_);
-    if (err_ == cudaSuccess && previous_ != device) {
-      err_ = cudaSetDevice(device);
-      switched_ = err_ == cudaSuccess;
-    }
-  }
-  ~OnDevice() {
-    if (switched_) cudaSetDevice(previous_);
-  }
-  OnDevice(const OnDevice&) = delete;
-  OnDevice& operator=(const OnDevice&) = delete;
-
-  cudaError_t error() const { return err_; }
+  explicit OnDevice(int32_t device) : guard_(runtime_, device) {}
+  cudaError_t error() const { return static_cast<cudaError_t>(guard_.error()); }
 
  private:
-  int previous_ = 0;
-  bool switched_ = false;
-  cudaError_t err_ = cudaSuccess;
+  CudaRuntime runtime_;
+  DeviceGuard<CudaRuntime> guard_;
 };
 
 cudaStream_t as_stream(uint64_t handle) {
@@ -242,6 +257,32 @@ KVS_API int kvs_cuda_memcpy_async(uint64_t dst, uint64_t src, uint64_t nbytes, u
                                    reinterpret_cast<const void*>(static_cast<uintptr_t>(src)),
                                    static_cast<size_t>(nbytes), cudaMemcpyDefault,
                                    kvs::as_stream(stream)));
+}
+
+KVS_API int kvs_cuda_memcpy_batch_async(const uint64_t* dsts, const uint64_t* srcs,
+                                        const uint64_t* sizes, uint64_t count,
+                                        int32_t src_access_any, uint64_t stream) {
+  if (count == 0) return cudaSuccess;
+#if CUDART_VERSION >= 12080
+  // One attribute for the whole batch (attrsIdxs {0}); the pointer arrays are read
+  // during the call only. uint64_t and void*/size_t have one size on the 64-bit
+  // platforms this library builds for.
+  static_assert(sizeof(void*) == sizeof(uint64_t) && sizeof(size_t) == sizeof(uint64_t),
+                "64-bit addresses and sizes");
+  cudaMemcpyAttributes attrs;
+  memset(&attrs, 0, sizeof(attrs));
+  attrs.srcAccessOrder =
+      src_access_any ? cudaMemcpySrcAccessOrderAny : cudaMemcpySrcAccessOrderStream;
+  size_t first = 0;
+  return kvs::done(cudaMemcpyBatchAsync(reinterpret_cast<void* const*>(dsts),
+                                        reinterpret_cast<const void* const*>(srcs),
+                                        reinterpret_cast<const size_t*>(sizes),
+                                        static_cast<size_t>(count), &attrs, &first, 1,
+                                        kvs::as_stream(stream)));
+#else
+  (void)dsts, (void)srcs, (void)sizes, (void)src_access_any, (void)stream;
+  return cudaErrorNotSupported;
+#endif
 }
 
 }  // extern "C"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
@@ -92,6 +93,7 @@ class Handlers:
         self.ipc = ipc
         self.ipc_unavailable = ipc_unavailable
         self.transfer_modes = frozenset({"host", "ipc"} if ipc is not None else {"host"})
+        self._retire_lock = threading.Lock()
         self.write_budget = int(engine.arena.size * config.server.session_write_fraction)
         self.chunk_limit = int(engine.arena.size * config.server.chunk_max_fraction)
         self._table = {
@@ -303,7 +305,10 @@ class Handlers:
         return self.ipc
 
     def _register_kv(self, body: p.RegisterKVRequest, session: Session) -> p.RegisterKVReply:
-        return self._ipc_session(session).register(session.session_id, body)
+        try:
+            return self._ipc_session(session).register(session.session_id, body)
+        finally:
+            self._retire_ipc_after_fault()
 
     def _save_blocks(self, body: p.SaveBlocksRequest, session: Session) -> p.Message:
         return self._ipc_copy(body, session, None)
@@ -322,9 +327,45 @@ class Handlers:
         ipc = self._ipc_session(session)
         _own_keys(body.keys, session)
         owner = session.owner_key(body.owner)
-        if isinstance(body, p.SaveBlocksRequest):
-            return ipc.save(session.session_id, body, owner, expires)
-        return ipc.load(session.session_id, body, owner, expires)
+        try:
+            if isinstance(body, p.SaveBlocksRequest):
+                return ipc.save(session.session_id, body, owner, expires)
+            return ipc.load(session.session_id, body, owner, expires)
+        finally:
+            self._retire_ipc_after_fault()
+
+    def _retire_ipc_after_fault(self) -> None:
+        """After a CUDA fault that broke the GPU context (``IpcTransfers.fault``):
+        serve host mode only and end every ipc session.
+
+        Why end them: a client's transfer mode changes only at a HELLO, and its
+        next call on an ended session answers E_NO_SESSION, upon which it says
+        HELLO again and is granted host mode with the fault as the reason. So
+        every worker keeps its cache in host mode (the sidecar needs no GPU
+        for it) and the pod stays ready: a cache fault costs misses, never
+        the pod. The fault stays visible: ``kvstrata_ipc_gpu_faulted``, a
+        critical log line and ``/status``'s ``gpu_fault``.
+        """
+        fault = self.ipc.fault if self.ipc is not None else ""
+        if not fault:
+            return
+        with self._retire_lock:
+            if "ipc" not in self.transfer_modes:
+                return
+            self.ipc_unavailable = (
+                f"the sidecar's GPU context is broken ({fault}); host mode until it restarts"
+            )
+            self.transfer_modes = frozenset({"host"})
+        ended = 0
+        for session in self.sessions.sessions():
+            if session.transfer_mode == "ipc" and self.sessions.remove(session.session_id):
+                self.reclaim(session)
+                ended += 1
+        logger.critical(
+            "GPU fault (%s): ipc mode retired; %d ipc sessions ended, their workers "
+            "re-connect in host mode; the sidecar stays ready",
+            fault, ended,
+        )  # fmt: skip
 
     def _ping(self, body: p.PingRequest, session: Session | None) -> p.PingReply:
         return p.PingReply(server_version=self.server_version, session_valid=session is not None)

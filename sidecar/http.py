@@ -34,7 +34,8 @@ logged as nothing: it is no error of ours. One reply per connection
 * ``GET /readyz``   200 once the engine is up and the ZMQ socket is bound and
                     served, 503 before and while shutting down (readiness)
 * ``GET /status``   JSON: version, endpoint, arena, tiers (usage, capacity,
-                    objects, queues, errors), engine counters, clients
+                    objects, queues, errors), engine counters, clients, and
+                    ``gpu_fault``: the CUDA fault that retired ipc mode ("" if none)
 """
 
 from __future__ import annotations

@@ -157,8 +157,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("kvstrata_ipc_staging_fallbacks_total", "counter", (), "calls",
                "staging copies that ran zero-copy because one chunk exceeds the staging buffer"),
     MetricSpec("kvstrata_ipc_gpu_faulted", "gauge", (), "boolean",
-               "1 after a CUDA error that breaks the sidecar's GPU context: ipc calls are "
-               "refused (workers use host mode) and /readyz fails until a restart"),
+               "1 after a CUDA error that breaks the sidecar's GPU context: ipc sessions end "
+               "and their workers re-connect in host mode until a restart (the pod stays "
+               "ready; /status says gpu_fault)"),
     MetricSpec("kvstrata_connections_open", "gauge", ("listener",), "connections",
                "connections open on the HTTP port (http) or the liveness socket (liveness)"),
     MetricSpec("kvstrata_connections_limit", "gauge", ("listener",), "connections",

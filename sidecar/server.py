@@ -187,8 +187,11 @@ class SidecarServer:
 
     @property
     def ready(self) -> bool:
-        """Serving, and the GPU context (ipc mode) is not broken by a CUDA fault."""
-        return self._serving.is_set() and not (self._ipc is not None and self._ipc.fault)
+        """Serving. A CUDA fault in ipc mode does not make the sidecar unready: its
+        sessions move to host mode (``Handlers._retire_ipc_after_fault``); a native
+        sidecar's readiness counts toward the Pod's, and a cache fault must never
+        take vLLM out of its Service."""
+        return self._serving.is_set()
 
     def wake(self) -> None:
         """Interrupt the loop's poll (from any thread or a signal handler)."""
@@ -426,6 +429,7 @@ class SidecarServer:
             "uptime_seconds": round(time.time() - self.started, 3),
             "chunk_size": self.config.chunk_size,
             "transfer_modes": sorted(self.handlers.transfer_modes),
+            "gpu_fault": self._ipc.fault if self._ipc is not None else "",
             "arena": {"name": arena.name, "size_bytes": arena.size},
             "tiers": stats["tiers"],
             "counters": stats["counters"],

@@ -8,6 +8,7 @@
 * :mod:`.csrc_build`: how the ``csrc/`` libraries are compiled
 * :mod:`.cuda_device`: the sidecar's GPUs in ipc mode (IPC handles, events)
 * :mod:`.ipc`: the ipc transfer mode, in which the sidecar copies itself
+* :mod:`.ipc_device`: what ipc mode asks of a GPU, and its sticky CUDA errors
 
 Nothing here imports vLLM; torch is imported only by the modules that copy,
 so the sidecar runs without it in host mode.

@@ -62,6 +62,14 @@ CUDA_IPC_ARGTYPES: dict[str, list[Any]] = {
     "kvs_cuda_malloc": [ctypes.c_int32, ctypes.c_uint64, _U64P],
     "kvs_cuda_free": [ctypes.c_int32, ctypes.c_uint64],
     "kvs_cuda_memcpy_async": [ctypes.c_uint64] * 4,
+    "kvs_cuda_memcpy_batch_async": [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_uint64,
+        ctypes.c_int32,
+        ctypes.c_uint64,
+    ],
 }
 
 

@@ -62,7 +62,7 @@ class Library:
         return self.headers + self.compiled
 
 
-_HEADERS = ("kvs_abi.h", "kvs_common.h", "kvs_index.h", "kvs_uuid.h")
+_HEADERS = ("kvs_abi.h", "kvs_common.h", "kvs_device_guard.h", "kvs_index.h", "kvs_uuid.h")
 HOST = Library("host", "libkvstrata-host.so", _HEADERS, ("kvs_host.cpp",))
 CUDA = Library("cuda", "libkvstrata-cuda.so", _HEADERS, ("kvs_transfer.cu", "kvs_ipc.cu"))
 

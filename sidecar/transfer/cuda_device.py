@@ -16,9 +16,10 @@ What lives here, per sidecar process::
                           its copy path and, for "staging", its staging buffer
 
 Ordering contract of :class:`CudaDevice` (the ``TransferDevice`` protocol):
-``gather`` makes the device's stream wait for the peer's interprocess event
-(vLLM records it after the forward pass that wrote the blocks), launches the
-kernel, and synchronises the stream; ``scatter`` launches and synchronises.
+``gather`` and ``scatter`` wait on the host, boundedly, for the peer's
+interprocess event (vLLM records it after the forward pass that wrote the
+blocks, or after the step a load must follow), launch the kernel and
+synchronise the stream.
 So a copy has finished when the call returns, before the sidecar commits a
 slot or replies to LOAD_BLOCKS, and vLLM's next kernels (queued after that
 reply) see the loaded blocks. Copies of one device are serialised by a lock,
@@ -122,6 +123,7 @@ class ArenaRegistration:
         self._lib = lib
         self.host_address = arena.address()
         self.size = arena.size
+        self.device: int | None = None  # the first device mapped: current when unregistering
         try:
             _, self.owned = lib.host_register(self.host_address, self.size)
         except KernelError as exc:
@@ -137,6 +139,8 @@ class ArenaRegistration:
         except KernelError as exc:
             raise _failed(f"mapping the arena for device {device}", exc) from None
         self.owned = self.owned or registered
+        if self.device is None:
+            self.device = device
         return address
 
     def close(self) -> None:
@@ -146,6 +150,10 @@ class ArenaRegistration:
         self._closed = True
         if self.owned:
             try:
+                # A runtime call on a thread with no device chosen runs on device 0
+                # and creates a context there (maybe another pod's GPU): choose ours.
+                if self.device is not None:
+                    self._lib.set_device(self.device)
                 self._lib.host_unregister(self.host_address)
             except KernelError:
                 logger.exception("unregistering the arena from CUDA failed")
@@ -327,11 +335,11 @@ class CudaDevice:
                     f"querying the peer's event on device {self.index}: {exc}"
                 ) from None
             if cancelled is not None and cancelled():
-                raise CudaDeviceError("the session ended while its save waited for vLLM's event")
+                raise CudaDeviceError("the session ended while its copy waited for vLLM's event")
             if time.monotonic() >= deadline:
                 raise CudaDeviceError(
                     f"vLLM's event did not complete within {self.peer_event_timeout_s} s "
-                    "(its process may have died); the save is dropped"
+                    "(its process may have died); the copy is dropped"
                 )
             time.sleep(pause)
             pause = min(pause * 2, _POLL_MAX_S)
@@ -343,16 +351,23 @@ class CudaDevice:
         chunk_addresses: Sequence[int],
         blocks_per_chunk: int,
         after_event: bytes | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> None:
         """Arena chunks -> paged KV, after the peer's event (vLLM's queued work,
         which may still use these blocks); done when it returns (errors as
-        :meth:`gather`)."""
+        :meth:`gather`).
+
+        The event is waited for as in :meth:`gather`, on the host and without
+        the device lock: a device-side wait on the event of a vLLM killed
+        mid-step may never end, and the stream sync after it would hold every
+        session's copies and the dead worker's mapping with it.
+        """
+        if after_event is not None:
+            self._wait_for_peer(after_event, cancelled)
         with self._lock:
             self._check_open()
             try:
                 self._lib.set_device(self.index)
-                if after_event is not None:
-                    self._lib.stream_wait_ipc_event(self.index, self.stream, after_event)
                 batch = self._batch_chunks(plan, blocks_per_chunk)
                 if batch:
                     self._staged(
@@ -465,6 +480,9 @@ class CudaDevice:
             if self._closed:
                 return
             self._closed = True
+            # Closing may run on any thread (shutdown, a test): one that never chose a
+            # device would create a context on device 0 at its first runtime call.
+            self._quietly("cudaSetDevice", self._lib.set_device, self.index)
             leftover = list(self._opened.elements())
             self._opened.clear()
             if leftover:

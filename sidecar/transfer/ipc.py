@@ -11,13 +11,17 @@ State, one :class:`IpcMapping` per session (never shared between
 sessions)::
 
     session_id -> IpcMapping(device, opened handles, CopyPlan, chunk dtype/shape)
+    session_id -> _Registering(count, ended)   while a REGISTER_KV opens handles
 
 A mapping lives exactly as long as its session: the handles are closed
 when the session ends for any reason (END, replaced by a new HELLO,
 reaped as idle, or its process gone, which the liveness socket reports at
-once), so no GPU memory of a dead vLLM stays mapped here.
+once), so no GPU memory of a dead vLLM stays mapped here. A session that
+ends while its REGISTER_KV is still opening handles is marked ended, and
+that registration closes what it opened instead of keeping it.
 
-The GPU is reached through a :class:`TransferDevice` (the CUDA one is
+The GPU is reached through a
+:class:`~kvstrata.sidecar.transfer.ipc_device.TransferDevice` (the CUDA one is
 :class:`~kvstrata.sidecar.transfer.cuda_device.CudaDevice`). Nothing here
 imports torch.
 """
@@ -29,12 +33,13 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.objformat import ChunkMeta
+from kvstrata.sidecar.transfer.ipc_device import STICKY_CUDA_ERRORS, TransferDevice
 from kvstrata.sidecar.transfer.plan import (
     CopyPlan,
     TensorGeometry,
@@ -51,50 +56,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class TransferDevice(Protocol):
-    """One GPU as the sidecar uses it in ipc mode. Every call is synchronous:
-    a copy has finished (or failed, raising) when it returns."""
-
-    def open_memory(self, handle: bytes) -> int:
-        """Map a peer's allocation; its device address. Raises OSError."""
-        ...
-
-    def close_memory(self, address: int) -> None: ...
-
-    def mapped_nbytes(self, address: int) -> int | None:
-        """How many bytes the allocation opened at ``address`` has; None when
-        the device cannot tell (the worker's ``mapped_nbytes`` is then the bound)."""
-        ...
-
-    def gather(
-        self,
-        plan: CopyPlan,
-        block_ids: Sequence[int],
-        chunk_addresses: Sequence[int],
-        blocks_per_chunk: int,
-        after_event: bytes | None,
-        cancelled: Callable[[], bool] | None = None,
-    ) -> None:
-        """Paged KV -> chunks in the arena, after the peer's event (if any);
-        gives up (raising) once ``cancelled()`` is true: the session ended."""
-        ...
-
-    def scatter(
-        self,
-        plan: CopyPlan,
-        block_ids: Sequence[int],
-        chunk_addresses: Sequence[int],
-        blocks_per_chunk: int,
-        after_event: bytes | None = None,
-    ) -> None:
-        """Chunks in the arena -> paged KV, after the peer's event (if any)."""
-        ...
-
-    def arena_address(self, offset: int) -> int:
-        """The device-visible address of arena byte ``offset``."""
-        ...
-
-
 @dataclass(slots=True)
 class IpcMapping:
     """One worker's registered KV, as mapped in the sidecar."""
@@ -106,6 +67,7 @@ class IpcMapping:
     meta: ChunkMeta  # dtype and shape recorded with every chunk saved
     copies: int = 0  # copies running on it now (its handles stay open until 0)
     closing: threading.Event = field(default_factory=threading.Event)  # a waiting copy gives up
+    detached: bool = False  # out of the table: the last copy to end closes the handles
 
     @property
     def chunk_nbytes(self) -> int:
@@ -138,22 +100,12 @@ def _check_extent(
         )
 
 
-# cudaError_t names after which the CUDA context is unusable: every later call
-# of the process fails too (CUDA Runtime API, "sticky" errors).
-STICKY_CUDA_ERRORS = frozenset(
-    {
-        "cudaErrorIllegalAddress",
-        "cudaErrorLaunchFailure",
-        "cudaErrorHardwareStackError",
-        "cudaErrorIllegalInstruction",
-        "cudaErrorMisalignedAddress",
-        "cudaErrorInvalidAddressSpace",
-        "cudaErrorInvalidPc",
-        "cudaErrorAssert",
-        "cudaErrorECCUncorrectable",
-        "cudaErrorUnknown",
-    }
-)
+@dataclass(slots=True)
+class _Registering:
+    """REGISTER_KVs of one session in flight, and whether the session ended meanwhile."""
+
+    count: int = 0
+    ended: bool = False
 
 
 class IpcTransfers:
@@ -170,8 +122,10 @@ class IpcTransfers:
         self._open_device = open_device
         self._devices: dict[str, TransferDevice] = {}
         self._mappings: dict[str, IpcMapping] = {}
+        # Sessions whose REGISTER_KV is opening handles now -> set once the session
+        # ended meanwhile: the registration then closes what it opened, never inserts.
+        self._registering: dict[str, _Registering] = {}
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)  # a mapping's copies reached 0
         self.copy_failures: Counter[str] = Counter()  # op (save, load) -> failed copies
         # op -> copies abandoned at the client's deadline (SAVE_BLOCKS / LOAD_BLOCKS)
         self.expired: Counter[str] = Counter()
@@ -210,8 +164,8 @@ class IpcTransfers:
             if getattr(exc, "name", "") in STICKY_CUDA_ERRORS and not self.fault:
                 self.fault = f"{op}: {exc}"
                 logger.critical(
-                    "the GPU context is broken (%s): ipc calls are refused and /readyz "
-                    "fails until the sidecar restarts",
+                    "the GPU context is broken (%s): ipc calls are refused, sessions move "
+                    "to host mode until the sidecar restarts",
                     exc,
                 )
 
@@ -229,6 +183,20 @@ class IpcTransfers:
         once the new one is complete (a refused registration leaves the one that
         worked in place: the worker's copies keep running on it)."""
         self._check_healthy()
+        with self._lock:
+            registering = self._registering.setdefault(session_id, _Registering())
+            registering.count += 1
+        try:
+            return self._register(session_id, body, registering)
+        finally:
+            with self._lock:
+                registering.count -= 1
+                if registering.count == 0:
+                    del self._registering[session_id]
+
+    def _register(
+        self, session_id: str, body: p.RegisterKVRequest, registering: _Registering
+    ) -> p.RegisterKVReply:
         try:
             device = self._device(body.device_uuid)
         except OSError as exc:
@@ -279,11 +247,22 @@ class IpcTransfers:
             opened=list(opened.values()),
             plan=plan,
             blocks_per_chunk=body.blocks_per_chunk,
-            meta=ChunkMeta(dtype=body.dtype, shape=(chunk_nbytes // body.itemsize,)),
+            # The shape a host-mode worker of the same layout expects: what one pod
+            # saves loads in another that shares the tier, whichever mode each runs.
+            meta=ChunkMeta(
+                dtype=body.dtype, shape=plan.chunk_shape(body.blocks_per_chunk, body.itemsize)
+            ),
         )
         with self._lock:
-            old = self._mappings.get(session_id)
-            self._mappings[session_id] = mapping
+            ended = registering.ended
+            old = None if ended else self._mappings.get(session_id)
+            if not ended:
+                self._mappings[session_id] = mapping
+        if ended:
+            # close() ran while the handles were being opened and found nothing to
+            # close: inserting now would keep them mapped with no session to end them.
+            self._release_handles(session_id, mapping)
+            raise p.ProtocolError(p.E_BAD_REQUEST, "REGISTER_KV: the session ended meanwhile")
         if old is not None:
             self._close_mapping(session_id, old)
         logger.info(
@@ -298,24 +277,38 @@ class IpcTransfers:
     def close(self, session_id: str) -> bool:
         """Close a session's handles; whether it had any.
 
-        Waits for the copies already running on them: a handle closed under
-        a running kernel is an illegal address, which would break the
-        sidecar's CUDA context for every session. No new copy can start once
-        the mapping is out of the table.
+        Never waits for the copies already running on them (the liveness
+        thread calls this for every dead session, and one wedged copy must
+        not keep the others mapped): a handle closed under a running kernel
+        is an illegal address, which would break the sidecar's CUDA context
+        for every session, so the last of those copies closes the handles
+        when it ends. Copies waiting for the peer's event give up at once.
+        No new copy can start once the mapping is out of the table.
         """
         with self._lock:
+            registering = self._registering.get(session_id)
+            if registering is not None:
+                registering.ended = True  # its handles are closed by the registration
             mapping = self._mappings.pop(session_id, None)
             if mapping is None:
-                return False
-            mapping.closing.set()  # a save waiting for the dead peer's event stops
+                return registering is not None
+            mapping.closing.set()  # a copy waiting for the dead peer's event stops
         self._close_mapping(session_id, mapping)
         return True
 
     def _close_mapping(self, session_id: str, mapping: IpcMapping) -> None:
-        """Close the handles of a mapping already out of the table, once the
-        copies running on it are done."""
+        """Close the handles of a mapping already out of the table now, or, while
+        copies run on it, have the last of them do it (see :meth:`close`)."""
         with self._lock:
-            self._idle.wait_for(lambda: mapping.copies == 0)
+            mapping.detached = True
+            running = mapping.copies
+        if running:
+            logger.info("session %s: IPC handles close when its %d running copies end",
+                        session_id[:8], running)  # fmt: skip
+            return
+        self._release_handles(session_id, mapping)
+
+    def _release_handles(self, session_id: str, mapping: IpcMapping) -> None:
         for address in mapping.opened:
             try:
                 mapping.device.close_memory(address)
@@ -337,7 +330,9 @@ class IpcTransfers:
         finally:
             with self._lock:
                 mapping.copies -= 1
-                self._idle.notify_all()
+                last = mapping.copies == 0 and mapping.detached
+            if last:  # the session ended while this copy ran
+                self._release_handles(session_id, mapping)
 
     def _check_blocks(
         self, mapping: IpcMapping, block_ids: list[list[int]], *, save: bool = False
@@ -467,8 +462,9 @@ class IpcTransfers:
         try:
             addresses = [mapping.device.arena_address(s.offset) for s in slots]
             mapping.device.scatter(
-                mapping.plan, ids, addresses, mapping.blocks_per_chunk, body.after_event
-            )
+                mapping.plan, ids, addresses, mapping.blocks_per_chunk, body.after_event,
+                cancelled=mapping.closing.is_set,
+            )  # fmt: skip
         except Exception as exc:
             self._copy_failed("load", session_id, exc)
             per_run = [0] * len(per_run)

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from kvstrata.sidecar.transfer.plan import CopyPlan
 
 # Must equal KVS_ABI_VERSION in csrc/kvs_abi.h.
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 class _Unavailable(Exception):
@@ -344,6 +344,35 @@ class TransferLibrary:
             nbytes,
             abi.stream_handle(stream),
         )
+
+    def memcpy_batch_async(
+        self,
+        dsts: IntArray,
+        srcs: IntArray,
+        sizes: IntArray,
+        stream: Any,
+        src_access_any: bool = False,
+    ) -> None:
+        """Queue the copies ``srcs[i] -> dsts[i]`` of ``sizes[i]`` bytes on ``stream`` in
+        one driver call (``cudaMemcpyBatchAsync``): vLLM's own batched DMA
+        (``swap_blocks_batch``), which ``kvstrata bench transfer`` measures beside
+        the sidecar's copy paths. ``stream`` must not be the legacy default stream.
+
+        Raises ValueError for lists of different lengths or values outside 64 bits,
+        and :class:`KernelError` (``cudaErrorNotSupported`` before CUDA 12.8).
+        """
+        d = abi.int_array(dsts, "dsts", np.uint64, 1, abi.U64_MAX)
+        s = abi.int_array(srcs, "srcs", np.uint64, 1, abi.U64_MAX)
+        n = abi.int_array(sizes, "sizes", np.uint64, 0, abi.U64_MAX)
+        if not len(d) == len(s) == len(n):
+            raise ValueError(f"{len(d)} dsts, {len(s)} srcs and {len(n)} sizes")
+        if abi.stream_handle(stream) == 0:
+            raise ValueError("a batched copy needs a stream of its own, not the legacy default")
+        self._cuda_call(
+            "kvs_cuda_memcpy_batch_async",
+            d.ctypes.data, s.ctypes.data, n.ctypes.data, len(d), int(bool(src_access_any)),
+            abi.stream_handle(stream),
+        )  # fmt: skip
 
     def _cuda_call(self, fn: str, *args: Any) -> None:
         if self.backend != "cuda":

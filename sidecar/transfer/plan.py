@@ -103,6 +103,18 @@ class CopyPlan:
     def chunk_nbytes(self, blocks_per_chunk: int) -> int:
         return blocks_per_chunk * self.block_bytes
 
+    def chunk_shape(self, blocks_per_chunk: int, itemsize: int) -> tuple[int, ...]:
+        """A chunk as an array of KV elements, in the chunk byte order: the shape
+        recorded with every stored chunk, whichever mode saved it (the ipc sidecar
+        and a host-mode connector both build it from their plan, and a load checks
+        it against its own)."""
+        outer = (
+            (blocks_per_chunk, self.num_layers)
+            if self.block_outer
+            else (self.num_layers, blocks_per_chunk)
+        )
+        return (*outer, self.num_segments, self.segment_bytes // itemsize)
+
     def chunk_offset(self, layer: int, position: int, segment: int, blocks_per_chunk: int) -> int:
         """Byte offset of a unit inside a chunk (the order in the module docstring)."""
         if self.block_outer:

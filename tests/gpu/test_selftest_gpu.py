@@ -115,3 +115,38 @@ def test_memory_nothing_pinned_is_registered_mapped_and_unregistered(lib: Transf
     assert registered
     assert address != 0
     lib.host_unregister(host.data_ptr())
+
+
+def test_a_worker_killed_while_a_load_waits_for_its_event_wedges_nothing(
+    lib: TransferLibrary,
+) -> None:
+    from kvstrata.testing import gpupeers
+
+    gpupeers.check_killed_peer_during_load(lib)
+
+
+def test_a_sidecar_process_holds_a_context_on_its_workers_gpu_and_no_other() -> None:
+    from kvstrata.testing import gpukit
+
+    gpukit.check_device_context()
+
+
+@pytest.mark.parametrize("src_access_any", [False, True], ids=["stream-order", "any-order"])
+def test_one_batched_dma_call_moves_every_page_run_byte_exact(
+    lib: TransferLibrary, src_access_any: bool
+) -> None:
+    from kvstrata.bench.transfer import dma_descriptors
+
+    case = vllm_layers("LBNHC", device="cuda", seed=2)
+    plan = selftest._plan(list(case.layers.values()), 0)
+    ids = chunkref.random_block_ids(case.num_blocks, 8, seed=3)
+    host = torch.full((2 * plan.chunk_nbytes(4),), chunkref.POISON, dtype=torch.uint8)
+    host = host.pin_memory()
+    chunks = [host.data_ptr(), host.data_ptr() + plan.chunk_nbytes(4)]
+    kv, dst, sizes = dma_descriptors(plan, ids, chunks, 4)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    lib.memcpy_batch_async(dst, kv, sizes, stream.cuda_stream, src_access_any=src_access_any)
+    stream.synchronize()
+    want = torch.cat([chunkref.chunk_bytes(case, ids[c * 4 : (c + 1) * 4], 0) for c in range(2)])
+    assert torch.equal(host, want.cpu())

@@ -26,17 +26,25 @@ def _run() -> int:
 
     from kvstrata.connector.device import CudaCopies
     from kvstrata.connector.layout import detect_layout
-    from kvstrata.testing.kvlayouts import vllm_layers
+    from kvstrata.testing.kvlayouts import layout_to_check, vllm_layers
 
     device = torch.device("cuda", torch.cuda.current_device())
     case = vllm_layers("LBNHC", num_layers=LAYERS, num_blocks=BLOCKS, device="cuda", seed=3)
-    layout = detect_layout(case.layers, kv_cache_layout="LBNHC", blocks_per_chunk=PER_CHUNK)
+    layout = detect_layout(
+        case.layers,
+        kv_cache_layout=layout_to_check("LBNHC"),
+        block_dim=0,
+        blocks_per_chunk=PER_CHUNK,
+    )
     source = vllm_layers("LBNHC", num_layers=LAYERS, num_blocks=BLOCKS, device="cuda", seed=4)
     ids = [9, 2, 14, 5]
     chunk = torch.empty(layout.chunk_nbytes, dtype=torch.uint8, device="cuda")
-    detect_layout(source.layers, kv_cache_layout="LBNHC", blocks_per_chunk=PER_CHUNK).gather(
-        [1, 3, 6, 7], chunk
-    )
+    detect_layout(
+        source.layers,
+        kv_cache_layout=layout_to_check("LBNHC"),
+        block_dim=0,
+        blocks_per_chunk=PER_CHUNK,
+    ).gather([1, 3, 6, 7], chunk)
     pinned = chunk.cpu().pin_memory()
     layers = [t.view(torch.uint8) for t in case.layers.values()]
     for t in layers:

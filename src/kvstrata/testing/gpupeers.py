@@ -1,4 +1,4 @@
-"""``kvstrata selftest gpu``'s killed-peer check: a vLLM that dies mid-save.
+"""``kvstrata selftest gpu``'s killed-peer checks: a vLLM that dies mid-save or mid-load.
 
 A worker process exports its KV and an interprocess event recorded behind
 a long GPU sleep (its forward pass, still running). The sidecar side
@@ -10,6 +10,12 @@ SIGKILLed and its session closed, as the liveness socket does. The save
 must return without committing, the GPU must not be marked faulted, and
 a new worker's save must then go through: nothing is wedged and nothing
 of the dead worker stays mapped.
+
+:func:`check_killed_peer_during_load` does the same to a LOAD_BLOCKS: the
+sidecar waits for the stalled worker's event (vLLM's previous step, still
+running) before it may write the worker's blocks; the worker is killed,
+its session closed, and the load must end reporting nothing loaded, with
+the device free for the next worker's save.
 """
 
 from __future__ import annotations
@@ -96,4 +102,68 @@ def check_killed_peer(lib: Any) -> str:
     return (
         f"a save waiting for a SIGKILLed worker's event ended at its session's end, "
         f"{CHUNKS} chunks not stored, nothing mapped; then {after}"
+    )
+
+
+def check_killed_peer_during_load(lib: Any) -> str:
+    """See the module docstring. Raises CheckFailed."""
+    import torch
+
+    from kvstrata.sidecar import protocol as p
+    from kvstrata.sidecar.config import config_from_dict
+    from kvstrata.sidecar.engine import StorageManager
+    from kvstrata.sidecar.transfer.cuda_device import CudaDevices
+    from kvstrata.sidecar.transfer.ipc import IpcTransfers
+
+    src, dst = _ids()
+    with tempfile.TemporaryDirectory(prefix="kvstrata-selftest-") as tmp:
+        config = config_from_dict(
+            {
+                "chunk_size": 64,
+                "l1": {"size_bytes": "64Mi", "pin_memory": True},
+                "l2": {"path": os.path.join(tmp, "l2"), "size_bytes": "64Mi"},
+            }
+        )
+        engine = StorageManager(config)
+        watch = EventWatch(lib)
+        devices = CudaDevices(watch, engine.arena)
+        arena = torch.frombuffer(engine.arena.buffer, dtype=torch.uint8)
+        try:
+            ipc = IpcTransfers(engine, devices)
+            # The chunks the load will ask for, stored from a first worker.
+            saved = _save_from_source_worker(lib, ipc, engine, arena, [CASE], src, None)
+            watch.waiting.clear()
+            with _worker("stall", [CASE]) as (proc, conn):
+                (kv,), event = _receive(conn, "exporting the stalled KV")
+                ipc.register("stalled", _registration(kv))
+                body = p.LoadBlocksRequest(_keys(kv), _per_chunk(dst), after_event=event)
+                replies: list[Any] = []
+                loader = threading.Thread(
+                    target=lambda: replies.append(ipc.load("stalled", body, "selftest")),
+                    daemon=True,
+                )
+                loader.start()
+                if not watch.waiting.wait(REPLY_SECONDS):
+                    raise CheckFailed("the sidecar never saw the stalled worker's event pending")
+                os.kill(proc.pid, signal.SIGKILL)  # mid step, as an OOM kill
+                proc.join(30)
+                ipc.close("stalled")  # what the session's closed liveness socket does
+                loader.join(REPLY_SECONDS)
+            if loader.is_alive():
+                raise CheckFailed("the load still waits for a killed worker's event: wedged")
+            if not replies or replies[0].loaded:
+                raise CheckFailed(f"a load into a killed worker's KV was reported: {replies}")
+            if ipc.fault:
+                raise CheckFailed(f"the GPU was marked faulted by a peer's death: {ipc.fault}")
+            if len(ipc):
+                raise CheckFailed("the killed worker's KV is still mapped")
+            arena.fill_(0)
+            after = _save_from_source_worker(lib, ipc, engine, arena, [CASE], src, None)
+        finally:
+            del arena
+            devices.close()
+            engine.close()
+    return (
+        f"{saved}; a load waiting for a SIGKILLed worker's event ended at its session's "
+        f"end, nothing loaded, nothing mapped; then {after}"
     )

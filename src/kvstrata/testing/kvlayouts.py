@@ -38,6 +38,20 @@ DTYPES: tuple[torch.dtype, ...] = (
 )
 
 
+def layout_to_check(kv_cache_layout: str | None) -> str | None:
+    """The layout name to hand ``detect_layout``: ``kv_cache_layout`` where vLLM is
+    importable (its ``KVCacheLayout`` says what the strides must be), else None
+    (the plan is read from the strides alone, as for tests). The GPU machines the
+    kit runs on have no vLLM; the byte copies checked there are the same either way."""
+    if kv_cache_layout is None:
+        return None
+    try:
+        import vllm.v1.kv_cache_layout  # noqa: F401
+    except ImportError:
+        return None
+    return kv_cache_layout
+
+
 @dataclass
 class KVLayoutCase:
     name: str

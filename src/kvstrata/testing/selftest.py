@@ -233,14 +233,14 @@ def check_torch_copier(device: str = "cuda") -> str:
 
     from kvstrata.connector.layout import detect_layout
     from kvstrata.testing import chunkref
-    from kvstrata.testing.kvlayouts import DTYPES, every_case
+    from kvstrata.testing.kvlayouts import DTYPES, every_case, layout_to_check
 
     failures: list[str] = []
     runs = 0
     for dtype in DTYPES:
         for case in every_case(dtype, device=device):
             layout = detect_layout(
-                case.layers, kv_cache_layout=case.kv_cache_layout,
+                case.layers, kv_cache_layout=layout_to_check(case.kv_cache_layout),
                 blocks_per_chunk=PER_CHUNK, block_dim=case.block_dim,
             )  # fmt: skip
             src = chunkref.random_block_ids(case.num_blocks, PER_CHUNK, seed=7)
@@ -264,7 +264,7 @@ def check_torch_copier(device: str = "cuda") -> str:
                 chunkref.scatter_reference(case, expected, dst, want.to(device))
                 target_layout = detect_layout(
                     dict(zip(case.layers, target, strict=True)),
-                    kv_cache_layout=case.kv_cache_layout,
+                    kv_cache_layout=layout_to_check(case.kv_cache_layout),
                     blocks_per_chunk=PER_CHUNK, block_dim=case.block_dim,
                 )  # fmt: skip
                 target_layout.scatter(buf, dst)

@@ -1,7 +1,7 @@
 """A stand-in GPU for ipc-mode tests on machines without one (a test double).
 
 :class:`SharedMemoryDevice` implements the sidecar's
-:class:`~kvstrata.sidecar.transfer.ipc.TransferDevice` with host memory:
+:class:`~kvstrata.sidecar.transfer.ipc_device.TransferDevice` with host memory:
 a "CUDA IPC handle" is the name of a ``/dev/shm`` segment (64 bytes,
 zero-padded) that the "vLLM" side fills with its KV tensors, "opening" it
 maps the segment, and copies run through the host build of the ``csrc``
@@ -88,6 +88,7 @@ class SharedMemoryDevice:
         chunk_addresses: Sequence[int],
         blocks_per_chunk: int,
         after_event: bytes | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> None:
         if after_event is not None:
             self.events_waited.append(after_event)

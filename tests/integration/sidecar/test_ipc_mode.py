@@ -424,14 +424,12 @@ def test_a_session_ending_during_a_copy_closes_its_handles_only_after_the_copy(
         saver = threading.Thread(target=lambda: saved.append(ipc.save("s1", body, "s1/o")))
         saver.start()
         assert entered.wait(10)
-        closer = threading.Thread(target=ipc.close, args=("s1",))
-        closer.start()
-        closer.join(0.3)
-        assert closer.is_alive() and device.open_handles == 1  # waiting for the copy
+        # close() returns at once (the liveness thread must not wait on a copy)...
+        assert ipc.close("s1")
+        assert device.open_handles == 1  # ...and the running copy's memory stays mapped
         release.set()
         saver.join(10)
-        closer.join(10)
-        assert not closer.is_alive() and device.open_handles == 0
+        assert not saver.is_alive() and device.open_handles == 0  # the copy's end closed it
         # Its session ended while it copied (the process died): what it copied may
         # be a dead forward pass's unfinished KV, so it is not stored.
         assert saved[0].committed == [False]
@@ -440,6 +438,82 @@ def test_a_session_ending_during_a_copy_closes_its_handles_only_after_the_copy(
             ipc.save("s1", body, "s1/o")  # no copy starts on a closed session
     finally:
         release.set()
+        engine.close()
+
+
+def test_a_session_ending_while_its_registration_opens_handles_leaves_nothing_mapped(
+    tmp_path: Path, kv: SharedKV
+) -> None:
+    # The worker dies (its liveness socket closes) while its REGISTER_KV is
+    # still opening handles: close() finds no mapping yet, so the registration
+    # itself must close what it opened instead of inserting it.
+    engine = in_process_engine(tmp_path)
+    held = HeldCopy()
+
+    class SlowOpen(SharedMemoryDevice):
+        def open_memory(self, handle: bytes) -> int:
+            address = super().open_memory(handle)
+            held.hold()
+            return address
+
+    device = SlowOpen(engine.arena.address())
+    ipc = IpcTransfers(engine, lambda gpu: device)
+    try:
+        outcome: list[object] = []
+
+        def register() -> None:
+            try:
+                outcome.append(ipc.register("s1", kv.registration()))
+            except p.ProtocolError as exc:
+                outcome.append(exc)
+
+        registrar = threading.Thread(target=register)
+        registrar.start()
+        assert held.entered.wait(10)  # a handle is open, the mapping not yet in the table
+        assert ipc.close("s1")  # the session ends
+        held.release.set()
+        registrar.join(10)
+        assert not registrar.is_alive()
+        assert isinstance(outcome[0], p.ProtocolError), outcome
+        assert "ended" in str(outcome[0])
+        assert len(ipc) == 0 and device.open_handles == 0
+        # A later session registers as usual: nothing of the race is left over.
+        ipc.register("s2", kv.registration())
+        assert ipc.close("s2") and device.open_handles == 0
+    finally:
+        held.release.set()
+        engine.close()
+
+
+def test_a_chunk_saved_in_ipc_mode_fits_a_host_mode_worker_of_the_same_layout(
+    tmp_path: Path, kv: SharedKV
+) -> None:
+    # Two pods share a tier, one in ipc mode, one in host mode: a chunk the first
+    # saved must carry the dtype and shape the second's loads check (slot_fits).
+    from kvstrata.connector.arena_view import slot_fits
+    from kvstrata.connector.client import ArenaSlot
+    from kvstrata.connector.layout import detect_layout
+
+    engine = in_process_engine(tmp_path)
+    device = SharedMemoryDevice(engine.arena.address())
+    ipc = IpcTransfers(engine, lambda gpu: device)
+    try:
+        ipc.register("s1", kv.registration())
+        body = p.SaveBlocksRequest(keys=keys(1, "shared-tier"), block_ids=[[1, 2]], owner="o")
+        assert ipc.save("s1", body, "s1/o").committed == [True]
+        ipc.close("s1")
+        layout = detect_layout(
+            kv.case.layers, kv_cache_layout=None, blocks_per_chunk=BLOCKS_PER_CHUNK, block_dim=0
+        )
+        slot = engine.acquire(body.keys[0], "host-worker")
+        assert slot is not None
+        seen = ArenaSlot(
+            slot.lease_id, slot.offset, slot.length, slot.meta.dtype, tuple(slot.meta.shape)
+        )
+        assert seen.shape == layout.chunk_shape
+        assert slot_fits(seen, layout)
+        engine.release_lease(slot.lease_id)
+    finally:
         engine.close()
 
 
@@ -499,7 +573,7 @@ def test_a_load_waits_for_the_event_vllm_recorded_before_it_fills_blocks(
         client.close()
 
 
-def test_a_cuda_fault_turns_the_sidecar_not_ready_refuses_ipc_and_is_exported(
+def test_a_cuda_fault_moves_ipc_sessions_to_host_mode_keeps_the_sidecar_ready_and_is_exported(
     sidecar: InProcessSidecar, kv: SharedKV
 ) -> None:
     from prometheus_client import generate_latest
@@ -517,17 +591,34 @@ def test_a_cuda_fault_turns_the_sidecar_not_ready_refuses_ipc_and_is_exported(
     try:
         client.register_kv(kv.registration())
         assert client.ipc.save_blocks(keys(1, "before"), [[1, 2]], None, "r") == [True]
-        assert sidecar.server.ready
+        assert client.transfer_mode == "ipc"
         sidecar.device.gather = illegal_address  # type: ignore[method-assign]
         assert client.ipc.save_blocks(keys(1, "fault"), [[3, 4]], None, "r") == [False]
-        assert not sidecar.server.ready
-        # Every later ipc call is refused at once with the reason ...
+        # The pod stays in its Service: the sidecar is still ready ...
+        assert sidecar.server.ready
+        # ... and the worker's session ended: its next call says HELLO again and
+        # is granted host mode, with the fault as the reason (a miss, not an error).
         assert client.ipc.load_blocks(keys(1, "before"), [[5, 6]], "r") is None
-        assert client.errors.get(p.E_UNSUPPORTED) == 1
-        # ... and the metrics say what happened.
+        assert client.transfer_mode == "host"
+        assert "GPU context is broken" in client.ipc_fallback_reason
+        assert len(sidecar.ipc) == 0  # nothing mapped for a session that ended
+        # Host mode serves: the chunk saved before the fault is found.
+        found = client.lookup(keys(1, "before"), prefetch=False, owner="r")
+        assert found is not None and found.hit_chunks == 1
+        # A new worker asking for ipc gets host mode and the reason.
+        other = ipc_client(sidecar.endpoint)
+        try:
+            assert other.stats() is not None
+            assert other.transfer_mode == "host"
+        finally:
+            other.close()
+        # The fault is said where an operator looks: metrics and /status.
         text = generate_latest(sidecar.server.metrics.registry).decode()
         assert 'kvstrata_ipc_copy_failures_total{op="save"} 1.0' in text
         assert "kvstrata_ipc_gpu_faulted 1.0" in text
+        status = sidecar.server.status()
+        assert "illegal memory access" in status["gpu_fault"] and status["ready"]
+        assert status["transfer_modes"] == ["host"]
     finally:
         client.close()
 

@@ -318,7 +318,7 @@ def test_gather_waits_for_the_peer_event_on_its_stream_before_copying_and_syncs_
     assert torch.equal(got, chunkref.chunk_bytes(case, [3, 7], 0))
 
 
-def test_scatter_waits_for_vllms_event_on_its_stream_before_filling_blocks(arena: Arena) -> None:
+def test_scatter_waits_for_vllms_event_on_the_host_before_filling_blocks(arena: Arena) -> None:
     lib = RecordingCuda({GPU0: 0})
     device = CudaDevice(lib, GPU0, arena)  # type: ignore[arg-type]
     case = vllm_layers("LBNHC", seed=4)
@@ -328,8 +328,9 @@ def test_scatter_waits_for_vllms_event_on_its_stream_before_filling_blocks(arena
 
     device.scatter(plan, [5, 6], [device.arena_address(0)], 2, event)
 
-    assert [c[0] for c in lib.calls] == ["set_device", "wait_event", "scatter", "synchronize"]
-    assert lib.calls[1] == ("wait_event", 0, device.stream, event)
+    # No device-side wait: a killed vLLM's event could hold the stream sync forever.
+    assert [c[0] for c in lib.calls] == ["event_query", "set_device", "scatter", "synchronize"]
+    assert lib.calls[0] == ("event_query", 0, event)
 
 
 def test_gather_without_an_event_and_scatter_copy_on_the_device_stream_and_sync(
@@ -798,3 +799,200 @@ def test_a_peer_event_that_never_completes_fails_the_save_at_its_deadline(arena:
     with pytest.raises(CudaDeviceError, match="did not complete"):
         device.gather(plan, [1, 2], [device.arena_address(0)], 2, b"\x0e" * 64)
     assert "gather" not in names(lib.calls)  # nothing was copied
+
+
+def _registered_ipc(
+    tmp_path: Path, lib: RecordingCuda
+) -> tuple[StorageManager, CudaDevices, IpcTransfers, torch.Tensor, p.RegisterKVRequest]:
+    config = config_from_dict(
+        {
+            "chunk_size": 32,
+            "l1": {"size_bytes": "4Mi", "pin_memory": False},
+            "l2": {"path": str(tmp_path / "l2"), "size_bytes": "8Mi"},
+        }
+    )
+    engine = StorageManager(config)
+    devices = CudaDevices(lib, engine.arena)  # type: ignore[arg-type]
+    ipc = IpcTransfers(engine, devices)
+    raw = torch.empty(3 * 12 * 2 * 16 * 128 * 2, dtype=torch.int8)
+    case = vllm_layers("LBNHC", buffer=raw, seed=5)
+    lib.exports[b"\x07" * 64] = raw
+    body = p.RegisterKVRequest(
+        device_uuid=GPU0, kv_cache_layout="LBNHC", block_dim=0,
+        blocks_per_chunk=2, dtype="bfloat16", itemsize=2,
+        layers=[
+            p.KVLayerHandle(b"\x07" * 64, t.data_ptr() - raw.data_ptr(), tuple(t.shape),
+                            tuple(t.stride()))
+            for t in case.layers.values()
+        ],
+    )  # fmt: skip
+    return engine, devices, ipc, raw, body
+
+
+def test_a_load_waiting_for_a_killed_peers_event_frees_the_device_and_its_mapping(
+    tmp_path: Path,
+) -> None:
+    # A vLLM killed while its previous step ran: the event the load must follow
+    # never completes (RecordingCuda answers "not ready" forever). The load must
+    # not hold the device, and ending the session must end the wait and unmap.
+    import threading
+
+    lib = RecordingCuda({GPU0: 0})
+    engine, devices, ipc, raw, body = _registered_ipc(tmp_path, lib)
+    try:
+        ipc.register("dead", body)
+        ipc.register("alive", body)
+        ks = chunk_keys(1, "to-load")
+        assert ipc.save("alive", p.SaveBlocksRequest(ks, [[3, 4]]), "o").committed == [True]
+        lib.event_done = False
+        lib.event_queried = threading.Event()
+        loaded: list[p.LoadBlocksReply] = []
+        load = p.LoadBlocksRequest(ks, [[6, 7]], after_event=b"\x0d" * 64)
+        loader = threading.Thread(target=lambda: loaded.append(ipc.load("dead", load, "o")))
+        loader.start()
+        assert lib.event_queried.wait(10)  # the load is waiting for the event
+        assert not [c for c in lib.calls if c[0] == "scatter"]  # nothing written yet
+        # Another session's copy runs meanwhile: the device is not held.
+        other = p.SaveBlocksRequest(chunk_keys(1, "alive"), [[5, 6]])
+        assert ipc.save("alive", other, "o").committed == [True]
+        assert ipc.close("dead")  # the dead worker's liveness socket closed
+        loader.join(10)
+        assert not loader.is_alive()
+        assert loaded[0].loaded == 0  # vLLM, were it alive, would recompute
+        assert not [c for c in lib.calls if c[0] == "scatter"]
+        assert ipc.fault == ""  # a peer's death is no fault of the sidecar's GPU
+        ipc.close("alive")
+        assert lib.open[raw.data_ptr()] == 0  # nothing of the dead worker stays mapped
+    finally:
+        devices.close()
+        engine.close()
+
+
+class WedgedCuda(RecordingCuda):
+    """RecordingCuda whose scatter blocks until the test releases it: a CUDA call
+    that does not return (a stand-in for a hung driver call, named as such)."""
+
+    def __init__(self, devices: dict[str, int]) -> None:
+        super().__init__(devices)
+        import threading
+
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def scatter(self, plan: CopyPlan, ids: Any, chunks: Any, per_chunk: int, **kw: Any) -> None:
+        self.entered.set()
+        assert self.release.wait(30)
+        super().scatter(plan, ids, chunks, per_chunk, **kw)
+
+
+def test_closing_a_session_never_waits_for_its_wedged_copy_whose_end_closes_the_handles(
+    tmp_path: Path,
+) -> None:
+    import threading
+
+    lib = WedgedCuda({GPU0: 0})
+    engine, devices, ipc, raw, body = _registered_ipc(tmp_path, lib)
+    try:
+        ipc.register("wedged", body)
+        ks = chunk_keys(1, "wedged")
+        assert ipc.save("wedged", p.SaveBlocksRequest(ks, [[3, 4]]), "o").committed == [True]
+        load = p.LoadBlocksRequest(ks, [[6, 7]])
+        loader = threading.Thread(target=lambda: ipc.load("wedged", load, "o"))
+        loader.start()
+        assert lib.entered.wait(10)
+        closed = threading.Event()
+        closer = threading.Thread(target=lambda: (ipc.close("wedged"), closed.set()))
+        closer.start()
+        # The liveness thread is free again while the copy still runs...
+        assert closed.wait(10)
+        assert len(ipc) == 0
+        assert lib.open[raw.data_ptr()] == 1  # ...and the copy's memory stays mapped
+        lib.release.set()
+        loader.join(10)
+        assert not loader.is_alive()
+        assert lib.open[raw.data_ptr()] == 0  # the copy's end closed it
+    finally:
+        lib.release.set()
+        devices.close()
+        engine.close()
+
+
+def test_closing_from_a_thread_that_chose_no_device_runs_every_call_on_the_sessions_gpu(
+    arena: Arena,
+) -> None:
+    # The sidecar sees every GPU of the node; its vLLM's is device 1 here. A thread
+    # that never chose a device (shutdown, the liveness thread) is on device 0 for
+    # the runtime, and its first call there would create a context on another pod's
+    # GPU: closing must choose device 1 before anything else.
+    lib = RecordingCuda({GPU0: 0, GPU1: 1})
+    devices = CudaDevices(lib, arena)  # type: ignore[arg-type]
+    devices(GPU1)
+    lib.calls.clear()
+    lib.current = 0  # what a fresh thread's runtime state says
+
+    seen: list[tuple[str, int]] = []
+    for name in ("synchronize", "stream_destroy", "host_unregister"):
+        wrapped = getattr(lib, name)
+
+        def record(*args: Any, _name: str = name, _fn: Any = wrapped) -> Any:
+            seen.append((_name, lib.current))
+            return _fn(*args)
+
+        setattr(lib, name, record)
+    devices.close()
+
+    assert seen == [("synchronize", 1), ("stream_destroy", 1), ("host_unregister", 1)]
+    assert ("set_device", 0) not in lib.calls
+
+
+GUARD_TRACE = r"""
+#include <cstdio>
+#include "kvs_device_guard.h"
+
+// A recording stand-in for the CUDA runtime (named as such): the device the thread
+// has current, whether a context is current, and every cudaSetDevice.
+struct Recording {
+  int current;
+  bool context;
+  int sets = 0;
+  int set_to[8];
+  int get_device(int* d) { *d = current; return 0; }
+  int set_device(int d) { set_to[sets++] = d; current = d; context = true; return 0; }
+  bool has_current_context() { return context; }
+};
+
+int main() {
+  const int cases[][3] = {{0, 0, 1}, {0, 1, 1}, {2, 1, 1}, {1, 1, 1}, {1, 0, 1}};
+  for (const auto& c : cases) {
+    Recording rt{c[0], c[1] != 0};
+    { kvs::DeviceGuard<Recording> guard(rt, c[2]); }
+    std::printf("%d %d %d ->", c[0], c[1], c[2]);
+    for (int i = 0; i < rt.sets; ++i) std::printf(" %d", rt.set_to[i]);
+    std::printf("\n");
+  }
+  return 0;
+}
+"""
+
+
+def test_the_device_guard_gives_a_device_back_only_where_a_context_was_current(
+    tmp_path: Path,
+) -> None:
+    # csrc/kvs_device_guard.h compiled with the host compiler over a recording runtime.
+    cxx = csrc_build.find_cxx()
+    if cxx is None:
+        pytest.skip("no C++ compiler on this machine")
+    source = tmp_path / "guard.cpp"
+    source.write_text(GUARD_TRACE)
+    binary = tmp_path / "guard"
+    csrc = csrc_build.repo_csrc_dir()
+    assert csrc is not None
+    subprocess.run([cxx, "-std=c++17", f"-I{csrc}", "-o", str(binary), str(source)], check=True)
+    trace = subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout
+    assert trace.splitlines() == [
+        "0 0 1 -> 1",  # a fresh thread: switch to the target, never set device 0
+        "0 1 1 -> 1 0",  # torch had device 0 current (its context exists): given back
+        "2 1 1 -> 1 2",
+        "1 1 1 ->",  # already there: no call at all
+        "1 0 1 ->",
+    ]
