@@ -57,6 +57,14 @@ CPU_PATHS = ("torch", "torch-per-layer", "kernel")
 GPU_PATHS = ("kernel-staging", "ipc", "dma-batch")
 
 
+def plan_from(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--param`` checked before the benchmark starts (``kvstrata bench``'s
+    argument check): the paths this machine would measure, or SystemExit."""
+    import torch
+
+    return wanted_paths(args, torch.cuda.is_available())
+
+
 def wanted_paths(args: argparse.Namespace, cuda: bool) -> tuple[str, ...]:
     """The paths to measure (``--param paths=...``, default every one this machine
     runs). SystemExit naming the problem for an unknown path or setting, or for a

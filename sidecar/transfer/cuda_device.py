@@ -366,6 +366,10 @@ class CudaDevice:
             self._wait_for_peer(after_event, cancelled)
         with self._lock:
             self._check_open()
+            # The lock may have been waited for: a client past its deadline has
+            # handed these blocks to other work, so nothing is written to them.
+            if cancelled is not None and cancelled():
+                raise CudaDeviceError("the load was cancelled before its copy started")
             try:
                 self._lib.set_device(self.index)
                 batch = self._batch_chunks(plan, blocks_per_chunk)

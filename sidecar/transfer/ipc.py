@@ -463,10 +463,13 @@ class IpcTransfers:
             addresses = [mapping.device.arena_address(s.offset) for s in slots]
             mapping.device.scatter(
                 mapping.plan, ids, addresses, mapping.blocks_per_chunk, body.after_event,
-                cancelled=mapping.closing.is_set,
+                cancelled=lambda: mapping.closing.is_set() or past(expires),
             )  # fmt: skip
         except Exception as exc:
-            self._copy_failed("load", session_id, exc)
+            if past(expires):  # the wait for vLLM's event outlasted the client's deadline
+                self.expired["load"] += 1
+            else:
+                self._copy_failed("load", session_id, exc)
             per_run = [0] * len(per_run)
         finally:
             # A lease that expired while the copy ran (a peer's event waited on

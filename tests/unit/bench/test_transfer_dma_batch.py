@@ -51,7 +51,11 @@ def test_gpu_paths_are_refused_by_name_without_a_cuda_device() -> None:
         transfer.wanted_paths(Namespace(param=["paths=torch,dma-batch,ipc"]), cuda=False)
     with pytest.raises(SystemExit, match="unknown"):
         transfer.wanted_paths(Namespace(param=["paths=dma"]), cuda=True)
-    assert transfer.wanted_paths(Namespace(param=None), cuda=False) == ("torch", "kernel")
+    assert transfer.wanted_paths(Namespace(param=None), cuda=False) == (
+        "torch",
+        "torch-per-layer",
+        "kernel",
+    )
     assert "dma-batch" in transfer.wanted_paths(Namespace(param=None), cuda=True)
 
 
