@@ -151,7 +151,14 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "idle), made_room (idle, closed for a newcomer), idle (past its deadline)"),
     MetricSpec("kvstrata_accept_errors_total", "counter", ("listener",), "accepts",
                "accepts that failed for want of file descriptors (each pauses accepting)"),
+    MetricSpec("kvstrata_client_bound_refusals_total", "counter", ("bound",), "events",
+               "refusals at a per-client bound: sessions_per_peer, sessions_per_uid (a HELLO "
+               "refused), queued_reply_bytes (a reply dropped for a short busy error: its "
+               "client left server.max_queued_reply_bytes of replies unread)"),
 )  # fmt: skip
+
+# The per-client bounds whose refusals are counted (kvstrata_client_bound_refusals_total).
+CLIENT_BOUNDS = ("sessions_per_peer", "sessions_per_uid", "queued_reply_bytes")
 
 SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOGUE}
 
@@ -220,6 +227,9 @@ class ServerMetrics:
         # Pre-create the common error kinds so dashboards see zeros, not gaps.
         for kind in ("bad_frame", "bad_request", "no_session", "forbidden", "internal"):
             self.errors.labels(kind=kind)
+        self.bound_refusals = _request_counter("kvstrata_client_bound_refusals_total", r)
+        for bound in CLIENT_BOUNDS:
+            self.bound_refusals.labels(bound=bound)
 
     def expect_tiers(self, tiers: Iterable[str]) -> None:
         """Zero hit counters for every tier the engine has, so a hit rate reads 0

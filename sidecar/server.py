@@ -45,7 +45,11 @@ from kvstrata.sidecar.metrics import (
     ListenerCollector,
     ServerMetrics,
 )
-from kvstrata.sidecar.peers import ClientAdmission, credentials_from_peer_address
+from kvstrata.sidecar.peers import (
+    ClientAdmission,
+    PeerCredentials,
+    credentials_from_peer_address,
+)
 from kvstrata.sidecar.sessions import Session, SessionTable
 
 if TYPE_CHECKING:
@@ -86,7 +90,11 @@ class SidecarServer:
         self.config = config
         self.engine = engine
         self.metrics = ServerMetrics()
-        self.sessions = SessionTable(config.server.client_timeout_seconds)
+        self.sessions = SessionTable(
+            config.server.client_timeout_seconds,
+            max_per_peer=config.server.max_sessions_per_peer,
+            max_per_uid=config.server.max_sessions_per_uid,
+        )
         self.handlers = Handlers(
             engine, self.sessions, self.metrics, config, server_version, ipc, ipc_unavailable
         )
@@ -275,7 +283,8 @@ class SidecarServer:
         except p.ProtocolError as exc:
             self._refuse(identity, exc)
             return
-        if request.op == p.HELLO and (why := self._refusal(first)) is not None:
+        peer = self._credentials(first) if request.op == p.HELLO else None
+        if request.op == p.HELLO and (why := self.admission.refusal(peer)) is not None:
             self._count_error(p.E_FORBIDDEN)
             self._send(identity, p.encode_error(request.request_id, p.E_FORBIDDEN, why))
             return
@@ -296,7 +305,8 @@ class SidecarServer:
             except p.ProtocolError as exc:
                 self._refuse(identity, exc)
                 return
-            self._send(identity, self._answer(full, session, identity, started))
+            uid = peer.uid if peer is not None else None
+            self._send(identity, self._answer(full, session, identity, started, uid))
             return
         with self._backlog_lock:
             busy = self._backlog >= MAX_POOL_BACKLOG
@@ -321,15 +331,15 @@ class SidecarServer:
         logger.debug("refused a frame: %s", exc)
         return p.encode_error(exc.request_id, exc.code, str(exc))
 
-    def _refusal(self, first: zmq.Frame | None) -> str | None:
-        """Why the process behind this HELLO may not open a session, or None."""
+    def _credentials(self, first: zmq.Frame | None) -> PeerCredentials | None:
+        """What the kernel says of the process that sent this frame (ipc:// only)."""
         address = None
         if first is not None and self.endpoint.startswith("ipc://"):
             try:
                 address = first.get("Peer-Address")
             except zmq.ZMQError:  # a libzmq without the property: no credentials
                 address = None
-        return self.admission.refusal(credentials_from_peer_address(address))
+        return credentials_from_peer_address(address)
 
     def _pooled(
         self, envelope: p.Envelope, session: Session | None, identity: bytes, started: float
@@ -348,14 +358,19 @@ class SidecarServer:
         self.wake()
 
     def _answer(
-        self, request: p.Request, session: Session | None, identity: bytes, started: float
+        self,
+        request: p.Request,
+        session: Session | None,
+        identity: bytes,
+        started: float,
+        uid: int | None = None,
     ) -> bytes:
         """Run one request to its reply frame; never raises. What it logs carries
         the request's id, op and client (:mod:`kvstrata.sidecar.logs`)."""
         client = session.client_id if session is not None else "-"
         with request_context(request.request_id, request.op, client):
             try:
-                body = self.handlers.handle(request, session, identity)
+                body = self.handlers.handle(request, session, identity, uid)
                 reply = p.encode_reply(request.request_id, body)
             except p.ProtocolError as exc:
                 logger.debug("refused (%s): %s", exc.code, exc)
