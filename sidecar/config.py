@@ -319,6 +319,12 @@ class ServerConfig(_Section):
         "socket reports the uid (a vLLM pod's scheduler and workers share one); a HELLO "
         "beyond it is refused with error busy",
     )
+    max_queued_reply_bytes: ByteSize = Field(
+        64 << 20,
+        ge=1 << 20,
+        description="bytes of replies one connection may have waiting unread in the "
+        "sidecar; a reply past it is dropped and the client gets a short busy error instead",
+    )
 
 
 class IpcConfig(_Section):

@@ -151,6 +151,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "idle), made_room (idle, closed for a newcomer), idle (past its deadline)"),
     MetricSpec("kvstrata_accept_errors_total", "counter", ("listener",), "accepts",
                "accepts that failed for want of file descriptors (each pauses accepting)"),
+    MetricSpec("kvstrata_queued_reply_bytes", "gauge", (), "bytes",
+               "bytes of replies (those of 4 KiB or more) waiting for clients to take them; "
+               "each client's share is bounded by server.max_queued_reply_bytes"),
     MetricSpec("kvstrata_client_bound_refusals_total", "counter", ("bound",), "events",
                "refusals at a per-client bound: sessions_per_peer, sessions_per_uid (a HELLO "
                "refused), queued_reply_bytes (a reply dropped for a short busy error: its "
@@ -284,6 +287,21 @@ class ListenerCollector(Collector):
                 closed.add_metric([name, reason], n)
             errors.add_metric([name], c.accept_errors)
         yield from (opened, limit, closed, errors)
+
+
+class QueuedRepliesCollector(Collector):
+    """Reads the bytes of replies waiting for their clients at scrape time."""
+
+    def __init__(self, queued_bytes: Callable[[], int]) -> None:
+        self._queued_bytes = queued_bytes
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        queued = _gauge("kvstrata_queued_reply_bytes")
+        queued.add_metric([], self._queued_bytes())
+        yield queued
 
 
 class EngineCollector(Collector):

@@ -43,6 +43,7 @@ from kvstrata.sidecar.metrics import (
     EngineCollector,
     IpcCollector,
     ListenerCollector,
+    QueuedRepliesCollector,
     ServerMetrics,
 )
 from kvstrata.sidecar.peers import (
@@ -50,6 +51,7 @@ from kvstrata.sidecar.peers import (
     PeerCredentials,
     credentials_from_peer_address,
 )
+from kvstrata.sidecar.replies import SNDHWM, TRACKED_MIN_BYTES, QueuedReplies, request_id_of
 from kvstrata.sidecar.sessions import Session, SessionTable
 
 if TYPE_CHECKING:
@@ -113,6 +115,9 @@ class SidecarServer:
             "liveness": ListenerCounts(self.fd_budget.liveness),
         }
         self.metrics.attach(ListenerCollector(self.connection_counts))
+        # Replies a client has not taken yet, bounded in bytes per client (.replies).
+        self.replies = QueuedReplies(config.server.max_queued_reply_bytes)
+        self.metrics.attach(QueuedRepliesCollector(self.replies.total))
         self.pooled_ops = POOLED_OPS_REMOTE if remote_lookups else POOLED_OPS
         self.endpoint = config.server.endpoint
         self.admission = ClientAdmission(config.server.client_uids)
@@ -143,7 +148,7 @@ class SidecarServer:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
-        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)
         sock.setsockopt(zmq.RCVHWM, 10_000)
         self._curve(sock)
         try:
@@ -398,11 +403,31 @@ class SidecarServer:
             return
         try:
             # Not blocking: a client that stopped reading loses its replies
-            # (ROUTER drops at the high-water mark), nobody else waits.
-            self._sock.send_multipart([identity, payload], zmq.NOBLOCK)
+            # (ROUTER drops at the high-water mark), nobody else waits; and
+            # what it leaves unread is bounded in bytes too (.replies).
+            if len(payload) < TRACKED_MIN_BYTES:
+                self._sock.send_multipart([identity, payload], zmq.NOBLOCK)
+            elif self.replies.admit(identity, len(payload)):
+                tracker = self._sock.send_multipart(
+                    [identity, payload], zmq.NOBLOCK, copy=False, track=True
+                )
+                self.replies.sent(identity, tracker, len(payload))
+            else:
+                self._sock.send_multipart([identity, self._unread(payload)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             logger.debug("reply dropped: %s", exc)
             self._count_error("send")
+
+    def _unread(self, payload: bytes) -> bytes:
+        """The short busy error that replaces a reply its client has no room for."""
+        self.metrics.bound_refusals.labels(bound="queued_reply_bytes").inc()
+        self._count_error(p.E_BUSY)
+        limit = self.replies.max_bytes
+        message = (
+            f"a reply of {len(payload)} bytes was dropped: this connection leaves up to "
+            f"{limit} bytes of replies unread (server.max_queued_reply_bytes); read them"
+        )
+        return p.encode_error(request_id_of(payload), p.E_BUSY, message)
 
     def _housekeeping(self) -> None:
         try:
@@ -411,6 +436,7 @@ class SidecarServer:
                 logger.info("%d leases expired", expired)
             for session in self.sessions.idle():
                 self.handlers.reclaim(session)
+            self.replies.sweep()
         except Exception:
             logger.exception("housekeeping failed")
             self._count_error(p.E_INTERNAL)
