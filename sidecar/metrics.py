@@ -143,14 +143,20 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "1 after a CUDA error that breaks the sidecar's GPU context: ipc calls are "
                "refused (workers use host mode) and /readyz fails until a restart"),
     MetricSpec("kvstrata_connections_open", "gauge", ("listener",), "connections",
-               "connections open on the HTTP port (http) or the liveness socket (liveness)"),
+               "connections open on the HTTP port (http), the liveness socket (liveness) or "
+               "the ZeroMQ endpoint (zmq)"),
     MetricSpec("kvstrata_connections_limit", "gauge", ("listener",), "connections",
-               "a listener's connection cap, from the descriptors free at start"),
+               "a listener's connection cap, from the descriptors free (at start, and again "
+               "when the descriptor limit changes)"),
     MetricSpec("kvstrata_connections_closed_total", "counter", ("listener", "reason"),
                "connections", "connections the sidecar closed: refused (at the cap, none "
                "idle), made_room (idle, closed for a newcomer), idle (past its deadline)"),
     MetricSpec("kvstrata_accept_errors_total", "counter", ("listener",), "accepts",
                "accepts that failed for want of file descriptors (each pauses accepting)"),
+    MetricSpec("kvstrata_accept_pauses_total", "counter", ("listener",), "events",
+               "times the ZeroMQ endpoint (zmq) stopped accepting connections, at its cap or "
+               "short of file descriptors, until some closed (its socket file is absent "
+               "meanwhile); 0 for the others"),
     MetricSpec("kvstrata_queued_reply_bytes", "gauge", (), "bytes",
                "bytes of replies (those of 4 KiB or more) waiting for clients to take them; "
                "each client's share is bounded by server.max_queued_reply_bytes"),
@@ -279,6 +285,7 @@ class ListenerCollector(Collector):
         limit = _gauge("kvstrata_connections_limit")
         closed = _counter("kvstrata_connections_closed_total")
         errors = _counter("kvstrata_accept_errors_total")
+        pauses = _counter("kvstrata_accept_pauses_total")
         for name, c in self._counts.items():
             opened.add_metric([name], c.open)
             limit.add_metric([name], c.limit)
@@ -286,7 +293,8 @@ class ListenerCollector(Collector):
                               ("idle", c.idle_closed)):  # fmt: skip
                 closed.add_metric([name, reason], n)
             errors.add_metric([name], c.accept_errors)
-        yield from (opened, limit, closed, errors)
+            pauses.add_metric([name], c.paused)
+        yield from (opened, limit, closed, errors, pauses)
 
 
 class QueuedRepliesCollector(Collector):

@@ -53,6 +53,7 @@ from kvstrata.sidecar.peers import (
 )
 from kvstrata.sidecar.replies import SNDHWM, TRACKED_MIN_BYTES, QueuedReplies, request_id_of
 from kvstrata.sidecar.sessions import Session, SessionTable
+from kvstrata.sidecar.zmqgate import BACKLOG, ConnectionGate
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.config import SidecarConfig
@@ -110,9 +111,10 @@ class SidecarServer:
         # Connection caps of the HTTP port and the liveness socket, from the
         # descriptors still free now the engine is up (see .fdbudget).
         self.fd_budget = fd_budget if fd_budget is not None else plan()
+        budget = self.fd_budget
         self.connection_counts = {
-            "http": ListenerCounts(self.fd_budget.http),
-            "liveness": ListenerCounts(self.fd_budget.liveness),
+            name: ListenerCounts(getattr(budget, name), fd_ceiling=budget.fd_ceiling(name))
+            for name in ("http", "liveness", "zmq")
         }
         self.metrics.attach(ListenerCollector(self.connection_counts))
         # Replies a client has not taken yet, bounded in bytes per client (.replies).
@@ -135,6 +137,7 @@ class SidecarServer:
         self._bound_path: str | None = None
         self._liveness: LivenessListener | None = None
         self._auth: Any = None  # the ZAP handler thread when CURVE is configured
+        self._gate: ConnectionGate | None = None  # the endpoint's door (ipc://PATH only)
 
     # -- life cycle ---------------------------------------------------------
 
@@ -150,18 +153,32 @@ class SidecarServer:
         sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.SNDHWM, SNDHWM)
         sock.setsockopt(zmq.RCVHWM, 10_000)
+        sock.setsockopt(zmq.BACKLOG, BACKLOG)
         self._curve(sock)
+        # An ipc://PATH endpoint's socket file is moved out of reach while no
+        # more connections may be accepted (.zmqgate): libzmq aborts the
+        # process when an accept finds no descriptor.
+        gate = None
+        if path is not None:
+            gate = ConnectionGate(path, self.connection_counts)
         try:
+            if gate is not None:
+                gate.prepare()
             # Created 0660 (no moment of wider access): the socket file is the
             # door to the arena, for this pod's vLLM and no one else.
             with socket_umask():
                 sock.bind(self.endpoint)
             if path is not None:
                 restrict_socket_file(path, group)
+            if gate is not None:
+                gate.start(sock)
         except (zmq.ZMQError, OSError):
+            if gate is not None:
+                gate.close()
             sock.close(0)
             raise
         self._sock = sock
+        self._gate = gate
         self._bound_path = path
         if path is not None:
             self._liveness = LivenessListener(
@@ -238,6 +255,9 @@ class SidecarServer:
             self._liveness.close()
             self._liveness = None
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._gate is not None:
+            self._gate.close()
+            self._gate = None
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
