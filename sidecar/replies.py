@@ -21,16 +21,21 @@ cache for every client. So the server owns a byte count per peer:
 A peer's count falls as its connection drains (the sidecar's ROUTER has
 ``LINGER`` 0, so the pipe of a peer that disconnected is emptied at once).
 
-Owned by the server loop's thread: not thread-safe.
+Owned by the server loop's thread (:meth:`QueuedReplies.send` is how the
+server sends every reply): not thread-safe, except :meth:`QueuedReplies.total`
+for ``/metrics``.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 import zmq
+
+from kvstrata.sidecar import protocol as p
 
 __all__ = ["SNDHWM", "TRACKED_MIN_BYTES", "QueuedReplies", "request_id_of"]
 
@@ -81,6 +86,25 @@ class QueuedReplies:
             return nbytes <= self.max_bytes
         peer.reap()
         return peer.queued + nbytes <= self.max_bytes
+
+    def send(self, sock: zmq.Socket[Any], identity: bytes, payload: bytes) -> bool:
+        """Queue ``payload`` for peer ``identity`` on ROUTER ``sock`` without
+        blocking; False when the peer had no room for it and got the short
+        ``busy`` error instead (the caller counts it). Raises ``zmq.ZMQError``."""
+        if len(payload) < TRACKED_MIN_BYTES:
+            sock.send_multipart([identity, payload], zmq.NOBLOCK)
+            return True
+        if self.admit(identity, len(payload)):
+            tracker = sock.send_multipart([identity, payload], zmq.NOBLOCK, copy=False, track=True)
+            self.sent(identity, tracker, len(payload))
+            return True
+        message = (
+            f"a reply of {len(payload)} bytes was dropped: this connection leaves up to "
+            f"{self.max_bytes} bytes of replies unread (server.max_queued_reply_bytes); read them"
+        )
+        busy = p.encode_error(request_id_of(payload), p.E_BUSY, message)
+        sock.send_multipart([identity, busy], zmq.NOBLOCK)
+        return False
 
     def sent(self, identity: bytes, tracker: zmq.MessageTracker, nbytes: int) -> None:
         """A tracked reply of ``nbytes`` was handed to ZeroMQ for this peer."""

@@ -51,7 +51,7 @@ from kvstrata.sidecar.peers import (
     PeerCredentials,
     credentials_from_peer_address,
 )
-from kvstrata.sidecar.replies import SNDHWM, TRACKED_MIN_BYTES, QueuedReplies, request_id_of
+from kvstrata.sidecar.replies import SNDHWM, QueuedReplies
 from kvstrata.sidecar.sessions import Session, SessionTable
 from kvstrata.sidecar.zmqgate import BACKLOG, ConnectionGate
 
@@ -425,29 +425,12 @@ class SidecarServer:
             # Not blocking: a client that stopped reading loses its replies
             # (ROUTER drops at the high-water mark), nobody else waits; and
             # what it leaves unread is bounded in bytes too (.replies).
-            if len(payload) < TRACKED_MIN_BYTES:
-                self._sock.send_multipart([identity, payload], zmq.NOBLOCK)
-            elif self.replies.admit(identity, len(payload)):
-                tracker = self._sock.send_multipart(
-                    [identity, payload], zmq.NOBLOCK, copy=False, track=True
-                )
-                self.replies.sent(identity, tracker, len(payload))
-            else:
-                self._sock.send_multipart([identity, self._unread(payload)], zmq.NOBLOCK)
+            if not self.replies.send(self._sock, identity, payload):
+                self.metrics.bound_refusals.labels(bound="queued_reply_bytes").inc()
+                self._count_error(p.E_BUSY)
         except zmq.ZMQError as exc:
             logger.debug("reply dropped: %s", exc)
             self._count_error("send")
-
-    def _unread(self, payload: bytes) -> bytes:
-        """The short busy error that replaces a reply its client has no room for."""
-        self.metrics.bound_refusals.labels(bound="queued_reply_bytes").inc()
-        self._count_error(p.E_BUSY)
-        limit = self.replies.max_bytes
-        message = (
-            f"a reply of {len(payload)} bytes was dropped: this connection leaves up to "
-            f"{limit} bytes of replies unread (server.max_queued_reply_bytes); read them"
-        )
-        return p.encode_error(request_id_of(payload), p.E_BUSY, message)
 
     def _housekeeping(self) -> None:
         try:
