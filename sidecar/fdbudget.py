@@ -18,8 +18,9 @@ the assertion aborts the whole process (``src/ipc_listener.cpp``, libzmq
   the reserve (``ListenerCounts.fd_ceiling``) says at once, with no count
   to lag behind, that the rest is nearly used: the HTTP port and the
   liveness socket close it on the spot;
-* the rest is split between the three listeners as their connection caps
-  (each at most its own ceiling). The HTTP port and the liveness socket at
+* the rest is split in three shares, one each for the HTTP port and the
+  liveness socket and half of one for the ZeroMQ endpoint, as their
+  connection caps (each at most its own ceiling). The HTTP port and the liveness socket at
   their caps close their oldest connection that is still idle to let a
   newcomer in (so a health probe is served however many idle connections
   are held), or refuse the newcomer; the ZeroMQ endpoint stops accepting
@@ -54,6 +55,7 @@ RESERVE_MIN = 64  # descriptors kept for ZeroMQ, files and tiers, whatever the l
 HTTP_CEILING = 1024  # scrapers and probes: a handful in practice
 LIVENESS_CEILING = 4096  # one per client process (scheduler and workers)
 ZMQ_CEILING = 4096  # one per client process, and a few for reconnects
+ZMQ_FLOOR = 32  # a tensor-parallel vLLM's processes, however low the limit
 LISTENER_FLOOR = 8  # a listener always takes this many, however low the limit
 # What an unlimited limit counts as (the kernel's fs.nr_open default caps
 # what setrlimit takes anyway).
@@ -143,7 +145,10 @@ def plan(nofile: int | None = None, in_use: int | None = None) -> FdBudget:
     share = max(0, free - reserve) // 3
     http = max(LISTENER_FLOOR, min(HTTP_CEILING, share))
     liveness = max(LISTENER_FLOOR, min(LIVENESS_CEILING, share))
-    zmq = max(LISTENER_FLOOR, min(ZMQ_CEILING, share))
+    # Half a share for ZeroMQ: a pod runs one client per vLLM process, far
+    # fewer than that, and the other half widens the margin for what libzmq
+    # accepts before its gate reacts (.zmqgate).
+    zmq = max(ZMQ_FLOOR, min(ZMQ_CEILING, share // 2))
     return FdBudget(
         nofile=nofile, in_use=in_use, reserve=reserve, http=http, liveness=liveness, zmq=zmq
     )
