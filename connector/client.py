@@ -23,9 +23,13 @@ Connection life cycle (all inside calls, nothing in the background):
   sidecar, and any answered call ends the back-off.
 
 Replies carry the request id; replies to requests that timed out are
-discarded when they arrive late. Thread-safe: one lock around the socket.
-Slots handed out under an older :attr:`epoch` are void (the arena they
-point into may be another segment now).
+discarded when they arrive late. A call waiting for its reply also watches
+the session's liveness connection (``ipc://PATH`` endpoints): when the
+sidecar process ends, SIGKILL included, the kernel closes it and the call
+ends at once as a miss (counted as ``sidecar_gone``), instead of at its
+deadline; the calls after it back off like after any unanswered call.
+Thread-safe: one lock around the socket. Slots handed out under an older
+:attr:`epoch` are void (the arena they point into may be another segment now).
 
 No vLLM or kopf imports here.
 """
@@ -404,6 +408,10 @@ class SidecarClient:
                     self._count("backoff")
                     return None
                 deadline = time.monotonic() + self.call_timeout_s
+                if self._live is not None and _closed_by_peer(self._live):
+                    # The sidecar ended since the last call: HELLO whichever
+                    # listens now rather than wait on a session that is gone.
+                    self._lost_session()
                 if not self._session_id and not self._hello(deadline):
                     return None
                 reply = self._roundtrip(op, body, deadline)
@@ -492,6 +500,9 @@ class SidecarClient:
         path = ipc_path(self.endpoint)
         if path is not None:
             self._live = liveness.connect(liveness.liveness_path(path), session_id)
+            if self._live is not None:
+                # Only ever read to see whether it closed: never wait on it.
+                self._live.setblocking(False)
 
     def _close_live(self) -> None:
         if self._live is not None:
@@ -518,6 +529,7 @@ class SidecarClient:
         self._session_id = ""
         self._connected = False
         self.ipc.awaiting = 0  # a registration of that session answers nothing now
+        self._close_live()  # it belonged to the session; the next HELLO opens another
         if self._arena is not None:
             self._arena.close()
             self._arena = None
@@ -547,9 +559,25 @@ class SidecarClient:
             self._lost_session()
             self._back_off()
             return None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        live = self._live
+        if live is not None:
+            # The sidecar never writes here: readable means its end closed.
+            poller.register(live.fileno(), zmq.POLLIN)
         while True:
             remaining_ms = (deadline - time.monotonic()) * 1000
-            if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
+            events = dict(poller.poll(remaining_ms)) if remaining_ms > 0 else {}
+            if live is not None and live.fileno() in events and _closed_by_peer(live):
+                # The sidecar process is gone (killed or stopping): no reply
+                # will come, so this call is a miss now, not at its deadline.
+                self._count("sidecar_gone")
+                self._lost_session()
+                self._back_off()
+                return None
+            if sock not in events:
+                if remaining_ms > 0 and live is not None and live.fileno() in events:
+                    continue  # bytes on the liveness socket: not an end
                 self._count("timeout")
                 if op == p.REGISTER_KV and self._session_id:
                     self.ipc.awaiting = request_id  # slow, not gone: see _send_registration
@@ -577,6 +605,17 @@ class SidecarClient:
             if reply.ok:
                 self._connected = True
             return reply.body
+
+
+def _closed_by_peer(live: socket.socket) -> bool:
+    """Whether the sidecar's end of a liveness connection is closed (the kernel
+    closes it when the sidecar process ends, however it ends)."""
+    try:
+        return live.recv(64, socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, TimeoutError):  # open, nothing to read
+        return False
+    except OSError:  # reset: gone as well
+        return True
 
 
 def _namespace_map(namespace: Namespace) -> dict[str, Any]:

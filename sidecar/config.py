@@ -317,6 +317,25 @@ class ServerConfig(_Section):
     client_timeout_seconds: float = Field(
         60.0, gt=0, description="a client silent this long has its leases reclaimed"
     )
+    max_sessions_per_peer: int = Field(
+        16,
+        ge=1,
+        description="sessions one ZeroMQ connection may hold open (a client says HELLO once "
+        "per process; a HELLO beyond it is refused with error busy)",
+    )
+    max_sessions_per_uid: int = Field(
+        256,
+        ge=1,
+        description="sessions the processes of one uid may hold open, where the ipc:// "
+        "socket reports the uid (a vLLM pod's scheduler and workers share one); a HELLO "
+        "beyond it is refused with error busy",
+    )
+    max_queued_reply_bytes: ByteSize = Field(
+        64 << 20,
+        ge=1 << 20,
+        description="bytes of replies one connection may have waiting unread in the "
+        "sidecar; a reply past it is dropped and the client gets a short busy error instead",
+    )
 
 
 class IpcConfig(_Section):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.objformat import ChunkMeta
-from kvstrata.sidecar.sessions import Session, SessionTable
+from kvstrata.sidecar.sessions import Session, SessionLimit, SessionTable
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.config import SidecarConfig
@@ -116,12 +116,14 @@ class Handlers:
         session: Session | None,
         identity: bytes,
         received: float | None = None,
+        uid: int | None = None,
     ) -> p.Message:
         """The reply body to ``request``; ``received``: when its frame arrived
         (``time.perf_counter()``; None: now), from which a client's
-        ``deadline_ms`` counts."""
+        ``deadline_ms`` counts; ``uid``: the kernel's uid of the peer, where the
+        endpoint reports it (read by HELLO only, for its per-uid bound)."""
         if request.op == p.HELLO:
-            return self._hello(request.body, identity)
+            return self._hello(request.body, identity, uid)
         if request.op == p.PING:
             return self._ping(request.body, session)
         if session is None:  # the server checks this first; keep the contract local too
@@ -149,7 +151,7 @@ class Handlers:
 
     # -- ops ----------------------------------------------------------------
 
-    def _hello(self, body: p.HelloRequest, identity: bytes) -> p.HelloReply:
+    def _hello(self, body: p.HelloRequest, identity: bytes, uid: int | None) -> p.HelloReply:
         # A client that asks for ipc where it cannot be served gets host mode
         # and the reason (it falls back and says so once); other modes are errors.
         mode, fallback = body.transfer_mode, ""
@@ -162,15 +164,20 @@ class Handlers:
                 f"field 'transfer_mode': {body.transfer_mode!r} is not served here "
                 f"(served: {sorted(self.transfer_modes)})",
             )
-        session, replaced = self.sessions.open(
-            body.client_id,
-            body.role,
-            body.pid,
-            mode,
-            identity,
-            body.fingerprint,
-            frozenset(body.fingerprints or ()),
-        )
+        try:
+            session, replaced = self.sessions.open(
+                body.client_id,
+                body.role,
+                body.pid,
+                mode,
+                identity,
+                body.fingerprint,
+                frozenset(body.fingerprints or ()),
+                uid=uid,
+            )
+        except SessionLimit as exc:
+            self.metrics.bound_refusals.labels(bound=exc.bound).inc()
+            raise p.ProtocolError(p.E_BUSY, str(exc)) from None
         for old in replaced:
             self.reclaim(old)
         if body.kv_events:

@@ -59,6 +59,7 @@ from kvstrata.sidecar.fdbudget import ListenerCounts
 logger = logging.getLogger(__name__)
 
 LISTEN_BACKLOG = 1024
+ACCEPT_BURST = 16
 MAX_CONNECTIONS = 1024
 MAX_HEAD_BYTES = 8192
 READ_TIMEOUT_S = 5.0
@@ -140,9 +141,14 @@ class HttpEndpoints:
 
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
+        # asyncio accepts up to ``backlog`` connections per wake-up before any
+        # is handed to us (``_accept_connection``): a few at a time, so that
+        # each is judged before the next takes a descriptor; then the kernel's
+        # queue is made long again (asyncio listens with the number it was given).
         server = await asyncio.start_server(
-            self._connection, sock=self._sock, backlog=LISTEN_BACKLOG, limit=MAX_HEAD_BYTES
+            self._connection, sock=self._sock, backlog=ACCEPT_BURST, limit=MAX_HEAD_BYTES
         )
+        self._sock.listen(LISTEN_BACKLOG)
         self._started.set()
         await self._stop.wait()
         server.close()
@@ -154,6 +160,12 @@ class HttpEndpoints:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         counts = self.counts
+        if writer.transport.get_extra_info("socket").fileno() >= counts.fd_ceiling:
+            # On a descriptor of the reserve: the process is nearly out, and
+            # libzmq aborts when it runs out (.fdbudget).
+            counts.refused += 1
+            writer.transport.abort()
+            return
         if counts.open >= counts.limit:
             if not self._waiting:
                 counts.refused += 1

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 SUFFIX = ".live"
 MAX_LINE = 128  # a session id and a newline fit with room to spare
 ID_DEADLINE_S = 5.0  # a client writes its id line right after connecting
+ACCEPT_BURST = 16  # accepts per wake-up: each is judged before the next takes a descriptor
 ACCEPT_BACKOFF_S = 0.5  # accepting pauses this long after running out of descriptors
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
@@ -178,7 +179,7 @@ class LivenessListener:
 
     def _accept(self) -> None:
         assert self._listener is not None  # registered only after start()
-        for _ in range(128):  # what one wake-up takes from the backlog
+        for _ in range(ACCEPT_BURST):  # what one wake-up takes from the backlog
             try:
                 conn, _ = self._listener.accept()
             except BlockingIOError:
@@ -187,6 +188,12 @@ class LivenessListener:
                 if exc.errno in _OUT_OF_DESCRIPTORS:
                     self._pause(exc)
                 return  # ECONNABORTED and the like: that client is gone already
+            if conn.fileno() >= self.counts.fd_ceiling:
+                # On a descriptor of the reserve: the process is nearly out,
+                # and libzmq aborts when it runs out (.fdbudget).
+                self.counts.refused += 1
+                conn.close()
+                continue
             if self.counts.open >= self.counts.limit:
                 if not self._pending:
                     self.counts.refused += 1

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvstrata.sidecar")
 
+GIL_SWITCH_S = 0.0005
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="sidecar YAML config (else defaults)")
@@ -111,6 +113,11 @@ def _serve(config: SidecarConfig) -> int:
     devices (IPC handles and the arena's registration must go before the arena
     is unmapped), engine (stops writers, unlinks the segment), shared tier.
     """
+    # The ZeroMQ endpoint's gate must see libzmq's accepts within a fraction of
+    # a millisecond while other threads run Python (an HTTP or liveness flood):
+    # a thread waiting for the GIL gets it after at most this long (5 ms by
+    # default, in which libzmq accepts hundreds of connections; .zmqgate).
+    sys.setswitchinterval(GIL_SWITCH_S)
     try:
         _pin(config)  # first: every thread started from here on inherits the mask
         with contextlib.ExitStack() as stack:

@@ -161,15 +161,31 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "and their workers re-connect in host mode until a restart (the pod stays "
                "ready; /status says gpu_fault)"),
     MetricSpec("kvstrata_connections_open", "gauge", ("listener",), "connections",
-               "connections open on the HTTP port (http) or the liveness socket (liveness)"),
+               "connections open on the HTTP port (http), the liveness socket (liveness) or "
+               "the ZeroMQ endpoint (zmq)"),
     MetricSpec("kvstrata_connections_limit", "gauge", ("listener",), "connections",
-               "a listener's connection cap, from the descriptors free at start"),
+               "a listener's connection cap, from the descriptors free (at start, and again "
+               "when the descriptor limit changes)"),
     MetricSpec("kvstrata_connections_closed_total", "counter", ("listener", "reason"),
                "connections", "connections the sidecar closed: refused (at the cap, none "
                "idle), made_room (idle, closed for a newcomer), idle (past its deadline)"),
     MetricSpec("kvstrata_accept_errors_total", "counter", ("listener",), "accepts",
                "accepts that failed for want of file descriptors (each pauses accepting)"),
+    MetricSpec("kvstrata_accept_pauses_total", "counter", ("listener",), "events",
+               "times the ZeroMQ endpoint (zmq) stopped accepting connections, at its cap or "
+               "short of file descriptors, until some closed (its socket file is absent "
+               "meanwhile); 0 for the others"),
+    MetricSpec("kvstrata_queued_reply_bytes", "gauge", (), "bytes",
+               "bytes of replies (those of 4 KiB or more) waiting for clients to take them; "
+               "each client's share is bounded by server.max_queued_reply_bytes"),
+    MetricSpec("kvstrata_client_bound_refusals_total", "counter", ("bound",), "events",
+               "refusals at a per-client bound: sessions_per_peer, sessions_per_uid (a HELLO "
+               "refused), queued_reply_bytes (a reply dropped for a short busy error: its "
+               "client left server.max_queued_reply_bytes of replies unread)"),
 )  # fmt: skip
+
+# The per-client bounds whose refusals are counted (kvstrata_client_bound_refusals_total).
+CLIENT_BOUNDS = ("sessions_per_peer", "sessions_per_uid", "queued_reply_bytes")
 
 SPECS: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOGUE}
 
@@ -241,6 +257,9 @@ class ServerMetrics:
         spec = SPECS["kvstrata_start_time_seconds"]
         self.start_time = Gauge(spec.name, spec.help, registry=r)
         self.start_time.set(time.time())
+        self.bound_refusals = _request_counter("kvstrata_client_bound_refusals_total", r)
+        for bound in CLIENT_BOUNDS:
+            self.bound_refusals.labels(bound=bound)
 
     def expect_tiers(self, tiers: Iterable[str]) -> None:
         """Zero hit counters for every tier the engine has, so a hit rate reads 0
@@ -287,6 +306,7 @@ class ListenerCollector(Collector):
         limit = _gauge("kvstrata_connections_limit")
         closed = _counter("kvstrata_connections_closed_total")
         errors = _counter("kvstrata_accept_errors_total")
+        pauses = _counter("kvstrata_accept_pauses_total")
         for name, c in self._counts.items():
             opened.add_metric([name], c.open)
             limit.add_metric([name], c.limit)
@@ -294,7 +314,23 @@ class ListenerCollector(Collector):
                               ("idle", c.idle_closed)):  # fmt: skip
                 closed.add_metric([name, reason], n)
             errors.add_metric([name], c.accept_errors)
-        yield from (opened, limit, closed, errors)
+            pauses.add_metric([name], c.paused)
+        yield from (opened, limit, closed, errors, pauses)
+
+
+class QueuedRepliesCollector(Collector):
+    """Reads the bytes of replies waiting for their clients at scrape time."""
+
+    def __init__(self, queued_bytes: Callable[[], int]) -> None:
+        self._queued_bytes = queued_bytes
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        queued = _gauge("kvstrata_queued_reply_bytes")
+        queued.add_metric([], self._queued_bytes())
+        yield queued
 
 
 class EngineCollector(Collector):

@@ -43,10 +43,17 @@ from kvstrata.sidecar.metrics import (
     EngineCollector,
     IpcCollector,
     ListenerCollector,
+    QueuedRepliesCollector,
     ServerMetrics,
 )
-from kvstrata.sidecar.peers import ClientAdmission, credentials_from_peer_address
+from kvstrata.sidecar.peers import (
+    ClientAdmission,
+    PeerCredentials,
+    credentials_from_peer_address,
+)
+from kvstrata.sidecar.replies import SNDHWM, QueuedReplies
 from kvstrata.sidecar.sessions import Session, SessionTable
+from kvstrata.sidecar.zmqgate import BACKLOG, ConnectionGate
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.config import SidecarConfig
@@ -86,7 +93,11 @@ class SidecarServer:
         self.config = config
         self.engine = engine
         self.metrics = ServerMetrics()
-        self.sessions = SessionTable(config.server.client_timeout_seconds)
+        self.sessions = SessionTable(
+            config.server.client_timeout_seconds,
+            max_per_peer=config.server.max_sessions_per_peer,
+            max_per_uid=config.server.max_sessions_per_uid,
+        )
         self.handlers = Handlers(
             engine, self.sessions, self.metrics, config, server_version, ipc, ipc_unavailable
         )
@@ -100,11 +111,15 @@ class SidecarServer:
         # Connection caps of the HTTP port and the liveness socket, from the
         # descriptors still free now the engine is up (see .fdbudget).
         self.fd_budget = fd_budget if fd_budget is not None else plan()
+        budget = self.fd_budget
         self.connection_counts = {
-            "http": ListenerCounts(self.fd_budget.http),
-            "liveness": ListenerCounts(self.fd_budget.liveness),
+            name: ListenerCounts(getattr(budget, name), fd_ceiling=budget.fd_ceiling(name))
+            for name in ("http", "liveness", "zmq")
         }
         self.metrics.attach(ListenerCollector(self.connection_counts))
+        # Replies a client has not taken yet, bounded in bytes per client (.replies).
+        self.replies = QueuedReplies(config.server.max_queued_reply_bytes)
+        self.metrics.attach(QueuedRepliesCollector(self.replies.total))
         self.pooled_ops = POOLED_OPS_REMOTE if remote_lookups else POOLED_OPS
         self.endpoint = config.server.endpoint
         self.admission = ClientAdmission(config.server.client_uids)
@@ -122,6 +137,7 @@ class SidecarServer:
         self._bound_path: str | None = None
         self._liveness: LivenessListener | None = None
         self._auth: Any = None  # the ZAP handler thread when CURVE is configured
+        self._gate: ConnectionGate | None = None  # the endpoint's door (ipc://PATH only)
 
     # -- life cycle ---------------------------------------------------------
 
@@ -135,20 +151,34 @@ class SidecarServer:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES)
-        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)
         sock.setsockopt(zmq.RCVHWM, 10_000)
+        sock.setsockopt(zmq.BACKLOG, BACKLOG)
         self._curve(sock)
+        # An ipc://PATH endpoint's socket file is moved out of reach while no
+        # more connections may be accepted (.zmqgate): libzmq aborts the
+        # process when an accept finds no descriptor.
+        gate = None
+        if path is not None:
+            gate = ConnectionGate(path, self.connection_counts)
         try:
+            if gate is not None:
+                gate.prepare()
             # Created 0660 (no moment of wider access): the socket file is the
             # door to the arena, for this pod's vLLM and no one else.
             with socket_umask():
                 sock.bind(self.endpoint)
             if path is not None:
                 restrict_socket_file(path, group)
+            if gate is not None:
+                gate.start(sock)
         except (zmq.ZMQError, OSError):
+            if gate is not None:
+                gate.close()
             sock.close(0)
             raise
         self._sock = sock
+        self._gate = gate
         self._bound_path = path
         if path is not None:
             self._liveness = LivenessListener(
@@ -228,6 +258,9 @@ class SidecarServer:
             self._liveness.close()
             self._liveness = None
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._gate is not None:
+            self._gate.close()
+            self._gate = None
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
@@ -278,7 +311,8 @@ class SidecarServer:
         except p.ProtocolError as exc:
             self._refuse(identity, exc)
             return
-        if request.op == p.HELLO and (why := self._refusal(first)) is not None:
+        peer = self._credentials(first) if request.op == p.HELLO else None
+        if request.op == p.HELLO and (why := self.admission.refusal(peer)) is not None:
             self._count_error(p.E_FORBIDDEN)
             self._send(identity, p.encode_error(request.request_id, p.E_FORBIDDEN, why))
             return
@@ -299,7 +333,8 @@ class SidecarServer:
             except p.ProtocolError as exc:
                 self._refuse(identity, exc)
                 return
-            self._send(identity, self._answer(full, session, identity, started))
+            uid = peer.uid if peer is not None else None
+            self._send(identity, self._answer(full, session, identity, started, uid))
             return
         with self._backlog_lock:
             busy = self._backlog >= MAX_POOL_BACKLOG
@@ -324,15 +359,15 @@ class SidecarServer:
         logger.debug("refused a frame: %s", exc)
         return p.encode_error(exc.request_id, exc.code, str(exc))
 
-    def _refusal(self, first: zmq.Frame | None) -> str | None:
-        """Why the process behind this HELLO may not open a session, or None."""
+    def _credentials(self, first: zmq.Frame | None) -> PeerCredentials | None:
+        """What the kernel says of the process that sent this frame (ipc:// only)."""
         address = None
         if first is not None and self.endpoint.startswith("ipc://"):
             try:
                 address = first.get("Peer-Address")
             except zmq.ZMQError:  # a libzmq without the property: no credentials
                 address = None
-        return self.admission.refusal(credentials_from_peer_address(address))
+        return credentials_from_peer_address(address)
 
     def _pooled(
         self, envelope: p.Envelope, session: Session | None, identity: bytes, started: float
@@ -351,14 +386,19 @@ class SidecarServer:
         self.wake()
 
     def _answer(
-        self, request: p.Request, session: Session | None, identity: bytes, started: float
+        self,
+        request: p.Request,
+        session: Session | None,
+        identity: bytes,
+        started: float,
+        uid: int | None = None,
     ) -> bytes:
         """Run one request to its reply frame; never raises. What it logs carries
         the request's id, op and client (:mod:`kvstrata.sidecar.logs`)."""
         client = session.client_id if session is not None else "-"
         with request_context(request.request_id, request.op, client):
             try:
-                body = self.handlers.handle(request, session, identity, started)
+                body = self.handlers.handle(request, session, identity, started, uid)
                 reply = p.encode_reply(request.request_id, body)
             except p.ProtocolError as exc:
                 logger.debug("refused (%s): %s", exc.code, exc)
@@ -386,8 +426,11 @@ class SidecarServer:
             return
         try:
             # Not blocking: a client that stopped reading loses its replies
-            # (ROUTER drops at the high-water mark), nobody else waits.
-            self._sock.send_multipart([identity, payload], zmq.NOBLOCK)
+            # (ROUTER drops at the high-water mark), nobody else waits; and
+            # what it leaves unread is bounded in bytes too (.replies).
+            if not self.replies.send(self._sock, identity, payload):
+                self.metrics.bound_refusals.labels(bound="queued_reply_bytes").inc()
+                self._count_error(p.E_BUSY)
         except zmq.ZMQError as exc:
             logger.debug("reply dropped: %s", exc)
             self._count_error("send")
@@ -399,6 +442,7 @@ class SidecarServer:
                 logger.info("%d leases expired", expired)
             for session in self.sessions.idle():
                 self.handlers.reclaim(session)
+            self.replies.sweep()
         except Exception:
             logger.exception("housekeeping failed")
             self._count_error(p.E_INTERNAL)
