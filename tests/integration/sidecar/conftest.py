@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstrata.connector.client import SidecarClient
 from kvstrata.sidecar.keys import ChunkKey, Namespace
 from kvstrata.testing.poll import wait_until as wait_until
+from kvstrata.testing.servers import RedisServer, ServerError, redis_server_binary
 from kvstrata.testing.servers import free_port as free_port
 from kvstrata.testing.sidecarproc import SIDECAR_COMMAND as SIDECAR_COMMAND
 from kvstrata.testing.sidecarproc import SidecarProcess
@@ -186,6 +188,30 @@ def sidecar_factory(tmp_path: Path) -> Iterator[Callable[..., Sidecar]]:
 @pytest.fixture
 def sidecar(sidecar_factory: Callable[..., Sidecar]) -> Sidecar:
     return sidecar_factory().start()
+
+
+def shared_valkey(url: str, **settings: Any) -> dict[str, Any]:
+    """The ``shared`` config section for a Valkey at ``url``, under a key prefix
+    of its own so that tests sharing a server never read each other's chunks."""
+    prefix = f"kvstrata-{uuid.uuid4().hex[:8]}:"
+    return {"backend": "valkey", **settings, "valkey": {"url": url, "key_prefix": prefix}}
+
+
+@pytest.fixture
+def valkey_binary() -> None:
+    """Fails, not skips, where the Valkey server binary is missing: the shared
+    tier's tests must run wherever the suite does."""
+    try:
+        redis_server_binary()
+    except ServerError as exc:
+        pytest.fail(f"{exc}; run `make system-deps`")
+
+
+@pytest.fixture
+def valkey(valkey_binary: None, tmp_path: Path) -> Iterator[RedisServer]:
+    """A real Valkey-protocol server for the shared tier, stopped after the test."""
+    with RedisServer(tmp_path / "valkey") as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

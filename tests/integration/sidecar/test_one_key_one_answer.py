@@ -11,11 +11,7 @@ Ordered by the sidecars' counters, not the clock.
 
 from __future__ import annotations
 
-import uuid
-from pathlib import Path
 from typing import Any
-
-import pytest
 
 from kvstrata.connector.client import SidecarClient
 
@@ -71,48 +67,38 @@ def test_a_key_only_l2_holds_is_answered_as_stored_and_keeps_its_bytes(
 
 
 def test_a_key_only_the_shared_tier_holds_keeps_its_first_bytes_in_every_tier(
-    sidecar_factory: Any, kit: Any, tmp_path: Path
+    sidecar_factory: Any, kit: Any, valkey: Any
 ) -> None:
-    from kvstrata.testing.servers import RedisServer, ServerError, redis_server_binary
+    shared = kit.shared_valkey(valkey.url)
+    first = sidecar_factory("first", {"shared": shared}).start()
+    second = sidecar_factory("second", {"shared": shared}).start()
+    (key,) = kit.make_keys(1, seed=951)
+    writer, other = first.client(), second.client()
+    assert store_bytes(writer, key, FIRST)
 
-    try:
-        redis_server_binary()
-    except ServerError as exc:
-        pytest.fail(f"{exc}; run `make system-deps`")
-    with RedisServer(tmp_path / "valkey") as valkey:
-        shared = {
-            "backend": "valkey",
-            "valkey": {"url": valkey.url, "key_prefix": f"kvstrata-{uuid.uuid4().hex[:8]}:"},
-        }
-        first = sidecar_factory("first", {"shared": shared}).start()
-        second = sidecar_factory("second", {"shared": shared}).start()
-        (key,) = kit.make_keys(1, seed=951)
-        writer, other = first.client(), second.client()
-        assert store_bytes(writer, key, FIRST)
+    def in_valkey() -> bool:
+        reply = other.lookup([key], prefetch=False, owner="l")
+        return reply is not None and reply.tiers == ["valkey"]
 
-        def in_valkey() -> bool:
-            reply = other.lookup([key], prefetch=False, owner="l")
-            return reply is not None and reply.tiers == ["valkey"]
-
-        kit.wait_until(in_valkey, 15, "the first writer's upload")
-        # The second sidecar holds the key in neither L1 nor L2: it takes the store...
-        assert store_bytes(other, key, OTHER)
-        # ...and its upload finds the key taken: its own copies yield, L2's too
-        # (once every write-behind of the chunk has ended).
-        kit.wait_until(
-            lambda: second.status()["tiers"]["valkey"]["deduplicated_total"] >= 1,
-            15,
-            "the upload's answer (the key is taken)",
-        )
-        kit.wait_until(
-            lambda: counter(second, "writeback_pinned_bytes") == 0, 15, "write-behind to end"
-        )
-        assert read(other, key) == FIRST
-        assert read(writer, key) == FIRST
-        assert counter(second, "shared_already_held_total") == 1
-        other.close()
-        second.restart()
-        other = second.client()
-        assert read(other, key) == FIRST
-        other.close()
-        writer.close()
+    kit.wait_until(in_valkey, 15, "the first writer's upload")
+    # The second sidecar holds the key in neither L1 nor L2: it takes the store...
+    assert store_bytes(other, key, OTHER)
+    # ...and its upload finds the key taken: its own copies yield, L2's too
+    # (once every write-behind of the chunk has ended).
+    kit.wait_until(
+        lambda: second.status()["tiers"]["valkey"]["deduplicated_total"] >= 1,
+        15,
+        "the upload's answer (the key is taken)",
+    )
+    kit.wait_until(
+        lambda: counter(second, "writeback_pinned_bytes") == 0, 15, "write-behind to end"
+    )
+    assert read(other, key) == FIRST
+    assert read(writer, key) == FIRST
+    assert counter(second, "shared_already_held_total") == 1
+    other.close()
+    second.restart()
+    other = second.client()
+    assert read(other, key) == FIRST
+    other.close()
+    writer.close()

@@ -9,13 +9,10 @@ without a request having to reach it first.
 from __future__ import annotations
 
 import re
-import uuid
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from kvstrata.testing.servers import RedisServer, ServerError, free_port, redis_server_binary
+from kvstrata.testing.servers import RedisServer, free_port
 
 
 def degraded(sidecar: Any, tier: str) -> float | None:
@@ -26,21 +23,11 @@ def degraded(sidecar: Any, tier: str) -> float | None:
 
 
 def test_an_unreachable_valkey_at_start_is_a_warning_a_degraded_tier_and_a_reason(
-    sidecar_factory: Any, kit: Any, tmp_path: Path
+    sidecar_factory: Any, kit: Any, valkey_binary: None, tmp_path: Path
 ):
-    try:
-        redis_server_binary()
-    except ServerError as exc:
-        pytest.fail(f"{exc}; run `make system-deps`")
     port = free_port()  # nothing listens there yet
-    shared = {
-        "backend": "valkey",
-        "breaker_reset_seconds": 0.2,  # the re-probe interval after the first failure
-        "valkey": {
-            "url": f"redis://127.0.0.1:{port}/0",
-            "key_prefix": f"kvstrata-{uuid.uuid4().hex[:8]}:",
-        },
-    }
+    # breaker_reset_seconds: the re-probe interval after the first failure
+    shared = kit.shared_valkey(f"redis://127.0.0.1:{port}/0", breaker_reset_seconds=0.2)
     sidecar = sidecar_factory("sc", {"shared": shared}).start()
     warning = kit.wait_until(
         lambda: re.search(
