@@ -42,12 +42,12 @@ def _sleeping_in_poll(tid: int) -> bool:
     return number.isdigit() and int(number) in _POLL_SYSCALLS[os.uname().machine]
 
 
-def test_a_retrieve_in_flight_ends_as_a_miss_when_the_sidecar_is_killed(sidecar: Any, kit: Any):
-    client = sidecar.client(call_timeout_s=CALL_DEADLINE_S)
-    keys = kit.make_keys(4, seed=386)
-    assert kit.store(client, keys, NBYTES, owner="w") == 4
-
-    sidecar.pause()  # SIGSTOP: the retrieve below gets no reply
+def _retrieve_waiting_for_its_reply(
+    client: Any, keys: list[Any], kit: Any
+) -> tuple[threading.Thread, dict[str, Any]]:
+    """A retrieve on its own thread, returned once that thread sleeps in ``poll``
+    for the reply: what the sidecar does next happens mid-call (``result["slots"]``
+    holds what the call returned once the thread ends)."""
     result: dict[str, Any] = {}
     started = threading.Event()
 
@@ -65,6 +65,16 @@ def test_a_retrieve_in_flight_ends_as_a_miss_when_the_sidecar_is_killed(sidecar:
         what="the retrieve waiting for its reply",
         step=0.01,
     )
+    return caller, result
+
+
+def test_a_retrieve_in_flight_ends_as_a_miss_when_the_sidecar_is_killed(sidecar: Any, kit: Any):
+    client = sidecar.client(call_timeout_s=CALL_DEADLINE_S)
+    keys = kit.make_keys(4, seed=386)
+    assert kit.store(client, keys, NBYTES, owner="w") == 4
+
+    sidecar.pause()  # SIGSTOP: the retrieve below gets no reply
+    caller, result = _retrieve_waiting_for_its_reply(client, keys, kit)
     sidecar.kill()  # SIGKILL: no goodbye on any socket but what the kernel closes
 
     caller.join(timeout=60)
@@ -103,23 +113,7 @@ def test_a_retrieve_in_flight_ends_as_a_miss_when_the_sidecar_stops_on_sigterm(
 
     client = sidecar.client(call_timeout_s=CALL_DEADLINE_S)
     assert client.ping(), client.errors
-    result: dict[str, Any] = {}
-    started = threading.Event()
-
-    def retrieve() -> None:
-        result["tid"] = threading.get_native_id()
-        started.set()
-        result["slots"] = client.prepare_retrieve(keys, "r")
-
-    caller = threading.Thread(target=retrieve, daemon=True)
-    caller.start()
-    assert started.wait(30)
-    kit.wait_until(
-        lambda: _sleeping_in_poll(result["tid"]),
-        timeout=30,
-        what="the retrieve waiting for its reply",
-        step=0.01,
-    )
+    caller, result = _retrieve_waiting_for_its_reply(client, keys, kit)
     assert sidecar.proc is not None
     sidecar.proc.send_signal(signal.SIGTERM)
     try:
