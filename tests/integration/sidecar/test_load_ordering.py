@@ -76,6 +76,22 @@ def connector(
         made.shutdown()
 
 
+@pytest.fixture(params=["FULL", "PIECEWISE", "NONE"])
+def graph(request: pytest.FixtureRequest) -> str:
+    """vLLM's CUDA graph modes, so that each runner's test runs in every one."""
+    return request.param
+
+
+def run_layers(
+    made: KVStrataConnector, kv: dict[str, torch.Tensor], streams: RecordingStreams
+) -> None:
+    """Each layer's wait for its load, then its kernel: the layer hooks of a step
+    that does not replay a FULL graph, in both runners."""
+    for name in kv:
+        made.wait_for_layer_load(name)
+        streams.launch(name)
+
+
 def step(meta: KVStrataMetadata) -> Any:
     """vLLM's SchedulerOutput as the runners read it for a step with a synchronous load."""
     return SimpleNamespace(
@@ -95,7 +111,6 @@ def save_then_load(made: KVStrataConnector, kit: Any) -> KVStrataMetadata:
     return KVStrataMetadata(loads=[type(reqs[0])("load", moved)])
 
 
-@pytest.mark.parametrize("graph", ["FULL", "PIECEWISE", "NONE"])
 def test_the_v2_runner_never_computes_before_a_load_is_complete(
     connector: tuple[KVStrataConnector, dict[str, torch.Tensor]],
     streams: RecordingStreams,
@@ -114,16 +129,13 @@ def test_the_v2_runner_never_computes_before_a_load_is_complete(
         mode = CUDAGraphMode[graph]
         with set_forward_context(None, VllmConfig(), cudagraph_runtime_mode=mode):
             runner.pre_forward(step(load), batch)
-            for name in kv:
-                made.wait_for_layer_load(name)
-                streams.launch(name)
+            run_layers(made, kv, streams)
     runner.finish_forward()
     runner.post_forward(set())
     assert made.counters.loaded_chunks == 2
     assert unordered_launches(streams.log) == []
 
 
-@pytest.mark.parametrize("graph", ["FULL", "PIECEWISE", "NONE"])
 def test_the_v1_runner_never_computes_before_a_load_is_complete(
     connector: tuple[KVStrataConnector, dict[str, torch.Tensor]],
     streams: RecordingStreams,
@@ -142,8 +154,6 @@ def test_the_v1_runner_never_computes_before_a_load_is_complete(
         if graph == "FULL":
             streams.launch("full graph replay")
         else:
-            for name in kv:
-                made.wait_for_layer_load(name)
-                streams.launch(name)
+            run_layers(made, kv, streams)
     assert made.counters.loaded_chunks == 2
     assert unordered_launches(streams.log) == []
