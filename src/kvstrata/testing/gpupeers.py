@@ -24,7 +24,8 @@ import os
 import signal
 import tempfile
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 from kvstrata.testing.gpuipc import (
     CHUNKS,
@@ -45,60 +46,7 @@ CASE = ("LBNHC", "bfloat16")
 
 def check_killed_peer(lib: Any) -> str:
     """See the module docstring. Raises CheckFailed."""
-    import torch
-
-    from kvstrata.sidecar import protocol as p
-    from kvstrata.sidecar.config import config_from_dict
-    from kvstrata.sidecar.engine import StorageManager
-    from kvstrata.sidecar.transfer.cuda_device import CudaDevices
-    from kvstrata.sidecar.transfer.ipc import IpcTransfers
-
-    src, _ = _ids()
-    with tempfile.TemporaryDirectory(prefix="kvstrata-selftest-") as tmp:
-        config = config_from_dict(
-            {
-                "chunk_size": 64,
-                "l1": {"size_bytes": "64Mi", "pin_memory": True},
-                "l2": {"path": os.path.join(tmp, "l2"), "size_bytes": "64Mi"},
-            }
-        )
-        engine = StorageManager(config)
-        watch = EventWatch(lib)
-        devices = CudaDevices(watch, engine.arena)
-        arena = torch.frombuffer(engine.arena.buffer, dtype=torch.uint8)
-        try:
-            ipc = IpcTransfers(engine, devices)
-            with _worker("stall", [CASE]) as (proc, conn):
-                (kv,), event = _receive(conn, "exporting the stalled KV")
-                ipc.register("stalled", _registration(kv))
-                body = p.SaveBlocksRequest(_keys(kv), _per_chunk(src), event)
-                replies: list[Any] = []
-                saver = threading.Thread(
-                    target=lambda: replies.append(ipc.save("stalled", body, "selftest")),
-                    daemon=True,
-                )
-                saver.start()
-                if not watch.waiting.wait(REPLY_SECONDS):
-                    raise CheckFailed("the sidecar never saw the stalled worker's event pending")
-                os.kill(proc.pid, signal.SIGKILL)  # mid forward pass, as an OOM kill
-                proc.join(30)
-                ipc.close("stalled")  # what the session's closed liveness socket does
-                saver.join(REPLY_SECONDS)
-            if saver.is_alive():
-                raise CheckFailed("the save still waits for a killed worker's event: wedged")
-            if not replies or any(replies[0].committed):
-                raise CheckFailed(f"a killed worker's unfinished KV was stored: {replies}")
-            if ipc.fault:
-                raise CheckFailed(f"the GPU was marked faulted by a peer's death: {ipc.fault}")
-            if len(ipc):
-                raise CheckFailed("the killed worker's KV is still mapped")
-            # The device still serves: another worker's save goes through.
-            arena.fill_(0)
-            after = _save_from_source_worker(lib, ipc, engine, arena, [CASE], src, None)
-        finally:
-            del arena
-            devices.close()
-            engine.close()
+    _, after = _kill_the_stalled_peer(lib, "save")
     return (
         f"a save waiting for a SIGKILLed worker's event ended at its session's end, "
         f"{CHUNKS} chunks not stored, nothing mapped; then {after}"
@@ -107,6 +55,16 @@ def check_killed_peer(lib: Any) -> str:
 
 def check_killed_peer_during_load(lib: Any) -> str:
     """See the module docstring. Raises CheckFailed."""
+    saved, after = _kill_the_stalled_peer(lib, "load")
+    return (
+        f"{saved}; a load waiting for a SIGKILLed worker's event ended at its session's "
+        f"end, nothing loaded, nothing mapped; then {after}"
+    )
+
+
+def _kill_the_stalled_peer(lib: Any, call: Literal["save", "load"]) -> tuple[str, str]:
+    """Both checks' one scenario, for a save or a load: what a first worker's
+    save said (a load's chunks; "" for a save) and what the next worker's did."""
     import torch
 
     from kvstrata.sidecar import protocol as p
@@ -130,40 +88,49 @@ def check_killed_peer_during_load(lib: Any) -> str:
         arena = torch.frombuffer(engine.arena.buffer, dtype=torch.uint8)
         try:
             ipc = IpcTransfers(engine, devices)
-            # The chunks the load will ask for, stored from a first worker.
-            saved = _save_from_source_worker(lib, ipc, engine, arena, [CASE], src, None)
-            watch.waiting.clear()
+            saved = ""
+            if call == "load":
+                # The chunks the load will ask for, stored from a first worker.
+                saved = _save_from_source_worker(lib, ipc, engine, arena, [CASE], src, None)
+                watch.waiting.clear()
             with _worker("stall", [CASE]) as (proc, conn):
                 (kv,), event = _receive(conn, "exporting the stalled KV")
                 ipc.register("stalled", _registration(kv))
-                body = p.LoadBlocksRequest(_keys(kv), _per_chunk(dst), after_event=event)
+                send: Callable[[str, Any, str], Any]
+                if call == "save":
+                    body: Any = p.SaveBlocksRequest(_keys(kv), _per_chunk(src), event)
+                    send = ipc.save
+                else:
+                    body = p.LoadBlocksRequest(_keys(kv), _per_chunk(dst), after_event=event)
+                    send = ipc.load
                 replies: list[Any] = []
-                loader = threading.Thread(
-                    target=lambda: replies.append(ipc.load("stalled", body, "selftest")),
+                caller = threading.Thread(
+                    target=lambda: replies.append(send("stalled", body, "selftest")),
                     daemon=True,
                 )
-                loader.start()
+                caller.start()
                 if not watch.waiting.wait(REPLY_SECONDS):
                     raise CheckFailed("the sidecar never saw the stalled worker's event pending")
-                os.kill(proc.pid, signal.SIGKILL)  # mid step, as an OOM kill
+                # A save's worker dies mid forward pass, a load's mid step: as an OOM kill.
+                os.kill(proc.pid, signal.SIGKILL)
                 proc.join(30)
                 ipc.close("stalled")  # what the session's closed liveness socket does
-                loader.join(REPLY_SECONDS)
-            if loader.is_alive():
-                raise CheckFailed("the load still waits for a killed worker's event: wedged")
-            if not replies or replies[0].loaded:
+                caller.join(REPLY_SECONDS)
+            if caller.is_alive():
+                raise CheckFailed(f"the {call} still waits for a killed worker's event: wedged")
+            if call == "save" and (not replies or any(replies[0].committed)):
+                raise CheckFailed(f"a killed worker's unfinished KV was stored: {replies}")
+            if call == "load" and (not replies or replies[0].loaded):
                 raise CheckFailed(f"a load into a killed worker's KV was reported: {replies}")
             if ipc.fault:
                 raise CheckFailed(f"the GPU was marked faulted by a peer's death: {ipc.fault}")
             if len(ipc):
                 raise CheckFailed("the killed worker's KV is still mapped")
+            # The device still serves: another worker's save goes through.
             arena.fill_(0)
             after = _save_from_source_worker(lib, ipc, engine, arena, [CASE], src, None)
         finally:
             del arena
             devices.close()
             engine.close()
-    return (
-        f"{saved}; a load waiting for a SIGKILLed worker's event ended at its session's "
-        f"end, nothing loaded, nothing mapped; then {after}"
-    )
+    return saved, after
