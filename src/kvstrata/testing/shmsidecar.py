@@ -26,13 +26,20 @@ from kvstrata.testing.shmdevice import SharedMemoryDevice
 
 
 def build(
-    root: Path, gpu_uuid: str, opening: Callable[[], None] | None = None
-) -> tuple[StorageManager, SharedMemoryDevice, SidecarServer]:
-    """The small engine, its stand-in GPU (known as ``gpu_uuid``) and the real
-    server over them, bound to nothing yet; in-process tests use it too.
-    ``opening``: called each time a registration opens the GPU, before it
-    is handed out (a test holds it there, as page-locking a large arena at
-    a first registration takes seconds)."""
+    root: Path,
+    gpu_uuid: str,
+    opening: Callable[[], None] | None = None,
+    device: Callable[[int], SharedMemoryDevice] = SharedMemoryDevice,
+    workers: int = 4,
+) -> tuple[StorageManager, SharedMemoryDevice, IpcTransfers, SidecarServer]:
+    """The small engine, its stand-in GPU (known as ``gpu_uuid``), the ipc
+    transfers over it and the real server over them, bound to nothing yet;
+    in-process tests use it too. ``opening``: called each time a registration
+    opens the GPU, before it is handed out (a test holds it there, as
+    page-locking a large arena at a first registration takes seconds).
+    ``device``: the stand-in's class, given the arena's address (a test's
+    subclass of :class:`SharedMemoryDevice`); ``workers``: the server's pool's
+    threads."""
     config = config_from_dict(
         {
             "chunk_size": 32,
@@ -42,23 +49,51 @@ def build(
         }
     )
     engine = StorageManager(config)
-    device = SharedMemoryDevice(engine.arena.address())
+    made = device(engine.arena.address())
 
     def open_device(gpu: str) -> SharedMemoryDevice:
         if gpu != gpu_uuid:
             raise OSError(f"no GPU {gpu} visible here")
         if opening is not None:
             opening()
-        return device
+        return made
 
-    server = SidecarServer(
-        config, engine, server_version="test", ipc=IpcTransfers(engine, open_device)
-    )
-    return engine, device, server
+    ipc = IpcTransfers(engine, open_device)
+    server = SidecarServer(config, engine, server_version="test", ipc=ipc, workers=workers)
+    return engine, made, ipc, server
+
+
+class ServedOnThread:
+    """:func:`build`'s sidecar serving on a thread of the test's own process, so
+    that in-process tests reach its engine, device and ipc transfers directly;
+    the arguments are :func:`build`'s. ``close()`` stops it."""
+
+    def __init__(
+        self,
+        root: Path,
+        gpu_uuid: str,
+        opening: Callable[[], None] | None = None,
+        device: Callable[[int], SharedMemoryDevice] = SharedMemoryDevice,
+        workers: int = 4,
+    ) -> None:
+        self.engine, self.device, self.ipc, self.server = build(
+            root, gpu_uuid, opening, device, workers
+        )
+        self.endpoint = self.server.bind()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.server.serve, args=(self.stop,), daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.wake()
+        self.thread.join(timeout=10)
+        self.server.close()
+        self.engine.close()
 
 
 def main(root: Path, gpu_uuid: str) -> None:
-    engine, _device, server = build(root, gpu_uuid)
+    engine, _device, _ipc, server = build(root, gpu_uuid)
     endpoint = server.bind()
     stop = threading.Event()
 

@@ -30,15 +30,12 @@ import torch
 from kvstrata.connector.client import SidecarClient
 from kvstrata.connector.client_ipc import COPY_MARGIN_S, sidecar_deadline_ms
 from kvstrata.sidecar import protocol as p
-from kvstrata.sidecar.config import config_from_dict
-from kvstrata.sidecar.engine import StorageManager
 from kvstrata.sidecar.keys import ChunkKey, Namespace
-from kvstrata.sidecar.server import SidecarServer
-from kvstrata.sidecar.transfer.ipc import IpcTransfers
 from kvstrata.sidecar.transfer.plan import CopyPlan
 from kvstrata.testing.kvlayouts import vllm_layers
 from kvstrata.testing.rawpeer import RawPeer
 from kvstrata.testing.shmdevice import SharedMemoryDevice, handle_for
+from kvstrata.testing.shmsidecar import ServedOnThread
 
 GPU_UUID = "GPU-00000000-0000-0000-0000-0000deadline"
 NAMESPACE = Namespace(model="copy-deadline-test", block_size=16, chunk_size=32)
@@ -94,36 +91,16 @@ class HeldEventDevice(SharedMemoryDevice):
         super().scatter(plan, block_ids, chunk_addresses, blocks_per_chunk, None)
 
 
-class Served:
+class Served(ServedOnThread):
     """The real server over :class:`HeldEventDevice`; ``workers``: its pool's threads."""
 
     def __init__(self, root: Path, workers: int = 4) -> None:
-        config = config_from_dict(
-            {
-                "chunk_size": 32,
-                "l1": {"size_bytes": "8Mi", "pin_memory": False},
-                "l2": {"path": str(root / "l2"), "size_bytes": "16Mi"},
-                "server": {"endpoint": f"ipc://{root}/sidecar.sock", "http_port": 0},
-            }
-        )
-        self.engine = StorageManager(config)
-        self.device = HeldEventDevice(self.engine.arena.address())
-        self.ipc = IpcTransfers(self.engine, lambda gpu: self.device)
-        self.server = SidecarServer(
-            config, self.engine, server_version="test", ipc=self.ipc, workers=workers
-        )
-        self.endpoint = self.server.bind()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.server.serve, args=(self.stop,), daemon=True)
-        self.thread.start()
+        super().__init__(root, GPU_UUID, device=HeldEventDevice, workers=workers)
+        self.device: HeldEventDevice
 
     def close(self) -> None:
         self.device.complete(EVENT)
-        self.stop.set()
-        self.server.wake()
-        self.thread.join(timeout=10)
-        self.server.close()
-        self.engine.close()
+        super().close()
 
 
 @pytest.fixture

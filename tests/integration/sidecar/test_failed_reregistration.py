@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,17 +32,9 @@ NUM_BLOCKS = 8
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[str, SharedMemoryDevice]]:
-    engine, device, server = shmsidecar.build(tmp_path, GPU_UUID)
-    endpoint = server.bind()
-    stop = threading.Event()
-    thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
-    thread.start()
-    yield endpoint, device
-    stop.set()
-    server.wake()
-    thread.join(timeout=10)
-    server.close()
-    engine.close()
+    sidecar = shmsidecar.ServedOnThread(tmp_path, GPU_UUID)
+    yield sidecar.endpoint, sidecar.device
+    sidecar.close()
 
 
 @pytest.fixture

@@ -29,50 +29,15 @@ from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.config import config_from_dict
 from kvstrata.sidecar.engine import StorageManager
 from kvstrata.sidecar.keys import ChunkKey, Namespace
-from kvstrata.sidecar.server import SidecarServer
 from kvstrata.sidecar.transfer.ipc import IpcTransfers
 from kvstrata.testing.kvlayouts import vllm_layers
 from kvstrata.testing.shmdevice import SharedMemoryDevice, handle_for
+from kvstrata.testing.shmsidecar import ServedOnThread
 
 GPU_UUID = "GPU-00000000-0000-0000-0000-00000000test"
 NAMESPACE = Namespace(model="ipc-test", block_size=16, chunk_size=32)
 BLOCKS_PER_CHUNK = 2
 POISON = 0x5A
-
-
-class InProcessSidecar:
-    """A SidecarServer on a thread, its ipc device a SharedMemoryDevice."""
-
-    def __init__(self, root: Path) -> None:
-        config = config_from_dict(
-            {
-                "chunk_size": 32,
-                "l1": {"size_bytes": "8Mi", "pin_memory": False},
-                "l2": {"path": str(root / "l2"), "size_bytes": "16Mi"},
-                "server": {"endpoint": f"ipc://{root}/sidecar.sock", "http_port": 0},
-            }
-        )
-        self.engine = StorageManager(config)
-        self.device = SharedMemoryDevice(self.engine.arena.address())
-
-        def open_device(gpu: str) -> SharedMemoryDevice:
-            if gpu != GPU_UUID:
-                raise OSError(f"no GPU {gpu} visible here")
-            return self.device
-
-        self.ipc = IpcTransfers(self.engine, open_device)
-        self.server = SidecarServer(config, self.engine, server_version="test", ipc=self.ipc)
-        self.endpoint = self.server.bind()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.server.serve, args=(self.stop,), daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.server.wake()
-        self.thread.join(timeout=10)
-        self.server.close()
-        self.engine.close()
 
 
 class SharedKV:
@@ -125,8 +90,8 @@ class SharedKV:
 
 
 @pytest.fixture
-def sidecar(tmp_path: Path) -> Iterator[InProcessSidecar]:
-    sc = InProcessSidecar(tmp_path)
+def sidecar(tmp_path: Path) -> Iterator[ServedOnThread]:
+    sc = ServedOnThread(tmp_path, GPU_UUID)
     yield sc
     sc.close()
 
@@ -150,7 +115,7 @@ def ipc_client(endpoint: str) -> SidecarClient:
 
 
 def test_blocks_saved_and_loaded_by_the_sidecar_come_back_byte_for_byte(
-    sidecar: InProcessSidecar, kv: SharedKV
+    sidecar: ServedOnThread, kv: SharedKV
 ) -> None:
     client = ipc_client(sidecar.endpoint)
     try:
@@ -177,7 +142,7 @@ def test_blocks_saved_and_loaded_by_the_sidecar_come_back_byte_for_byte(
 
 
 def test_a_load_fills_only_the_stored_prefix_and_skips_negative_block_ids(
-    sidecar: InProcessSidecar, kv: SharedKV
+    sidecar: ServedOnThread, kv: SharedKV
 ) -> None:
     client = ipc_client(sidecar.endpoint)
     try:
@@ -198,7 +163,7 @@ def test_a_load_fills_only_the_stored_prefix_and_skips_negative_block_ids(
 
 
 def test_a_background_session_loads_through_the_same_handles(
-    sidecar: InProcessSidecar, kv: SharedKV, kit: Any
+    sidecar: ServedOnThread, kv: SharedKV, kit: Any
 ) -> None:
     """ipc background loads: a second session of the worker registers the same
     KV handles (opened once more, closed with it) and the sidecar scatters the
@@ -254,7 +219,7 @@ def test_a_background_session_loads_through_the_same_handles(
 
 
 def test_one_load_of_several_runs_fills_each_runs_stored_prefix(
-    sidecar: InProcessSidecar, kv: SharedKV
+    sidecar: ServedOnThread, kv: SharedKV
 ) -> None:
     """A step's loads in one LOAD_BLOCKS: each run (request) stops at its own
     first miss, and a miss in one run ends no other."""
@@ -286,7 +251,7 @@ def test_one_load_of_several_runs_fills_each_runs_stored_prefix(
 
 
 def test_out_of_range_blocks_are_refused_and_the_sidecar_keeps_serving(
-    sidecar: InProcessSidecar, kv: SharedKV
+    sidecar: ServedOnThread, kv: SharedKV
 ) -> None:
     client = ipc_client(sidecar.endpoint)
     try:
@@ -300,7 +265,7 @@ def test_out_of_range_blocks_are_refused_and_the_sidecar_keeps_serving(
 
 
 def test_a_gpu_the_sidecar_cannot_see_leaves_the_client_in_host_mode(
-    sidecar: InProcessSidecar, kv: SharedKV, caplog: pytest.LogCaptureFixture
+    sidecar: ServedOnThread, kv: SharedKV, caplog: pytest.LogCaptureFixture
 ) -> None:
     client = ipc_client(sidecar.endpoint)
     try:
@@ -318,7 +283,7 @@ def test_a_gpu_the_sidecar_cannot_see_leaves_the_client_in_host_mode(
 
 
 def test_handles_are_closed_at_once_when_the_client_process_is_killed_and_a_restart_registers_again(
-    sidecar: InProcessSidecar, kv: SharedKV, kit: Any
+    sidecar: ServedOnThread, kv: SharedKV, kit: Any
 ) -> None:
     script = f"""
 import os, pickle, sys
@@ -557,7 +522,7 @@ def test_a_load_whose_leases_expired_during_its_copy_is_reported_as_not_loaded(
 
 
 def test_a_load_waits_for_the_event_vllm_recorded_before_it_fills_blocks(
-    sidecar: InProcessSidecar, kv: SharedKV
+    sidecar: ServedOnThread, kv: SharedKV
 ) -> None:
     # With asynchronous scheduling vLLM's previous step may still be queued and
     # use blocks this load fills: the scatter is ordered after vLLM's event.
@@ -574,7 +539,7 @@ def test_a_load_waits_for_the_event_vllm_recorded_before_it_fills_blocks(
 
 
 def test_a_cuda_fault_moves_ipc_sessions_to_host_mode_keeps_the_sidecar_ready_and_is_exported(
-    sidecar: InProcessSidecar, kv: SharedKV
+    sidecar: ServedOnThread, kv: SharedKV
 ) -> None:
     from prometheus_client import generate_latest
 
@@ -624,7 +589,7 @@ def test_a_cuda_fault_moves_ipc_sessions_to_host_mode_keeps_the_sidecar_ready_an
 
 
 def test_a_copy_failure_that_leaves_the_gpu_usable_is_counted_and_keeps_the_sidecar_ready(
-    sidecar: InProcessSidecar, kv: SharedKV
+    sidecar: ServedOnThread, kv: SharedKV
 ) -> None:
     from prometheus_client import generate_latest
 

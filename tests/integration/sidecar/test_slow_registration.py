@@ -54,18 +54,10 @@ def held() -> HeldOpening:
 
 @pytest.fixture
 def endpoint(tmp_path: Path, held: HeldOpening) -> Iterator[str]:
-    engine, _device, server = shmsidecar.build(tmp_path, GPU_UUID, opening=held)
-    bound = server.bind()
-    stop = threading.Event()
-    thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
-    thread.start()
-    yield bound
+    served = shmsidecar.ServedOnThread(tmp_path, GPU_UUID, opening=held)
+    yield served.endpoint
     held.release.set()
-    stop.set()
-    server.wake()
-    thread.join(timeout=10)
-    server.close()
-    engine.close()
+    served.close()
 
 
 @pytest.fixture
