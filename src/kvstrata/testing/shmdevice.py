@@ -13,14 +13,22 @@ covered by ``kvstrata selftest gpu`` and the ``gpu`` tests.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
+import uuid
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvstrata.sidecar.protocol import IPC_HANDLE_BYTES
 from kvstrata.sidecar.transfer import kernels
 from kvstrata.sidecar.transfer.plan import CopyPlan
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstrata.sidecar.ipc_messages import RegisterKVRequest
 
 SHM_DIR = "/dev/shm"
 
@@ -96,3 +104,65 @@ class SharedMemoryDevice:
 
     def arena_address(self, offset: int) -> int:
         return self.arena_base + offset
+
+
+class SharedKV:
+    """vLLM's KV (layout LBNHC, bf16) built inside a shared-memory segment: the
+    "vLLM" side of every in-process ipc test, registered with the GPU known as
+    ``gpu_uuid``. ``close()`` removes the segment."""
+
+    def __init__(self, gpu_uuid: str, num_blocks: int = 12) -> None:
+        import torch
+
+        from kvstrata.testing.kvlayouts import vllm_layers
+
+        self.gpu_uuid = gpu_uuid
+        self.name = f"kvstrata-test-kv-{uuid.uuid4().hex[:12]}"
+        nbytes = 3 * num_blocks * 2 * 16 * 128 * 2  # layers, blocks, heads, tokens, bf16 content
+        fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            self.mm = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        raw = torch.frombuffer(self.mm, dtype=torch.int8)
+        self.base = raw.data_ptr()
+        self.case = vllm_layers(
+            "LBNHC", num_blocks=num_blocks, heads=2, tokens=16, content=128, buffer=raw
+        )
+
+    def registration(self, gpu: str | None = None, blocks_per_chunk: int = 2) -> RegisterKVRequest:
+        """The REGISTER_KV body for this KV (on ``gpu``, this KV's own GPU unless named)."""
+        from kvstrata.sidecar import protocol as p
+
+        layers = [
+            p.KVLayerHandle(
+                handle=handle_for(self.name),
+                offset=t.data_ptr() - self.base,
+                shape=tuple(t.shape),
+                strides=tuple(t.stride()),
+            )
+            for t in self.case.layers.values()
+        ]
+        return p.RegisterKVRequest(
+            device_uuid=self.gpu_uuid if gpu is None else gpu,
+            kv_cache_layout="LBNHC",
+            block_dim=0,
+            blocks_per_chunk=blocks_per_chunk,
+            dtype="bfloat16",
+            itemsize=2,
+            layers=layers,
+        )
+
+    def block(self, kv: torch.Tensor, b: int) -> torch.Tensor:
+        """Block ``b`` of one layer's KV, as bytes."""
+        import torch
+
+        return kv[b].contiguous().view(torch.uint8).flatten()
+
+    def close(self) -> None:
+        self.case.layers.clear()
+        # A view may still be alive in the test's process; the unlink suffices.
+        with contextlib.suppress(BufferError):
+            self.mm.close()
+        os.unlink(os.path.join(SHM_DIR, self.name))

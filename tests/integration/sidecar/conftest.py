@@ -24,6 +24,7 @@ from kvstrata.sidecar.keys import ChunkKey, Namespace
 from kvstrata.testing.poll import wait_until as wait_until
 from kvstrata.testing.servers import RedisServer, ServerError, redis_server_binary
 from kvstrata.testing.servers import free_port as free_port
+from kvstrata.testing.shmdevice import SharedKV
 from kvstrata.testing.sidecarproc import SIDECAR_COMMAND as SIDECAR_COMMAND
 from kvstrata.testing.sidecarproc import SidecarProcess
 from kvstrata.testing.workers import WORKER_CHUNK as WORKER_CHUNK
@@ -212,6 +213,21 @@ def valkey(valkey_binary: None, tmp_path: Path) -> Iterator[RedisServer]:
     """A real Valkey-protocol server for the shared tier, stopped after the test."""
     with RedisServer(tmp_path / "valkey") as server:
         yield server
+
+
+@pytest.fixture
+def shared_kv() -> Iterator[Callable[..., SharedKV]]:
+    """Makes vLLM-shaped KV in shared-memory segments (``shared_kv(gpu_uuid,
+    num_blocks)``) for the in-process ipc tests, and removes each after the test."""
+    made: list[SharedKV] = []
+
+    def make(gpu_uuid: str, num_blocks: int = 12) -> SharedKV:
+        made.append(SharedKV(gpu_uuid, num_blocks))
+        return made[-1]
+
+    yield make
+    for kv in made:
+        kv.close()
 
 
 @pytest.fixture(scope="session")

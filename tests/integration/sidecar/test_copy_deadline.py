@@ -15,26 +15,21 @@ the event.
 from __future__ import annotations
 
 import hashlib
-import mmap
-import os
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from kvstrata.connector.client import SidecarClient
 from kvstrata.connector.client_ipc import COPY_MARGIN_S, sidecar_deadline_ms
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.keys import ChunkKey, Namespace
 from kvstrata.sidecar.transfer.plan import CopyPlan
-from kvstrata.testing.kvlayouts import vllm_layers
 from kvstrata.testing.rawpeer import RawPeer
-from kvstrata.testing.shmdevice import SharedMemoryDevice, handle_for
+from kvstrata.testing.shmdevice import SharedKV, SharedMemoryDevice
 from kvstrata.testing.shmsidecar import ServedOnThread
 
 GPU_UUID = "GPU-00000000-0000-0000-0000-0000deadline"
@@ -118,33 +113,8 @@ def one_worker(tmp_path: Path) -> Iterator[Served]:
 
 
 @pytest.fixture
-def registration() -> Iterator[p.RegisterKVRequest]:
-    name = f"kvstrata-test-kv-{uuid.uuid4().hex[:12]}"
-    nbytes = 3 * NUM_BLOCKS * 2 * 16 * 128 * 2  # layers, blocks, heads, tokens, bf16 content
-    fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, nbytes)
-        mm = mmap.mmap(fd, nbytes)
-    finally:
-        os.close(fd)
-    raw = torch.frombuffer(mm, dtype=torch.int8)
-    case = vllm_layers("LBNHC", num_blocks=NUM_BLOCKS, heads=2, tokens=16, content=128, buffer=raw)
-    layers = [
-        p.KVLayerHandle(
-            handle=handle_for(name),
-            offset=t.data_ptr() - raw.data_ptr(),
-            shape=tuple(t.shape),
-            strides=tuple(t.stride()),
-        )
-        for t in case.layers.values()
-    ]
-    yield p.RegisterKVRequest(
-        device_uuid=GPU_UUID, kv_cache_layout="LBNHC", block_dim=0, blocks_per_chunk=2,
-        dtype="bfloat16", itemsize=2, layers=layers,
-    )  # fmt: skip
-    case.layers.clear()
-    del raw
-    os.unlink(f"/dev/shm/{name}")
+def registration(shared_kv: Callable[..., SharedKV]) -> p.RegisterKVRequest:
+    return shared_kv(GPU_UUID, NUM_BLOCKS).registration()
 
 
 def keys(n: int, tag: str) -> list[ChunkKey]:

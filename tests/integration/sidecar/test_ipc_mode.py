@@ -9,15 +9,11 @@ process without CUDA is also asked for ipc and must grant host mode.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import mmap
-import os
 import subprocess
 import sys
 import threading
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,63 +26,13 @@ from kvstrata.sidecar.config import config_from_dict
 from kvstrata.sidecar.engine import StorageManager
 from kvstrata.sidecar.keys import ChunkKey, Namespace
 from kvstrata.sidecar.transfer.ipc import IpcTransfers
-from kvstrata.testing.kvlayouts import vllm_layers
-from kvstrata.testing.shmdevice import SharedMemoryDevice, handle_for
+from kvstrata.testing.shmdevice import SharedKV, SharedMemoryDevice
 from kvstrata.testing.shmsidecar import ServedOnThread
 
 GPU_UUID = "GPU-00000000-0000-0000-0000-00000000test"
 NAMESPACE = Namespace(model="ipc-test", block_size=16, chunk_size=32)
 BLOCKS_PER_CHUNK = 2
 POISON = 0x5A
-
-
-class SharedKV:
-    """vLLM's KV (layout LBNHC) built inside a shared-memory segment."""
-
-    def __init__(self, num_blocks: int = 12) -> None:
-        self.name = f"kvstrata-test-kv-{uuid.uuid4().hex[:12]}"
-        nbytes = 3 * num_blocks * 2 * 16 * 128 * 2  # layers, blocks, heads, tokens, bf16 content
-        fd = os.open(f"/dev/shm/{self.name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            self.mm = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
-        raw = torch.frombuffer(self.mm, dtype=torch.int8)
-        self.base = raw.data_ptr()
-        self.case = vllm_layers(
-            "LBNHC", num_blocks=num_blocks, heads=2, tokens=16, content=128, buffer=raw
-        )
-
-    def registration(self, gpu: str = GPU_UUID) -> p.RegisterKVRequest:
-        layers = [
-            p.KVLayerHandle(
-                handle=handle_for(self.name),
-                offset=t.data_ptr() - self.base,
-                shape=tuple(t.shape),
-                strides=tuple(t.stride()),
-            )
-            for t in self.case.layers.values()
-        ]
-        return p.RegisterKVRequest(
-            device_uuid=gpu,
-            kv_cache_layout="LBNHC",
-            block_dim=0,
-            blocks_per_chunk=BLOCKS_PER_CHUNK,
-            dtype="bfloat16",
-            itemsize=2,
-            layers=layers,
-        )
-
-    def block(self, kv: torch.Tensor, b: int) -> torch.Tensor:
-        return kv[b].contiguous().view(torch.uint8).flatten()
-
-    def close(self) -> None:
-        self.case.layers.clear()
-        # A view may still be alive in this test process; the unlink suffices.
-        with contextlib.suppress(BufferError):
-            self.mm.close()
-        os.unlink(f"/dev/shm/{self.name}")
 
 
 @pytest.fixture
@@ -97,10 +43,8 @@ def sidecar(tmp_path: Path) -> Iterator[ServedOnThread]:
 
 
 @pytest.fixture
-def kv() -> Iterator[SharedKV]:
-    shared = SharedKV()
-    yield shared
-    shared.close()
+def kv(shared_kv: Callable[..., SharedKV]) -> SharedKV:
+    return shared_kv(GPU_UUID)
 
 
 def keys(n: int, tag: str) -> list[ChunkKey]:

@@ -13,23 +13,18 @@ until the test releases it (standing in for the page-locking).
 
 from __future__ import annotations
 
-import mmap
-import os
 import threading
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from kvstrata.connector.client import SidecarClient
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.keys import Namespace
 from kvstrata.testing import shmsidecar
-from kvstrata.testing.kvlayouts import vllm_layers
-from kvstrata.testing.shmdevice import handle_for
+from kvstrata.testing.shmdevice import SharedKV
 
 GPU_UUID = "GPU-00000000-0000-0000-0000-00000000510w"
 NAMESPACE = Namespace(model="slow-registration-test", block_size=16, chunk_size=32)
@@ -61,34 +56,9 @@ def endpoint(tmp_path: Path, held: HeldOpening) -> Iterator[str]:
 
 
 @pytest.fixture
-def registration() -> Iterator[p.RegisterKVRequest]:
+def registration(shared_kv: Callable[..., SharedKV]) -> p.RegisterKVRequest:
     """A REGISTER_KV body for vLLM-shaped KV (LBNHC) in a shared-memory segment."""
-    name = f"kvstrata-test-kv-{uuid.uuid4().hex[:12]}"
-    nbytes = 3 * NUM_BLOCKS * 2 * 16 * 128 * 2  # layers, blocks, heads, tokens, bf16 content
-    fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, nbytes)
-        mm = mmap.mmap(fd, nbytes)
-    finally:
-        os.close(fd)
-    raw = torch.frombuffer(mm, dtype=torch.int8)
-    case = vllm_layers("LBNHC", num_blocks=NUM_BLOCKS, heads=2, tokens=16, content=128, buffer=raw)
-    layers = [
-        p.KVLayerHandle(
-            handle=handle_for(name),
-            offset=t.data_ptr() - raw.data_ptr(),
-            shape=tuple(t.shape),
-            strides=tuple(t.stride()),
-        )
-        for t in case.layers.values()
-    ]
-    yield p.RegisterKVRequest(
-        device_uuid=GPU_UUID, kv_cache_layout="LBNHC", block_dim=0, blocks_per_chunk=2,
-        dtype="bfloat16", itemsize=2, layers=layers,
-    )  # fmt: skip
-    case.layers.clear()
-    del raw
-    os.unlink(f"/dev/shm/{name}")
+    return shared_kv(GPU_UUID, NUM_BLOCKS).registration()
 
 
 def test_a_registration_answered_after_the_deadline_turns_the_session_to_ipc(
