@@ -41,6 +41,7 @@ from kvstrata.connector.device import CudaCopies
 from kvstrata.connector.metadata import KVStrataMetadata
 from kvstrata.testing.kvlayouts import every_case
 from kvstrata.testing.streams import RecordingStreams, unordered_launches
+from kvstrata.testing.workers import chunk_requests
 
 
 @pytest.fixture
@@ -99,10 +100,10 @@ def step(meta: KVStrataMetadata) -> Any:
     )
 
 
-def save_then_load(made: KVStrataConnector, kit: Any) -> KVStrataMetadata:
+def save_then_load(made: KVStrataConnector) -> KVStrataMetadata:
     """Store one request's chunks through the connector; the metadata that loads them
     into other blocks."""
-    reqs = kit.chunk_requests("load-ordering", 1, 2)
+    reqs = chunk_requests("load-ordering", 1, 2)
     made.bind_connector_metadata(KVStrataMetadata(saves=reqs))
     made.wait_for_save()
     made.clear_connector_metadata()
@@ -114,12 +115,11 @@ def save_then_load(made: KVStrataConnector, kit: Any) -> KVStrataMetadata:
 def test_the_v2_runner_never_computes_before_a_load_is_complete(
     connector: tuple[KVStrataConnector, dict[str, torch.Tensor]],
     streams: RecordingStreams,
-    kit: Any,
     graph: str,
 ) -> None:
     made, kv = connector
     runner = ActiveKVConnector(VllmConfig(), kv)  # registers the KV, as the V2 runner does
-    load = save_then_load(made, kit)
+    load = save_then_load(made)
     streams.log.clear()
     batch = SimpleNamespace(idx_mapping=None, req_ids=["load"], num_tokens=32)
     if graph == "FULL":  # model_runner.py: pre_forward outside any context, then replay
@@ -139,12 +139,11 @@ def test_the_v2_runner_never_computes_before_a_load_is_complete(
 def test_the_v1_runner_never_computes_before_a_load_is_complete(
     connector: tuple[KVStrataConnector, dict[str, torch.Tensor]],
     streams: RecordingStreams,
-    kit: Any,
     graph: str,
 ) -> None:
     made, kv = connector
     made.register_kv_caches(kv)
-    load = save_then_load(made, kit)
+    load = save_then_load(made)
     streams.log.clear()
     mode = CUDAGraphMode[graph]
     with (
