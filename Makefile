@@ -131,7 +131,7 @@ bench-serve: dev
 
 bench-soak: dev
 	@mkdir -p bench/results
-	$(BIN)/kvstrata bench soak --json --out bench/results/soak.json > /dev/null
+	$(BIN)/kvstrata bench soak --duration 60000 --json --out bench/results/soak.json > /dev/null
 
 # -- container images: the Dockerfile's targets, tagged $(REGISTRY)/kvstrata-TARGET:$(IMAGE_TAG)
 # The chart's default images are these names with the chart's appVersion (= VERSION).
