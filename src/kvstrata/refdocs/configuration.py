@@ -8,6 +8,7 @@ lives beside the code that computes it.
 
 from __future__ import annotations
 
+import inspect
 import types
 import typing
 from typing import Any, Literal, Union
@@ -54,8 +55,11 @@ def _section(model: type[BaseModel], prefix: str, title: str) -> list[str]:
         if sub is not None:
             subsections.append((sub, key))
             continue
+        item = _item_model(info)
+        if item is not None:  # a list of sections: a row, then the item's own keys
+            subsections.append((item, key + "[]"))
         rows.append((f"`{key}`", _type(info), _default(info), _description(info)))
-    doc = (model.__doc__ or "").strip()
+    doc = inspect.cleandoc(model.__doc__ or "")
     out = [f"## {title}", ""]
     if doc:
         out += [doc, ""]
@@ -69,6 +73,16 @@ def _submodel(info: FieldInfo) -> type[BaseModel] | None:
     annotation = info.annotation
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
+    return None
+
+
+def _item_model(info: FieldInfo) -> type[BaseModel] | None:
+    """The item model of a field that is a list of sections (``tenants``)."""
+    args = typing.get_args(info.annotation)
+    if typing.get_origin(info.annotation) is list and args:
+        item = args[0]
+        if isinstance(item, type) and issubclass(item, BaseModel):
+            return item
     return None
 
 
@@ -111,6 +125,8 @@ def _bounds(metadata: list[Any]) -> str:
 
 
 def _default(info: FieldInfo) -> str:
+    if info.default_factory is list:
+        return "`[]`"
     if info.default_factory is not None:
         doc = (info.default_factory.__doc__ or "").strip()
         # "``DEFAULT``: why ...": the text before the first ": " (an endpoint's
