@@ -143,6 +143,9 @@ class SidecarClient:
         self.write_budget = 0  # uncommitted write bytes the sidecar lets this session hold
         # How long the sidecar keeps a lease's slot pinned (HELLO); until then, none.
         self.lease_seconds = 0.0
+        # The tenants this session may name, with the cache_salts that name them
+        # (HELLO's answer; kvstrata.connector.tenant_match picks one per request).
+        self.tenants: list[p.TenantMatchInfo] = []
         self.server_version: str | None = None
         self.errors: dict[str, int] = {}
         self._lock = threading.RLock()
@@ -245,11 +248,13 @@ class SidecarClient:
         owner: str,
         blocks: int = 0,
         covers: Sequence[ChunkKey] = (),
+        tenant: str = "",
     ) -> list[ArenaSlot | None] | None:
         """Write slots, one per key; a None entry means skip that chunk
         (already stored or no space). Commit with :meth:`commit_store`.
         ``blocks``: 0 for full chunks, else the block count of partial ones;
-        ``covers``: partial chunks these keys supersede (the sidecar drops them)."""
+        ``covers``: partial chunks these keys supersede (the sidecar drops them);
+        ``tenant``: the chunks' tenant, one of :attr:`tenants` ("": the default)."""
         body = p.PrepareStoreRequest(
             keys=list(keys[: p.MAX_KEYS]),
             nbytes=nbytes,
@@ -258,6 +263,7 @@ class SidecarClient:
             owner=owner,
             blocks=blocks,
             covers=list(covers[: p.MAX_KEYS]),
+            tenant=tenant,
         )
         return self._slots(p.PREPARE_STORE, body, len(keys))
 
@@ -472,6 +478,7 @@ class SidecarClient:
         # An older sidecar does not say: its default share, a quarter of L1.
         self.write_budget = reply.write_budget or reply.arena_size // 4
         self.lease_seconds = reply.lease_seconds
+        self.tenants = reply.tenants
         self.server_version = reply.server_version
         self._epoch += 1
         self._connected = True

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,64 +34,23 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     ValidationError,
     model_validator,
 )
 
+from kvstrata.sidecar.config_base import ByteSize, ConfigSection
+from kvstrata.sidecar.config_base import parse_quantity as parse_quantity  # re-exported
 from kvstrata.sidecar.cpus import parse_cpu_list
 from kvstrata.sidecar.endpoint import check_endpoint, default_endpoint, endpoint_is_local
+from kvstrata.sidecar.tenant_config import TenantConfig, check_tenants
 
 ENV_PREFIX = "KVSTRATA_"
 ENV_NESTING = "__"
 
-_QUANTITY_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
-_QUANTITY_SUFFIXES: dict[str, int] = {
-    "": 1,
-    "k": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "P": 10**15,
-    "Ki": 2**10,
-    "Mi": 2**20,
-    "Gi": 2**30,
-    "Ti": 2**40,
-    "Pi": 2**50,
-}
-
 
 class ConfigError(ValueError):
     """Bad sidecar configuration; the message names the offending field."""
-
-
-def parse_quantity(value: int | float | str) -> int:
-    """Parse a byte size: an integer, or a Kubernetes quantity like ``4Gi``.
-
-    Raises ``ValueError`` naming the accepted suffixes on anything else.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"expected a byte size, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"byte size must be >= 0, got {value}")
-        return value
-    if isinstance(value, float):
-        if value < 0 or value != value:
-            raise ValueError(f"byte size must be >= 0, got {value}")
-        return int(value)
-    if isinstance(value, str):
-        match = _QUANTITY_RE.match(value)
-        if match and match.group(2) in _QUANTITY_SUFFIXES:
-            return int(float(match.group(1)) * _QUANTITY_SUFFIXES[match.group(2)])
-    suffixes = ", ".join(s for s in _QUANTITY_SUFFIXES if s)
-    raise ValueError(
-        f"expected a byte size (an integer or a quantity with suffix {suffixes}), got {value!r}"
-    )
-
-
-ByteSize = Annotated[int, BeforeValidator(parse_quantity), Field(ge=0)]
 
 
 def _default_l2_path() -> str:
@@ -104,10 +62,7 @@ def _default_l2_path() -> str:
     return os.path.join(base, "kvstrata", "l2")
 
 
-class _Section(BaseModel):
-    # Unknown keys are refused: a typo in a ConfigMap must not silently fall
-    # back to a default.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+_Section = ConfigSection
 
 
 class L1Config(_Section):
@@ -399,11 +354,24 @@ class SidecarConfig(_Section):
     shared: SharedConfig = Field(default_factory=SharedConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     ipc: IpcConfig = Field(default_factory=IpcConfig)
+    tenants: Annotated[list[TenantConfig], AfterValidator(check_tenants)] = Field(
+        default_factory=list,
+        max_length=64,
+        description="per-tenant retention (kvstrata.sidecar.tenant_config); requests no "
+        "tenant matches follow the cache-wide settings",
+    )
 
     @model_validator(mode="after")
     def _check_tiers(self) -> SidecarConfig:
         if self.l1.size_bytes < (1 << 20):
             raise ValueError("l1.size_bytes must be at least 1Mi")
+        pinned = sum(t.budgets.l1_bytes or 0 for t in self.tenants if t.pinned)
+        if pinned > self.l1.size_bytes // 2:
+            raise ValueError(
+                f"tenants: pinned tenants' budgets.l1_bytes add up to {pinned} bytes, more "
+                f"than half of l1.size_bytes ({self.l1.size_bytes}): nothing would be left "
+                "for everyone else"
+            )
         return self
 
 

@@ -67,7 +67,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvstrata.sidecar.arena import Arena, owner_prefix
@@ -81,6 +81,7 @@ from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.partials import blocks_match, entry_is_partial, is_partial
 from kvstrata.sidecar.prefetch import Prefetcher
 from kvstrata.sidecar.promotion import IndexSteps, Promotion
+from kvstrata.sidecar.tenants import TenantRules, TenantSnapshot
 from kvstrata.sidecar.tiers.base import Tier, TierStats
 from kvstrata.sidecar.tiers.disk import DiskTier
 from kvstrata.sidecar.writeback import WriteBehind
@@ -102,12 +103,19 @@ class EngineStats:
 
     tiers: dict[str, TierStats]
     counters: dict[str, int] = field(default_factory=dict)
+    tenants: TenantSnapshot = field(default_factory=TenantSnapshot)
 
 
 class StorageManager:
     """L1 + L2 + shared tier behind one thread-safe API (module docstring)."""
 
-    def __init__(self, config: SidecarConfig, shared_tier: Tier | None = None) -> None:
+    def __init__(
+        self,
+        config: SidecarConfig,
+        shared_tier: Tier | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``clock``: what tenants' TTLs are measured with (a test's own)."""
         self.config = config
         self.arena = Arena(
             config.l1.size_bytes,
@@ -122,6 +130,8 @@ class StorageManager:
             config.l1.policy,
             config.l1.prefix_aware,
             namespace_quota=config.l1.namespace_quota_bytes,
+            tenants=TenantRules(config.tenants),
+            clock=clock,
         )
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -190,7 +200,17 @@ class StorageManager:
     def lookup(self, keys: Sequence[ChunkKey], fetch_ahead: bool = False) -> LookupResult:
         """Longest contiguous prefix of ``keys`` present in any tier
         (``fetch_ahead``: a prefetch of it follows; see :meth:`PrefixLookup.lookup`)."""
+        self.expire()
         return self._lookup.lookup(keys, fetch_ahead)
+
+    def expire(self) -> None:
+        """Remove the chunks older than their tenant's TTL from L1 and L2 (a
+        read then misses). Run before every lookup and read."""
+        if self._store.tenants.rules.ttl_tenants:
+            with self._lock:
+                old_l2 = self._store.expire()
+            for key in old_l2 if self.l2 is not None else ():
+                self.l2.remove(key)  # file I/O: never under the lock
 
     def lookup_partial(self, candidates: Sequence[ChunkKey]) -> tuple[int, str] | None:
         """(index, tier) of the first of ``candidates`` some tier holds (see
@@ -398,6 +418,7 @@ class StorageManager:
             return client in self._ended
 
     def _acquire(self, key: ChunkKey, owner: str, prefetch: bool = False) -> Slot | None:
+        self.expire()
         with self._lock:
             if client_of(owner) in self._ended:
                 return None  # no promotion I/O for a client that is gone
@@ -651,11 +672,12 @@ class StorageManager:
             counters["writeback_backlog"] = self._wb.backlog
             counters["l1_free_largest_bytes"] = store.allocator.largest_free
             counters["prefetched_bytes_total"] = self._prefetched_bytes
+            tenants = store.tenants.snapshot()
         tiers = {"l1": l1}
         for tier in (self.l2, self.shared):
             if tier is not None:
                 tiers[tier.name] = self._wb.tier_stats(tier.stats())
-        return EngineStats(tiers=tiers, counters=counters)
+        return EngineStats(tiers=tiers, counters=counters, tenants=tenants)
 
     def close(self) -> None:
         """Stop threads and unlink the shared-memory segment."""

@@ -25,6 +25,7 @@ from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.sessions import Session, SessionLimit, SessionTable
+from kvstrata.sidecar.tenants import TenantRules, UnknownTenantError
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.config import SidecarConfig
@@ -52,6 +53,12 @@ def _slot_info(slot: Slot) -> p.SlotInfo:
         dtype=slot.meta.dtype,
         shape=tuple(slot.meta.shape),
     )
+
+
+def _model_of(namespace: dict[str, Any] | None) -> str:
+    """The model a HELLO's namespace names ("" when it names none)."""
+    model = (namespace or {}).get("model")
+    return model[:256] if isinstance(model, str) else ""
 
 
 def _own_keys(keys: list[ChunkKey], session: Session) -> list[ChunkKey]:
@@ -96,6 +103,7 @@ class Handlers:
         self._retire_lock = threading.Lock()
         self.write_budget = int(engine.arena.size * config.server.session_write_fraction)
         self.chunk_limit = int(engine.arena.size * config.server.chunk_max_fraction)
+        self.tenants = TenantRules(config.tenants)
         self._table = {
             p.LOOKUP: self._lookup,
             p.PREPARE_STORE: self._prepare_store,
@@ -174,6 +182,7 @@ class Handlers:
                 body.fingerprint,
                 frozenset(body.fingerprints or ()),
                 uid=uid,
+                model=_model_of(body.namespace),
             )
         except SessionLimit as exc:
             self.metrics.bound_refusals.labels(bound=exc.bound).inc()
@@ -194,7 +203,24 @@ class Handlers:
             lease_seconds=self.config.server.lease_seconds,
             fallback_reason=fallback,
             write_budget=self.write_budget,
+            tenants=self._tenants_of(session.model),
         )
+
+    def _tenants_of(self, model: str) -> list[p.TenantMatchInfo]:
+        """The tenants a session of ``model`` may name, with the salts that name them."""
+        return [
+            p.TenantMatchInfo(t.name, t.match.cache_salts, t.match.cache_salt_prefixes)
+            for t in self.tenants.by_name.values()
+            if not t.match.models or model in t.match.models
+        ]
+
+    def _tenant(self, name: str, session: Session) -> str:
+        """The checked tenant of a store (a bad_request naming it, counted, else)."""
+        try:
+            return self.tenants.resolve(name, session.model)
+        except UnknownTenantError as exc:
+            self.metrics.errors.labels(kind="unknown_tenant").inc()
+            raise p.ProtocolError(p.E_BAD_REQUEST, str(exc)) from None
 
     def _lookup(self, body: p.LookupRequest, session: Session) -> p.LookupReply:
         all_keys = _own_keys(body.keys, session)
@@ -231,7 +257,8 @@ class Handlers:
                 f"({self.chunk_limit} bytes: server.chunk_max_fraction of the "
                 f"{self.engine.arena.size}-byte arena)",
             )
-        meta = ChunkMeta(dtype=body.dtype, shape=tuple(body.shape), blocks=body.blocks)
+        tenant = self._tenant(body.tenant, session)
+        meta = ChunkMeta(body.dtype, tuple(body.shape), body.blocks, tenant)
         if body.covers:  # longer partials and full chunks supersede shorter partials
             self.engine.drop_partials(_own_keys(body.covers, session), replaced=body.blocks > 0)
         owner_key = session.owner_key(body.owner)
@@ -318,6 +345,7 @@ class Handlers:
             self._retire_ipc_after_fault()
 
     def _save_blocks(self, body: p.SaveBlocksRequest, session: Session) -> p.Message:
+        self._tenant(body.tenant, session)  # refused before any copy
         return self._ipc_copy(body, session, None)
 
     def _load_blocks(self, body: p.LoadBlocksRequest, session: Session) -> p.Message:

@@ -179,6 +179,7 @@ class SaveBlocksRequest(Message):
     # how long the client waits for the answer, in ms from sending (0: not said);
     # the sidecar touches no block past it (a client that gave up may reuse them)
     deadline_ms: int = 0
+    tenant: str = ""  # as PREPARE_STORE's: the tenant of the chunks ("": the default)
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> SaveBlocksRequest:
@@ -190,6 +191,7 @@ class SaveBlocksRequest(Message):
             after_event=None if event is None else _read_handle(event, "after_event"),
             owner=read_str(required(body, "owner"), "owner"),
             deadline_ms=read_int(body.get("deadline_ms", 0), "deadline_ms", 0, MAX_DEADLINE_MS),
+            tenant=read_str(body.get("tenant", ""), "tenant", 256),
         )
 
 

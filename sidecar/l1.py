@@ -23,6 +23,14 @@ under a small L1 they would push out full chunks that later prompts hit.
 Full chunks evict in policy order, partials included, so a partial that a
 conversation keeps using stays while it is warm.
 
+Tenants (:mod:`.tenants`): a tenant with ``budgets.l1_bytes`` holds at
+most that many bytes; a store beyond it evicts that tenant's own chunks
+first, or is refused when the tenant is pinned (its chunks are then never
+evicted by anyone else's store or promotion either). A budget of 0 keeps
+nothing. A tenant with a TTL has its chunks dropped by :meth:`L1Store.expire`
+once they are older than it. Refusals and evictions are counted per tenant
+in the :class:`~.tenants.TenantLedger`.
+
 An entry is WRITING from ``reserve`` until ``publish`` (only its writer
 sees it), then READY. ``pins`` counts leases and internal holds
 (write-behind, prefetch); a pinned entry is never evicted and its extent
@@ -32,6 +40,8 @@ the index at once and its extent is freed when the last pin goes.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,6 +49,7 @@ from kvstrata.sidecar.allocator import ExtentAllocator
 from kvstrata.sidecar.keys import FINGERPRINT_BYTES, ChunkKey
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.policies import EvictionPolicy, make_policy
+from kvstrata.sidecar.tenants import TenantLedger, TenantRules
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.journal import TierEvents
@@ -77,8 +88,12 @@ class L1Store:
         prefix_aware: bool = False,
         alignment: int = 256,
         namespace_quota: int | None = None,
+        tenants: TenantRules | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.namespace_quota = namespace_quota
+        self.tenants = TenantLedger(tenants or TenantRules())
+        self._clock = clock
         self.namespace_bytes: dict[bytes, int] = {}
         self.allocator = ExtentAllocator(size, alignment)
         self.policy: EvictionPolicy = make_policy(policy, self.allocator.size, prefix_aware)
@@ -109,19 +124,78 @@ class L1Store:
             return None
         namespace = key[:FINGERPRINT_BYTES]
         partial = meta.blocks > 0 and not read_now  # see the module docstring
-        if self.namespace_quota is not None and not self._within_quota(namespace, nbytes, partial):
+        tenant = meta.tenant
+        if not self._within_tenant_budget(tenant, nbytes, partial):
+            return None
+        if self.namespace_quota is not None and not self._within_quota(
+            namespace, nbytes, partial, tenant
+        ):
             return None
         offset = self.allocator.alloc(nbytes)
         if offset is None:
-            offset = self._evict_until_fits(nbytes, partial)
+            offset = self._evict_until_fits(nbytes, partial, tenant)
             if offset is None:
                 return None
         entry = Entry(key, offset, nbytes, meta, parent, pins=1)
         self.entries[key] = entry
         self.namespace_bytes[namespace] = self.namespace_bytes.get(namespace, 0) + nbytes
+        self.tenants.l1_bytes[tenant] += nbytes
         return entry
 
-    def _within_quota(self, namespace: bytes, nbytes: int, partials_only: bool) -> bool:
+    def _within_tenant_budget(self, tenant: str, nbytes: int, partials_only: bool) -> bool:
+        """Make room for ``nbytes`` more of ``tenant`` within its L1 budget
+        (evicting its own chunks unless it is pinned); False, counted, when
+        the store is refused."""
+        rules = self.tenants.rules
+        budget = rules.l1_budget(tenant)
+        if budget is None:
+            return True
+        if budget == 0 or nbytes > budget:
+            self.tenants.refuse(tenant, "l1", "not_kept" if budget == 0 else "budget")
+            return False
+        if self.tenants.l1_bytes[tenant] + nbytes <= budget:
+            return True
+        if rules.pinned(tenant):
+            # Within its budget nothing of a pinned tenant is evicted, its own
+            # stores included: what it keeps is what it stored first.
+            self.tenants.refuse(tenant, "l1", "pinned_budget")
+            return False
+        for victim in self.policy.victims():
+            entry = self.entries.get(victim)
+            if entry is None or entry.meta.tenant != tenant:
+                continue
+            if not self._evictable(entry, partials_only, tenant):
+                continue
+            self._evict(entry)
+            if self.tenants.l1_bytes[tenant] + nbytes <= budget:
+                return True
+        self.tenants.refuse(tenant, "l1", "budget")
+        return False
+
+    def expire(self) -> list[ChunkKey]:
+        """Drop every chunk older than its tenant's TTL (a later read misses);
+        the keys of L2 copies just as old, for the caller to remove (L2 tells
+        the ledger when it wrote them). Cheap when no tenant has a TTL."""
+        if not self.tenants.rules.ttl_tenants:
+            return []
+        now = self._clock()
+        for tenant, key in self.tenants.expired("l1", now):
+            entry = self.entries.get(key)
+            if entry is not None and entry.meta.tenant == tenant:
+                self._drop(entry)  # a reader's pin keeps its bytes until it is done
+                self.tenants.aged_out(tenant, "l1")
+        old_l2 = self.tenants.expired("l2", now)
+        for tenant, _ in old_l2:
+            self.tenants.aged_out(tenant, "l2")
+        return [key for _, key in old_l2]
+
+    def now(self) -> float:
+        """The clock TTLs are measured with (monotonic; a test's own)."""
+        return self._clock()
+
+    def _within_quota(
+        self, namespace: bytes, nbytes: int, partials_only: bool, tenant: str
+    ) -> bool:
         """Evict this namespace's own unpinned chunks (only partial ones with
         ``partials_only``) until ``nbytes`` more fit its quota."""
         quota = self.namespace_quota
@@ -134,32 +208,38 @@ class L1Store:
             if victim[:FINGERPRINT_BYTES] != namespace:
                 continue
             entry = self.entries.get(victim)
-            if not self._evictable(entry, partials_only):
+            if not self._evictable(entry, partials_only, tenant):
                 continue
             assert entry is not None  # _evictable says so
-            self._drop(entry)
-            self.evictions_total += 1
-            self.evicted_bytes_total += entry.length
+            self._evict(entry)
             if self.namespace_bytes.get(namespace, 0) + nbytes <= quota:
                 return True
         return False
 
-    @staticmethod
-    def _evictable(entry: Entry | None, partials_only: bool) -> bool:
+    def _evictable(self, entry: Entry | None, partials_only: bool, for_tenant: str) -> bool:
+        """Whether a store of ``for_tenant`` may evict ``entry``: never a pinned
+        entry, and never a pinned tenant's chunk for another tenant's store."""
         if entry is None or entry.pins or entry.state != READY:
+            return False
+        owner = entry.meta.tenant
+        if owner and owner != for_tenant and self.tenants.rules.pinned(owner):
             return False
         return not partials_only or entry.meta.blocks > 0
 
-    def _evict_until_fits(self, nbytes: int, partials_only: bool) -> int | None:
+    def _evict(self, entry: Entry) -> None:
+        self._drop(entry)
+        self.evictions_total += 1
+        self.evicted_bytes_total += entry.length
+        self.tenants.evicted(entry.meta.tenant, "l1")
+
+    def _evict_until_fits(self, nbytes: int, partials_only: bool, tenant: str) -> int | None:
         entries = self.entries
         for victim in self.policy.victims():
             entry = entries.get(victim)
-            if not self._evictable(entry, partials_only):
+            if not self._evictable(entry, partials_only, tenant):
                 continue
             assert entry is not None  # _evictable says so
-            self._drop(entry)
-            self.evictions_total += 1
-            self.evicted_bytes_total += entry.length
+            self._evict(entry)
             offset = self.allocator.alloc(nbytes)
             if offset is not None:
                 return offset
@@ -169,6 +249,7 @@ class L1Store:
         """WRITING -> READY: visible to lookups, known to the policy."""
         entry.state = READY
         self.ready_bytes += entry.length
+        self.tenants.stored("l1", entry.meta.tenant, entry.key, self._clock())
         self.policy.on_insert(entry.key, entry.length, entry.parent)
         if self.events is not None:
             self.events.stored(entry.key)
@@ -194,6 +275,9 @@ class L1Store:
             self.namespace_bytes[namespace] = left
         else:
             del self.namespace_bytes[namespace]
+        tenant = entry.meta.tenant
+        self.tenants.l1_bytes[tenant] -= entry.length
+        self.tenants.forget("l1", tenant, entry.key)
         if entry.state == READY:
             self.ready_bytes -= entry.length
             self.policy.on_remove(entry.key)

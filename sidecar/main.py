@@ -166,7 +166,8 @@ def _start(
         from kvstrata.sidecar.tiers.factory import build_shared_tier
 
         try:
-            shared = build_shared_tier(config.shared)
+            ttls = {t.name: t.ttl_seconds for t in config.tenants if t.ttl_seconds is not None}
+            shared = build_shared_tier(config.shared, ttls)
         except ValueError as exc:
             raise _StartError(str(exc), 2) from exc
         stack.callback(shared.close)

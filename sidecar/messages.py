@@ -44,6 +44,10 @@ from kvstrata.sidecar.wire import (
 
 _T = TypeVar("_T", bound="Message")
 
+MAX_TENANTS = 64  # tenants in a HELLO reply (the config's limit)
+MAX_TENANT_SALTS = 256  # salts or prefixes of one tenant
+MAX_TENANT_NAME = 256  # a tenant name a client may send (the sidecar refuses unknown ones)
+
 
 @dataclass(slots=True)
 class Message:
@@ -150,6 +154,14 @@ class HelloReply(Message):
     lease_seconds: float = 0.0  # a lease not released by then expires
     fallback_reason: str = ""  # why an asked-for mode was not granted
     write_budget: int = 0  # bytes of uncommitted writes a session may hold (0: not said)
+    # the tenants of this session's model: [name, cache_salts, cache_salt_prefixes]
+    # each; a store names the tenant whose salts match its request's cache_salt
+    tenants: list[TenantMatchInfo] = field(default_factory=list)
+
+    def to_wire(self) -> dict[str, Any]:
+        body = Message.to_wire(self)
+        body["tenants"] = [t.to_wire() for t in self.tenants]
+        return body
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> HelloReply:
@@ -166,6 +178,36 @@ class HelloReply(Message):
             lease_seconds=float(lease),
             fallback_reason=read_str(body.get("fallback_reason", ""), "fallback_reason"),
             write_budget=read_int(body.get("write_budget", 0), "write_budget"),
+            tenants=read_items(
+                body.get("tenants", []), "tenants", TenantMatchInfo.from_wire, MAX_TENANTS
+            ),
+        )
+
+
+@dataclass(slots=True)
+class TenantMatchInfo:
+    """Which requests are one tenant's: ``[name, cache_salts, cache_salt_prefixes]``."""
+
+    name: str
+    cache_salts: list[str]
+    cache_salt_prefixes: list[str]
+
+    def to_wire(self) -> list[Any]:
+        return [self.name, self.cache_salts, self.cache_salt_prefixes]
+
+    @classmethod
+    def from_wire(cls, value: Any, name: str) -> TenantMatchInfo:
+        items = read_list(value, name, 3)
+        if len(items) != 3:
+            raise bad_field(name, "[name, cache_salts, cache_salt_prefixes]", value)
+
+        def salts(v: Any, n: str) -> list[str]:
+            return read_items(v, n, read_str, MAX_TENANT_SALTS)
+
+        return cls(
+            read_str(items[0], f"{name}[0]", 63),
+            salts(items[1], f"{name}[1]"),
+            salts(items[2], f"{name}[2]"),
         )
 
 
@@ -232,6 +274,7 @@ class PrepareStoreRequest(Message):
     owner: str = ""  # the request (or step) the write leases belong to
     blocks: int = 0  # 0: full chunks; else partial chunks of this many blocks
     covers: list[ChunkKey] = field(default_factory=list)  # partials these supersede
+    tenant: str = ""  # the tenant of the chunks (HELLO's tenants); "": the default tenant
 
     def to_wire(self) -> dict[str, Any]:
         body = Message.to_wire(self)
@@ -248,6 +291,7 @@ class PrepareStoreRequest(Message):
             owner=read_str(required(body, "owner"), "owner"),
             blocks=read_int(body.get("blocks", 0), "blocks", 0, 0xFFFF),
             covers=read_keys(body.get("covers", []), "covers"),
+            tenant=read_str(body.get("tenant", ""), "tenant", MAX_TENANT_NAME),
         )
 
 

@@ -182,6 +182,19 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "refusals at a per-client bound: sessions_per_peer, sessions_per_uid (a HELLO "
                "refused), queued_reply_bytes (a reply dropped for a short busy error: its "
                "client left server.max_queued_reply_bytes of replies unread)"),
+    MetricSpec("kvstrata_tenant_bytes", "gauge", ("tenant", "tier"), "bytes",
+               "bytes of a tenant's chunks held in a tier (l1); tenant: a configured "
+               "tenant's name, or default"),
+    MetricSpec("kvstrata_tenant_refusals_total", "counter", ("tenant", "tier", "reason"),
+               "chunks", "stores of a tenant refused: budget (larger than its budget, or "
+               "its own chunks are all in use), pinned_budget (a pinned tenant at its "
+               "budget), not_kept (a budget of 0)", from_start=False),
+    MetricSpec("kvstrata_tenant_evictions_total", "counter", ("tenant", "tier"), "chunks",
+               "chunks of a tenant evicted to make room (by its own budget or the tier's "
+               "size)", from_start=False),
+    MetricSpec("kvstrata_tenant_expired_total", "counter", ("tenant", "tier"), "chunks",
+               "chunks of a tenant removed for being older than its ttl_seconds",
+               from_start=False),
 )  # fmt: skip
 
 # The per-client bounds whose refusals are counted (kvstrata_client_bound_refusals_total).
@@ -362,6 +375,7 @@ class EngineCollector(Collector):
             return
         yield from _tier_metrics(stats)
         yield from _counter_metrics(stats.counters)
+        yield from _tenant_metrics(stats)
 
 
 class IpcCollector(Collector):
@@ -488,6 +502,24 @@ def _counter_metrics(counters: dict[str, int]) -> Iterator[Metric]:
         if key.startswith("promotions_total_"):
             promotions.add_metric([key[len("promotions_total_") :]], value)
     yield promotions
+
+
+def _tenant_metrics(stats: EngineStats) -> Iterator[Metric]:
+    """Per-tenant families; labels are the config's tenant names and default only."""
+    tenants = stats.tenants
+    held = _gauge("kvstrata_tenant_bytes")
+    for label in tenants.labels:
+        held.add_metric([label, "l1"], tenants.l1_bytes.get(label, 0))
+    yield held
+    for name, values in (
+        ("kvstrata_tenant_refusals_total", tenants.refusals),
+        ("kvstrata_tenant_evictions_total", tenants.evictions),
+        ("kvstrata_tenant_expired_total", tenants.expirations),
+    ):
+        family = _counter(name)
+        for labels, n in values.items():
+            family.add_metric(list(labels), n)
+        yield family
 
 
 def _request_counter(name: str, registry: CollectorRegistry) -> Counter:

@@ -80,6 +80,10 @@ class ChunkMeta:
     dtype: str = "uint8"
     shape: tuple[int, ...] = ()
     blocks: int = 0  # 0: a full chunk; else the blocks of a partial chunk
+    # The tenant that stored it ("": the default tenant; kvstrata.sidecar.tenants).
+    # Process memory only: not in the header, so a chunk read back from a
+    # tier below L1 is the default tenant's.
+    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)

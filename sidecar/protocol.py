@@ -103,6 +103,7 @@ from kvstrata.sidecar.messages import (
     SlotsReply,
     StatsReply,
     StatsRequest,
+    TenantMatchInfo,
     TierEvent,
 )
 from kvstrata.sidecar.wire import (
@@ -224,6 +225,7 @@ __all__ = [
     "SlotsReply",
     "StatsReply",
     "StatsRequest",
+    "TenantMatchInfo",
     "TierEvent",
     "bad_field",
     "decode_body",

@@ -62,6 +62,7 @@ class Session:
     # namespaces its keys may carry besides ``fingerprint`` (a scheduler's other ranks)
     more_fingerprints: frozenset[bytes] = frozenset()
     uid: int | None = None  # the kernel's word, on ipc:// endpoints; None elsewhere
+    model: str = ""  # the model of HELLO's namespace (tenants' match.models)
 
     def owner_key(self, owner: str) -> str:
         return f"{self.session_id}{OWNER_SEP}{owner}"
@@ -115,6 +116,7 @@ class SessionTable:
         fingerprint: bytes,
         more_fingerprints: frozenset[bytes] = frozenset(),
         uid: int | None = None,
+        model: str = "",
     ) -> tuple[Session, list[Session]]:
         """A new session of peer ``identity``; also returns the sessions it
         replaces: those of the same peer, client id, role and pid (the caller
@@ -135,6 +137,7 @@ class SessionTable:
             created=now,
             last_seen=now,
             uid=uid,
+            model=model,
         )
         me = (client_id, role, pid, identity)
         with self._lock:

@@ -154,12 +154,21 @@ class WriteBehind:
 
     # -- queueing -----------------------------------------------------------
 
+    def _keeps(self, entry: Entry, tier: str) -> bool:
+        """Whether ``entry`` may go to ``tier`` ("l2", "shared"): its tenant's
+        rules (:func:`kvstrata.sidecar.tenants.lower_tiers_for`) decide."""
+        return tier in self._store.tenants.rules.lower_tiers(entry.meta.tenant)
+
     def _queue_l2(self, entry: Entry) -> None:
-        if self._l2_queue is not None and self._l2 is not None and not self._l2.contains(entry.key):
+        if self._l2_queue is None or self._l2 is None or self._l2.contains(entry.key):
+            return
+        if self._keeps(entry, "l2"):
             self._queue_write(entry, self._l2_queue, shared=False)
 
     def _queue_shared(self, entry: Entry) -> None:
-        if self._shared_queue is not None and entry.key not in self._known_shared:
+        if self._shared_queue is None or entry.key in self._known_shared:
+            return
+        if self._keeps(entry, "shared"):
             self._queue_write(entry, self._shared_queue, shared=True)
 
     def _queue_write(self, entry: Entry, queue: WriteBehindQueue, shared: bool) -> None:
@@ -221,6 +230,9 @@ class WriteBehind:
             with self._lock:
                 self.pinned -= entry.length
                 self._store.unpin(entry)
+                if ok and not shared:  # its age, where its tenant has a TTL
+                    now = self._store.now()
+                    self._store.tenants.stored("l2", entry.meta.tenant, entry.key, now)
                 if ok and shared:
                     self.note_shared(entry.key)
                     superseded, entry.supersedes = entry.supersedes, ()

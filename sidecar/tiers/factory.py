@@ -7,23 +7,28 @@ backend's client library is imported, so a Valkey sidecar never loads boto3.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from kvstrata.sidecar.config import SharedConfig
 from kvstrata.sidecar.tiers.base import Tier
 
 
-def build_shared_tier(config: SharedConfig) -> Tier | None:
+def build_shared_tier(
+    config: SharedConfig, tenant_ttl_seconds: Mapping[str, float] | None = None
+) -> Tier | None:
     """The configured tier, or None for ``backend: none``.
 
     Raises ``ValueError`` naming the field for config the tier cannot use
     (an unreadable secret file, a malformed URL). An unreachable server is
     not an error here: the tier starts degraded and recovers by itself.
+    ``tenant_ttl_seconds``: tenants' TTLs, which Valkey applies per key.
     """
     if config.backend == "none":
         return None
     if config.backend == "valkey":
         from kvstrata.sidecar.tiers.valkey import ValkeyTier
 
-        return ValkeyTier(config)
+        return ValkeyTier(config, tenant_ttl_seconds)
     if config.backend == "s3":
         from kvstrata.sidecar.tiers.s3 import S3Tier
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import abc
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvstrata.sidecar.config import SharedConfig
@@ -70,8 +70,16 @@ def read_secret(path: str, field: str) -> str:
 class RemoteTier(Tier):
     """A tier behind a network endpoint: breaker, counters, validation."""
 
-    def __init__(self, config: SharedConfig, timeout_seconds: float) -> None:
+    def __init__(
+        self,
+        config: SharedConfig,
+        timeout_seconds: float,
+        tenant_ttl_seconds: Mapping[str, float] | None = None,
+    ) -> None:
+        """``tenant_ttl_seconds``: a tenant's TTL (kvstrata.sidecar.tenants),
+        applied by backends that expire objects themselves (Valkey)."""
         self._codec = config.codec
+        self._tenant_ttl = dict(tenant_ttl_seconds or {})
         # A lookup never waits longer than any other call of the tier.
         self._lookup_timeout = min(config.lookup_timeout_seconds, timeout_seconds)
         self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_seconds)
@@ -100,8 +108,12 @@ class RemoteTier(Tier):
         :data:`Fetched` says."""
 
     @abc.abstractmethod
-    def _store_many(self, names: Sequence[str], objects: Sequence[Encoder]) -> list[Stored]:
+    def _store_many(
+        self, names: Sequence[str], objects: Sequence[Encoder], ttls: Sequence[float | None]
+    ) -> list[Stored]:
         """Write each object unless it exists; one :data:`Stored` each.
+        ``ttls[i]``: seconds object i may live (its tenant's TTL), None: as
+        the tier's own settings say.
 
         ``objects[i]()`` encodes object i; call each once, where the encoding
         should run: a backend that uploads objects on threads of its own
@@ -196,7 +208,8 @@ class RemoteTier(Tier):
             return run
 
         encoders = [encoder(i, *item) for i, item in enumerate(items)]
-        outcomes = self._store_many([self._name(k) for k, _, _ in items], encoders)
+        ttls = [self._tenant_ttl.get(meta.tenant) if meta.tenant else None for _, _, meta in items]
+        outcomes = self._store_many([self._name(k) for k, _, _ in items], encoders, ttls)
         with self._lock:
             for size, outcome in zip(sizes, outcomes, strict=True):
                 if outcome is True:

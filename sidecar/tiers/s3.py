@@ -450,10 +450,13 @@ class S3Tier(RemoteTier):
             ],
         )
 
-    def _store_many(self, names: Sequence[str], objects: Sequence[Encoder]) -> list[Stored]:
+    def _store_many(
+        self, names: Sequence[str], objects: Sequence[Encoder], ttls: Sequence[float | None]
+    ) -> list[Stored]:
         """Concurrent uploads, each skipped when the object already exists; each
         object is encoded (compressed) on its upload's thread and hashed as its
-        body is read."""
+        body is read. ``ttls`` are not applied: S3 objects expire by the
+        bucket's lifecycle rule, not per object."""
         fns = [lambda n=n, e=e: self._store(n, e()) for n, e in zip(names, objects, strict=True)]
         return self._run_many("put", fns)
 

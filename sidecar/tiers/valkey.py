@@ -5,7 +5,8 @@ Persisted state, per chunk, one string value::
     key   = shared.valkey.key_prefix + key_hex(chunk key)   e.g. "kvstrata:3f0a…"
     value = objformat object, version 3 (header + payload + checksum trailer,
             codec from shared.codec); version-2 values are read too
-    TTL   = shared.valkey.ttl_seconds when set, else none
+    TTL   = shared.valkey.ttl_seconds when set, else none; a tenant's
+            ttl_seconds when shorter (per-key expiry, SET ... PX)
 
 Values are written with ``SET NX``: the first writer of a chunk wins and
 later writers count ``deduplicated_total`` (equal keys mean equal bytes).
@@ -50,7 +51,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import redis
@@ -274,9 +275,11 @@ class ValkeyTier(RemoteTier):
 
     name = "valkey"
 
-    def __init__(self, config: SharedConfig) -> None:
+    def __init__(
+        self, config: SharedConfig, tenant_ttl_seconds: Mapping[str, float] | None = None
+    ) -> None:
         self._config = config.valkey
-        super().__init__(config, self._config.timeout_seconds)
+        super().__init__(config, self._config.timeout_seconds, tenant_ttl_seconds)
         self._prefix = self._config.key_prefix
         # Building a cluster client blocks on the network: not under the stats lock.
         self._client_lock = threading.Lock()
@@ -377,19 +380,21 @@ class ValkeyTier(RemoteTier):
         self._count_hit(got.nbytes)
         return got.meta
 
-    def _store_many(self, names: Sequence[str], objects: Sequence[Encoder]) -> list[Stored]:
+    def _store_many(
+        self, names: Sequence[str], objects: Sequence[Encoder], ttls: Sequence[float | None]
+    ) -> list[Stored]:
         """Pipelined ``SET NX`` of each object, header, payload pieces and trailer
         sent unjoined; each payload piece is hashed just before it is sent."""
         encoded = [make() for make in objects]  # one pipeline sends them all at once
-        ttl = self._config.ttl_seconds
+        expiry = [self._expiry_ms(ttl) for ttl in ttls]
         try:
             client = self._client("io")
             if len(names) == 1:
-                answers = [client.set(names[0], Scatter(encoded[0]), nx=True, ex=ttl)]
+                answers = [client.set(names[0], Scatter(encoded[0]), nx=True, px=expiry[0])]
             else:
                 pipe = client.pipeline(transaction=False)
-                for name, parts in zip(names, encoded, strict=True):
-                    pipe.set(name, Scatter(parts), nx=True, ex=ttl)
+                for name, parts, px in zip(names, encoded, expiry, strict=True):
+                    pipe.set(name, Scatter(parts), nx=True, px=px)
                 answers = pipe.execute(raise_on_error=True)
         except Exception as exc:
             self._failed("put", exc)
@@ -397,6 +402,11 @@ class ValkeyTier(RemoteTier):
         self._breaker.record_success()
         # SET NX answers None when another writer stored the chunk first.
         return [bool(a) for a in answers]
+
+    def _expiry_ms(self, tenant_ttl: float | None) -> int | None:
+        """PX of one value: the shorter of the tier's TTL and its tenant's."""
+        ttls = [t for t in (self._config.ttl_seconds, tenant_ttl) if t is not None]
+        return max(1, int(min(ttls) * 1000)) if ttls else None
 
     def _clear(self) -> None:
         """Delete every key under ``key_prefix`` (SCAN + UNLINK, all cluster nodes)."""

@@ -34,7 +34,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kvstrata.sidecar import protocol as p
@@ -385,8 +385,10 @@ class IpcTransfers:
         keys = body.keys
         blocks = body.block_ids
         self._check_blocks(mapping, blocks, save=True)
+        # The handler checked the tenant against the config before this copy.
+        meta = replace(mapping.meta, tenant=body.tenant) if body.tenant else mapping.meta
         slots: list[Slot | None] = [
-            self.engine.reserve(key, mapping.chunk_nbytes, mapping.meta, owner_key) for key in keys
+            self.engine.reserve(key, mapping.chunk_nbytes, meta, owner_key) for key in keys
         ]
         todo = [(i, s) for i, s in enumerate(slots) if s is not None]
         committed = [False] * len(keys)

@@ -84,9 +84,12 @@ def payload(key: bytes, nbytes: int) -> bytes:
     return (seed * (nbytes // len(seed) + 1))[:nbytes]
 
 
-def store(client: SidecarClient, keys: list[ChunkKey], nbytes: int, owner: str) -> int:
-    """Store ``payload(key)`` for each key through the arena; the number committed."""
-    slots = client.prepare_store(keys, nbytes, "uint8", (nbytes,), owner)
+def store(
+    client: SidecarClient, keys: list[ChunkKey], nbytes: int, owner: str, tenant: str = ""
+) -> int:
+    """Store ``payload(key)`` for each key through the arena (as ``tenant``'s
+    chunks); the number committed."""
+    slots = client.prepare_store(keys, nbytes, "uint8", (nbytes,), owner, tenant=tenant)
     assert slots is not None, client.errors
     arena = client.arena
     assert arena is not None

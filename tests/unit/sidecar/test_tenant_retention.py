@@ -1,0 +1,136 @@
+"""Tenants in the engine: a TTL ages chunks out of L1 and L2 (by a clock the
+test moves, never by sleeping), budgets of 0 keep nothing, and the config
+refuses tenants it could not honour, naming them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstrata.sidecar.config import ConfigError, config_from_dict
+from kvstrata.sidecar.engine import StorageManager
+from kvstrata.sidecar.objformat import ChunkMeta
+from kvstrata.sidecar.tenant_config import TenantConfig
+from kvstrata.sidecar.tenants import lower_tiers_for
+
+from ..conftest import make_key, payload_for
+
+CHUNK = 16 << 10
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _engine(tmp_path: Path, clock: Clock, *tenants: dict[str, object]) -> StorageManager:
+    config = config_from_dict(
+        {
+            "l1": {"size_bytes": "2Mi", "pin_memory": False},
+            "l2": {"path": str(tmp_path / "l2"), "size_bytes": "8Mi"},
+            "tenants": list(tenants),
+        }
+    )
+    return StorageManager(config, clock=clock)
+
+
+def _meta(tenant: str = "") -> ChunkMeta:
+    return ChunkMeta("uint8", (CHUNK,), tenant=tenant)
+
+
+def test_a_chunk_older_than_its_tenants_ttl_is_a_miss_in_l1_and_l2_and_is_removed(
+    tmp_path: Path,
+) -> None:
+    clock = Clock()
+    daily = {"name": "daily", "match": {"cache_salts": ["d"]}, "ttl_seconds": 60}
+    with _engine(tmp_path, clock, daily) as engine:
+        aged, kept = make_key(1), make_key(2)
+        assert engine.put(aged, payload_for(aged, CHUNK), _meta("daily"))
+        assert engine.put(kept, payload_for(kept, CHUNK), _meta())
+        assert engine.flush(timeout=30)
+        assert engine.l2 is not None and engine.l2.contains(aged) and engine.l2.contains(kept)
+
+        clock.now += 59.0
+        assert engine.lookup([aged]).tiers == ["l1"]
+        clock.now += 1.0
+        assert engine.lookup([aged]).hit_chunks == 0  # neither L1 nor L2 answers it
+        assert not engine.l2.contains(aged)
+        assert engine.get(aged) is None
+        assert engine.get(kept) == payload_for(kept, CHUNK)  # the default tenant has no TTL
+        expired = engine.stats().tenants.expirations
+        assert expired == {("daily", "l1"): 1, ("daily", "l2"): 1}
+
+
+def test_storing_a_chunk_again_restarts_its_age(tmp_path: Path) -> None:
+    clock = Clock()
+    daily = {"name": "daily", "match": {"cache_salts": ["d"]}, "ttl_seconds": 60}
+    with _engine(tmp_path, clock, daily) as engine:
+        key = make_key(3)
+        engine.put(key, payload_for(key, CHUNK), _meta("daily"))
+        clock.now += 50.0
+        engine.remove(key)
+        assert engine.put(key, payload_for(key, CHUNK), _meta("daily"))
+        clock.now += 50.0  # 100 s after the first store, 50 s after the second
+        assert engine.get(key) == payload_for(key, CHUNK)
+
+
+def test_an_l1_budget_of_zero_keeps_nothing_and_counts_why(tmp_path: Path) -> None:
+    never = {"name": "never", "match": {"cache_salts": ["n"]}, "budgets": {"l1_bytes": 0}}
+    with _engine(tmp_path, Clock(), never) as engine:
+        key = make_key(4)
+        assert not engine.put(key, payload_for(key, CHUNK), _meta("never"))
+        assert engine.lookup([key]).hit_chunks == 0
+        assert engine.stats().tenants.refusals == {("never", "l1", "not_kept"): 1}
+
+
+def test_where_a_tenants_chunks_may_go_below_l1() -> None:
+    def tenant(**fields: object) -> TenantConfig:
+        return TenantConfig.model_validate({"name": "t", "match": {"models": ["m"]}, **fields})
+
+    assert lower_tiers_for(None) == {"l2", "shared"}
+    assert lower_tiers_for(tenant()) == {"l2", "shared"}
+    assert lower_tiers_for(tenant(memory_only=True)) == frozenset()
+    assert lower_tiers_for(tenant(budgets={"l2_bytes": 0})) == {"shared"}
+    assert lower_tiers_for(tenant(budgets={"shared_bytes": "0"})) == {"l2"}
+
+
+@pytest.mark.parametrize(
+    ("tenants", "named"),
+    [
+        ([{"name": "a", "pinned": True, "match": {"models": ["m"]}}], "needs budgets.l1_bytes"),
+        ([{"name": "a"}], "match needs cache_salts"),
+        ([{"name": "Team A", "match": {"models": ["m"]}}], "tenants.0.name"),
+        ([{"name": "default", "match": {"models": ["m"]}}], "tenants.0.name"),
+        (
+            [{"name": "a", "match": {"models": ["m"]}}, {"name": "a", "match": {"models": ["n"]}}],
+            "tenant name 'a' is used twice",
+        ),
+        (
+            [{"name": "a", "match": {"models": ["m"]}, "budgets": {"l2_bytes": "1Gi"}}],
+            "tenants.0.budgets: l2_bytes: only 0",
+        ),
+        (
+            [
+                {
+                    "name": "a",
+                    "match": {"models": ["m"]},
+                    "pinned": True,
+                    "budgets": {"l1_bytes": "3Mi"},
+                }
+            ],
+            "more than half of l1.size_bytes",
+        ),
+    ],
+)
+def test_a_tenant_the_sidecar_could_not_honour_is_refused_naming_it(
+    tenants: list[dict[str, object]], named: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        config_from_dict({"l1": {"size_bytes": "4Mi"}, "tenants": tenants})
+    assert named in str(refused.value)
