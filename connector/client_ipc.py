@@ -77,14 +77,16 @@ class IpcOps:
         block_ids: Sequence[Sequence[int]],
         after_event: bytes | None,
         owner: str,
+        tenant: str = "",
     ) -> list[bool] | None:
         """ipc mode: the sidecar copies these blocks (after ``after_event``) and
-        stores them; one bool per key (False: skipped or failed)."""
+        stores them as ``tenant``'s; one bool per key (False: skipped or failed)."""
         body = p.SaveBlocksRequest(
             keys=list(keys),
             block_ids=[[int(b) for b in ids] for ids in block_ids],
             after_event=after_event,
             owner=owner,
+            tenant=tenant,
         )
         reply = self._call(p.SAVE_BLOCKS, body)
         if not isinstance(reply, p.CommitStoreReply):

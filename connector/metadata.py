@@ -54,12 +54,15 @@ class RequestTransfer:
     report it through ``get_finished`` (``load_kv_async``); the load runs in
     the background instead of before this step's forward pass.
     ``plan_failed``: the scheduler could not plan such a load; the workers
-    report it as a failed receive (vLLM recomputes the request)."""
+    report it as a failed receive (vLLM recomputes the request).
+    ``tenant`` (saves only): the request's tenant, by its ``cache_salt``
+    (:mod:`.tenant_match`); "" is the default tenant."""
 
     req_id: ReqId
     chunks: list[ChunkTransfer]
     asynchronous: bool = False
     plan_failed: bool = False
+    tenant: str = ""
 
 
 @dataclass(slots=True)

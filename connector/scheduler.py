@@ -71,6 +71,7 @@ from kvstrata.connector.partial_chunks import partial_candidates
 from kvstrata.connector.scheduler_state import RequestState, SchedulerCounters
 from kvstrata.connector.settings import NULL_BLOCK_ID, KVGroup, rank_namespaces
 from kvstrata.connector.step_tracking import StepTracker
+from kvstrata.connector.tenant_match import TenantMatcher
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.keys import Namespace, chunk_keys_from_block_hashes
 
@@ -105,6 +106,7 @@ class KVStrataScheduler:
             self.events = KVEventFeed(self._new_client(), settings.block_size)
             self._described = self.events.registry
         self.counters = SchedulerCounters()
+        self._tenants = TenantMatcher()  # a save's tenant, by its request's cache_salt
         self._reqs: dict[ReqId, RequestState] = {}
         self._steps = StepTracker(
             settings,
@@ -408,6 +410,9 @@ class KVStrataScheduler:
                     state.load = None
                 save = self._steps.plan_save(state, state.num_computed + n_scheduled)
                 if save is not None:
+                    save.tenant = self._tenants.tenant_of(
+                        state.request.cache_salt, self.client.tenants
+                    )
                     meta.saves.append(save)
         except Exception:
             logger.exception("kvstrata: cannot build this step's plan; skipping it")

@@ -82,7 +82,9 @@ class TransferPath(Protocol):
 
     def release_loaded(self) -> None: ...
 
-    def save(self, chunks: list[ChunkTransfer], layout: ChunkLayout, blocks: int = 0) -> Saved: ...
+    def save(
+        self, chunks: list[ChunkTransfer], layout: ChunkLayout, blocks: int = 0, tenant: str = ""
+    ) -> Saved: ...
 
     def saves_partial_chunks(self) -> bool: ...
 
@@ -131,9 +133,11 @@ class HostPath:
     def saves_partial_chunks(self) -> bool:
         return True
 
-    def save(self, chunks: list[ChunkTransfer], layout: ChunkLayout, blocks: int = 0) -> Saved:
-        """Chunks of one KV cache group, all of ``blocks`` blocks (0: full
-        chunks), in one PREPARE_STORE + COMMIT_STORE."""
+    def save(
+        self, chunks: list[ChunkTransfer], layout: ChunkLayout, blocks: int = 0, tenant: str = ""
+    ) -> Saved:
+        """Chunks of one KV cache group and one ``tenant``, all of ``blocks``
+        blocks (0: full chunks), in one PREPARE_STORE + COMMIT_STORE."""
         out = Saved()
         nbytes = layout.partial_nbytes(blocks) if blocks else layout.chunk_nbytes
         shape = layout.partial_shape(blocks) if blocks else layout.chunk_shape
@@ -146,6 +150,7 @@ class HostPath:
             owner=STEP_OWNER,
             blocks=blocks,
             covers=self.keys.covered(chunks),
+            tenant=tenant,
         )
         if slots is None:
             out.dropped += len(chunks)
@@ -233,13 +238,19 @@ class IpcPath:
     def saves_partial_chunks(self) -> bool:
         return not self.client.ipc_granted
 
-    def save(self, chunks: list[ChunkTransfer], layout: ChunkLayout, blocks: int = 0) -> Saved:
+    def save(
+        self, chunks: list[ChunkTransfer], layout: ChunkLayout, blocks: int = 0, tenant: str = ""
+    ) -> Saved:
         """One SAVE_BLOCKS, after vLLM's queued work (an interprocess event)."""
         if not self.client.ipc_granted:
-            return self.host.save(chunks, layout, blocks)
+            return self.host.save(chunks, layout, blocks, tenant)
         event, handle = ipc.compute_done_event()
         committed = self.client.ipc.save_blocks(
-            [self.keys.of(c) for c in chunks], [c.block_ids for c in chunks], handle, STEP_OWNER
+            [self.keys.of(c) for c in chunks],
+            [c.block_ids for c in chunks],
+            handle,
+            STEP_OWNER,
+            tenant=tenant,
         )
         del event  # the sidecar has waited for it
         if committed is None:

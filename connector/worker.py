@@ -373,8 +373,18 @@ class KVStrataWorker:
             # (on a session not yet set up) asked for the whole step in one
             # call and the sidecar refused what went beyond its share.
             self.client.ping()
+        # One call names one tenant: a step's saves go out per tenant.
+        tenants: dict[str, list[RequestTransfer]] = {}
+        for req in meta.saves:
+            tenants.setdefault(req.tenant, []).append(req)
+        for tenant, saves in tenants.items():
+            self._save_requests(saves, tenant)
+        self.counters.save_seconds += time.perf_counter() - started
+
+    def _save_requests(self, saves: list[RequestTransfer], tenant: str) -> None:
+        """Save the chunks of ``saves`` (requests of one tenant), per KV cache group."""
         for group, layout in enumerate(self.layouts):
-            chunks = [c for req in meta.saves for c in req.chunks if c.group == group]
+            chunks = [c for req in saves for c in req.chunks if c.group == group]
             full = [c for c in chunks if not c.partial]
             # As many chunks per round trip as the sidecar lets one session hold
             # uncommitted (it skips the rest): usually the whole step at once.
@@ -389,18 +399,18 @@ class KVStrataWorker:
                     self.counters.save_skipped_chunks += 1
             for batch, blocks in batches:
                 try:
-                    self._save_chunks(batch, layout, blocks)
+                    self._save_chunks(batch, layout, blocks, tenant)
                 except Exception:
                     logger.exception("kvstrata: this step's saves failed; dropped")
                     self.counters.save_dropped_chunks += len(batch)
-        self.counters.save_seconds += time.perf_counter() - started
 
     def _save_chunks(
-        self, chunks: list[ChunkTransfer], layout: ChunkLayout, blocks: int = 0
+        self, chunks: list[ChunkTransfer], layout: ChunkLayout, blocks: int = 0, tenant: str = ""
     ) -> None:
-        """Save chunks of one KV cache group, all of ``blocks`` blocks (0: full
-        chunks), in one PREPARE_STORE + COMMIT_STORE (one SAVE_BLOCKS in ipc mode)."""
-        done = self.transfer.save(chunks, layout, blocks)
+        """Save chunks of one KV cache group and one tenant, all of ``blocks``
+        blocks (0: full chunks), in one PREPARE_STORE + COMMIT_STORE (one
+        SAVE_BLOCKS in ipc mode)."""
+        done = self.transfer.save(chunks, layout, blocks, tenant)
         self.counters.saved_chunks += done.saved
         self.counters.save_skipped_chunks += done.skipped
         self.counters.save_dropped_chunks += done.dropped

@@ -235,7 +235,10 @@ def _request(req_id: str, hashes: list[bytes], kit: Any) -> Any:
     """What the scheduler reads of a vLLM Request (chunk i keyed by its last block)."""
     blocks = [b for h in hashes for b in (b"\1" * 32, h)]
     return SimpleNamespace(
-        request_id=req_id, num_prompt_tokens=len(hashes) * kit.WORKER_CHUNK + 1, block_hashes=blocks
+        request_id=req_id,
+        num_prompt_tokens=len(hashes) * kit.WORKER_CHUNK + 1,
+        block_hashes=blocks,
+        cache_salt=None,
     )
 
 

@@ -58,7 +58,10 @@ def request(req_id: str, hashes: list[bytes]) -> Any:
     block hashes (chunk i keyed by the hash of its last block)."""
     blocks = [b for h in hashes for b in (b"\1" * 32, h)]
     return SimpleNamespace(
-        request_id=req_id, num_prompt_tokens=len(hashes) * CHUNK + 1, block_hashes=blocks
+        request_id=req_id,
+        num_prompt_tokens=len(hashes) * CHUNK + 1,
+        block_hashes=blocks,
+        cache_salt=None,
     )
 
 

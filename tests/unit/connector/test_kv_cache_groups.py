@@ -137,7 +137,9 @@ def scheduler(tmp_path: Any) -> Any:
 
 def request(req_id: str, n_tokens: int) -> Any:
     hashes = [i.to_bytes(4, "big") * 8 for i in range(1, n_tokens // BLOCK + 1)]
-    return SimpleNamespace(request_id=req_id, num_prompt_tokens=n_tokens, block_hashes=hashes)
+    return SimpleNamespace(
+        request_id=req_id, num_prompt_tokens=n_tokens, block_hashes=hashes, cache_salt=None
+    )
 
 
 def output(new: list[Any] = (), cached: Any = None, scheduled: dict | None = None) -> Any:
