@@ -202,6 +202,27 @@ class MetricsSpec(_Model):
         return self.service_monitor is not None and self.service_monitor.enabled
 
 
+class TenantMatchSpec(_Model):
+    cache_salts: list[str] = Field(default_factory=list)
+    cache_salt_prefixes: list[str] = Field(default_factory=list)
+    models: list[str] = Field(default_factory=list)
+
+
+class TenantBudgetsSpec(_Model):
+    l1: Quantity | None = None
+    l2: Quantity | None = None
+    shared: Quantity | None = None
+
+
+class TenantSpec(_Model):
+    name: str
+    match: TenantMatchSpec = Field(default_factory=TenantMatchSpec)
+    ttl_seconds: int | None = None
+    budgets: TenantBudgetsSpec = Field(default_factory=TenantBudgetsSpec)
+    pinned: bool = False
+    memory_only: bool = False
+
+
 class KVCacheSpec(_Model):
     """``KVCache.spec``; every field defaults as the CRD defaults it."""
 
@@ -213,6 +234,7 @@ class KVCacheSpec(_Model):
     shared: SharedSpec = Field(default_factory=SharedSpec)
     sidecar: SidecarSpec = Field(default_factory=SidecarSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+    tenants: list[TenantSpec] | None = None  # no CRD default: absent stays absent
 
 
 @dataclass(frozen=True, slots=True)

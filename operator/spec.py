@@ -30,6 +30,7 @@ from kvstrata.operator.model import (
     KVCacheLike,
     KVCacheSpec,
     SpecError,
+    TenantSpec,
 )
 from kvstrata.operator.model import DEFAULT_METRICS_PORT as DEFAULT_METRICS_PORT
 from kvstrata.sidecar.config import (
@@ -298,6 +299,36 @@ def sidecar_config_dict(kvcache: KVCache) -> dict[str, Any]:
         out["shared"]["valkey"] = _valkey_section(kvcache)
     elif shared.backend == "s3":
         out["shared"]["s3"] = _s3_section(kvcache)
+    if spec.tenants:
+        out["tenants"] = [_tenant(t) for t in spec.tenants]  # none: the cache-wide settings
+    return out
+
+
+def _tenant(tenant: TenantSpec) -> dict[str, Any]:
+    """One ``spec.tenants[]`` item as the sidecar's ``tenants[]`` (tenant_config)."""
+    budgets = {
+        f"{tier}_bytes": value
+        for tier, value in (
+            ("l1", tenant.budgets.l1),
+            ("l2", tenant.budgets.l2),
+            ("shared", tenant.budgets.shared),
+        )
+        if value is not None
+    }
+    match = tenant.match
+    out: dict[str, Any] = {
+        "name": tenant.name,
+        "match": {
+            "cache_salts": list(match.cache_salts),
+            "cache_salt_prefixes": list(match.cache_salt_prefixes),
+            "models": list(match.models),
+        },
+        "budgets": budgets,
+        "pinned": tenant.pinned,
+        "memory_only": tenant.memory_only,
+    }
+    if tenant.ttl_seconds is not None:
+        out["ttl_seconds"] = tenant.ttl_seconds
     return out
 
 

@@ -115,6 +115,10 @@ def test_each_example_kvcache_is_admitted_unchanged_but_for_defaults(name, doc):
             for key, value in given.items():
                 assert key in kept, f"{name}: {key} would be pruned"
                 declared(value, kept[key])
+        elif isinstance(given, list):  # items of a list of objects get defaults too
+            assert isinstance(kept, list) and len(kept) == len(given)
+            for item, kept_item in zip(given, kept, strict=True):
+                declared(item, kept_item)
         else:
             assert given == kept
 
