@@ -68,7 +68,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvstrata.sidecar.arena import Arena, owner_prefix
 from kvstrata.sidecar.config import SidecarConfig
@@ -130,7 +130,7 @@ class StorageManager:
             config.l1.policy,
             config.l1.prefix_aware,
             namespace_quota=config.l1.namespace_quota_bytes,
-            tenants=TenantRules(config.tenants),
+            tenants=TenantRules(config.tenants, shared_tier is None or shared_tier.expires_per_key),
             clock=clock,
         )
         self._lock = threading.Lock()
@@ -472,7 +472,9 @@ class StorageManager:
             if entry.dead:
                 self._store.unpin(entry)
                 return None
-            entry.meta = meta
+            # The tenant is the one the reservation was charged to (L2's index
+            # remembers it; object headers do not carry it).
+            entry.meta = replace(meta, tenant=entry.meta.tenant)
             self._store.publish(entry)
             self._count(f"promotions_total_{tier}")
             self._wb.promoted(entry, tier)

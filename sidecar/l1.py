@@ -174,20 +174,25 @@ class L1Store:
 
     def expire(self) -> list[ChunkKey]:
         """Drop every chunk older than its tenant's TTL (a later read misses);
-        the keys of L2 copies just as old, for the caller to remove (L2 tells
-        the ledger when it wrote them). Cheap when no tenant has a TTL."""
+        the keys whose L2 copies the caller must remove (L2 tells the ledger
+        when it wrote them). A chunk's copies go together: an L1 copy promoted
+        from L2 is as old as the L2 one. Cheap when no tenant has a TTL."""
         if not self.tenants.rules.ttl_tenants:
             return []
         now = self._clock()
-        for tenant, key in self.tenants.expired("l1", now):
+        old_l1 = self.tenants.expired("l1", now)
+        old_l2 = self.tenants.expired("l2", now)
+        for tenant, _ in old_l2:
+            self.tenants.aged_out(tenant, "l2")
+        for tenant, key in old_l1 + old_l2:
             entry = self.entries.get(key)
             if entry is not None and entry.meta.tenant == tenant:
                 self._drop(entry)  # a reader's pin keeps its bytes until it is done
                 self.tenants.aged_out(tenant, "l1")
-        old_l2 = self.tenants.expired("l2", now)
-        for tenant, _ in old_l2:
-            self.tenants.aged_out(tenant, "l2")
-        return [key for _, key in old_l2]
+        for tenant, key in old_l1:
+            if self.tenants.forget("l2", tenant, key):
+                self.tenants.aged_out(tenant, "l2")
+        return [key for _, key in old_l1 + old_l2]
 
     def now(self) -> float:
         """The clock TTLs are measured with (monotonic; a test's own)."""

@@ -52,20 +52,29 @@ class UnknownTenantError(ValueError):
     ``match.models`` excludes the session's model); the message names it."""
 
 
-def lower_tiers_for(tenant: TenantConfig | None) -> frozenset[str]:
+def lower_tiers_for(tenant: TenantConfig | None, shared_expires: bool = True) -> frozenset[str]:
     """The tiers below L1 (``"l2"``, ``"shared"``) a chunk of ``tenant``
     (None: the default tenant) may be written to. The one place write-behind
-    asks where a chunk goes: any further per-request choice narrows this."""
+    asks where a chunk goes: any further per-request choice narrows this.
+    ``shared_expires``: the shared tier expires each object by its tenant's
+    TTL (Valkey); where it cannot (S3: the bucket's lifecycle rule is one
+    age for every object), a tenant with a TTL is kept out of it, so that no
+    copy outlives the TTL."""
     if tenant is None:
         return frozenset(LOWER_TIERS)
-    return frozenset(tier for tier in LOWER_TIERS if tenant.keeps_in(tier))
+    tiers = frozenset(tier for tier in LOWER_TIERS if tenant.keeps_in(tier))
+    if tenant.ttl_seconds is not None and not shared_expires:
+        tiers -= {"shared"}
+    return tiers
 
 
 class TenantRules:
     """The configured tenants, by name (read-only after start: thread-safe)."""
 
-    def __init__(self, tenants: Sequence[TenantConfig] = ()) -> None:
+    def __init__(self, tenants: Sequence[TenantConfig] = (), shared_expires: bool = True) -> None:
+        """``shared_expires``: see :func:`lower_tiers_for`."""
         self.by_name = {t.name: t for t in tenants}
+        self.shared_expires = shared_expires
         self.ttl_tenants = {t.name: t.ttl_seconds for t in tenants if t.ttl_seconds is not None}
 
     def __bool__(self) -> bool:
@@ -93,7 +102,7 @@ class TenantRules:
         return name
 
     def lower_tiers(self, name: str) -> frozenset[str]:
-        return lower_tiers_for(self.get(name))
+        return lower_tiers_for(self.get(name), self.shared_expires)
 
     def l1_budget(self, name: str) -> int | None:
         tenant = self.get(name)
@@ -167,10 +176,10 @@ class TenantLedger:
         ages[key] = now
         ages.move_to_end(key)
 
-    def forget(self, tier: str, tenant: str, key: ChunkKey) -> None:
+    def forget(self, tier: str, tenant: str, key: ChunkKey) -> bool:
+        """Stop tracking ``key``'s age in ``tier``; whether it was tracked."""
         ages = self.ages[tier].get(tenant)
-        if ages is not None:
-            ages.pop(key, None)
+        return ages is not None and ages.pop(key, None) is not None
 
     def expired(self, tier: str, now: float) -> list[tuple[str, ChunkKey]]:
         """(tenant, key) of every chunk in ``tier`` older than its tenant's TTL,

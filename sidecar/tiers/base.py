@@ -102,6 +102,9 @@ class Tier(abc.ABC):
     """A store of chunk objects below L1 (see the module docstring)."""
 
     name: str
+    # Whether the tier expires each object by its tenant's TTL itself (Valkey's
+    # per-key expiry); where not, a tenant with a TTL is not written to it.
+    expires_per_key: bool = False
 
     @abc.abstractmethod
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:

@@ -274,6 +274,7 @@ class ValkeyTier(RemoteTier):
     """Chunk objects in Valkey / Redis, standalone or cluster (module docstring)."""
 
     name = "valkey"
+    expires_per_key = True  # SET ... PX
 
     def __init__(
         self, config: SharedConfig, tenant_ttl_seconds: Mapping[str, float] | None = None

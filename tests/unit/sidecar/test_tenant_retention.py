@@ -134,3 +134,30 @@ def test_a_tenant_the_sidecar_could_not_honour_is_refused_naming_it(
     with pytest.raises(ConfigError) as refused:
         config_from_dict({"l1": {"size_bytes": "4Mi"}, "tenants": tenants})
     assert named in str(refused.value)
+
+
+def test_a_chunk_promoted_from_l2_stays_its_tenants_and_ages_from_its_first_store(
+    tmp_path: Path,
+) -> None:
+    clock = Clock()
+    daily = {
+        "name": "daily",
+        "match": {"cache_salts": ["d"]},
+        "ttl_seconds": 60,
+        "budgets": {"l1_bytes": "64Ki"},  # four chunks
+    }
+    with _engine(tmp_path, clock, daily) as engine:
+        keys = [make_key(10 + i) for i in range(5)]
+        for key in keys:  # each written to L2 before the next (a queued write pins it)
+            assert engine.put(key, payload_for(key, CHUNK), _meta("daily"))
+            assert engine.flush(timeout=30)
+        assert engine.lookup(keys[:1]).tiers == ["l2"]  # its own budget evicted the first
+        clock.now += 30.0
+        assert engine.get(keys[0]) == payload_for(keys[0], CHUNK)  # promoted into L1
+        assert engine.stats().tenants.l1_bytes == {"daily": 4 * CHUNK}
+        clock.now += 30.0  # 60 s after the first store, 30 s after the promotion
+        assert engine.lookup(keys[:1]).hit_chunks == 0
+        for key in keys:
+            engine.remove(key)
+        # What the tenant was charged for its chunks is what their removal gave back.
+        assert engine.stats().tenants.l1_bytes.get("daily", 0) == 0
