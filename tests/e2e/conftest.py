@@ -271,6 +271,7 @@ def kit() -> SimpleNamespace:
         MAX_TOKENS=MAX_TOKENS,
         SidecarProcess=SidecarProcess,
         WORKLOADS=WORKLOADS,
+        engine_args=engine_args,
         generate=generate,
         delta=delta,
         wait_until=wait_until,
