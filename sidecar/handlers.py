@@ -345,7 +345,6 @@ class Handlers:
             self._retire_ipc_after_fault()
 
     def _save_blocks(self, body: p.SaveBlocksRequest, session: Session) -> p.Message:
-        self._tenant(body.tenant, session)  # refused before any copy
         return self._ipc_copy(body, session, None)
 
     def _load_blocks(self, body: p.LoadBlocksRequest, session: Session) -> p.Message:
@@ -361,6 +360,8 @@ class Handlers:
         touched past ``expires`` (``time.perf_counter()``; None: no deadline)."""
         ipc = self._ipc_session(session)
         _own_keys(body.keys, session)
+        if isinstance(body, p.SaveBlocksRequest):
+            self._tenant(body.tenant, session)  # refused before any copy, deadline or not
         owner = session.owner_key(body.owner)
         try:
             if isinstance(body, p.SaveBlocksRequest):

@@ -15,8 +15,9 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvstrata.sidecar.config import config_from_dict
 from kvstrata.sidecar.engine import StorageManager
@@ -31,6 +32,7 @@ def build(
     opening: Callable[[], None] | None = None,
     device: Callable[[int], SharedMemoryDevice] = SharedMemoryDevice,
     workers: int = 4,
+    tenants: Sequence[Mapping[str, Any]] = (),
 ) -> tuple[StorageManager, SharedMemoryDevice, IpcTransfers, SidecarServer]:
     """The small engine, its stand-in GPU (known as ``gpu_uuid``), the ipc
     transfers over it and the real server over them, bound to nothing yet;
@@ -39,13 +41,14 @@ def build(
     page-locking a large arena at a first registration takes seconds).
     ``device``: the stand-in's class, given the arena's address (a test's
     subclass of :class:`SharedMemoryDevice`); ``workers``: the server's pool's
-    threads."""
+    threads; ``tenants``: the config's ``tenants``."""
     config = config_from_dict(
         {
             "chunk_size": 32,
             "l1": {"size_bytes": "8Mi", "pin_memory": False},
             "l2": {"path": str(root / "l2"), "size_bytes": "16Mi"},
             "server": {"endpoint": f"ipc://{root}/sidecar.sock", "http_port": 0},
+            "tenants": [dict(t) for t in tenants],
         }
     )
     engine = StorageManager(config)
@@ -75,9 +78,10 @@ class ServedOnThread:
         opening: Callable[[], None] | None = None,
         device: Callable[[int], SharedMemoryDevice] = SharedMemoryDevice,
         workers: int = 4,
+        tenants: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         self.engine, self.device, self.ipc, self.server = build(
-            root, gpu_uuid, opening, device, workers
+            root, gpu_uuid, opening, device, workers, tenants
         )
         self.endpoint = self.server.bind()
         self.stop = threading.Event()
