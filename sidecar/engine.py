@@ -69,6 +69,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstrata.sidecar.arena import Arena, owner_prefix
 from kvstrata.sidecar.config import SidecarConfig
@@ -84,6 +85,9 @@ from kvstrata.sidecar.promotion import IndexSteps, Promotion
 from kvstrata.sidecar.tiers.base import Tier, TierStats
 from kvstrata.sidecar.tiers.disk import DiskTier
 from kvstrata.sidecar.writeback import WriteBehind
+
+if TYPE_CHECKING:
+    from kvstrata.sidecar.sealing import KeyRing
 
 __all__ = ["EngineStats", "LookupResult", "StorageManager"]
 
@@ -107,7 +111,9 @@ class EngineStats:
 class StorageManager:
     """L1 + L2 + shared tier behind one thread-safe API (module docstring)."""
 
-    def __init__(self, config: SidecarConfig, shared_tier: Tier | None = None) -> None:
+    def __init__(
+        self, config: SidecarConfig, shared_tier: Tier | None = None, keys: KeyRing | None = None
+    ) -> None:
         self.config = config
         self.arena = Arena(
             config.l1.size_bytes,
@@ -139,6 +145,7 @@ class StorageManager:
                     config.l2.size_bytes,
                     namespace_quota=config.l2.namespace_quota_bytes,
                     direct=config.l2.direct_io,
+                    keys=keys,
                 )
             self._wb = WriteBehind(
                 config, self.arena, self._store, self._lock, self._count, self.l2, shared_tier

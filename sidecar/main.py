@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from kvstrata.sidecar.config import SidecarConfig
     from kvstrata.sidecar.engine import StorageManager
     from kvstrata.sidecar.http import HttpEndpoints
+    from kvstrata.sidecar.sealing import KeyRing
     from kvstrata.sidecar.server import SidecarServer
     from kvstrata.sidecar.transfer.cuda_device import CudaDevices
     from kvstrata.sidecar.transfer.ipc import IpcTransfers
@@ -82,6 +83,22 @@ def load(args: argparse.Namespace) -> SidecarConfig:
         return config
     merged = _merge(config.model_dump(mode="json"), overrides)
     return config_from_dict(merged, source="config + command line")
+
+
+def _open_keys(config: SidecarConfig, stack: contextlib.ExitStack) -> KeyRing | None:
+    """The encryption keys (None when encryption is off), watched for rotation."""
+    if config.encryption.mode == "off":
+        return None
+    from kvstrata.sidecar.sealing import KeyFolderError, KeyRing, KeyWatcher
+
+    try:
+        keys = KeyRing(config.encryption.mode, config.encryption.key_dir)
+    except (KeyFolderError, OSError) as exc:
+        raise _StartError(str(exc), 2) from exc
+    watcher = KeyWatcher(keys, config.encryption.reload_seconds)
+    watcher.start()
+    stack.callback(watcher.close)
+    return keys
 
 
 def run(args: argparse.Namespace) -> int:
@@ -161,12 +178,13 @@ def _start(
     # Before anything opens descriptors; the server shares what is free once
     # the engine is up between its listeners and a reserve (see .fdbudget).
     raise_nofile_limit()
+    keys = _open_keys(config, stack)
     shared = None
     if config.shared.backend != "none":
         from kvstrata.sidecar.tiers.factory import build_shared_tier
 
         try:
-            shared = build_shared_tier(config.shared)
+            shared = build_shared_tier(config.shared, keys=keys)
         except ValueError as exc:
             raise _StartError(str(exc), 2) from exc
         stack.callback(shared.close)
@@ -178,7 +196,7 @@ def _start(
             watch.start()
             stack.callback(watch.close)  # before shared.close (the stack unwinds newest first)
     try:
-        engine = StorageManager(config, shared_tier=shared)
+        engine = StorageManager(config, shared_tier=shared, keys=keys)
     except (OSError, ValueError) as exc:  # no room in /dev/shm, unwritable L2 path, ...
         raise _StartError(f"cannot start the engine: {exc}", 1) from exc
     stack.callback(engine.close)

@@ -51,7 +51,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 import redis.cluster
@@ -66,6 +66,9 @@ from kvstrata.sidecar.objformat import ChunkMeta, StreamedObject
 from kvstrata.sidecar.tiers import valkey_get
 from kvstrata.sidecar.tiers.base import Place, TierStats
 from kvstrata.sidecar.tiers.remote import Encoder, Fetched, RemoteTier, Stored, read_secret
+
+if TYPE_CHECKING:
+    from kvstrata.sidecar.sealing import KeyRing
 
 logger = logging.getLogger(__name__)
 
@@ -274,9 +277,9 @@ class ValkeyTier(RemoteTier):
 
     name = "valkey"
 
-    def __init__(self, config: SharedConfig) -> None:
+    def __init__(self, config: SharedConfig, keys: KeyRing | None = None) -> None:
         self._config = config.valkey
-        super().__init__(config, self._config.timeout_seconds)
+        super().__init__(config, self._config.timeout_seconds, keys)
         self._prefix = self._config.key_prefix
         # Building a cluster client blocks on the network: not under the stats lock.
         self._client_lock = threading.Lock()
@@ -338,7 +341,9 @@ class ValkeyTier(RemoteTier):
         try:
             client = self._client("io")
             if not self._config.cluster:
-                blobs = valkey_get.get_many(client.connection_pool, names, [bytes(k) for k in keys])
+                blobs = valkey_get.get_many(
+                    client.connection_pool, names, [bytes(k) for k in keys], self._keys
+                )
             elif len(names) == 1:
                 blobs = [client.get(names[0])]
             else:
@@ -362,7 +367,9 @@ class ValkeyTier(RemoteTier):
             return None
         name = self._name(key)
         try:
-            got = valkey_get.get_into(self._client("io").connection_pool, name, bytes(key), place)
+            got = valkey_get.get_into(
+                self._client("io").connection_pool, name, bytes(key), place, self._keys
+            )
         except Exception as exc:
             self._failed("get", exc)
             self._count(misses=1)
@@ -370,6 +377,9 @@ class ValkeyTier(RemoteTier):
         self._breaker.record_success()
         if got is None:
             self._count(misses=1)
+            return None
+        if got.seal_failure:
+            self._refuse_sealed(name, got.seal_failure)
             return None
         if got.corrupt:
             self._drop_corrupt(name, "checksum, key or length")
