@@ -202,6 +202,11 @@ class MetricsSpec(_Model):
         return self.service_monitor is not None and self.service_monitor.enabled
 
 
+class EncryptionSpec(_Model):
+    mode: str = "off"  # off | on | required (checked by the sidecar's loader)
+    rotate_every: str | None = None  # a duration ("720h", "30d"); None: never rotate
+
+
 class KVCacheSpec(_Model):
     """``KVCache.spec``; every field defaults as the CRD defaults it."""
 
@@ -213,6 +218,7 @@ class KVCacheSpec(_Model):
     shared: SharedSpec = Field(default_factory=SharedSpec)
     sidecar: SidecarSpec = Field(default_factory=SidecarSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+    encryption: EncryptionSpec = Field(default_factory=EncryptionSpec)
 
 
 @dataclass(frozen=True, slots=True)
