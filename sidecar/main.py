@@ -212,6 +212,9 @@ def _start(
         ipc_unavailable=ipc_unavailable,
     )
     stack.callback(server.close)
+    from kvstrata.sidecar.keymetrics import KeyRingCollector
+
+    server.metrics.attach(KeyRingCollector(keys))
     try:
         server.bind()
     except (zmq.ZMQError, OSError) as exc:

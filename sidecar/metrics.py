@@ -107,6 +107,12 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "objects refused by their checksum"),
     MetricSpec("kvstrata_tier_errors_total", "counter", ("tier", "kind"), "operations",
                "tier operation failures by kind", from_start=False),
+    MetricSpec("kvstrata_encryption_keys", "gauge", (), "keys",
+               "encryption keys loaded from encryption.key_dir (0 with encryption off)"),
+    MetricSpec("kvstrata_encryption_key_reloads_total", "counter", (), "reloads",
+               "times the key folder changed and was loaded again (a rotation reaching the pod)"),
+    MetricSpec("kvstrata_encryption_key_reload_failures_total", "counter", (), "reloads",
+               "changes of the key folder that did not parse; the keys loaded before are kept"),
     MetricSpec("kvstrata_decrypt_failures_total", "counter", ("tier", "reason"), "objects",
                "objects not served by encryption at rest, each a miss: unknown_key (sealed "
                "under a key this sidecar does not hold), auth_failed (tag mismatch: tampered, "

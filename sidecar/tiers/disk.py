@@ -76,7 +76,9 @@ class DiskEntry:
     payload_bytes: int
     meta: ChunkMeta
     codec: str = "none"
-    sealed: bool = False  # payload_bytes then count the ciphertext and its tag
+    # Sealed: the payload is ciphertext then tag, read whole and opened;
+    # payload_bytes is then the plaintext's length (what L1 reserves for it).
+    sealed: bool = False
 
 
 class DiskTier(Tier):
@@ -181,7 +183,7 @@ class DiskTier(Tier):
         entry = DiskEntry(
             st.st_size,
             header.header_length,
-            st.st_size - header.header_length,
+            header.raw_length if header.seal is not None else header.stored_length,
             header.meta,
             header.codec,
             sealed=header.seal is not None,
@@ -227,7 +229,9 @@ class DiskTier(Tier):
                 self._reserved -= total
         if not ok:
             return False
-        entry = DiskEntry(total, len(header), len(stored), meta, sealed=is_sealed(header))
+        sealed = is_sealed(header)
+        plain_bytes = memoryview(payload).nbytes if sealed else len(stored)
+        entry = DiskEntry(total, len(header), plain_bytes, meta, sealed=sealed)
         with self._lock:
             old = self._index.pop(key, None)
             if old is not None:
