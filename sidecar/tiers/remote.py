@@ -307,14 +307,16 @@ class RemoteTier(Tier):
 
     def _refuse_sealed(self, name: str, reason: str) -> None:
         """An object the keys could not open (or a plaintext one where encryption
-        is required): counted by reason, a miss. Deleted unless its key is
-        merely unknown here: a sidecar that has not yet seen a rotated key's
-        Secret update must not delete what its peers wrote under that key."""
+        is required): counted by reason, a miss. Deleted only when it is bad
+        for every reader (a failed tag, or plaintext where encryption is
+        required): a sidecar that has not yet seen a rotated key, or one still
+        running with encryption off during a rollout, must not delete what its
+        peers wrote and can read."""
         logger.debug("%s object %s not opened: %s", self.name, name, reason)
         with self._lock:
             self._stats.count_decrypt_failure(reason)
             self._stats.misses_total += 1
-        if reason != "unknown_key":
+        if reason in ("auth_failed", "plaintext"):
             self._delete(name)
 
     def _drop_corrupt(self, name: str, why: str) -> None:
