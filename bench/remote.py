@@ -28,7 +28,8 @@ CPU time in ``/proc/stat`` less this process's and its servers'); a run
 that started above :data:`QUIET_LOAD` or competed with more than
 :data:`QUIET_OTHER_CORES` of other work is marked as not a measurement.
 It also measures a 64-key existence lookup and the optional codecs on
-bf16 KV-like data.
+bf16 KV-like data, and each tier with encryption at rest against itself
+without (:mod:`.sealed`, same servers, same run).
 """
 
 from __future__ import annotations
@@ -485,6 +486,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "valkey": bench_valkey(valkey_server, params),
                 "s3": bench_s3(moto, base, params),
             }
+            from kvstrata.bench.sealed import bench_encryption
+
+            result["encryption"] = bench_encryption(valkey_server, moto, base, params)
     result["codecs"] = bench_codecs()
     busy_end, wall = _machine_busy_seconds(), time.time() - wall_start
     other = None
@@ -549,6 +553,10 @@ def format_table(result: dict[str, Any]) -> str:
         f" (target >= {s['target_median_ratio']}); median CPU raw/tier: valkey"
         f" {s['valkey_median_cpu_ratio']}, s3 {s['s3_median_cpu_ratio']}"
     )
+    if "encryption" in result:
+        from kvstrata.bench.sealed import format_rows
+
+        lines += format_rows(result["encryption"])
     load = result["load_average"]
     lines.append(
         f"load average (1 min): {load['start']} at start, {load['end']} at end (with this run);"

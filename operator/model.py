@@ -223,6 +223,11 @@ class TenantSpec(_Model):
     memory_only: bool = False
 
 
+class EncryptionSpec(_Model):
+    mode: str = "off"  # off | on | required (checked by the sidecar's loader)
+    rotate_every: str | None = None  # a duration ("720h", "30d"); None: never rotate
+
+
 class KVCacheSpec(_Model):
     """``KVCache.spec``; every field defaults as the CRD defaults it."""
 
@@ -235,6 +240,7 @@ class KVCacheSpec(_Model):
     sidecar: SidecarSpec = Field(default_factory=SidecarSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     tenants: list[TenantSpec] | None = None  # no CRD default: absent stays absent
+    encryption: EncryptionSpec = Field(default_factory=EncryptionSpec)
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstrata.connector.transfer_config import kv_transfer_config
+from kvstrata.operator import encryption as E
 from kvstrata.operator import spec as S
 from kvstrata.operator.model import (
     ACCESS_KEY_ID_KEY,
@@ -244,7 +245,7 @@ def _inject(
     if config.l2.enabled:
         volumes.append(_l2_volume(spec.l2.volume, config.l2.size_bytes))
         sidecar_mounts.append({"name": "kvstrata-l2", "mountPath": S.L2_DIR})
-    for volume, mount in _secret_volumes(kvcache):
+    for volume, mount in [*_secret_volumes(kvcache), *_key_volumes(kvcache)]:
         volumes.append(volume)
         sidecar_mounts.append(mount)
     vllm.setdefault("volumeMounts", []).append(
@@ -355,6 +356,23 @@ def _secret_volumes(kvcache: KVCache) -> list[tuple[dict, dict]]:
         ]
         out.append(_secret_volume("kvstrata-s3", creds.name, items, S.S3_SECRET_DIR))
     return out
+
+
+def _key_volumes(kvcache: KVCache) -> list[tuple[dict, dict]]:
+    """The encryption keys Secret, whole: a rotation adds files the pod must see
+    (a Secret volume with ``items``, or a ``subPath`` mount, would never show them)."""
+    if kvcache.spec.encryption.mode == "off":
+        return []
+    entry = {
+        "name": "kvstrata-keys",
+        "secret": {
+            "secretName": E.keys_secret_name(kvcache.name),
+            # As the other Secrets: the sidecar's user reads it without an fsGroup.
+            "defaultMode": 0o444,
+        },
+    }
+    mount = {"name": "kvstrata-keys", "mountPath": S.ENCRYPTION_KEY_DIR, "readOnly": True}
+    return [(entry, mount)]
 
 
 def _security_context(overrides: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -50,6 +50,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvstrata.operator import encryption as E
 from kvstrata.operator import resources as R
 from kvstrata.operator import sharedtier
 from kvstrata.operator import spec as S
@@ -175,6 +176,24 @@ def _stable_password(kvcache: KVCache, cluster: Cluster) -> str:
     name = S.valkey_auth_secret_name(kvcache.name)
     stored = secret_value(cluster, kvcache.namespace, name, PASSWORD_KEY)
     return stored or R.new_password()
+
+
+def ensure_keys(kvcache: KVCache, cluster: Cluster, now: str, events: list[Event]) -> None:
+    """Create, rotate and prune the KVCache's encryption keys (:mod:`.encryption`).
+
+    Apart from :func:`desired_objects` because the keys Secret depends on the
+    clock and its own current content, and never on the config hash: a
+    rotation must not roll the workloads (the sidecars re-read the mount).
+    Raises :class:`~kvstrata.operator.spec.SpecError` for a bad ``rotateEvery``.
+    """
+    name = E.keys_secret_name(kvcache.name)
+    existing = cluster.get("v1", "Secret", kvcache.namespace, name)
+    moment = dt.datetime.strptime(now, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
+    secret, changes = E.desired_keys_secret(kvcache, existing, moment)
+    if secret is None:
+        return
+    cluster.apply(secret)
+    events.extend(Event("Normal", "EncryptionKeys", change) for change in changes)
 
 
 def apply_objects(cluster: Cluster, objects: list[dict], events: list[Event]) -> None:
@@ -393,11 +412,14 @@ def reconcile(
     now: str | None = None,
 ) -> Outcome:
     """One reconcile pass; safe to repeat (apply is idempotent, status is recomputed)."""
-    report = StatusReport.start(kvcache, now or now_iso())
+    now = now or now_iso()
+    report = StatusReport.start(kvcache, now)
     events: list[Event] = []
     try:
         parsed = KVCache.parse(kvcache)
         objects, digest, _ = desired_objects(parsed, cluster)
+        # Before the objects: a pod the new config admits finds its keys mounted.
+        ensure_keys(parsed, cluster, now, events)
     except S.SpecError as exc:
         report.invalid_spec(str(exc))
         events.append(Event("Warning", "InvalidSpec", str(exc)))

@@ -72,6 +72,11 @@ def _metadata(kvcache: KVCache, name: str, component: str) -> dict[str, Any]:
     }
 
 
+def secret_metadata(kvcache: KVCache, name: str, component: str) -> dict[str, Any]:
+    """Metadata of a Secret this KVCache owns (deleted with it)."""
+    return _metadata(kvcache, name, component)
+
+
 def render_configmap(kvcache: KVCacheLike, config_text: str, digest: str) -> dict[str, Any]:
     kvcache = KVCache.parse(kvcache)
     meta = _metadata(kvcache, S.configmap_name(kvcache.name), "sidecar-config")

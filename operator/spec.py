@@ -72,6 +72,8 @@ SECRETS_DIR = "/etc/kvstrata-secrets"
 VALKEY_SECRET_DIR = f"{SECRETS_DIR}/valkey"
 VALKEY_TLS_SECRET_DIR = f"{SECRETS_DIR}/valkey-tls"
 S3_SECRET_DIR = f"{SECRETS_DIR}/s3"
+# The whole keys Secret (no items: keys added by a rotation appear in place).
+ENCRYPTION_KEY_DIR = f"{SECRETS_DIR}/keys"
 VALKEY_PASSWORD_FILE = f"{VALKEY_SECRET_DIR}/{PASSWORD_KEY}"
 VALKEY_CA_FILE = f"{VALKEY_TLS_SECRET_DIR}/{CA_KEY}"
 S3_ACCESS_KEY_FILE = f"{S3_SECRET_DIR}/{ACCESS_KEY_ID_KEY}"
@@ -294,7 +296,10 @@ def sidecar_config_dict(kvcache: KVCache) -> dict[str, Any]:
             "admission": shared.admission,
         },
         "server": {"endpoint": ENDPOINT, "http_port": spec.metrics.port},
+        "encryption": {"mode": spec.encryption.mode},
     }
+    if spec.encryption.mode != "off":
+        out["encryption"]["key_dir"] = ENCRYPTION_KEY_DIR
     if shared.backend == "valkey":
         out["shared"]["valkey"] = _valkey_section(kvcache)
     elif shared.backend == "s3":

@@ -191,6 +191,25 @@ class SharedConfig(_Section):
     breaker_reset_seconds: float = Field(10.0, gt=0, description="how long an open breaker skips")
 
 
+class EncryptionConfig(_Section):
+    """Encryption at rest of every object below L1 (AES-256-GCM; docs/security.md)."""
+
+    mode: Literal["off", "on", "required"] = Field(
+        "off",
+        description="off: plaintext objects; on: seal new objects, still read plaintext "
+        "ones (migration); required: refuse to start without a key and never serve a "
+        "plaintext object",
+    )
+    key_dir: str | None = Field(
+        None,
+        description="folder of the keys (a mounted Secret: <id>.key files and keyring.json "
+        "naming the writing key), re-read when it changes",
+    )
+    reload_seconds: float = Field(
+        10.0, gt=0, description="how often the key folder is checked for a change"
+    )
+
+
 class ServerConfig(_Section):
     """The sidecar's endpoints."""
 
@@ -352,6 +371,7 @@ class SidecarConfig(_Section):
     l1: L1Config = Field(default_factory=L1Config)
     l2: L2Config = Field(default_factory=L2Config)
     shared: SharedConfig = Field(default_factory=SharedConfig)
+    encryption: EncryptionConfig = Field(default_factory=EncryptionConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     ipc: IpcConfig = Field(default_factory=IpcConfig)
     tenants: Annotated[list[TenantConfig], AfterValidator(check_tenants)] = Field(

@@ -69,6 +69,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from kvstrata.sidecar.arena import Arena, owner_prefix
 from kvstrata.sidecar.config import SidecarConfig
@@ -85,6 +86,9 @@ from kvstrata.sidecar.tenants import TenantRules, TenantSnapshot
 from kvstrata.sidecar.tiers.base import Tier, TierStats
 from kvstrata.sidecar.tiers.disk import DiskTier
 from kvstrata.sidecar.writeback import WriteBehind
+
+if TYPE_CHECKING:
+    from kvstrata.sidecar.sealing import KeyRing
 
 __all__ = ["EngineStats", "LookupResult", "StorageManager"]
 
@@ -114,6 +118,7 @@ class StorageManager:
         config: SidecarConfig,
         shared_tier: Tier | None = None,
         clock: Callable[[], float] = time.monotonic,
+        keys: KeyRing | None = None,
     ) -> None:
         """``clock``: what tenants' TTLs are measured with (a test's own)."""
         self.config = config
@@ -149,6 +154,7 @@ class StorageManager:
                     config.l2.size_bytes,
                     namespace_quota=config.l2.namespace_quota_bytes,
                     direct=config.l2.direct_io,
+                    keys=keys,
                 )
             self._wb = WriteBehind(
                 config, self.arena, self._store, self._lock, self._count, self.l2, shared_tier

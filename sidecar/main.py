@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from kvstrata.sidecar.config import SidecarConfig
     from kvstrata.sidecar.engine import StorageManager
     from kvstrata.sidecar.http import HttpEndpoints
+    from kvstrata.sidecar.sealing import KeyRing
     from kvstrata.sidecar.server import SidecarServer
     from kvstrata.sidecar.transfer.cuda_device import CudaDevices
     from kvstrata.sidecar.transfer.ipc import IpcTransfers
@@ -82,6 +83,22 @@ def load(args: argparse.Namespace) -> SidecarConfig:
         return config
     merged = _merge(config.model_dump(mode="json"), overrides)
     return config_from_dict(merged, source="config + command line")
+
+
+def _open_keys(config: SidecarConfig, stack: contextlib.ExitStack) -> KeyRing | None:
+    """The encryption keys (None when encryption is off), watched for rotation."""
+    if config.encryption.mode == "off":
+        return None
+    from kvstrata.sidecar.sealing import KeyFolderError, KeyRing, KeyWatcher
+
+    try:
+        keys = KeyRing(config.encryption.mode, config.encryption.key_dir)
+    except (KeyFolderError, OSError) as exc:
+        raise _StartError(str(exc), 2) from exc
+    watcher = KeyWatcher(keys, config.encryption.reload_seconds)
+    watcher.start()
+    stack.callback(watcher.close)
+    return keys
 
 
 def run(args: argparse.Namespace) -> int:
@@ -161,13 +178,14 @@ def _start(
     # Before anything opens descriptors; the server shares what is free once
     # the engine is up between its listeners and a reserve (see .fdbudget).
     raise_nofile_limit()
+    keys = _open_keys(config, stack)
     shared = None
     if config.shared.backend != "none":
         from kvstrata.sidecar.tiers.factory import build_shared_tier
 
         try:
             ttls = {t.name: t.ttl_seconds for t in config.tenants if t.ttl_seconds is not None}
-            shared = build_shared_tier(config.shared, ttls)
+            shared = build_shared_tier(config.shared, ttls, keys=keys)
         except ValueError as exc:
             raise _StartError(str(exc), 2) from exc
         stack.callback(shared.close)
@@ -179,7 +197,7 @@ def _start(
             watch.start()
             stack.callback(watch.close)  # before shared.close (the stack unwinds newest first)
     try:
-        engine = StorageManager(config, shared_tier=shared)
+        engine = StorageManager(config, shared_tier=shared, keys=keys)
     except (OSError, ValueError) as exc:  # no room in /dev/shm, unwritable L2 path, ...
         raise _StartError(f"cannot start the engine: {exc}", 1) from exc
     stack.callback(engine.close)
@@ -195,6 +213,9 @@ def _start(
         ipc_unavailable=ipc_unavailable,
     )
     stack.callback(server.close)
+    from kvstrata.sidecar.keymetrics import KeyRingCollector
+
+    server.metrics.attach(KeyRingCollector(keys))
     try:
         server.bind()
     except (zmq.ZMQError, OSError) as exc:

@@ -107,6 +107,17 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "objects refused by their checksum"),
     MetricSpec("kvstrata_tier_errors_total", "counter", ("tier", "kind"), "operations",
                "tier operation failures by kind", from_start=False),
+    MetricSpec("kvstrata_encryption_keys", "gauge", (), "keys",
+               "encryption keys loaded from encryption.key_dir (0 with encryption off)"),
+    MetricSpec("kvstrata_encryption_key_reloads_total", "counter", (), "reloads",
+               "times the key folder changed and was loaded again (a rotation reaching the pod)"),
+    MetricSpec("kvstrata_encryption_key_reload_failures_total", "counter", (), "reloads",
+               "changes of the key folder that did not parse; the keys loaded before are kept"),
+    MetricSpec("kvstrata_decrypt_failures_total", "counter", ("tier", "reason"), "objects",
+               "objects not served by encryption at rest, each a miss: unknown_key (sealed "
+               "under a key this sidecar does not hold), auth_failed (tag mismatch: tampered, "
+               "moved or wrong key), no_key (sealed, encryption off here), plaintext (where "
+               "encryption is required)", from_start=False),
     MetricSpec("kvstrata_leases_active", "gauge", (), "leases", "arena leases held by clients"),
     MetricSpec("kvstrata_l1_quarantined_bytes", "gauge", (), "bytes",
                "L1 bytes of expired write leases whose writer may still be writing: kept "
@@ -437,6 +448,11 @@ def _tier_metrics(stats: EngineStats) -> Iterator[Metric]:
             tier_errors.add_metric([tier_name, kind], n)
     yield from families.values()
     yield tier_errors
+    decrypt_failures = _counter("kvstrata_decrypt_failures_total")
+    for tier_name, tier in stats.tiers.items():
+        for reason, n in tier.decrypt_failures_total.items():
+            decrypt_failures.add_metric([tier_name, reason], n)
+    yield decrypt_failures
     evicted = _gauge("kvstrata_tier_server_evicted_keys")
     for tier_name, tier in stats.tiers.items():
         if tier.server_evicted_keys is not None:

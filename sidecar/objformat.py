@@ -5,7 +5,8 @@ Layout (little endian)::
 
     offset size  field
     0      4     magic            b"KVS1"
-    4      2     format version   2 (checksum in the header) or 3 (in a trailer)
+    4      2     format version   2 (checksum in the header), 3 (in a trailer)
+                                  or 4 (sealed: AES-GCM, see below)
     6      1     codec id         0 none, 1 zstd, 2 lz4 (see codecs.py)
     7      1     ndim             0..8
     8      16    dtype            ASCII, NUL padded ("bfloat16", "uint8", ...)
@@ -17,8 +18,24 @@ Layout (little endian)::
     ..     2     blocks           uint16: 0 for a full chunk, else the block
                                   count of a partial chunk (a prompt's tail)
     ..     1+k   key              length byte, then the chunk key
-    ..     n     payload          stored length bytes
+    ..     seal                   version 4 only: key id (length byte, ASCII),
+                                  tenant label (length byte, UTF-8; empty:
+                                  none), 12-byte nonce
+    ..     n     payload          stored length bytes (version 4: ciphertext)
     ..     8     trailer          version 3 only: xxh3_64 of the stored payload
+    ..     16    tag              version 4 only: the AES-GCM tag
+
+Version 4 is a sealed object (encryption at rest, :mod:`.sealing`): the
+stored payload (after the codec) is encrypted with AES-256-GCM under the key
+the seal names (per KVCache, or derived per tenant), with a fresh random
+96-bit nonce per object. The associated data is the whole header, which
+holds the chunk key (namespace fingerprint + block hash), the key id and the
+tenant label: a ciphertext moved under another chunk key, namespace or key
+id fails authentication. The tag replaces the payload checksum (the checksum
+field is 0). A sealed object that cannot be opened (unknown key, failed tag,
+no keys) or a plaintext object where encryption is ``required`` raises
+:class:`SealError`, a :class:`CorruptObjectError` with a reason, counted
+apart as a decrypt failure.
 
 Two versions, one header. Version 2 (disk files) carries the payload
 checksum in the header, so the whole payload is hashed before the first
@@ -46,15 +63,22 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from kvstrata.sidecar.codecs import CODEC_IDS, CODEC_NAMES, CodecError, compress, decompress
 
+if TYPE_CHECKING:
+    from kvstrata.sidecar.sealing import KeyRing
+
 MAGIC = b"KVS1"
 FORMAT_VERSION = 2  # payload checksum in the header
 TRAILER_FORMAT_VERSION = 3  # payload checksum in a trailer after the payload
+SEALED_FORMAT_VERSION = 4  # payload encrypted (AES-GCM), tag after the payload
 TRAILER_BYTES = 8
+TAG_BYTES = 16
+NONCE_BYTES = 12
 # The payload goes out (and is hashed) in pieces this large. Each piece is
 # one more send call, which on a full socket buffer waits for the server, so
 # pieces must not be small. Measured on the 2-core build VM against a loopback
@@ -71,6 +95,31 @@ FIXED_HEADER_BYTES = _FIXED.size  # 56
 
 class CorruptObjectError(ValueError):
     """The object failed validation; treat as a miss and count it."""
+
+
+class SealError(CorruptObjectError):
+    """A sealed object could not be opened, or a plaintext one must not be
+    served; ``reason`` (``unknown_key``, ``auth_failed``, ``no_key``,
+    ``plaintext``) labels ``kvstrata_decrypt_failures_total``."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Seal:
+    """What a version-4 header says about its encryption."""
+
+    key_id: str
+    label: str  # the tenant whose derived key sealed it; "" for the KVCache key
+    nonce: bytes
+
+    def pack(self) -> bytes:
+        key_id, label = self.key_id.encode("ascii"), self.label.encode()
+        if len(key_id) > 255 or len(label) > 255 or len(self.nonce) != NONCE_BYTES:
+            raise ValueError("seal: key id or tenant label longer than 255 bytes, or bad nonce")
+        return bytes([len(key_id)]) + key_id + bytes([len(label)]) + label + self.nonce
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +160,11 @@ def _header(
     stored_length: int,
     checksum: int,
     version: int,
+    seal: Seal | None = None,
 ) -> bytes:
     tail = struct.pack(f"<{len(meta.shape)}QH", *meta.shape, meta.blocks) + bytes([len(key)]) + key
+    if seal is not None:
+        tail += seal.pack()
     fixed_wo_hc = _FIXED.pack(
         MAGIC,
         version,
@@ -128,16 +180,44 @@ def _header(
     return fixed_wo_hc + struct.pack("<Q", header_checksum) + tail
 
 
+def _sealed(
+    key: bytes,
+    raw: memoryview,
+    stored: bytes | memoryview,
+    meta: ChunkMeta,
+    codec: str,
+    keys: KeyRing | None,
+    tenant: str | None,
+) -> tuple[bytes, bytes] | None:
+    """(version-4 header, ciphertext then tag), or None when ``keys`` has no
+    key to seal with (the object is written in plaintext)."""
+    params = keys.seal_params(tenant) if keys is not None else None
+    if keys is None or params is None:
+        return None
+    seal = Seal(*params)
+    header = _header(key, meta, codec, len(raw), len(stored), 0, SEALED_FORMAT_VERSION, seal)
+    return header, keys.encrypt(seal.key_id, seal.label, seal.nonce, stored, header)
+
+
 def encode(
-    key: bytes, payload: bytes | memoryview, meta: ChunkMeta, codec: str = "none"
+    key: bytes,
+    payload: bytes | memoryview,
+    meta: ChunkMeta,
+    codec: str = "none",
+    keys: KeyRing | None = None,
+    tenant: str | None = None,
 ) -> list[bytes | memoryview]:
     """Header and (possibly compressed) payload as buffers to write in order
-    (version 2: checksum in the header).
+    (version 2: checksum in the header; version 4, sealed, when ``keys``
+    has a writing key: ciphertext then tag).
 
     Returned as two pieces so uncompressed payloads are never copied.
     """
     check_meta(key, meta)
     raw, stored, codec = _stored_payload(payload, codec)
+    sealed = _sealed(key, raw, stored, meta, codec, keys, tenant)
+    if sealed is not None:
+        return list(sealed)
     checksum = xxhash.xxh3_64_intdigest(stored)
     header = _header(key, meta, codec, len(raw), len(stored), checksum, FORMAT_VERSION)
     return [header, stored]
@@ -154,15 +234,20 @@ class StreamedObject:
 
     __slots__ = ("_hash", "_hashed", "_trailer", "header", "stored")
 
-    def __init__(self, header: bytes, stored: bytes | memoryview) -> None:
+    def __init__(
+        self, header: bytes, stored: bytes | memoryview, tag: bytes | memoryview | None = None
+    ) -> None:
         self.header = header
         self.stored = memoryview(stored).cast("B")
         self._hash = xxhash.xxh3_64()
         self._hashed = 0
         self._trailer: bytes | None = None
+        if tag is not None:  # sealed: the AES-GCM tag is the trailer; nothing to hash
+            self._trailer = bytes(tag)
+            self._hashed = len(self.stored)
 
     def __len__(self) -> int:
-        return len(self.header) + len(self.stored) + TRAILER_BYTES
+        return len(self.header) + len(self.stored) + len(self.trailer())
 
     def hash_through(self, end: int) -> None:
         """Hash the payload up to offset ``end`` (of the payload) if not yet done."""
@@ -204,17 +289,33 @@ class StreamedObject:
 
 
 def encode_streamed(
-    key: bytes, payload: bytes | memoryview, meta: ChunkMeta, codec: str = "none"
+    key: bytes,
+    payload: bytes | memoryview,
+    meta: ChunkMeta,
+    codec: str = "none",
+    keys: KeyRing | None = None,
+    tenant: str | None = None,
 ) -> StreamedObject:
-    """A version-3 object (checksum in a trailer) ready to be sent piece by piece.
+    """A version-3 object (checksum in a trailer) ready to be sent piece by
+    piece, or a version-4 (sealed) one when ``keys`` has a writing key.
 
-    Compression (when ``codec`` is set) runs here, in full; only the
-    checksum is deferred to the sending.
+    Compression (when ``codec`` is set) and encryption run here, in full;
+    only a plaintext object's checksum is deferred to the sending.
     """
     check_meta(key, meta)
     raw, stored, codec = _stored_payload(payload, codec)
+    sealed = _sealed(key, raw, stored, meta, codec, keys, tenant)
+    if sealed is not None:
+        header, ciphertext = sealed
+        view = memoryview(ciphertext)
+        return StreamedObject(header, view[:-TAG_BYTES], view[-TAG_BYTES:])
     header = _header(key, meta, codec, len(raw), len(stored), 0, TRAILER_FORMAT_VERSION)
     return StreamedObject(header, stored)
+
+
+def is_sealed(header: bytes | memoryview) -> bool:
+    """Whether a header this module wrote is a sealed (version 4) one."""
+    return struct.unpack_from("<H", header, 4)[0] == SEALED_FORMAT_VERSION
 
 
 def check_meta(key: bytes, meta: ChunkMeta) -> None:
@@ -236,17 +337,6 @@ def encode_bytes(
     return b"".join(encode(key, payload, meta, codec))
 
 
-def header_length(blob_prefix: bytes | memoryview) -> int:
-    """Total header length, given at least the first 56 bytes of an object."""
-    if len(blob_prefix) < FIXED_HEADER_BYTES:
-        raise CorruptObjectError("object shorter than its fixed header")
-    ndim = blob_prefix[7]
-    key_len_at = FIXED_HEADER_BYTES + 8 * ndim + 2
-    if len(blob_prefix) <= key_len_at:
-        return key_len_at + 1  # caller must read more to learn the key length
-    return key_len_at + 1 + blob_prefix[key_len_at]
-
-
 @dataclass(frozen=True, slots=True)
 class ObjectHeader:
     """A validated header; the payload is checked separately (:func:`payload_matches`)."""
@@ -259,6 +349,16 @@ class ObjectHeader:
     key: bytes
     header_length: int
     trailer: bool = False  # version 3: an 8-byte checksum follows the payload
+    seal: Seal | None = None  # version 4: encrypted; a 16-byte tag follows the payload
+
+    @property
+    def trailer_bytes(self) -> int:
+        """Bytes after the payload: a checksum (version 3), a tag (4) or none (2)."""
+        return TAG_BYTES if self.seal is not None else TRAILER_BYTES if self.trailer else 0
+
+    @property
+    def object_length(self) -> int:
+        return self.header_length + self.stored_length + self.trailer_bytes
 
 
 def decode_header(prefix: bytes | memoryview, expected_key: bytes | None = None) -> ObjectHeader:
@@ -275,20 +375,23 @@ def decode_header(prefix: bytes | memoryview, expected_key: bytes | None = None)
     )
     if magic != MAGIC:
         raise CorruptObjectError(f"bad magic {bytes(magic)!r}")
-    if version not in (FORMAT_VERSION, TRAILER_FORMAT_VERSION):
+    if version not in (FORMAT_VERSION, TRAILER_FORMAT_VERSION, SEALED_FORMAT_VERSION):
         raise CorruptObjectError(f"unsupported format version {version}")
     if ndim > MAX_NDIM or codec_id not in CODEC_NAMES:
         raise CorruptObjectError("bad ndim or codec id")
     shape_end = FIXED_HEADER_BYTES + 8 * ndim + 2  # shape, then the block count
     if len(view) < shape_end + 1:
         raise CorruptObjectError("object truncated inside its header")
-    header_end = shape_end + 1 + view[shape_end]
+    key_end = header_end = shape_end + 1 + view[shape_end]
     if len(view) < header_end:
         raise CorruptObjectError("object truncated inside its key")
+    seal = None
+    if version == SEALED_FORMAT_VERSION:
+        seal, header_end = _read_seal(view, key_end)
     tail = bytes(view[FIXED_HEADER_BYTES:header_end])
     if xxhash.xxh3_64_intdigest(bytes(view[:48]) + tail) != header_checksum:
         raise CorruptObjectError("header checksum mismatch")
-    key = tail[8 * ndim + 3 :]
+    key = bytes(view[shape_end + 1 : key_end])
     if expected_key is not None and key != expected_key:
         raise CorruptObjectError("object holds a different key")
     *shape, blocks = struct.unpack_from(f"<{ndim}QH", view, FIXED_HEADER_BYTES)
@@ -304,13 +407,52 @@ def decode_header(prefix: bytes | memoryview, expected_key: bytes | None = None)
         key,
         header_end,
         trailer=version == TRAILER_FORMAT_VERSION,
+        seal=seal,
     )
 
 
+def _read_seal(view: memoryview, at: int) -> tuple[Seal, int]:
+    """The seal starting at ``at`` and where the header ends after it."""
+    try:
+        id_len = view[at]
+        key_id = bytes(view[at + 1 : at + 1 + id_len]).decode("ascii")
+        at += 1 + id_len
+        label_len = view[at]
+        label = bytes(view[at + 1 : at + 1 + label_len]).decode()
+        at += 1 + label_len
+        nonce = bytes(view[at : at + NONCE_BYTES])
+    except (IndexError, UnicodeDecodeError):
+        raise CorruptObjectError("object truncated or garbled inside its seal") from None
+    if len(nonce) != NONCE_BYTES or len(key_id) != id_len:
+        raise CorruptObjectError("object truncated inside its seal")
+    return Seal(key_id, label, nonce), at + NONCE_BYTES
+
+
+def open_sealed(view: memoryview, header: ObjectHeader, keys: KeyRing | None) -> bytes | memoryview:
+    """The stored payload (after decryption, before the codec) of a whole
+    object whose header is ``header``; raise :class:`SealError` when it is
+    sealed and cannot be opened, or plaintext where encryption is required."""
+    if header.seal is None:
+        if keys is not None:
+            keys.check_plaintext()
+        return view[header.header_length : header.header_length + header.stored_length]
+    if keys is None:
+        raise SealError("no_key", "sealed object and no encryption keys configured")
+    if len(view) != header.object_length:
+        raise CorruptObjectError(f"object of {len(view)} bytes, header says {header.object_length}")
+    seal = header.seal
+    aad = bytes(view[: header.header_length])
+    return keys.decrypt(seal.key_id, seal.label, seal.nonce, view[header.header_length :], aad)
+
+
 def decode(
-    blob: bytes | memoryview, expected_key: bytes | None = None, payload_xxh3: int | None = None
+    blob: bytes | memoryview,
+    expected_key: bytes | None = None,
+    payload_xxh3: int | None = None,
+    keys: KeyRing | None = None,
 ) -> DecodedObject:
-    """Validate and decode one whole object; raise :class:`CorruptObjectError`.
+    """Validate and decode one whole object; raise :class:`CorruptObjectError`
+    (:class:`SealError` for what ``keys`` cannot open or must not serve).
 
     ``payload_xxh3``: the stored payload's xxh3_64, when the reader already
     computed it while the bytes arrived (:class:`PayloadHasher`); it is then
@@ -318,6 +460,10 @@ def decode(
     """
     view = memoryview(blob).cast("B")
     header = decode_header(view, expected_key)
+    if header.seal is not None:
+        return _decoded(header, open_sealed(view, header, keys))
+    if keys is not None:
+        keys.check_plaintext()
     checksum, end = header.checksum, len(view)
     if header.trailer:
         end -= TRAILER_BYTES
@@ -331,6 +477,13 @@ def decode(
         payload_xxh3 = xxhash.xxh3_64_intdigest(stored)
     if payload_xxh3 != checksum:
         raise CorruptObjectError("payload checksum mismatch")
+    return _decoded(header, stored)
+
+
+def _decoded(header: ObjectHeader, stored: bytes | memoryview) -> DecodedObject:
+    """The payload of checked ``stored`` bytes, decompressed as the header says."""
+    if len(stored) != header.stored_length:
+        raise CorruptObjectError(f"payload length {len(stored)} != recorded {header.stored_length}")
     try:
         payload = decompress(header.codec, stored, header.raw_length)
     except CodecError as exc:
@@ -353,8 +506,9 @@ class PayloadHasher:
     __slots__ = ("_end", "_hash", "_hashed", "_header_probe", "_size", "_start", "_view")
 
     # Enough for any header this format writes (48 fixed bytes, up to
-    # MAX_NDIM shape words, the block count and a key of at most 255 bytes).
-    HEADER_BYTES_MAX = FIXED_HEADER_BYTES + 8 * MAX_NDIM + 3 + 255
+    # MAX_NDIM shape words, the block count, a key of at most 255 bytes and
+    # a seal: key id and tenant label of at most 255 bytes each, a nonce).
+    HEADER_BYTES_MAX = FIXED_HEADER_BYTES + 8 * MAX_NDIM + 3 + 255 + 2 + 2 * 255 + NONCE_BYTES
 
     def __init__(self, buffer: memoryview) -> None:
         self._view = buffer
@@ -374,6 +528,9 @@ class PayloadHasher:
                 header = decode_header(self._view[:filled])
             except CorruptObjectError:
                 self._header_probe = self._size + 1  # never again; decode() reports it
+                return
+            if header.seal is not None:  # the tag checks it, not a checksum
+                self._header_probe = self._size + 1
                 return
             self._start = self._hashed = header.header_length
             self._end = self._size - (TRAILER_BYTES if header.trailer else 0)
@@ -395,6 +552,7 @@ def payload_matches(header: ObjectHeader, stored: bytes | memoryview) -> bool:
     trailer, which this reader of header-and-payload objects does not have."""
     return (
         not header.trailer
+        and header.seal is None
         and len(stored) == header.stored_length
         and (xxhash.xxh3_64_intdigest(stored) == header.checksum)
     )

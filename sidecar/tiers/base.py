@@ -82,6 +82,8 @@ class TierStats:
     # Why the tier is degraded, for /status ("" while it is not).
     degraded_reason: str = ""
     errors_total: dict[str, int] = field(default_factory=dict)
+    # Objects not served by encryption at rest, by reason (objformat.SealError).
+    decrypt_failures_total: dict[str, int] = field(default_factory=dict)
     # A shared tier's circuit breaker ("" for tiers without one).
     breaker_state: str = ""  # closed | open | half_open
     breaker_opened_total: int = 0
@@ -96,6 +98,9 @@ class TierStats:
 
     def count_error(self, kind: str) -> None:
         self.errors_total[kind] = self.errors_total.get(kind, 0) + 1
+
+    def count_decrypt_failure(self, reason: str) -> None:
+        self.decrypt_failures_total[reason] = self.decrypt_failures_total.get(reason, 0) + 1
 
 
 class Tier(abc.ABC):

@@ -6,7 +6,8 @@ and survives a sidecar restart, at a fraction of a remote tier's latency.
 Persisted state, under ``l2.path``::
 
     <root>/<ss>/<key hex>.kvs      one chunk object in the objformat layout
-                                   (header + raw payload, codec "none")
+                                   (header + raw payload, codec "none"; with
+                                   encryption on: header + ciphertext + tag)
     <root>/<ss>/<key hex>.kvs.tmp-<rand>   a write in progress (removed on start)
 
 ``<ss>`` is the last two hex digits of the key (the block hash's last byte,
@@ -47,15 +48,18 @@ from kvstrata.sidecar.objformat import (
     ChunkMeta,
     CorruptObjectError,
     DecodedObject,
+    SealError,
     decode,
     decode_header,
     encode,
+    is_sealed,
 )
 from kvstrata.sidecar.tiers import direct_io
 from kvstrata.sidecar.tiers.base import Tier, TierStats
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.journal import TierEvents
+    from kvstrata.sidecar.sealing import KeyRing
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +76,9 @@ class DiskEntry:
     payload_bytes: int
     meta: ChunkMeta
     codec: str = "none"
+    # Sealed: the payload is ciphertext then tag, read whole and opened;
+    # payload_bytes is then the plaintext's length (what L1 reserves for it).
+    sealed: bool = False
 
 
 class DiskTier(Tier):
@@ -86,8 +93,13 @@ class DiskTier(Tier):
         fsync: bool = False,
         namespace_quota: int | None = None,
         direct: bool = True,
+        keys: KeyRing | None = None,
     ):
         self.root = os.fspath(path)
+        # Seal files written, open files read (None: encryption off).
+        self._keys = keys
+        # Plaintext files may not be read straight into L1: each read is checked.
+        self._plaintext_refused = keys is not None and keys.mode == "required"
         self.capacity_bytes = capacity_bytes
         # Most file bytes one namespace (a key's first 16 bytes) may hold; a
         # put beyond it evicts that namespace's own least recent files first.
@@ -158,7 +170,7 @@ class DiskTier(Tier):
                 st = os.fstat(fh.fileno())
                 head = fh.read(_HEADER_PROBE)
             header = decode_header(head, expected_key=key)
-            if header.header_length + header.stored_length != st.st_size:
+            if header.object_length != st.st_size:
                 raise CorruptObjectError("file length does not match its header")
         except CorruptObjectError as exc:
             logger.warning("L2 file %s is corrupt (%s); deleted", fpath, exc)
@@ -169,7 +181,12 @@ class DiskTier(Tier):
         except OSError:
             return None
         entry = DiskEntry(
-            st.st_size, header.header_length, header.stored_length, header.meta, header.codec
+            st.st_size,
+            header.header_length,
+            header.raw_length if header.seal is not None else header.stored_length,
+            header.meta,
+            header.codec,
+            sealed=header.seal is not None,
         )
         return max(st.st_atime, st.st_mtime), key, entry
 
@@ -190,7 +207,8 @@ class DiskTier(Tier):
             return self._index.get(key)
 
     def put(self, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta) -> bool:
-        header, stored = encode(key, payload, meta)
+        # On the writer thread that calls put: sealing never runs on the serving thread.
+        header, stored = encode(key, payload, meta, keys=self._keys)
         total = len(header) + len(stored)
         with self._lock:
             if key in self._index:
@@ -211,7 +229,9 @@ class DiskTier(Tier):
                 self._reserved -= total
         if not ok:
             return False
-        entry = DiskEntry(total, len(header), len(stored), meta)
+        sealed = is_sealed(header)
+        plain_bytes = memoryview(payload).nbytes if sealed else len(stored)
+        entry = DiskEntry(total, len(header), plain_bytes, meta, sealed=sealed)
         with self._lock:
             old = self._index.pop(key, None)
             if old is not None:
@@ -308,7 +328,8 @@ class DiskTier(Tier):
         entry = self._touch(key)
         if entry is None:
             return None
-        if entry.codec != "none":  # not written by us; decode the slow way
+        if entry.codec != "none" or entry.sealed or self._plaintext_refused:
+            # Not written by us, sealed, or to be checked against the keys: decode the slow way.
             obj = self.get(key)
             if obj is None:
                 return None
@@ -349,7 +370,7 @@ class DiskTier(Tier):
             with self._lock:
                 self._stats.misses_total += 1
             return None
-        if entry.codec == "none":
+        if entry.codec == "none" and not entry.sealed and not self._plaintext_refused:
             buf = bytearray(entry.payload_bytes)
             meta = self.read_into(key, memoryview(buf))
             return None if meta is None else DecodedObject(meta, buf)
@@ -357,7 +378,10 @@ class DiskTier(Tier):
         try:
             with open(path, "rb") as fh:
                 blob = fh.read()
-            obj = decode(blob, expected_key=key)
+            obj = decode(blob, expected_key=key, keys=self._keys)
+        except SealError as exc:
+            self._discard_sealed(key, path, exc.reason)
+            return None
         except CorruptObjectError as exc:
             self._discard_corrupt(key, path, str(exc))
             return None
@@ -390,6 +414,7 @@ class DiskTier(Tier):
                 usage_bytes=self._usage,
                 objects=len(self._index),
                 errors_total=dict(self._stats.errors_total),
+                decrypt_failures_total=dict(self._stats.decrypt_failures_total),
             )
 
     @property
@@ -464,6 +489,17 @@ class DiskTier(Tier):
                 self._stats.misses_total += 1
                 self._stats.count_error("file_vanished")
             return True
+
+    def _discard_sealed(self, key: bytes, path: str, reason: str) -> None:
+        """A file the keys cannot open (or a plaintext one where encryption is
+        required): counted by reason, a miss, deleted (a local file under a
+        pruned key can never be opened again)."""
+        logger.debug("L2 object %s not opened: %s", path, reason)
+        with self._lock:
+            self._stats.count_decrypt_failure(reason)
+            self._stats.misses_total += 1
+        if self._forget(key):
+            self._unlink_all([path])
 
     def _discard_corrupt(self, key: bytes, path: str, why: str) -> None:
         logger.warning("L2 object %s is corrupt (%s); deleted", path, why)

@@ -8,13 +8,19 @@ backend's client library is imported, so a Valkey sidecar never loads boto3.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from kvstrata.sidecar.config import SharedConfig
 from kvstrata.sidecar.tiers.base import Tier
 
+if TYPE_CHECKING:
+    from kvstrata.sidecar.sealing import KeyRing
+
 
 def build_shared_tier(
-    config: SharedConfig, tenant_ttl_seconds: Mapping[str, float] | None = None
+    config: SharedConfig,
+    tenant_ttl_seconds: Mapping[str, float] | None = None,
+    keys: KeyRing | None = None,
 ) -> Tier | None:
     """The configured tier, or None for ``backend: none``.
 
@@ -28,9 +34,9 @@ def build_shared_tier(
     if config.backend == "valkey":
         from kvstrata.sidecar.tiers.valkey import ValkeyTier
 
-        return ValkeyTier(config, tenant_ttl_seconds)
+        return ValkeyTier(config, tenant_ttl_seconds, keys=keys)
     if config.backend == "s3":
         from kvstrata.sidecar.tiers.s3 import S3Tier
 
-        return S3Tier(config)
+        return S3Tier(config, keys=keys)
     raise ValueError(f"shared.backend: unknown backend {config.backend!r}")

@@ -6,8 +6,8 @@ way. The header comes first; once it says the payload's length and meta,
 ``place`` reserves the destination (an L1 slot) and the payload is received
 into it, hashed piece by piece while the rest is still arriving, so a chunk
 is copied once, by the kernel, into L1 and the checksum costs no pass of its
-own. A compressed object (or one whose header does not add up) is received
-whole, decoded, then copied.
+own. A compressed or sealed object (or one whose header does not add up)
+is received whole, decoded (decrypted), then copied.
 
 A stream is two callables: ``fill(out, hasher, base)`` fills ``out``
 exactly (raising when the stream ends first) and tells ``hasher`` how many
@@ -20,7 +20,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import xxhash
@@ -30,11 +30,15 @@ from kvstrata.sidecar.objformat import (
     ChunkMeta,
     CorruptObjectError,
     PayloadHasher,
+    SealError,
     decode,
     decode_header,
 )
 from kvstrata.sidecar.tiers.base import Place, copy_placed
 from kvstrata.sidecar.tiers.remote import Fetched, Validated
+
+if TYPE_CHECKING:
+    from kvstrata.sidecar.sealing import KeyRing
 
 __all__ = ["Fill", "Placed", "Receiver", "RunningHash", "receive_into", "receive_whole"]
 
@@ -71,25 +75,36 @@ class Placed:
     meta: ChunkMeta | None
     nbytes: int  # the stored object's length
     corrupt: bool = False
+    # Why a sealed object was not opened (or a plaintext one not served): the
+    # reason of kvstrata_decrypt_failures_total; "" otherwise.
+    seal_failure: str = ""
 
 
-def receive_whole(size: int, head: memoryview, expected_key: bytes, fill: Fill) -> Fetched:
+def receive_whole(
+    size: int, head: memoryview, expected_key: bytes, fill: Fill, keys: KeyRing | None = None
+) -> Fetched:
     """An object of ``size`` bytes whose first bytes ``head`` are already read,
-    received into one buffer and checked: validated, or the bytes of one that
-    failed validation (the tier counts it corrupt and deletes it)."""
+    received into one buffer and checked: validated (opened with ``keys``
+    when sealed), or the bytes of one that failed validation (the tier
+    decodes them again to count why, and deletes it)."""
     # Uninitialised: every byte of it is received over before it is read.
     view = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
     view[: len(head)] = head
     hasher = PayloadHasher(view)
     fill(view[len(head) :], hasher, len(head))
     try:
-        return Validated(decode(view, expected_key, hasher.digest()), size)
+        return Validated(decode(view, expected_key, hasher.digest(), keys), size)
     except CorruptObjectError:
         return view
 
 
 def receive_into(
-    size: int, expected_key: bytes, place: Place, fill: Fill, skip: Callable[[int], None]
+    size: int,
+    expected_key: bytes,
+    place: Place,
+    fill: Fill,
+    skip: Callable[[int], None],
+    keys: KeyRing | None = None,
 ) -> Placed:
     """An object of ``size`` bytes, its payload received straight into what
     ``place`` names once the header says its length (module docstring). On
@@ -101,13 +116,20 @@ def receive_into(
     except CorruptObjectError:
         skip(size - len(head))
         return Placed(None, size, corrupt=True)
+    if header.seal is None and keys is not None and keys.mode == "required":
+        skip(size - len(head))
+        return Placed(None, size, seal_failure="plaintext")
     trailer = TRAILER_BYTES if header.trailer else 0
     payload_bytes = header.stored_length
-    if header.codec != "none" or header.header_length + payload_bytes + trailer != size:
-        # Compressed (or not what its header says): decode it whole, then copy.
-        got = receive_whole(size, head, expected_key, fill)
+    if (
+        header.codec != "none"
+        or header.seal is not None
+        or header.header_length + payload_bytes + trailer != size
+    ):
+        # Compressed, sealed (or not what its header says): decode it whole, then copy.
+        got = receive_whole(size, head, expected_key, fill, keys)
         if not isinstance(got, Validated):
-            return Placed(None, size, corrupt=True)
+            return _refused(got, expected_key, keys, size)
         return Placed(copy_placed(got.obj, place), size)
     dest = place(payload_bytes, header.meta)
     if dest is None:
@@ -127,3 +149,15 @@ def receive_into(
     if running.intdigest() != checksum:
         return Placed(None, size, corrupt=True)
     return Placed(header.meta, size)
+
+
+def _refused(got: Fetched, expected_key: bytes, keys: KeyRing | None, size: int) -> Placed:
+    """A whole object that failed validation: corrupt, or why it was not opened."""
+    if isinstance(got, bytes | memoryview):
+        try:
+            decode(got, expected_key, keys=keys)
+        except SealError as exc:
+            return Placed(None, size, seal_failure=exc.reason)
+        except CorruptObjectError:
+            pass
+    return Placed(None, size, corrupt=True)

@@ -20,6 +20,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvstrata.sidecar.config import SharedConfig
 from kvstrata.sidecar.keys import ChunkKey
@@ -27,6 +28,7 @@ from kvstrata.sidecar.objformat import (
     ChunkMeta,
     CorruptObjectError,
     DecodedObject,
+    SealError,
     StreamedObject,
     check_meta,
     decode,
@@ -35,13 +37,17 @@ from kvstrata.sidecar.objformat import (
 from kvstrata.sidecar.tiers.base import PutOutcome, Tier, TierStats
 from kvstrata.sidecar.tiers.breaker import CircuitBreaker
 
+if TYPE_CHECKING:
+    from kvstrata.sidecar.sealing import KeyRing
+
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class Validated:
     """A fetched object the backend already decoded and checked on its own
-    thread (so one object's checksum runs while others are still arriving)."""
+    thread (so one object's checksum runs while others are still arriving),
+    opened with the tier's keys when sealed."""
 
     obj: DecodedObject
     nbytes: int  # the stored object's length (retrieved_bytes_total)
@@ -75,11 +81,14 @@ class RemoteTier(Tier):
         config: SharedConfig,
         timeout_seconds: float,
         tenant_ttl_seconds: Mapping[str, float] | None = None,
+        keys: KeyRing | None = None,
     ) -> None:
         """``tenant_ttl_seconds``: a tenant's TTL (kvstrata.sidecar.tenants),
         applied by backends that expire objects themselves (Valkey)."""
         self._codec = config.codec
         self._tenant_ttl = dict(tenant_ttl_seconds or {})
+        # Seal objects written, open objects read (None: encryption off).
+        self._keys = keys
         # A lookup never waits longer than any other call of the tier.
         self._lookup_timeout = min(config.lookup_timeout_seconds, timeout_seconds)
         self._breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_seconds)
@@ -201,7 +210,7 @@ class RemoteTier(Tier):
 
         def encoder(i: int, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta) -> Encoder:
             def run() -> StreamedObject:
-                obj = encode_streamed(bytes(key), payload, meta, self._codec)
+                obj = encode_streamed(bytes(key), payload, meta, self._codec, self._keys)
                 sizes[i] = len(obj)
                 return obj
 
@@ -233,7 +242,11 @@ class RemoteTier(Tier):
     def stats(self) -> TierStats:
         with self._lock:
             snap = TierStats(
-                **{**vars(self._stats), "errors_total": dict(self._stats.errors_total)}
+                **{
+                    **vars(self._stats),
+                    "errors_total": dict(self._stats.errors_total),
+                    "decrypt_failures_total": dict(self._stats.decrypt_failures_total),
+                }
             )
         snap.breaker_state = self._breaker.state
         snap.breaker_opened_total = self._breaker.opened_total
@@ -288,7 +301,10 @@ class RemoteTier(Tier):
             self._count_hit(blob.nbytes)
             return blob.obj
         try:
-            obj = decode(blob, expected_key=bytes(key))
+            obj = decode(blob, expected_key=bytes(key), keys=self._keys)
+        except SealError as exc:
+            self._refuse_sealed(name, exc.reason)
+            return None
         except CorruptObjectError as exc:
             self._drop_corrupt(name, str(exc))
             return None
@@ -300,6 +316,20 @@ class RemoteTier(Tier):
         with self._lock:
             self._stats.hits_total += 1
             self._stats.retrieved_bytes_total += nbytes
+
+    def _refuse_sealed(self, name: str, reason: str) -> None:
+        """An object the keys could not open (or a plaintext one where encryption
+        is required): counted by reason, a miss. Deleted only when it is bad
+        for every reader (a failed tag, or plaintext where encryption is
+        required): a sidecar that has not yet seen a rotated key, or one still
+        running with encryption off during a rollout, must not delete what its
+        peers wrote and can read."""
+        logger.debug("%s object %s not opened: %s", self.name, name, reason)
+        with self._lock:
+            self._stats.count_decrypt_failure(reason)
+            self._stats.misses_total += 1
+        if reason in ("auth_failed", "plaintext"):
+            self._delete(name)
 
     def _drop_corrupt(self, name: str, why: str) -> None:
         """A fetched object failed validation: counted, deleted, a miss."""

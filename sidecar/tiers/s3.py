@@ -40,7 +40,7 @@ import io
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import boto3
 import botocore.config
@@ -50,6 +50,9 @@ from boto3.s3.transfer import TransferConfig
 from kvstrata.sidecar.config import S3Config, SharedConfig
 from kvstrata.sidecar.keys import ChunkKey, key_hex
 from kvstrata.sidecar.objformat import ChunkMeta, CorruptObjectError, StreamedObject, decode
+
+if TYPE_CHECKING:
+    from kvstrata.sidecar.sealing import KeyRing
 from kvstrata.sidecar.tiers.base import Place, TierStats
 from kvstrata.sidecar.tiers.placing import Placed, receive_into
 from kvstrata.sidecar.tiers.remote import (
@@ -229,9 +232,9 @@ class S3Tier(RemoteTier):
 
     name = "s3"
 
-    def __init__(self, config: SharedConfig) -> None:
+    def __init__(self, config: SharedConfig, keys: KeyRing | None = None) -> None:
         self._config = config.s3
-        super().__init__(config, self._config.timeout_seconds)
+        super().__init__(config, self._config.timeout_seconds, keys=keys)
         self._client = make_client(self._config)
         self._transfer = TransferConfig(
             multipart_threshold=max(self._config.multipart_threshold_bytes, 5 << 20),
@@ -563,6 +566,9 @@ class S3Tier(RemoteTier):
             self._count(misses=1)
             return None
         self._breaker.record_success()
+        if placed.seal_failure:
+            self._refuse_sealed(name, placed.seal_failure)
+            return None
         if placed.corrupt:
             self._drop_corrupt(name, "checksum, key or length")
             return None
@@ -611,7 +617,7 @@ class S3Tier(RemoteTier):
     ) -> Placed:
         body = BodyStream(response, deadline)
         try:
-            placed = receive_into(body.size, key, place, body.fill, body.skip)
+            placed = receive_into(body.size, key, place, body.fill, body.skip, self._keys)
         finally:
             body.finish()
         if placed.meta is not None and self._refresher is not None:
@@ -639,7 +645,7 @@ class S3Tier(RemoteTier):
         if self._refresher is not None:
             self._refresher.offer(object_key, response.get("LastModified"))
         try:
-            return Validated(decode(body, expected_key=key), len(body))
+            return Validated(decode(body, expected_key=key, keys=self._keys), len(body))
         except CorruptObjectError:
             return body
 

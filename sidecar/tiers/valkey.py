@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 import redis.cluster
@@ -67,6 +67,9 @@ from kvstrata.sidecar.objformat import ChunkMeta, StreamedObject
 from kvstrata.sidecar.tiers import valkey_get
 from kvstrata.sidecar.tiers.base import Place, TierStats
 from kvstrata.sidecar.tiers.remote import Encoder, Fetched, RemoteTier, Stored, read_secret
+
+if TYPE_CHECKING:
+    from kvstrata.sidecar.sealing import KeyRing
 
 logger = logging.getLogger(__name__)
 
@@ -277,10 +280,13 @@ class ValkeyTier(RemoteTier):
     expires_per_key = True  # SET ... PX
 
     def __init__(
-        self, config: SharedConfig, tenant_ttl_seconds: Mapping[str, float] | None = None
+        self,
+        config: SharedConfig,
+        tenant_ttl_seconds: Mapping[str, float] | None = None,
+        keys: KeyRing | None = None,
     ) -> None:
         self._config = config.valkey
-        super().__init__(config, self._config.timeout_seconds, tenant_ttl_seconds)
+        super().__init__(config, self._config.timeout_seconds, tenant_ttl_seconds, keys)
         self._prefix = self._config.key_prefix
         # Building a cluster client blocks on the network: not under the stats lock.
         self._client_lock = threading.Lock()
@@ -342,7 +348,9 @@ class ValkeyTier(RemoteTier):
         try:
             client = self._client("io")
             if not self._config.cluster:
-                blobs = valkey_get.get_many(client.connection_pool, names, [bytes(k) for k in keys])
+                blobs = valkey_get.get_many(
+                    client.connection_pool, names, [bytes(k) for k in keys], self._keys
+                )
             elif len(names) == 1:
                 blobs = [client.get(names[0])]
             else:
@@ -366,7 +374,9 @@ class ValkeyTier(RemoteTier):
             return None
         name = self._name(key)
         try:
-            got = valkey_get.get_into(self._client("io").connection_pool, name, bytes(key), place)
+            got = valkey_get.get_into(
+                self._client("io").connection_pool, name, bytes(key), place, self._keys
+            )
         except Exception as exc:
             self._failed("get", exc)
             self._count(misses=1)
@@ -374,6 +384,9 @@ class ValkeyTier(RemoteTier):
         self._breaker.record_success()
         if got is None:
             self._count(misses=1)
+            return None
+        if got.seal_failure:
+            self._refuse_sealed(name, got.seal_failure)
             return None
         if got.corrupt:
             self._drop_corrupt(name, "checksum, key or length")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis.exceptions
 from redis._parsers import BaseParser
@@ -33,6 +33,9 @@ from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.tiers.base import Place
 from kvstrata.sidecar.tiers.placing import Placed, Receiver, receive_into, receive_whole
 from kvstrata.sidecar.tiers.remote import Fetched
+
+if TYPE_CHECKING:
+    from kvstrata.sidecar.sealing import KeyRing
 
 T = TypeVar("T")
 
@@ -96,13 +99,13 @@ class _Replies:
         if end != b"\r\n":
             raise redis.exceptions.InvalidResponse("bulk string not ended by CRLF")
 
-    def value(self, expected_key: bytes) -> Fetched:
+    def value(self, expected_key: bytes, keys: KeyRing | None = None) -> Fetched:
         """The next reply: None for nil, a validated object, or the bytes of one
         that failed validation (the tier counts it corrupt and deletes it)."""
         size = self._bulk_length()  # RESP2's and RESP3's nulls are None
         if size is None:
             return None
-        got = receive_whole(size, memoryview(b""), expected_key, self._exactly)
+        got = receive_whole(size, memoryview(b""), expected_key, self._exactly, keys)
         self._crlf()
         return got
 
@@ -114,14 +117,16 @@ class _Replies:
             self._exactly(scratch[:take])
             n -= take
 
-    def value_into(self, expected_key: bytes, place: Place) -> Placed | None:
+    def value_into(
+        self, expected_key: bytes, place: Place, keys: KeyRing | None = None
+    ) -> Placed | None:
         """The next reply, its payload received straight into what ``place``
         names once the header says its length (:func:`.placing.receive_into`);
         None for nil."""
         size = self._bulk_length()
         if size is None:
             return None
-        placed = receive_into(size, expected_key, place, self._exactly, self._skip)
+        placed = receive_into(size, expected_key, place, self._exactly, self._skip, keys)
         self._crlf()
         return placed
 
@@ -140,7 +145,9 @@ class _Replies:
         return None if size < 0 else size
 
 
-def get_into(pool: Any, name: str, key: bytes, place: Place) -> Placed | None:
+def get_into(
+    pool: Any, name: str, key: bytes, place: Place, keys: KeyRing | None = None
+) -> Placed | None:
     """One GET of ``name`` whose payload lands where ``place`` says (see
     :meth:`_Replies.value_into`). Raises redis-py's exceptions. A broken pooled
     connection is retried once, but only before ``place`` was called: a
@@ -153,7 +160,7 @@ def get_into(pool: Any, name: str, key: bytes, place: Place) -> Placed | None:
         return place(nbytes, meta)
 
     return _on_a_connection(
-        pool, [name], lambda replies: replies.value_into(key, place_once), lambda: not called
+        pool, [name], lambda replies: replies.value_into(key, place_once, keys), lambda: not called
     )
 
 
@@ -199,7 +206,9 @@ def _read(conn: Any, read: Callable[[_Replies], T]) -> T:
         raise redis.exceptions.ConnectionError(f"Error while reading from socket: {exc}") from None
 
 
-def get_many(pool: Any, names: Sequence[str], keys: Sequence[bytes]) -> list[Fetched]:
+def get_many(
+    pool: Any, names: Sequence[str], keys: Sequence[bytes], ring: KeyRing | None = None
+) -> list[Fetched]:
     """Pipelined GETs of ``names`` on one pooled connection; ``keys`` are the
     chunk keys each object must hold. Raises redis-py's exceptions."""
-    return _on_a_connection(pool, names, lambda replies: [replies.value(k) for k in keys])
+    return _on_a_connection(pool, names, lambda replies: [replies.value(k, ring) for k in keys])

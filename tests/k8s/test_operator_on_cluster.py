@@ -7,6 +7,8 @@ are created (and mutated by the webhook) but stay Pending.
 
 from __future__ import annotations
 
+import base64
+import json
 import uuid
 from typing import Any
 
@@ -14,6 +16,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from kvstrata.operator import certs
+from kvstrata.operator import encryption as E
 from kvstrata.operator import spec as S
 from kvstrata.operator.reconcile import reconcile
 
@@ -341,3 +344,23 @@ def _webhook_answers(kube, namespace: str) -> bool:
     created = kube.get("v1", "Pod", namespace, probe) or {}
     kube.delete("v1", "Pod", namespace, probe)
     return S.SKIPPED_ANNOTATION in ((created.get("metadata") or {}).get("annotations") or {})
+
+
+def test_encryption_on_gets_a_keys_secret_that_a_second_pass_leaves_alone(
+    kube, namespace, operator, wait_for
+):
+    name = f"enc-{uuid.uuid4().hex[:4]}"
+    kube.apply(kvcache(name, namespace, encryption={"mode": "required", "rotateEvery": "720h"}))
+    current = wait_ready(kube, namespace, name, wait_for)
+    secret = kube.get("v1", "Secret", namespace, E.keys_secret_name(name))
+    assert secret is not None
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == current["metadata"]["uid"]
+    files = {k: base64.b64decode(v) for k, v in secret["data"].items()}
+    writing = json.loads(files[E.INDEX_FILE])["writing"]
+    assert len(files[f"{writing}.key"]) == 32
+    cm = kube.get("v1", "ConfigMap", namespace, S.configmap_name(name))
+    assert S.ENCRYPTION_KEY_DIR in cm["data"]["sidecar.yaml"]
+    before = secret["metadata"]["resourceVersion"]
+    reconcile(current, kube)  # within the rotation period: nothing to change
+    again = kube.get("v1", "Secret", namespace, E.keys_secret_name(name))
+    assert again["metadata"]["resourceVersion"] == before

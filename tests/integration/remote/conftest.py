@@ -26,6 +26,7 @@ import redis.cluster
 
 from kvstrata.sidecar.config import SharedConfig
 from kvstrata.sidecar.keys import ChunkKey, key_hex
+from kvstrata.sidecar.sealing import KeyRing
 from kvstrata.sidecar.tiers.base import Tier
 from kvstrata.sidecar.tiers.disk import DiskTier
 from kvstrata.sidecar.tiers.factory import build_shared_tier
@@ -164,9 +165,9 @@ class Backend:
 def _shared_builder(
     make_config: Callable[..., SharedConfig], raw_for: Callable[[SharedConfig], RawStore]
 ) -> Callable[..., tuple[Tier, RawStore]]:
-    def build(**overrides: Any) -> tuple[Tier, RawStore]:
+    def build(keys: KeyRing | None = None, **overrides: Any) -> tuple[Tier, RawStore]:
         config = make_config(**overrides)
-        tier = build_shared_tier(config)
+        tier = build_shared_tier(config, keys=keys)
         assert tier is not None
         return tier, raw_for(config)
 
@@ -213,8 +214,13 @@ def _file_raw(tier: DiskTier) -> RawStore:
 
 
 def _disk_backend(base: Path) -> Backend:
-    def build(**_: Any) -> tuple[Tier, RawStore]:  # shared-tier settings do not apply
-        tier = DiskTier(base / uuid.uuid4().hex[:8], capacity_bytes=256 << 20)
+    def build(
+        keys: KeyRing | None = None, root: Path | None = None, **_: Any
+    ) -> tuple[Tier, RawStore]:
+        # Shared-tier settings do not apply to the disk tier; its keys and
+        # folder (``root``: tiers on one folder see each other's files) do.
+        where = root if root is not None else base / uuid.uuid4().hex[:8]
+        tier = DiskTier(where, capacity_bytes=256 << 20, keys=keys)
         return tier, _file_raw(tier)
 
     return Backend("disk", "l2", build, None, [])

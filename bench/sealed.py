@@ -1,0 +1,148 @@
+"""``kvstrata bench remote``'s encryption rows: each tier sealed against itself plain.
+
+For Valkey, S3 and the L2 disk tier, the same timed operations as the tier
+rows of :mod:`.remote` (put and get, serial and in batches, interleaved
+reps, the first side alternating), where the "tier" side seals every object
+(AES-256-GCM, one key) and the baseline is the same tier on the same server
+without keys, under a prefix (or folder) of its own. ``ratio`` is sealed /
+plain: the throughput kept with encryption on (issue 40's target: at least
+0.95).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvstrata.bench import remote
+from kvstrata.sidecar.config import SharedConfig
+from kvstrata.sidecar.keys import ChunkKey
+from kvstrata.sidecar.objformat import ChunkMeta
+from kvstrata.sidecar.sealing import KeyRing
+from kvstrata.sidecar.tiers import s3 as s3_tier
+from kvstrata.sidecar.tiers import valkey as valkey_tier
+from kvstrata.sidecar.tiers.base import Tier
+from kvstrata.sidecar.tiers.disk import DiskTier
+from kvstrata.testing.keyfolder import MountedSecret, key_files
+from kvstrata.testing.servers import MotoS3Server, RedisServer
+
+TARGET_RATIO = 0.95
+
+
+def _key_of(name: str) -> ChunkKey:
+    """The chunk key :mod:`.remote` named ``raw:<hex>`` for its baseline side."""
+    return ChunkKey(bytes.fromhex(name.split(":", 1)[1]))
+
+
+def _meta(size: int) -> ChunkMeta:
+    return ChunkMeta(dtype="bfloat16", shape=(size // 2,))
+
+
+def _plain_ops(sealed: Tier, plain: Tier) -> remote._Ops:
+    """:class:`remote._Ops` whose baseline is ``plain``, the same tier without keys."""
+
+    def put(name: str, data: bytes) -> None:
+        if not plain.put(_key_of(name), data, _meta(len(data))):
+            raise RuntimeError("plain tier put failed during the benchmark")
+
+    def get(name: str) -> bytes | None:
+        obj = plain.get(_key_of(name))
+        return None if obj is None else bytes(obj.payload)
+
+    def put_batch(items: list[tuple[str, bytes]]) -> None:
+        batch = [(_key_of(n), d, _meta(len(d))) for n, d in items]
+        if not all(plain.put_many(batch)):
+            raise RuntimeError("plain tier put failed during the benchmark")
+
+    def get_batch(names: list[str]) -> list[Any]:
+        return [
+            None if o is None else o.payload for o in plain.get_many([_key_of(n) for n in names])
+        ]
+
+    ops = remote._Ops(sealed, put, get, plain.clear)
+    ops.raw_put_batch, ops.raw_get_batch = put_batch, get_batch
+    return ops
+
+
+def _rows(sealed: Tier, plain: Tier, params: dict[str, Any]) -> list[dict[str, Any]]:
+    ops = _plain_ops(sealed, plain)
+    try:
+        remote._warm_up(ops)
+        rows: list[dict[str, Any]] = []
+        for i, mib in enumerate(params["sizes_mib"]):
+            rows += remote._measure_size(ops, mib * remote.MiB, params, seed=i)
+    finally:
+        ops.pool.shutdown()
+    # Renamed for what the sides are here: sealed (the "tier" side) and plain.
+    return [
+        {k.replace("tier_", "sealed_").replace("raw_", "plain_"): v for k, v in row.items()}
+        for row in rows
+    ]
+
+
+def _keys(folder: Path) -> KeyRing:
+    MountedSecret(folder).publish(key_files({"bench": os.urandom(32)}, writing="bench"))
+    return KeyRing("required", str(folder))
+
+
+def bench_encryption(
+    valkey: RedisServer, moto: MotoS3Server, s3_secrets: Path, params: dict[str, Any]
+) -> dict[str, Any]:
+    """Sealed / plain rows for Valkey, S3 (single PUTs) and L2 on this machine's disk."""
+    out: dict[str, Any] = {"target_ratio": TARGET_RATIO}
+    with tempfile.TemporaryDirectory(prefix="kvstrata-bench-sealed-") as tmp:
+        keys = _keys(Path(tmp) / "keys")
+
+        def valkey_config(prefix: str) -> SharedConfig:
+            return SharedConfig(
+                backend="valkey",
+                valkey={"url": valkey.url, "timeout_seconds": 10.0, "key_prefix": prefix},
+                lookup_timeout_seconds=1.0,
+            )
+
+        sealed = valkey_tier.ValkeyTier(valkey_config("sealed:"), keys=keys)
+        plain = valkey_tier.ValkeyTier(valkey_config("plain:"))
+        out["valkey"] = _rows(sealed, plain, params)
+        sealed.close()
+        plain.close()
+
+        big = max(params["sizes_mib"]) * 2 * remote.MiB
+
+        def s3_config(prefix: str) -> SharedConfig:
+            return remote._s3_config(moto, s3_secrets, prefix=prefix, multipart_threshold_bytes=big)
+
+        sealed = s3_tier.S3Tier(s3_config("sealed/"), keys=keys)
+        plain = s3_tier.S3Tier(s3_config("plain/"))
+        out["s3"] = _rows(sealed, plain, params)
+        sealed.close()
+        plain.close()
+
+        capacity = 4 * params["bytes_per_run"] + big
+        sealed_l2 = DiskTier(Path(tmp) / "l2-sealed", capacity, keys=keys)
+        plain_l2 = DiskTier(Path(tmp) / "l2-plain", capacity)
+        out["l2"] = _rows(sealed_l2, plain_l2, params)
+    ratios = [
+        r[f"{op}_ratio"] for b in ("valkey", "s3", "l2") for r in out[b] for op in ("put", "get")
+    ]
+    out["median_ratio"] = round(statistics.median(ratios), 3)
+    out["min_ratio"] = min(ratios)
+    return out
+
+
+def format_rows(result: dict[str, Any]) -> list[str]:
+    lines = ["encryption at rest: GB/s sealed vs the same tier plain (ratio = sealed/plain)"]
+    for backend in ("valkey", "s3", "l2"):
+        for r in result[backend]:
+            lines.append(
+                f"  {backend:>6} {r['size_mib']:>4}Mi {r['mode']:>7}"
+                f" put {r['sealed_put_gbps']:.3f}/{r['plain_put_gbps']:.3f} {r['put_ratio']:.2f}"
+                f"  get {r['sealed_get_gbps']:.3f}/{r['plain_get_gbps']:.3f} {r['get_ratio']:.2f}"
+            )
+    lines.append(
+        f"  median ratio {result['median_ratio']}, min {result['min_ratio']}"
+        f" (target >= {result['target_ratio']})"
+    )
+    return lines
