@@ -223,8 +223,20 @@ def test_a_spec_change_rolls_an_annotated_deployment_to_a_new_pod_template(
         return {rs["metadata"]["labels"]["pod-template-hash"] for rs in sets}
 
     initial = wait_for(template_hashes, 60, "the Deployment's first ReplicaSet")
+    # The spec changes only once the first pod exists: a pod the ReplicaSet
+    # creates after the change is injected with the new config already, and
+    # then the operator rightly finds nothing to roll.
+    first_pods = wait_for(
+        lambda: kube.list("v1", "Pod", namespace, f"app={workload}"),
+        60,
+        "the Deployment's first pod",
+    )
+    first_hashes = {
+        (p["metadata"].get("annotations") or {}).get(S.INJECTED_ANNOTATION) for p in first_pods
+    }
     kube.apply(kvcache(name, namespace, l1={"size": "96Mi"}))
     digest = wait_ready(kube, namespace, name, wait_for, generation=2)["status"]["configHash"]
+    assert digest not in first_hashes  # injected (where the webhook runs) with generation 1
 
     def rolled() -> bool:
         found = kube.get("apps/v1", "Deployment", namespace, workload)
