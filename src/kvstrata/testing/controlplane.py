@@ -1,5 +1,5 @@
 """A Kubernetes control plane on loopback for the ``k8s`` suite: etcd, kube-apiserver and
-(when present) kube-controller-manager, no nodes.
+(when present) kube-controller-manager, kube-scheduler and one node.
 
 Why this module exists: the ``k8s`` suite needs a real API server (the
 refusals that matter are its own), and a user with the envtest binaries
@@ -10,6 +10,9 @@ prints such a folder). Without the controller manager there is no garbage
 collection, no Deployment controller and no ``default`` service account;
 the suite then disables the ServiceAccount admission plugin (pods need the
 account to exist) and skips the tests that need the controllers, saying so.
+With ``kube-scheduler`` and ``kubelet`` in the folder too, and a machine
+that can run a node (:func:`node_unavailable` says why not), the control
+plane gets one node (:mod:`kvstrata.testing.node`), stopped before it.
 
 Everything lives in one temporary folder and listens on 127.0.0.1 only, on
 free ports: a CA and a serving certificate for 127.0.0.1 (the API server's
