@@ -17,6 +17,8 @@ import signal
 import subprocess
 from pathlib import Path
 
+from kvstrata.testing.poll import wait_until
+
 CGROUP_V1 = Path("/sys/fs/cgroup")
 
 
@@ -60,8 +62,7 @@ def kill_cgroup_processes(name: str) -> int:
             pids.update(int(p) for p in (folder / "cgroup.procs").read_text().split())
         except OSError:
             continue
-    for pid in pids:
-        _kill(pid)
+    _kill_and_reap(pids)
     return len(pids)
 
 
@@ -78,7 +79,7 @@ def remove_cgroups(name: str) -> list[str]:
 def kill_shims(containerd_socket: Path) -> int:
     """SIGKILL the runc shims this containerd started (their command line names its socket)."""
     needle = str(containerd_socket).encode()
-    killed = 0
+    shims = set()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -87,14 +88,32 @@ def kill_shims(containerd_socket: Path) -> int:
         except OSError:
             continue
         if b"containerd-shim" in cmdline and needle in cmdline:
-            _kill(int(entry.name))
-            killed += 1
-    return killed
+            shims.add(int(entry.name))
+    _kill_and_reap(shims)
+    return len(shims)
 
 
-def _kill(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
+def _kill_and_reap(pids: set[int], timeout: float = 30) -> None:
+    """SIGKILL ``pids`` and wait until they are gone: a shim that is still exiting
+    unmounts its container's rootfs under our feet, racing the unmount step."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    wait_until(
+        lambda: not any(_alive(pid) for pid in pids),
+        timeout,
+        f"processes {sorted(pids)} to exit after SIGKILL",
+        step=0.1,
+    )
+
+
+def _alive(pid: int) -> bool:
+    """Still there and not a zombie (a zombie holds no mount and no cgroup)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def mounts_under(folder: Path) -> list[Path]:
@@ -116,6 +135,7 @@ def unmount_under(folder: Path) -> list[str]:
         done = subprocess.run(["umount", str(point)], capture_output=True, text=True)
         if done.returncode != 0:
             lazy = subprocess.run(["umount", "-l", str(point)], capture_output=True, text=True)
-            if lazy.returncode != 0:
+            # Gone meanwhile (its owner unmounted it, or it went with a parent) is done too.
+            if lazy.returncode != 0 and point in mounts_under(folder):
                 failures.append(f"umount {point}: {lazy.stderr.strip()}")
     return failures
