@@ -272,7 +272,7 @@ def webhook(kube, namespace, webhook_host, tmp_path_factory) -> Iterator[dict[st
     name = f"{namespace}-inject"
     url = f"https://{webhook_host}:{port}/inject"
     kube.apply(webhook_configuration(name, url, bundle.ca_crt, namespace))
-    yield {"port": port, "cert_dir": cert_dir, "config": name, "url": url}
+    yield {"port": port, "cert_dir": cert_dir, "config": name, "url": url, "ca": bundle.ca_crt}
     kube.delete(ADMISSION, "MutatingWebhookConfiguration", "", name)
 
 

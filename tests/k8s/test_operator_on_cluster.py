@@ -346,10 +346,72 @@ def test_a_pod_is_still_created_when_the_webhook_is_down(kube, namespace):
         kube.delete(ADMISSION, "MutatingWebhookConfiguration", "", name)
 
 
-def _webhook_answers(kube, namespace: str) -> bool:
+RESTRICTED_LABEL = {"pod-security.kubernetes.io/enforce": "restricted"}
+
+
+def restricted_pod(name: str, namespace: str, annotations: dict[str, str]) -> dict:
+    """A pod whose own container complies with the restricted Pod Security Standard."""
+    made = pod(name, namespace, annotations)
+    made["spec"]["containers"][0]["securityContext"] = {
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    return made
+
+
+def test_an_injected_pod_is_admitted_where_the_namespace_enforces_restricted(
+    kube, operator, webhook, wait_for, native_sidecars
+):
+    if webhook is None or not native_sidecars:
+        pytest.skip("needs the webhook reachable and native sidecars (Kubernetes 1.29 or later)")
+    restricted = f"kvstrata-restricted-{uuid.uuid4().hex[:6]}"
+    kube.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": restricted, "labels": RESTRICTED_LABEL},
+        }
+    )
+    config = f"{restricted}-inject"
+    kube.apply(webhook_configuration(config, webhook["url"], webhook["ca"], restricted))
+    try:
+        name = f"psa-{uuid.uuid4().hex[:4]}"
+        kube.apply(kvcache(name, restricted))  # read by the webhook; not reconciled here
+
+        def answers() -> bool:
+            try:
+                return _webhook_answers(kube, restricted, restricted_pod)
+            except ApiException as exc:  # the new namespace's default service account, not yet
+                if "serviceaccount" in str(exc).lower():
+                    return False
+                raise
+
+        wait_for(answers, 60, f"the API server to call the webhook for pods of {restricted}")
+        # The API server's PodSecurity admission runs after the mutating webhooks:
+        # it judges the pod with the sidecar and the installer in it.
+        kube.apply(restricted_pod(f"{name}-a", restricted, {S.CACHE_ANNOTATION: name}))
+        admitted = kube.get("v1", "Pod", restricted, f"{name}-a")
+        inits = {c["name"] for c in admitted["spec"]["initContainers"]}
+        assert {"kvstrata-sidecar", "kvstrata-install"} <= inits
+        # The namespace does enforce: a container without a seccomp profile is refused.
+        loose = restricted_pod(f"{name}-b", restricted, {S.CACHE_ANNOTATION: name})
+        del loose["spec"]["containers"][0]["securityContext"]["seccompProfile"]
+        with pytest.raises(ApiException) as refused:
+            kube.apply(loose)
+        assert refused.value.status == 403 and "seccompProfile" in str(refused.value)
+        assert "kvstrata-" not in str(refused.value).split("violates PodSecurity")[-1]
+    finally:
+        kube.delete(ADMISSION, "MutatingWebhookConfiguration", "", config)
+        kube.delete("v1", "Namespace", "", restricted)
+
+
+def _webhook_answers(kube, namespace: str, make=None) -> bool:
     """Create a probe pod that asks for a missing cache; the webhook marks it when up."""
     probe = f"probe-{uuid.uuid4().hex[:6]}"
-    kube.apply(pod(probe, namespace, {S.CACHE_ANNOTATION: "probe-absent"}))
+    kube.apply((make or pod)(probe, namespace, {S.CACHE_ANNOTATION: "probe-absent"}))
     created = kube.get("v1", "Pod", namespace, probe) or {}
     kube.delete("v1", "Pod", namespace, probe)
     return S.SKIPPED_ANNOTATION in ((created.get("metadata") or {}).get("annotations") or {})
