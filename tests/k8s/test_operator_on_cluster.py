@@ -17,7 +17,7 @@ from kvstrata.operator import certs
 from kvstrata.operator import spec as S
 from kvstrata.operator.reconcile import reconcile
 
-from .conftest import ADMISSION, free_port, webhook_configuration
+from .conftest import ADMISSION, REPO, free_port, webhook_configuration
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -380,16 +380,11 @@ def test_an_injected_pod_is_admitted_where_the_namespace_enforces_restricted(
     try:
         name = f"psa-{uuid.uuid4().hex[:4]}"
         kube.apply(kvcache(name, restricted))  # read by the webhook; not reconciled here
-
-        def answers() -> bool:
-            try:
-                return _webhook_answers(kube, restricted, restricted_pod)
-            except ApiException as exc:  # the new namespace's default service account, not yet
-                if "serviceaccount" in str(exc).lower():
-                    return False
-                raise
-
-        wait_for(answers, 60, f"the API server to call the webhook for pods of {restricted}")
+        wait_for(
+            until_account(lambda: _webhook_answers(kube, restricted, restricted_pod)),
+            60,
+            f"the API server to call the webhook for pods of {restricted}",
+        )
         # The API server's PodSecurity admission runs after the mutating webhooks:
         # it judges the pod with the sidecar and the installer in it.
         kube.apply(restricted_pod(f"{name}-a", restricted, {S.CACHE_ANNOTATION: name}))
@@ -406,6 +401,74 @@ def test_an_injected_pod_is_admitted_where_the_namespace_enforces_restricted(
     finally:
         kube.delete(ADMISSION, "MutatingWebhookConfiguration", "", config)
         kube.delete("v1", "Namespace", "", restricted)
+
+
+def until_account(step):
+    """``step`` as a poll condition: "not yet" while the API server refuses pods for want of
+    their namespace's default service account (made by the controller manager just after
+    the namespace)."""
+
+    def attempt():
+        try:
+            return step()
+        except ApiException as exc:
+            if exc.status == 403 and "serviceaccount" in str(exc).lower():
+                return None
+            raise
+
+    return attempt
+
+
+def chart_namespace_selector() -> dict[str, Any]:
+    """The webhook's namespaceSelector as the chart renders it by default."""
+    import helm_python as helm
+    import yaml
+
+    manifests = helm.Chart.load(REPO / "charts" / "kvstrata").render(
+        values={}, name="kvstrata", namespace="kvstrata-system"
+    )
+    for path, text in manifests.items():
+        if not path.endswith(".yaml"):
+            continue  # NOTES.txt
+        for doc in yaml.safe_load_all(text):
+            if doc and doc["kind"] == "MutatingWebhookConfiguration":
+                return doc["webhooks"][0]["namespaceSelector"]
+    raise AssertionError("the chart renders no MutatingWebhookConfiguration")
+
+
+def test_the_api_server_sends_the_webhook_only_pods_of_namespaces_that_opt_in(
+    kube, operator, webhook, wait_for
+):
+    if webhook is None:
+        pytest.skip("needs the webhook reachable from the API server")
+    suffix = uuid.uuid4().hex[:6]
+    opted_in, other = f"kvstrata-optin-{suffix}", f"kvstrata-other-{suffix}"
+    label = {"kvstrata.io/injection": "enabled"}
+    for name, labels in ((opted_in, label), (other, {})):
+        kube.apply(
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}
+        )
+    config = webhook_configuration(f"optin-{suffix}", webhook["url"], webhook["ca"], opted_in)
+    config["webhooks"][0]["namespaceSelector"] = chart_namespace_selector()
+    kube.apply(config)
+    try:
+        # The webhook answers for the labelled namespace (it marks a pod naming no cache) ...
+        wait_for(
+            until_account(lambda: _webhook_answers(kube, opted_in)),
+            60,
+            f"the API server to call the webhook for pods of {opted_in}",
+        )
+        # ... and is never asked about the same pod in a namespace without the label.
+        unsent = pod("unsent", other, {S.CACHE_ANNOTATION: "probe-absent"})
+        created = wait_for(
+            until_account(lambda: kube.apply(unsent)), 60, f"a pod created in {other}"
+        )
+        assert created is not None
+        assert S.SKIPPED_ANNOTATION not in (created["metadata"].get("annotations") or {})
+    finally:
+        kube.delete(ADMISSION, "MutatingWebhookConfiguration", "", config["metadata"]["name"])
+        for name in (opted_in, other):
+            kube.delete("v1", "Namespace", "", name)
 
 
 def _webhook_answers(kube, namespace: str, make=None) -> bool:
