@@ -280,3 +280,15 @@ def test_an_empty_namespace_label_sends_every_namespace_but_the_excluded_ones():
 def test_helm_refuses_a_namespace_label_without_a_value_separator():
     with pytest.raises(helm.HelmError, match="namespaceLabel"):
         render({"webhook": {"namespaceLabel": "kvstrata.io/injection"}})
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["webhook", "no-webhook"])
+def test_the_operator_is_ready_only_once_it_serves_what_its_service_sends_it(enabled):
+    container = operator_container(render({"webhook": {"enabled": enabled}}))
+    probe = container["readinessProbe"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    if enabled:
+        # The webhook Service targets the port "webhook": ready when that port listens.
+        assert probe["tcpSocket"]["port"] == "webhook" and "webhook" in ports
+    else:
+        assert probe["httpGet"] == {"path": "/healthz", "port": "health"}
