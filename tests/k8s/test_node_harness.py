@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import tarfile
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,52 @@ def test_a_mount_gone_between_listing_and_unmounting_is_not_a_failure(tmp_path, 
     listings = iter([[stale], [stale]])
     (failure,) = nodeclean.unmount_under(tmp_path)
     assert failure.startswith(f"umount {stale}: umount: ")  # umount's own message follows
+
+
+def test_a_node_that_fails_fails_the_control_plane_start_and_stops_it_all(tmp_path):
+    if os.geteuid() != 0 or nodemod.missing_tools():
+        pytest.skip(f"a node needs root and {', '.join(nodemod.missing_tools()) or 'root'}")
+    try:
+        found = cp.find_assets()
+    except cp.ControlPlaneError:
+        found = None
+    if found is None or found.kube_controller_manager is None or found.kube_scheduler is None:
+        pytest.skip(f"{cp.ASSETS_ENV} names no folder with a whole control plane")
+    # The real control plane; a kubelet stand-in that refuses its flags, as a wrong binary would.
+    kubelet = stand_in(tmp_path, "kubelet", 'echo "E: unknown flag: $1" >&2; exit 1')
+    assets = cp.Assets(
+        found.etcd,
+        found.kube_apiserver,
+        found.kube_controller_manager,
+        found.kube_scheduler,
+        kubelet,
+    )
+    plane = cp.ControlPlane(assets, tmp_path / "plane")
+    before = node_traces()
+    with pytest.raises(cp.ControlPlaneError, match="the node did not start: kubelet exited with 1"):
+        plane.start()
+    assert plane.processes == [] and plane.node is None
+    assert nodeclean.mounts_under(tmp_path) == []
+    assert node_traces() == before  # no bridge, cgroup or socket folder of its own left
+
+
+def node_traces() -> set[str]:
+    """The bridges, cgroup roots and socket folders a node names after itself."""
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    found = {f"link {line.split(':')[1].strip()}" for line in links.splitlines()}
+    for hierarchy in nodeclean.cgroup_hierarchies():
+        found |= {f"cgroup {p}" for p in hierarchy.glob("kvstrata-*")}
+    found |= {f"sockets {p}" for p in Path(tempfile.gettempdir()).glob("kvs-*")}
+    return {t for t in found if "kvs" in t}
+
+
+def test_containerd_sockets_stay_within_the_unix_path_limit_under_a_deep_folder(tmp_path):
+    # containerd refuses a socket path over 104 bytes ("unix socket path too long"), and
+    # its ttrpc socket is the grpc one plus ".ttrpc"; pytest's folders can be deeper.
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    node = nodemod.Node(Path("kubelet"), deep, tmp_path / "kubeconfig", lambda _: False)
+    ttrpc = f"{node.paths.socket}.ttrpc"
+    assert len(ttrpc.encode()) <= 104
+    config = nodemod.containerd_config(node.paths, Path("/usr/lib/cni"), Path("/usr/sbin/runc"))
+    assert f'address = "{ttrpc}"' in config
+    assert node.paths.containerd_state.is_relative_to(deep)  # all else stays in the folder

@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstrata.testing.node import Node, missing_tools
+from kvstrata.testing.node import Node, NodeError, missing_tools
 from kvstrata.testing.processes import ProcessSet
 
 ASSETS_ENV = "KUBEBUILDER_ASSETS"
@@ -349,7 +349,10 @@ class ControlPlane:
                     self.files.kubeconfig,
                     self._node_ready,
                 )
-                self.node.start()
+                try:
+                    self.node.start()
+                except NodeError as exc:
+                    raise ControlPlaneError(f"the node did not start: {exc}") from exc
         except BaseException:
             self.stop()
             raise

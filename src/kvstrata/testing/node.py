@@ -34,6 +34,7 @@ import json
 import secrets
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,11 +61,17 @@ def missing_tools() -> list[str]:
     return missing
 
 
+# containerd refuses a socket path longer than this (its ttrpc socket adds ".ttrpc"),
+# and a pytest temporary folder can be deeper: the sockets get a short folder of their own.
+SOCKET_PATH_MAX = 104
+
+
 @dataclass(frozen=True, slots=True)
 class NodePaths:
-    """The node's folders and files, all under ``root``."""
+    """The node's folders and files, all under ``root`` but for containerd's sockets."""
 
     root: Path
+    socket_dir: Path  # short: /tmp/kvs-<id>
 
     @property
     def containerd_root(self) -> Path:
@@ -80,7 +87,7 @@ class NodePaths:
 
     @property
     def socket(self) -> Path:
-        return self.root / "containerd" / "containerd.sock"
+        return self.socket_dir / "containerd.sock"
 
     @property
     def cni_conf_dir(self) -> Path:
@@ -206,7 +213,7 @@ class Node:
     ) -> None:
         suffix = secrets.token_hex(3)
         self.kubelet = kubelet
-        self.paths = NodePaths(workdir)
+        self.paths = NodePaths(workdir, Path(tempfile.gettempdir()) / f"kvs-{suffix}")
         self.kubeconfig = kubeconfig
         self.node_ready = node_ready
         self.name = f"kvstrata-node-{suffix}"
@@ -223,6 +230,7 @@ class Node:
             raise NodeError(f"this machine lacks {', '.join(missing)} for a node")
         self.paths.root.mkdir(parents=True, exist_ok=True)
         try:
+            self.paths.socket_dir.mkdir(mode=0o700)
             self.pod_network = self.network.create()
             nodeclean.make_cgroup_root(self.cgroup_root)
             self._start_containerd(timeout)
@@ -285,5 +293,6 @@ class Node:
         failures = nodeclean.unmount_under(self.paths.root)
         failures += nodeclean.remove_cgroups(self.cgroup_root)
         failures += self.network.remove()
+        shutil.rmtree(self.paths.socket_dir, ignore_errors=True)  # ours alone: named by our id
         if failures:
             raise NodeError("the node left behind:\n" + "\n".join(failures))
