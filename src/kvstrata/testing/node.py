@@ -21,7 +21,7 @@ What it sets, and why:
 - a kubelet (``KubeletConfiguration`` v1beta1) with its own root, pod-log and
   certificate folders, a cgroup root of its own (``/kvstrata-<id>`` in every
   hierarchy), ``failCgroupV1: false`` (cgroup v1 machines still work; the
-  kubelet refuses them by default from 1.35), swap tolerated, eviction and
+  newest kubelets refuse them by default; 1.29 ignores the field), swap tolerated, eviction and
   image GC thresholds low enough that a full shared disk does not evict the
   suite's pods, and its API (port, node IP only) open to the API server
   without client certificates: the address is a private bridge address this
