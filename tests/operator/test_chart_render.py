@@ -19,6 +19,7 @@ import yaml
 from kvstrata import __version__
 from kvstrata.operator import spec as S
 from kvstrata.testing.apirules import selector_matches
+from kvstrata.testing.podsecurity import restricted_violations
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kvstrata"
@@ -292,3 +293,8 @@ def test_the_operator_is_ready_only_once_it_serves_what_its_service_sends_it(ena
         assert probe["tcpSocket"]["port"] == "webhook" and "webhook" in ports
     else:
         assert probe["httpGet"] == {"path": "/healthz", "port": "health"}
+
+
+def test_the_operator_pod_is_admitted_where_the_namespace_enforces_restricted():
+    template = one(render(), "Deployment")["spec"]["template"]
+    assert restricted_violations({"spec": template["spec"]}) == []
