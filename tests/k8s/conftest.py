@@ -18,8 +18,12 @@ The suite is skipped only when none of these is there, saying so; a
 does not start, or a configured cluster that cannot be reached or refuses
 the credentials fails every test.
 
-Nothing here waits for a pod to run: the suite passes against a control
-plane with no nodes at all (etcd + kube-apiserver + kube-controller-manager).
+When the ``KUBEBUILDER_ASSETS`` folder also holds ``kube-scheduler`` and
+``kubelet`` and the machine has containerd, runc, the CNI plugins and root,
+the control plane gets one node (:mod:`kvstrata.testing.node`) and the
+tests that run pods (the ``node`` fixture) run; otherwise they skip, saying
+which of these is missing. Every other test passes against a control plane
+with no nodes at all (etcd + kube-apiserver + kube-controller-manager).
 
 The operator runs out of cluster as ``python -m kvstrata.cli operator``,
 watching one fresh namespace, with the webhook on this machine. The API
@@ -102,6 +106,19 @@ def controllers(own_control_plane) -> None:
             f"{ASSETS_ENV} has no kube-controller-manager: no garbage collector or "
             "Deployment controller on this control plane"
         )
+
+
+@pytest.fixture(scope="session")
+def node(own_control_plane):
+    """The suite's own node (:class:`kvstrata.testing.node.Node`); skip, saying why, without."""
+    if own_control_plane is None:
+        pytest.skip(
+            f"no node of the suite's own: {ASSETS_ENV} is not set (a configured cluster's "
+            "nodes cannot load the suite's local images)"
+        )
+    if own_control_plane.node is None:
+        pytest.skip(f"no node: {own_control_plane.no_node_reason}")
+    return own_control_plane.node
 
 
 @pytest.fixture(scope="session")
@@ -255,7 +272,7 @@ def webhook(kube, namespace, webhook_host, tmp_path_factory) -> Iterator[dict[st
     name = f"{namespace}-inject"
     url = f"https://{webhook_host}:{port}/inject"
     kube.apply(webhook_configuration(name, url, bundle.ca_crt, namespace))
-    yield {"port": port, "cert_dir": cert_dir, "config": name, "url": url}
+    yield {"port": port, "cert_dir": cert_dir, "config": name, "url": url, "ca": bundle.ca_crt}
     kube.delete(ADMISSION, "MutatingWebhookConfiguration", "", name)
 
 

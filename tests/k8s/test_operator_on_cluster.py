@@ -20,7 +20,7 @@ from kvstrata.operator import encryption as E
 from kvstrata.operator import spec as S
 from kvstrata.operator.reconcile import reconcile
 
-from .conftest import ADMISSION, free_port, webhook_configuration
+from .conftest import ADMISSION, REPO, free_port, webhook_configuration
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -226,8 +226,20 @@ def test_a_spec_change_rolls_an_annotated_deployment_to_a_new_pod_template(
         return {rs["metadata"]["labels"]["pod-template-hash"] for rs in sets}
 
     initial = wait_for(template_hashes, 60, "the Deployment's first ReplicaSet")
+    # The spec changes only once the first pod exists: a pod the ReplicaSet
+    # creates after the change is injected with the new config already, and
+    # then the operator rightly finds nothing to roll.
+    first_pods = wait_for(
+        lambda: kube.list("v1", "Pod", namespace, f"app={workload}"),
+        60,
+        "the Deployment's first pod",
+    )
+    first_hashes = {
+        (p["metadata"].get("annotations") or {}).get(S.INJECTED_ANNOTATION) for p in first_pods
+    }
     kube.apply(kvcache(name, namespace, l1={"size": "96Mi"}))
     digest = wait_ready(kube, namespace, name, wait_for, generation=2)["status"]["configHash"]
+    assert digest not in first_hashes  # injected (where the webhook runs) with generation 1
 
     def rolled() -> bool:
         found = kube.get("apps/v1", "Deployment", namespace, workload)
@@ -337,10 +349,135 @@ def test_a_pod_is_still_created_when_the_webhook_is_down(kube, namespace):
         kube.delete(ADMISSION, "MutatingWebhookConfiguration", "", name)
 
 
-def _webhook_answers(kube, namespace: str) -> bool:
+RESTRICTED_LABEL = {"pod-security.kubernetes.io/enforce": "restricted"}
+
+
+def restricted_pod(name: str, namespace: str, annotations: dict[str, str]) -> dict:
+    """A pod whose own container complies with the restricted Pod Security Standard."""
+    made = pod(name, namespace, annotations)
+    made["spec"]["containers"][0]["securityContext"] = {
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    return made
+
+
+def test_an_injected_pod_is_admitted_where_the_namespace_enforces_restricted(
+    kube, operator, webhook, wait_for, native_sidecars
+):
+    if webhook is None or not native_sidecars:
+        pytest.skip("needs the webhook reachable and native sidecars (Kubernetes 1.29 or later)")
+    restricted = f"kvstrata-restricted-{uuid.uuid4().hex[:6]}"
+    kube.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": restricted, "labels": RESTRICTED_LABEL},
+        }
+    )
+    config = f"{restricted}-inject"
+    kube.apply(webhook_configuration(config, webhook["url"], webhook["ca"], restricted))
+    try:
+        name = f"psa-{uuid.uuid4().hex[:4]}"
+        kube.apply(kvcache(name, restricted))  # read by the webhook; not reconciled here
+        wait_for(
+            until_account(lambda: _webhook_answers(kube, restricted, restricted_pod)),
+            60,
+            f"the API server to call the webhook for pods of {restricted}",
+        )
+        # The API server's PodSecurity admission runs after the mutating webhooks:
+        # it judges the pod with the sidecar and the installer in it.
+        kube.apply(restricted_pod(f"{name}-a", restricted, {S.CACHE_ANNOTATION: name}))
+        admitted = kube.get("v1", "Pod", restricted, f"{name}-a")
+        inits = {c["name"] for c in admitted["spec"]["initContainers"]}
+        assert {"kvstrata-sidecar", "kvstrata-install"} <= inits
+        # The namespace does enforce: a container without a seccomp profile is refused.
+        loose = restricted_pod(f"{name}-b", restricted, {S.CACHE_ANNOTATION: name})
+        del loose["spec"]["containers"][0]["securityContext"]["seccompProfile"]
+        with pytest.raises(ApiException) as refused:
+            kube.apply(loose)
+        assert refused.value.status == 403 and "seccompProfile" in str(refused.value)
+        assert "kvstrata-" not in str(refused.value).split("violates PodSecurity")[-1]
+    finally:
+        kube.delete(ADMISSION, "MutatingWebhookConfiguration", "", config)
+        kube.delete("v1", "Namespace", "", restricted)
+
+
+def until_account(step):
+    """``step`` as a poll condition: "not yet" while the API server refuses pods for want of
+    their namespace's default service account (made by the controller manager just after
+    the namespace)."""
+
+    def attempt():
+        try:
+            return step()
+        except ApiException as exc:
+            if exc.status == 403 and "serviceaccount" in str(exc).lower():
+                return None
+            raise
+
+    return attempt
+
+
+def chart_namespace_selector() -> dict[str, Any]:
+    """The webhook's namespaceSelector as the chart renders it by default."""
+    import helm_python as helm
+    import yaml
+
+    manifests = helm.Chart.load(REPO / "charts" / "kvstrata").render(
+        values={}, name="kvstrata", namespace="kvstrata-system"
+    )
+    for path, text in manifests.items():
+        if not path.endswith(".yaml"):
+            continue  # NOTES.txt
+        for doc in yaml.safe_load_all(text):
+            if doc and doc["kind"] == "MutatingWebhookConfiguration":
+                return doc["webhooks"][0]["namespaceSelector"]
+    raise AssertionError("the chart renders no MutatingWebhookConfiguration")
+
+
+def test_the_api_server_sends_the_webhook_only_pods_of_namespaces_that_opt_in(
+    kube, operator, webhook, wait_for
+):
+    if webhook is None:
+        pytest.skip("needs the webhook reachable from the API server")
+    suffix = uuid.uuid4().hex[:6]
+    opted_in, other = f"kvstrata-optin-{suffix}", f"kvstrata-other-{suffix}"
+    label = {"kvstrata.io/injection": "enabled"}
+    for name, labels in ((opted_in, label), (other, {})):
+        kube.apply(
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}
+        )
+    config = webhook_configuration(f"optin-{suffix}", webhook["url"], webhook["ca"], opted_in)
+    config["webhooks"][0]["namespaceSelector"] = chart_namespace_selector()
+    kube.apply(config)
+    try:
+        # The webhook answers for the labelled namespace (it marks a pod naming no cache) ...
+        wait_for(
+            until_account(lambda: _webhook_answers(kube, opted_in)),
+            60,
+            f"the API server to call the webhook for pods of {opted_in}",
+        )
+        # ... and is never asked about the same pod in a namespace without the label.
+        unsent = pod("unsent", other, {S.CACHE_ANNOTATION: "probe-absent"})
+        created = wait_for(
+            until_account(lambda: kube.apply(unsent)), 60, f"a pod created in {other}"
+        )
+        assert created is not None
+        assert S.SKIPPED_ANNOTATION not in (created["metadata"].get("annotations") or {})
+    finally:
+        kube.delete(ADMISSION, "MutatingWebhookConfiguration", "", config["metadata"]["name"])
+        for name in (opted_in, other):
+            kube.delete("v1", "Namespace", "", name)
+
+
+def _webhook_answers(kube, namespace: str, make=None) -> bool:
     """Create a probe pod that asks for a missing cache; the webhook marks it when up."""
     probe = f"probe-{uuid.uuid4().hex[:6]}"
-    kube.apply(pod(probe, namespace, {S.CACHE_ANNOTATION: "probe-absent"}))
+    kube.apply((make or pod)(probe, namespace, {S.CACHE_ANNOTATION: "probe-absent"}))
     created = kube.get("v1", "Pod", namespace, probe) or {}
     kube.delete("v1", "Pod", namespace, probe)
     return S.SKIPPED_ANNOTATION in ((created.get("metadata") or {}).get("annotations") or {})

@@ -18,6 +18,8 @@ import yaml
 
 from kvstrata import __version__
 from kvstrata.operator import spec as S
+from kvstrata.testing.apirules import selector_matches
+from kvstrata.testing.podsecurity import restricted_violations
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kvstrata"
@@ -245,3 +247,54 @@ def test_the_operator_metrics_port_is_served_by_a_service_its_servicemonitor_sel
     assert selects[0]["spec"]["endpoints"][0]["port"] == "metrics"
     # ... and the sidecars' ServiceMonitor does not pick the operator's Service up.
     assert len(monitors) == 2
+
+
+def namespace_labels(name: str, **labels: str) -> dict[str, str]:
+    """A namespace's labels as the API server holds them (it sets the name label itself)."""
+    return {"kubernetes.io/metadata.name": name, **labels}
+
+
+@pytest.mark.parametrize(
+    "values", [{}, {"operator": {"watchNamespaces": ["ml", "team-b"]}}], ids=["all", "some"]
+)
+def test_the_webhook_is_sent_only_the_pods_of_namespaces_that_opt_in(values):
+    (webhook,) = one(render(values), "MutatingWebhookConfiguration")["webhooks"]
+    selector = webhook["namespaceSelector"]
+    opted_in = {"kvstrata.io/injection": "enabled"}
+    assert selector_matches(selector, namespace_labels("ml", **opted_in))
+    # Pods of namespaces that did not opt in are never sent: they never wait on the operator.
+    assert not selector_matches(selector, namespace_labels("ml"))
+    assert not selector_matches(selector, namespace_labels("ml", **{"kvstrata.io/injection": "no"}))
+    for excluded in ("kube-system", RELEASE_NS):
+        assert not selector_matches(selector, namespace_labels(excluded, **opted_in))
+
+
+def test_an_empty_namespace_label_sends_every_namespace_but_the_excluded_ones():
+    (webhook,) = one(render({"webhook": {"namespaceLabel": ""}}), "MutatingWebhookConfiguration")[
+        "webhooks"
+    ]
+    assert "matchLabels" not in webhook["namespaceSelector"]
+    assert selector_matches(webhook["namespaceSelector"], namespace_labels("ml"))
+    assert not selector_matches(webhook["namespaceSelector"], namespace_labels("kube-system"))
+
+
+def test_helm_refuses_a_namespace_label_without_a_value_separator():
+    with pytest.raises(helm.HelmError, match="namespaceLabel"):
+        render({"webhook": {"namespaceLabel": "kvstrata.io/injection"}})
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["webhook", "no-webhook"])
+def test_the_operator_is_ready_only_once_it_serves_what_its_service_sends_it(enabled):
+    container = operator_container(render({"webhook": {"enabled": enabled}}))
+    probe = container["readinessProbe"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    if enabled:
+        # The webhook Service targets the port "webhook": ready when that port listens.
+        assert probe["tcpSocket"]["port"] == "webhook" and "webhook" in ports
+    else:
+        assert probe["httpGet"] == {"path": "/healthz", "port": "health"}
+
+
+def test_the_operator_pod_is_admitted_where_the_namespace_enforces_restricted():
+    template = one(render(), "Deployment")["spec"]["template"]
+    assert restricted_violations({"spec": template["spec"]}) == []

@@ -456,3 +456,27 @@ def service_targets(service_obj: Mapping[str, Any], pods: Iterable[Mapping[str, 
             if isinstance(target, str) and target not in named:
                 out.append(f"targetPort {target!r} is no container port of the pod ({named})")
     return out
+
+
+# -- apimachinery: label selectors, as the API server evaluates a webhook's ---------------
+
+
+def selector_matches(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    """apimachinery ``metav1.LabelSelectorAsSelector``: every term must hold; an empty
+    selector matches everything. How the API server picks the namespaces (and objects)
+    a webhook is sent (``namespaceSelector`` / ``objectSelector``)."""
+    for key, value in (selector.get("matchLabels") or {}).items():
+        if labels.get(key) != value:
+            return False
+    for term in selector.get("matchExpressions") or []:
+        key, op, values = term["key"], term["operator"], term.get("values") or []
+        present = key in labels
+        if op == "In" and not (present and labels[key] in values):
+            return False
+        if op == "NotIn" and present and labels[key] in values:
+            return False
+        if op == "Exists" and not present:
+            return False
+        if op == "DoesNotExist" and present:
+            return False
+    return True

@@ -1,5 +1,5 @@
 """A Kubernetes control plane on loopback for the ``k8s`` suite: etcd, kube-apiserver and
-(when present) kube-controller-manager, no nodes.
+(when present) kube-controller-manager, kube-scheduler and one node.
 
 Why this module exists: the ``k8s`` suite needs a real API server (the
 refusals that matter are its own), and a user with the envtest binaries
@@ -10,6 +10,9 @@ prints such a folder). Without the controller manager there is no garbage
 collection, no Deployment controller and no ``default`` service account;
 the suite then disables the ServiceAccount admission plugin (pods need the
 account to exist) and skips the tests that need the controllers, saying so.
+With ``kube-scheduler`` and ``kubelet`` in the folder too, and a machine
+that can run a node (:func:`node_unavailable` says why not), the control
+plane gets one node (:mod:`kvstrata.testing.node`), stopped before it.
 
 Everything lives in one temporary folder and listens on 127.0.0.1 only, on
 free ports: a CA and a serving certificate for 127.0.0.1 (the API server's
@@ -31,12 +34,14 @@ import secrets
 import socket
 import ssl
 import subprocess
+import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstrata.testing.poll import wait_until
+from kvstrata.testing.node import Node, NodeError, missing_tools
+from kvstrata.testing.processes import ProcessSet
 
 ASSETS_ENV = "KUBEBUILDER_ASSETS"
 ADMIN_USER = "kvstrata-admin"
@@ -53,6 +58,18 @@ class Assets:
     etcd: Path
     kube_apiserver: Path
     kube_controller_manager: Path | None
+    kube_scheduler: Path | None = None
+    kubelet: Path | None = None
+
+    @property
+    def node_missing(self) -> list[str]:
+        """What the folder lacks for a one-node cluster (empty when it has it all)."""
+        wanted = {
+            "kube-controller-manager": self.kube_controller_manager,
+            "kube-scheduler": self.kube_scheduler,
+            "kubelet": self.kubelet,
+        }
+        return [name for name, path in wanted.items() if path is None]
 
 
 def find_assets(environ: Mapping[str, str] | None = None) -> Assets | None:
@@ -80,7 +97,13 @@ def find_assets(environ: Mapping[str, str] | None = None) -> Assets | None:
             "kube-controller-manager)"
         )
     assert etcd is not None and apiserver is not None
-    return Assets(etcd, apiserver, binary("kube-controller-manager"))
+    return Assets(
+        etcd,
+        apiserver,
+        binary("kube-controller-manager"),
+        binary("kube-scheduler"),
+        binary("kubelet"),
+    )
 
 
 def free_port() -> int:
@@ -214,6 +237,9 @@ def apiserver_args(
         f"--service-account-signing-key-file={files.sa_key}",
         f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
         "--allow-privileged=true",
+        # Webhooks (and aggregated APIs) behind a Service are dialled at an
+        # endpoint's pod IP, not the ClusterIP: no kube-proxy runs here.
+        "--enable-aggregator-routing=true",
     ]
     if not service_account_admission:
         # No controller manager, no "default" service account: the plugin
@@ -235,6 +261,28 @@ def controller_manager_args(binary: Path, files: Files) -> list[str]:
     ]
 
 
+def scheduler_args(binary: Path, files: Files) -> list[str]:
+    return [
+        str(binary),
+        f"--kubeconfig={files.kubeconfig}",
+        "--leader-elect=false",
+        "--bind-address=127.0.0.1",
+        "--secure-port=0",  # serves nothing: the suite reads pods' status, not its metrics
+    ]
+
+
+def node_unavailable(assets: Assets) -> str | None:
+    """Why this machine and folder give no node; None when they do."""
+    if assets.node_missing:
+        return f"{ASSETS_ENV} has no {', '.join(assets.node_missing)}"
+    if os.geteuid() != 0:
+        return "a node (containerd, kubelet, mounts, cgroups, a bridge) needs root"
+    missing = missing_tools()
+    if missing:
+        return f"this machine lacks {', '.join(missing)}"
+    return None
+
+
 class ControlPlane:
     """Start with :meth:`start`, which returns the kubeconfig path; :meth:`stop` ends it all."""
 
@@ -242,48 +290,35 @@ class ControlPlane:
         self.assets = assets
         self.workdir = workdir
         self.files = Files(workdir / "pki")
-        self.processes: list[tuple[str, subprocess.Popen]] = []
+        self.running = ProcessSet(workdir, ControlPlaneError)
         self.server = ""
+        self.node: Node | None = None
+        # Why there is no node, for the tests that need one to say when they skip.
+        self.no_node_reason = node_unavailable(assets)
+
+    @property
+    def processes(self) -> list[tuple[str, subprocess.Popen]]:
+        return self.running.processes
 
     @property
     def has_controller_manager(self) -> bool:
         return self.assets.kube_controller_manager is not None
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = (self.workdir / f"{name}.log").open("wb")
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir)
-        log.close()
-        self.processes.append((name, process))
-        return process
-
     def log_tail(self, name: str, size: int = 3000) -> str:
-        path = self.workdir / f"{name}.log"
-        return path.read_text(errors="replace")[-size:] if path.exists() else ""
-
-    def _wait(self, name: str, process: subprocess.Popen, ready, timeout: float) -> None:
-        def up() -> bool:
-            if process.poll() is not None:
-                raise ControlPlaneError(
-                    f"{name} exited with {process.returncode}:\n{self.log_tail(name)}"
-                )
-            try:
-                return ready()
-            except OSError:
-                return False
-
-        wait_until(up, timeout, f"{name} to answer", step=0.25, error=ControlPlaneError)
+        return self.running.log_tail(name, size)
 
     def start_etcd(self, timeout: float = 60) -> str:
         client_port, peer_port = free_port(), free_port()
         data = self.workdir / "etcd-data"
-        process = self._spawn("etcd", etcd_args(self.assets.etcd, data, client_port, peer_port))
+        args = etcd_args(self.assets.etcd, data, client_port, peer_port)
+        process = self.running.spawn("etcd", args)
         url = f"http://127.0.0.1:{client_port}"
 
         def healthy() -> bool:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
                 return json.loads(answer.read()).get("health") == "true"
 
-        self._wait("etcd", process, healthy, timeout)
+        self.running.wait("etcd", process, healthy, timeout)
         return url
 
     def start(self, timeout: float = 120) -> Path:
@@ -296,13 +331,28 @@ class ControlPlane:
             args = apiserver_args(
                 self.assets.kube_apiserver, self.files, etcd_url, port, self.has_controller_manager
             )
-            process = self._spawn("kube-apiserver", args)
-            self._wait("kube-apiserver", process, self._api_ready, timeout)
+            process = self.running.spawn("kube-apiserver", args)
+            self.running.wait("kube-apiserver", process, self._api_ready, timeout)
             if self.assets.kube_controller_manager is not None:
-                self._spawn(
+                self.running.spawn(
                     "kube-controller-manager",
                     controller_manager_args(self.assets.kube_controller_manager, self.files),
                 )
+            if self.assets.kube_scheduler is not None:
+                self.running.spawn(
+                    "kube-scheduler", scheduler_args(self.assets.kube_scheduler, self.files)
+                )
+            if self.no_node_reason is None and self.assets.kubelet is not None:
+                self.node = Node(
+                    self.assets.kubelet,
+                    self.workdir / "node",
+                    self.files.kubeconfig,
+                    self._node_ready,
+                )
+                try:
+                    self.node.start()
+                except NodeError as exc:
+                    raise ControlPlaneError(f"the node did not start: {exc}") from exc
         except BaseException:
             self.stop()
             raise
@@ -319,15 +369,31 @@ class ControlPlane:
         except urllib.error.HTTPError:
             return False  # 500 while its post-start hooks run
 
+    def _get(self, path: str) -> dict | None:
+        """GET ``path`` from the API server as the admin; None for 404."""
+        context = ssl.create_default_context(cafile=str(self.files.ca))
+        request = urllib.request.Request(
+            f"{self.server}{path}", headers={"Authorization": f"Bearer {self.files.token}"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=5, context=context) as answer:
+                return json.loads(answer.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return None
+            raise
+
+    def _node_ready(self, name: str) -> bool:
+        found = self._get(f"/api/v1/nodes/{name}") or {}
+        conditions = (found.get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
     def stop(self) -> None:
-        """Terminate the processes, newest first (the controller manager before its server)."""
-        for _, process in reversed(self.processes):
-            if process.poll() is None:
-                process.terminate()
-        for _, process in reversed(self.processes):
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        self.processes.clear()
+        """Stop the node (it needs the API server no more), then the control plane's
+        processes, newest first (the controller manager before its server)."""
+        try:
+            if self.node is not None:
+                self.node.stop()
+                self.node = None
+        finally:
+            self.running.stop()
