@@ -122,6 +122,7 @@ class StorageManager:
             config.l1.policy,
             config.l1.prefix_aware,
             namespace_quota=config.l1.namespace_quota_bytes,
+            young_seconds=config.young_eviction_seconds,
         )
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -139,6 +140,7 @@ class StorageManager:
                     config.l2.size_bytes,
                     namespace_quota=config.l2.namespace_quota_bytes,
                     direct=config.l2.direct_io,
+                    young_seconds=config.young_eviction_seconds,
                 )
             self._wb = WriteBehind(
                 config, self.arena, self._store, self._lock, self._count, self.l2, shared_tier
@@ -643,6 +645,7 @@ class StorageManager:
                 hits_total=self._hits,
                 misses_total=self._misses,
                 evictions_total=store.evictions_total,
+                young_evictions_total=store.young_evictions_total,
             )
             counters = dict(self._counters)
             counters["leases_active"] = len(self._leases)
@@ -651,6 +654,7 @@ class StorageManager:
             counters["writeback_backlog"] = self._wb.backlog
             counters["l1_free_largest_bytes"] = store.allocator.largest_free
             counters["prefetched_bytes_total"] = self._prefetched_bytes
+            counters["queued_loads"] = self._prefetcher.queued()
         tiers = {"l1": l1}
         for tier in (self.l2, self.shared):
             if tier is not None:

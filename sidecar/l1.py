@@ -32,6 +32,8 @@ the index at once and its extent is freed when the last pin goes.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -65,6 +67,9 @@ class Entry:
     # The shared tier already held other bytes under this key: this copy was
     # dropped, and so is its L2 copy when that write ends (kvstrata.sidecar.writeback).
     yielded: bool = False
+    # When it became READY (the store's clock): its age at eviction tells thrash apart
+    # from the turnover of a cold cache.
+    published_at: float = 0.0
 
 
 class L1Store:
@@ -77,14 +82,20 @@ class L1Store:
         prefix_aware: bool = False,
         alignment: int = 256,
         namespace_quota: int | None = None,
+        young_seconds: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.namespace_quota = namespace_quota
+        # An eviction of an entry READY for less than this counts as young (thrash).
+        self.young_seconds = young_seconds
+        self._clock = clock
         self.namespace_bytes: dict[bytes, int] = {}
         self.allocator = ExtentAllocator(size, alignment)
         self.policy: EvictionPolicy = make_policy(policy, self.allocator.size, prefix_aware)
         self.entries: dict[ChunkKey, Entry] = {}
         self.evictions_total = 0
         self.evicted_bytes_total = 0
+        self.young_evictions_total = 0
         self.ready_bytes = 0
         # Told when a chunk becomes READY and when a READY chunk leaves (KV events).
         self.events: TierEvents | None = None
@@ -137,9 +148,7 @@ class L1Store:
             if not self._evictable(entry, partials_only):
                 continue
             assert entry is not None  # _evictable says so
-            self._drop(entry)
-            self.evictions_total += 1
-            self.evicted_bytes_total += entry.length
+            self._evict(entry)
             if self.namespace_bytes.get(namespace, 0) + nbytes <= quota:
                 return True
         return False
@@ -157,17 +166,24 @@ class L1Store:
             if not self._evictable(entry, partials_only):
                 continue
             assert entry is not None  # _evictable says so
-            self._drop(entry)
-            self.evictions_total += 1
-            self.evicted_bytes_total += entry.length
+            self._evict(entry)
             offset = self.allocator.alloc(nbytes)
             if offset is not None:
                 return offset
         return None
 
+    def _evict(self, entry: Entry) -> None:
+        """Drop an evictable entry for room, counting it (young: see ``young_seconds``)."""
+        self._drop(entry)
+        self.evictions_total += 1
+        self.evicted_bytes_total += entry.length
+        if self._clock() - entry.published_at < self.young_seconds:
+            self.young_evictions_total += 1
+
     def publish(self, entry: Entry) -> None:
         """WRITING -> READY: visible to lookups, known to the policy."""
         entry.state = READY
+        entry.published_at = self._clock()
         self.ready_bytes += entry.length
         self.policy.on_insert(entry.key, entry.length, entry.parent)
         if self.events is not None:

@@ -35,6 +35,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -72,6 +73,8 @@ class DiskEntry:
     payload_bytes: int
     meta: ChunkMeta
     codec: str = "none"
+    # time.monotonic() when this process wrote it; files found at start count as old.
+    stored_at: float = float("-inf")
 
 
 class DiskTier(Tier):
@@ -86,8 +89,11 @@ class DiskTier(Tier):
         fsync: bool = False,
         namespace_quota: int | None = None,
         direct: bool = True,
+        young_seconds: float = 60.0,
     ):
         self.root = os.fspath(path)
+        # An eviction of a file written less than this long ago counts as young (thrash).
+        self.young_seconds = young_seconds
         self.capacity_bytes = capacity_bytes
         # Most file bytes one namespace (a key's first 16 bytes) may hold; a
         # put beyond it evicts that namespace's own least recent files first.
@@ -211,7 +217,7 @@ class DiskTier(Tier):
                 self._reserved -= total
         if not ok:
             return False
-        entry = DiskEntry(total, len(header), len(stored), meta)
+        entry = DiskEntry(total, len(header), len(stored), meta, stored_at=time.monotonic())
         with self._lock:
             old = self._index.pop(key, None)
             if old is not None:
@@ -413,10 +419,16 @@ class DiskTier(Tier):
             key, entry = self._index.popitem(last=False)
             self._usage -= entry.file_bytes
             self._account(key, -entry.file_bytes)
-            self._stats.evictions_total += 1
+            self._count_eviction(entry)
             self._note_removed(key)
             doomed.append(self.path_of(key))
         return doomed
+
+    def _count_eviction(self, entry: DiskEntry) -> None:
+        """Caller holds the lock: one eviction, and whether it was of a young file."""
+        self._stats.evictions_total += 1
+        if time.monotonic() - entry.stored_at < self.young_seconds:
+            self._stats.young_evictions_total += 1
 
     def _note_removed(self, key: bytes) -> None:
         """Caller holds the lock: tell the KV event journal, when there is one."""
@@ -447,7 +459,7 @@ class DiskTier(Tier):
             entry = self._index.pop(victim)
             self._usage -= entry.file_bytes
             self._account(victim, -entry.file_bytes)
-            self._stats.evictions_total += 1
+            self._count_eviction(entry)
             self._note_removed(victim)
             doomed.append(self.path_of(victim))
         return doomed
