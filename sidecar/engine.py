@@ -81,6 +81,7 @@ from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.partials import blocks_match, entry_is_partial, is_partial
 from kvstrata.sidecar.prefetch import Prefetcher
 from kvstrata.sidecar.promotion import IndexSteps, Promotion
+from kvstrata.sidecar.tierchoice import TierChoice
 from kvstrata.sidecar.tiers.base import Tier, TierStats
 from kvstrata.sidecar.tiers.disk import DiskTier
 from kvstrata.sidecar.writeback import WriteBehind
@@ -189,15 +190,19 @@ class StorageManager:
 
     # -- lookup -------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[ChunkKey], fetch_ahead: bool = False) -> LookupResult:
-        """Longest contiguous prefix of ``keys`` present in any tier
+    def lookup(
+        self, keys: Sequence[ChunkKey], fetch_ahead: bool = False, tiers: TierChoice = None
+    ) -> LookupResult:
+        """Longest contiguous prefix of ``keys`` present in any tier of ``tiers``
         (``fetch_ahead``: a prefetch of it follows; see :meth:`PrefixLookup.lookup`)."""
-        return self._lookup.lookup(keys, fetch_ahead)
+        return self._lookup.lookup(keys, fetch_ahead, tiers)
 
-    def lookup_partial(self, candidates: Sequence[ChunkKey]) -> tuple[int, str] | None:
-        """(index, tier) of the first of ``candidates`` some tier holds (see
-        :mod:`.partials`); None when none is held."""
-        found = self._lookup.first_present(candidates)
+    def lookup_partial(
+        self, candidates: Sequence[ChunkKey], tiers: TierChoice = None
+    ) -> tuple[int, str] | None:
+        """(index, tier) of the first of ``candidates`` some tier of ``tiers`` holds
+        (see :mod:`.partials`); None when none is held."""
+        found = self._lookup.first_present(candidates, tiers)
         if found is not None:
             with self._lock:
                 self._count("partial_hits_total")
@@ -276,8 +281,10 @@ class StorageManager:
         meta: ChunkMeta,
         owner: str,
         parent: ChunkKey | None = None,
+        store_tiers: TierChoice = None,
     ) -> Slot | None:
-        """A write lease on fresh arena space for ``key`` (evicting as needed).
+        """A write lease on fresh arena space for ``key`` (evicting as needed);
+        write-behind copies it only into ``store_tiers`` (None: every tier).
 
         None when ``key`` is already held (see :meth:`_held_below`; in L1
         being written or stored) or nothing evictable frees enough contiguous
@@ -296,6 +303,7 @@ class StorageManager:
             if entry is None:
                 self._count("store_rejected_total")
                 return None
+            entry.store_tiers = store_tiers
             return self._leases.new(entry, owner, write=True)
 
     def _held_below(self, key: ChunkKey) -> bool:

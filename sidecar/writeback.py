@@ -51,6 +51,7 @@ from kvstrata.sidecar.config import SidecarConfig
 from kvstrata.sidecar.journal import TierEvents
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.l1 import Entry, L1Store
+from kvstrata.sidecar.tierchoice import allows
 from kvstrata.sidecar.tiers.base import Tier, TierStats, WriteBehindQueue, WriteJob
 
 __all__ = ["WriteBehind"]
@@ -58,6 +59,14 @@ __all__ = ["WriteBehind"]
 KNOWN_SHARED_MAX = 65536
 WRITEBACK_PIN_FRACTION = 0.5
 WRITEBACK_BACKLOG_MAX = 4096
+
+
+def may_copy(entry: Entry, tier: str) -> bool:
+    """Whether write-behind may copy ``entry`` below L1 into ``tier`` ("l2" or
+    "shared"): the request that stored it may have kept it out of some tiers
+    (:mod:`kvstrata.sidecar.tierchoice`). The one place that decides where a
+    stored chunk may go."""
+    return allows(entry.store_tiers, tier)
 
 
 class WriteBehind:
@@ -118,8 +127,12 @@ class WriteBehind:
 
     def stored(self, entry: Entry) -> None:
         """A client's chunk was committed: copy it to L2 and, per admission,
-        to the shared tier now or on its first read."""
-        self._queue_l2(entry)
+        to the shared tier now or on its first read (each only where the
+        storing request allows it: :func:`may_copy`)."""
+        if may_copy(entry, "l2"):
+            self._queue_l2(entry)
+        if not may_copy(entry, "shared"):
+            return
         if self._admit_all:
             self._queue_shared(entry)
         else:
