@@ -213,7 +213,8 @@ class KVStrataScheduler:
         (:mod:`kvstrata.connector.params_check`) refuses them before they get
         here; without it, a choice misread must not be acted on."""
         try:
-            return parse_request_tiers(request.kv_transfer_params)
+            # getattr: stand-ins for vLLM's Request (the tests') model only what else is read
+            return parse_request_tiers(getattr(request, "kv_transfer_params", None))
         except KVTransferParamsError as exc:
             logger.warning("kvstrata: request %s: %s; no cache for it", request.request_id, exc)
             self.counters.bad_params += 1
