@@ -213,7 +213,7 @@ class KVStrataScheduler:
         (:mod:`kvstrata.connector.params_check`) refuses them before they get
         here; without it, a choice misread must not be acted on."""
         try:
-            # getattr: stand-ins for vLLM's Request (the tests') model only what else is read
+            # getattr: the tests' stand-ins for vLLM's Request may leave the field out
             return parse_request_tiers(getattr(request, "kv_transfer_params", None))
         except KVTransferParamsError as exc:
             logger.warning("kvstrata: request %s: %s; no cache for it", request.request_id, exc)
