@@ -109,3 +109,44 @@ def test_an_unknown_tier_is_refused_naming_it_and_counted_and_the_sidecar_keeps_
     lookup["load_tiers"] = ["l1"]
     assert peer.call(p.LOOKUP, lookup, request_id=9)[2] is True
     peer.close()
+
+
+def test_the_scheduler_looks_up_only_the_tiers_a_request_names_and_nothing_on_unreadable_params(
+    sidecar: Any, kit: Any
+):
+    from types import SimpleNamespace
+
+    from kvstrata.connector.metadata import KVStrataMetadata
+    from kvstrata.connector.scheduler import KVStrataScheduler
+
+    settings = kit.worker_settings(sidecar, model="tiers-sched")
+    worker = kit.host_worker(sidecar, model="tiers-sched")
+    saves = kit.chunk_requests("tiers-sched", 1, 2)
+    worker.save(KVStrataMetadata(saves=saves))
+    assert worker.counters.saved_chunks == 2, worker.client.errors
+    worker.close()
+    hashes = [c.chunk_hash for c in saves[0].chunks]
+    blocks = [b for h in hashes for b in (b"\1" * 32, h)]  # chunk i keyed by its last block
+    scheduler = KVStrataScheduler(settings)
+
+    def matched(req_id: str, params: dict[str, Any]) -> int:
+        req = SimpleNamespace(request_id=req_id, num_prompt_tokens=2 * kit.WORKER_CHUNK + 1,
+                              block_hashes=blocks, kv_transfer_params=params)  # fmt: skip
+
+        def answer() -> tuple[int] | None:
+            n = scheduler.get_num_new_matched_tokens(req, 0)
+            return None if n is None else (n,)
+
+        found = kit.wait_until(answer, 10, "the lookup's answer", step=0.005)[0]
+        scheduler.request_finished(req_id)
+        return int(found)
+
+    try:
+        assert matched("in-l1", {"kvstrata": {"load_tiers": ["l1"]}}) == 2 * kit.WORKER_CHUNK
+        assert matched("shared-only", {"kv_load_tiers": [{"locality": "remote"}]}) == 0
+        assert matched("none", {"kv_load_tiers": []}) == 0
+        assert scheduler.counters.bad_params == 0
+        assert matched("unreadable", {"kvstrata": {"load_tiers": ["l9"]}}) == 0
+        assert scheduler.counters.bad_params == 1
+    finally:
+        scheduler.close()
