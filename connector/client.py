@@ -207,6 +207,7 @@ class SidecarClient:
         owner: str,
         groups: int = 1,
         partials: Sequence[Sequence[ChunkKey]] = (),
+        load_tiers: frozenset[str] | None = None,
     ) -> p.LookupReply | None:
         """Longest stored prefix of ``keys``; with ``prefetch`` the sidecar starts
         bringing it into L1, pinned for ``owner`` until :meth:`end_request`.
@@ -216,7 +217,8 @@ class SidecarClient:
         run holds; then ``keys`` must fit in one request (``MAX_KEYS``).
         ``partials[i]`` (one namespace only): candidate partial chunks after
         ``i`` full chunks, longest first; the reply's ``partial`` indexes
-        ``partials[hit_chunks]``."""
+        ``partials[hit_chunks]``. ``load_tiers``: the only tiers to look in
+        (``kvstrata.sidecar.tierchoice``; None: every tier)."""
         if groups > 1 and (len(keys) % groups or len(keys) > p.MAX_KEYS or partials):
             self._count("bad_argument")
             return None
@@ -226,6 +228,7 @@ class SidecarClient:
             owner=owner,
             groups=groups,
             partials=[list(c[: p.MAX_KEYS]) for c in partials[: p.MAX_KEYS]],
+            load_tiers=load_tiers,
         )
         reply = self._call(p.LOOKUP, body)
         if not isinstance(reply, p.LookupReply):
@@ -249,12 +252,14 @@ class SidecarClient:
         blocks: int = 0,
         covers: Sequence[ChunkKey] = (),
         tenant: str = "",
+        store_tiers: frozenset[str] | None = None,
     ) -> list[ArenaSlot | None] | None:
         """Write slots, one per key; a None entry means skip that chunk
         (already stored or no space). Commit with :meth:`commit_store`.
         ``blocks``: 0 for full chunks, else the block count of partial ones;
         ``covers``: partial chunks these keys supersede (the sidecar drops them);
-        ``tenant``: the chunks' tenant, one of :attr:`tenants` ("": the default)."""
+        ``tenant``: the chunks' tenant, one of :attr:`tenants` ("": the default);
+        ``store_tiers``: the only tiers the chunks may go to (None: every tier)."""
         body = p.PrepareStoreRequest(
             keys=list(keys[: p.MAX_KEYS]),
             nbytes=nbytes,
@@ -264,6 +269,7 @@ class SidecarClient:
             blocks=blocks,
             covers=list(covers[: p.MAX_KEYS]),
             tenant=tenant,
+            store_tiers=store_tiers,
         )
         return self._slots(p.PREPARE_STORE, body, len(keys))
 

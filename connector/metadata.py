@@ -44,6 +44,8 @@ class ChunkTransfer:
     group: int = 0
     partial: bool = False
     covers: list[bytes] = field(default_factory=list)  # saves: partials this supersedes
+    # saves: the tiers its request lets it go to (kvstrata.connector.request_tiers); None: all
+    store_tiers: frozenset[str] | None = None
 
 
 @dataclass(slots=True)

@@ -68,6 +68,12 @@ from kvstrata.connector.client import SidecarClient
 from kvstrata.connector.events import ChunkRegistry, KVEventFeed, describe_chunks
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, ReqId, RequestTransfer
 from kvstrata.connector.partial_chunks import partial_candidates
+from kvstrata.connector.request_tiers import (
+    NOTHING,
+    KVTransferParamsError,
+    RequestTiers,
+    parse_request_tiers,
+)
 from kvstrata.connector.scheduler_state import RequestState, SchedulerCounters
 from kvstrata.connector.settings import NULL_BLOCK_ID, KVGroup, rank_namespaces
 from kvstrata.connector.step_tracking import StepTracker
@@ -161,14 +167,16 @@ class KVStrataScheduler:
     def _match(self, request: Request, num_computed_tokens: int) -> int | None:
         state = self._reqs.get(request.request_id)
         if state is None:
-            state = self._reqs[request.request_id] = RequestState(request)
+            state = self._reqs[request.request_id] = RequestState(
+                request, choice=self._choice(request)
+            )
         state.request = request
         state.block_ids = []  # new or preempted: blocks come with the next schedule
         state.load = None
         state.local_tokens = num_computed_tokens
         state.hit_tokens = 0
         state.load_async = False
-        if not self.enabled or state.load_failed:
+        if not self.enabled or state.load_failed or not state.choice.loads:
             return 0
         s = self.settings
         chunk = s.chunk_size
@@ -200,6 +208,19 @@ class KVStrataScheduler:
             tiers,
         )
         return hit_end - num_computed_tokens
+
+    def _choice(self, request: Request) -> RequestTiers:
+        """The tiers ``request``'s kv_transfer_params allow. Params that cannot be
+        read get no load and no store: the API server's check
+        (:mod:`kvstrata.connector.params_check`) refuses them before they get
+        here; without it, a choice misread must not be acted on."""
+        try:
+            # getattr: the tests' stand-ins for vLLM's Request may leave the field out
+            return parse_request_tiers(getattr(request, "kv_transfer_params", None))
+        except KVTransferParamsError as exc:
+            logger.warning("kvstrata: request %s: %s; no cache for it", request.request_id, exc)
+            self.counters.bad_params += 1
+            return NOTHING
 
     def _loads_in_background(self, state: RequestState, start: int, end: int) -> bool:
         """Whether the hit ``[start, end)`` loads with ``load_kv_async``: with
@@ -234,7 +255,7 @@ class KVStrataScheduler:
             # last time stay pinned for it; no second call, no second lease.
             return state.hit_chunks, state.tiers, state.partial_blocks
         if state.pending is None or state.pending_blocks != max_blocks:
-            state.pending = self._start_lookup(request, loadable, max_blocks)
+            state.pending = self._start_lookup(request, loadable, max_blocks, state.choice.load)
             state.pending_blocks = max_blocks
             self._wait_for(state.pending)
         if not state.pending.done():
@@ -271,7 +292,11 @@ class KVStrataScheduler:
         self._wait_left -= time.monotonic() - started
 
     def _start_lookup(
-        self, request: Request, loadable: int, max_blocks: int
+        self,
+        request: Request,
+        loadable: int,
+        max_blocks: int,
+        load_tiers: frozenset[str] | None = None,
     ) -> Future[p.LookupReply | None]:
         """LOOKUP (with prefetch) of the first ``loadable`` chunks of every rank
         and KV cache group, and of the partial chunks after them (one namespace
@@ -295,6 +320,7 @@ class KVStrataScheduler:
             owner=request.request_id,
             groups=len(fingerprints),
             partials=partials,
+            load_tiers=load_tiers,
         )
 
     def _check_chunk_size(self) -> None:

@@ -11,6 +11,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvstrata.connector.request_tiers import EVERY_TIER, RequestTiers
+
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
@@ -39,6 +41,8 @@ class RequestState:
     pending_blocks: int = 0  # the blocks it asks about
     load_async: bool = False  # the hit of the last lookup loads in the background
     load_failed: bool = False  # a background load of it failed: no more hits for it
+    # the tiers its kv_transfer_params let it load from and store to
+    choice: RequestTiers = EVERY_TIER
 
 
 @dataclass
@@ -56,4 +60,5 @@ class SchedulerCounters:
     partials_to_save: int = 0
     preemptions: int = 0
     errors: int = 0
+    bad_params: int = 0  # requests whose kv_transfer_params could not be read
     window_skipped_saves: int = 0  # (chunk, group)s before a sliding window

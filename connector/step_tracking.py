@@ -89,7 +89,7 @@ class StepTracker:
     def plan_save(self, state: RequestState, computed_after: int) -> RequestTransfer | None:
         """The saves ``state``'s request allows once ``computed_after`` tokens are computed."""
         s = self.settings
-        if not self.enabled or len(state.block_ids) != len(self.groups):
+        if not self.enabled or len(state.block_ids) != len(self.groups) or not state.choice.stores:
             return None
         request = state.request
         done = min(computed_after, request.num_prompt_tokens)
@@ -130,6 +130,8 @@ class StepTracker:
         self.counters.chunks_to_save += len(chunks)
         if self.partials and done == request.num_prompt_tokens and not state.partial_done:
             chunks += self._plan_partial_save(state, n_chunks)
+        for chunk in chunks:
+            chunk.store_tiers = state.choice.store
         return RequestTransfer(request.request_id, chunks) if chunks else None
 
     def _plan_partial_save(self, state: RequestState, n_chunks: int) -> list[ChunkTransfer]:

@@ -151,6 +151,7 @@ class HostPath:
             blocks=blocks,
             covers=self.keys.covered(chunks),
             tenant=tenant,
+            store_tiers=chunks[0].store_tiers if chunks else None,  # one choice per batch
         )
         if slots is None:
             out.dropped += len(chunks)
@@ -242,7 +243,9 @@ class IpcPath:
         self, chunks: list[ChunkTransfer], layout: ChunkLayout, blocks: int = 0, tenant: str = ""
     ) -> Saved:
         """One SAVE_BLOCKS, after vLLM's queued work (an interprocess event)."""
-        if not self.client.ipc_granted:
+        if not self.client.ipc_granted or any(c.store_tiers is not None for c in chunks):
+            # SAVE_BLOCKS takes no store tiers: a request that chose them saves
+            # through the arena, so that its choice is kept.
             return self.host.save(chunks, layout, blocks, tenant)
         event, handle = ipc.compute_done_event()
         committed = self.client.ipc.save_blocks(

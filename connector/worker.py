@@ -385,12 +385,15 @@ class KVStrataWorker:
         """Save the chunks of ``saves`` (requests of one tenant), per KV cache group."""
         for group, layout in enumerate(self.layouts):
             chunks = [c for req in saves for c in req.chunks if c.group == group]
-            full = [c for c in chunks if not c.partial]
             # As many chunks per round trip as the sidecar lets one session hold
-            # uncommitted (it skips the rest): usually the whole step at once.
+            # uncommitted (it skips the rest): usually the whole step at once;
+            # one PREPARE_STORE names one store choice, so one batch holds one.
             budget = self.client.write_budget  # 0 only while the sidecar cannot be reached
-            per_call = max(1, budget // layout.chunk_nbytes) if budget else len(full) or 1
-            batches = [(full[i : i + per_call], 0) for i in range(0, len(full), per_call)]
+            batches: list[tuple[list[ChunkTransfer], int]] = []
+            for tiers in dict.fromkeys(c.store_tiers for c in chunks if not c.partial):
+                full = [c for c in chunks if not c.partial and c.store_tiers == tiers]
+                per_call = max(1, budget // layout.chunk_nbytes) if budget else len(full) or 1
+                batches += [(full[i : i + per_call], 0) for i in range(0, len(full), per_call)]
             # Partial chunks (one per prompt, its own block count): host mode only.
             for chunk in (c for c in chunks if c.partial):
                 if self.transfer.saves_partial_chunks():

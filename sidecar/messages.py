@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
 from kvstrata.sidecar.keys import FINGERPRINT_BYTES, ChunkKey
+from kvstrata.sidecar.tierchoice import TierChoice, read_tiers
 from kvstrata.sidecar.wire import (
     COMMIT_STORE,
     E_BAD_REQUEST,
@@ -221,6 +222,16 @@ class LookupRequest(Message):
     # partials[i]: keys of partial chunks that may follow i full chunks,
     # longest first (optional, one namespace only; see kvstrata.sidecar.partials)
     partials: list[list[ChunkKey]] = field(default_factory=list)
+    # the tiers this request may load from (kvstrata.sidecar.tierchoice); None: all
+    load_tiers: TierChoice = None
+
+    def to_wire(self) -> dict[str, Any]:
+        body = Message.to_wire(self)
+        if self.load_tiers is None:
+            del body["load_tiers"]  # left out: every tier (and what older sidecars read)
+        else:
+            body["load_tiers"] = sorted(self.load_tiers)
+        return body
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> LookupRequest:
@@ -241,6 +252,7 @@ class LookupRequest(Message):
             owner=read_str(required(body, "owner"), "owner"),
             groups=groups,
             partials=each_item(partials, "partials", read_keys),
+            load_tiers=read_tiers(body.get("load_tiers"), "load_tiers"),
         )
 
 
@@ -275,10 +287,16 @@ class PrepareStoreRequest(Message):
     blocks: int = 0  # 0: full chunks; else partial chunks of this many blocks
     covers: list[ChunkKey] = field(default_factory=list)  # partials these supersede
     tenant: str = ""  # the tenant of the chunks (HELLO's tenants); "": the default tenant
+    # the tiers these chunks may be stored into (kvstrata.sidecar.tierchoice); None: all
+    store_tiers: TierChoice = None
 
     def to_wire(self) -> dict[str, Any]:
         body = Message.to_wire(self)
         body["shape"] = list(self.shape)
+        if self.store_tiers is None:
+            del body["store_tiers"]  # left out: every tier (and what older sidecars read)
+        else:
+            body["store_tiers"] = sorted(self.store_tiers)
         return body
 
     @classmethod
@@ -292,6 +310,7 @@ class PrepareStoreRequest(Message):
             blocks=read_int(body.get("blocks", 0), "blocks", 0, 0xFFFF),
             covers=read_keys(body.get("covers", []), "covers"),
             tenant=read_str(body.get("tenant", ""), "tenant", MAX_TENANT_NAME),
+            store_tiers=read_tiers(body.get("store_tiers"), "store_tiers", need_l1=True),
         )
 
 

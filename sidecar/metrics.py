@@ -72,6 +72,13 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     MetricSpec("kvstrata_retrieved_bytes_total", "counter", ("tier",), "bytes",
                "bytes read from a tier"),
     MetricSpec("kvstrata_evictions_total", "counter", ("tier",), "objects", "objects evicted"),
+    MetricSpec("kvstrata_young_evictions_total", "counter", ("tier",), "objects",
+               "objects evicted from L1 or L2 less than young_eviction_seconds after they were "
+               "stored: the cache is thrashing (the autoscaling signal; 0 for a shared tier)"),
+    MetricSpec("kvstrata_l1_free_bytes", "gauge", (), "bytes",
+               "L1 arena bytes not held by any chunk (capacity less usage)"),
+    MetricSpec("kvstrata_queued_loads", "gauge", (), "chunks",
+               "chunks a lookup's prefetch is still loading into L1 from a lower tier"),
     MetricSpec("kvstrata_tier_usage_bytes", "gauge", ("tier",), "bytes", "bytes held"),
     MetricSpec("kvstrata_tier_capacity_bytes", "gauge", ("tier",), "bytes",
                "bytes a tier may hold (0: unbounded, as a shared tier)"),
@@ -240,24 +247,8 @@ def _gauge(name: str) -> GaugeMetricFamily:
 
 
 # Latency buckets from 50 us (an L1 lookup) to 10 s (a stalled remote tier).
-_BUCKETS = (
-    5e-5,
-    1e-4,
-    2.5e-4,
-    5e-4,
-    1e-3,
-    2.5e-3,
-    5e-3,
-    1e-2,
-    2.5e-2,
-    5e-2,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    10.0,
-)
+_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
+            1.0, 2.5, 10.0)  # fmt: skip
 
 
 class ServerMetrics:
@@ -387,6 +378,10 @@ class EngineCollector(Collector):
         yield from _tier_metrics(stats)
         yield from _counter_metrics(stats.counters)
         yield from _tenant_metrics(stats)
+        free = _gauge("kvstrata_l1_free_bytes")
+        l1 = stats.tiers["l1"]
+        free.add_metric([], max(0, l1.capacity_bytes - l1.usage_bytes))
+        yield free
 
 
 class IpcCollector(Collector):
@@ -421,6 +416,7 @@ _TIER_VALUES: dict[str, Callable[[Any], float]] = {
     "kvstrata_stored_bytes_total": lambda t: t.stored_bytes_total,
     "kvstrata_retrieved_bytes_total": lambda t: t.retrieved_bytes_total,
     "kvstrata_evictions_total": lambda t: t.evictions_total,
+    "kvstrata_young_evictions_total": lambda t: t.young_evictions_total,
     "kvstrata_tier_usage_bytes": lambda t: t.usage_bytes,
     "kvstrata_tier_capacity_bytes": lambda t: t.capacity_bytes,
     "kvstrata_tier_objects": lambda t: t.objects,
@@ -509,6 +505,9 @@ def _counter_metrics(counters: dict[str, int]) -> Iterator[Metric]:
     pinned = _gauge("kvstrata_writeback_pinned_bytes")
     pinned.add_metric([], counters.get("writeback_pinned_bytes", 0))
     yield pinned
+    queued = _gauge("kvstrata_queued_loads")
+    queued.add_metric([], counters.get("queued_loads", 0))
+    yield queued
     for key, name in _ENGINE_COUNTERS.items():
         family = _counter(name)
         family.add_metric([], counters.get(key, 0))

@@ -68,6 +68,11 @@ class Prefetcher:
         """Caller holds the lock: the keys ``owner``'s running jobs are fetching."""
         return set(self._in_flight.get(owner, ()))
 
+    def queued(self) -> int:
+        """Caller holds the lock: chunks on their way into L1 for some owner (the
+        loads a lookup started that have not landed yet)."""
+        return sum(len(keys) for keys in self._in_flight.values())
+
     def start(self, keys: Sequence[ChunkKey], owner: str) -> None:
         """Without the lock: one job per key (after :meth:`expect`)."""
         for key in keys:

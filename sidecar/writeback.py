@@ -51,6 +51,7 @@ from kvstrata.sidecar.config import SidecarConfig
 from kvstrata.sidecar.journal import TierEvents
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.l1 import Entry, L1Store
+from kvstrata.sidecar.tierchoice import allows
 from kvstrata.sidecar.tiers.base import Tier, TierStats, WriteBehindQueue, WriteJob
 
 __all__ = ["WriteBehind"]
@@ -58,6 +59,14 @@ __all__ = ["WriteBehind"]
 KNOWN_SHARED_MAX = 65536
 WRITEBACK_PIN_FRACTION = 0.5
 WRITEBACK_BACKLOG_MAX = 4096
+
+
+def may_copy(entry: Entry, tier: str) -> bool:
+    """Whether write-behind may copy ``entry`` below L1 into ``tier`` ("l2" or
+    "shared"): the request that stored it may have kept it out of some tiers
+    (:mod:`kvstrata.sidecar.tierchoice`). Its tenant's rules are the other half
+    of the decision (:meth:`WriteBehind._keeps`)."""
+    return allows(entry.store_tiers, tier)
 
 
 class WriteBehind:
@@ -118,8 +127,11 @@ class WriteBehind:
 
     def stored(self, entry: Entry) -> None:
         """A client's chunk was committed: copy it to L2 and, per admission,
-        to the shared tier now or on its first read."""
+        to the shared tier now or on its first read (each only where the
+        storing request and its tenant allow it: :meth:`_keeps`)."""
         self._queue_l2(entry)
+        if not self._keeps(entry, "shared"):
+            return
         if self._admit_all:
             self._queue_shared(entry)
         else:
@@ -155,9 +167,13 @@ class WriteBehind:
     # -- queueing -----------------------------------------------------------
 
     def _keeps(self, entry: Entry, tier: str) -> bool:
-        """Whether ``entry`` may go to ``tier`` ("l2", "shared"): its tenant's
-        rules (:func:`kvstrata.sidecar.tenants.lower_tiers_for`) decide."""
-        return tier in self._store.tenants.rules.lower_tiers(entry.meta.tenant)
+        """Whether ``entry`` may go to ``tier`` ("l2", "shared"), the one place
+        that decides: the request that stored it (:func:`may_copy`) and its
+        tenant's rules (:func:`kvstrata.sidecar.tenants.lower_tiers_for`) must
+        both allow it."""
+        return may_copy(entry, tier) and tier in self._store.tenants.rules.lower_tiers(
+            entry.meta.tenant
+        )
 
     def _queue_l2(self, entry: Entry) -> None:
         if self._l2_queue is None or self._l2 is None or self._l2.contains(entry.key):

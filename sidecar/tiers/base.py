@@ -73,6 +73,8 @@ class TierStats:
     hits_total: int = 0
     misses_total: int = 0
     evictions_total: int = 0
+    # Evictions of objects stored less than young_eviction_seconds before (thrash).
+    young_evictions_total: int = 0
     corrupt_total: int = 0
     queue_depth: int = 0
     queue_capacity: int = 0

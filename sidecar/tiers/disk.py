@@ -36,6 +36,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -79,6 +80,8 @@ class DiskEntry:
     # Sealed: the payload is ciphertext then tag, read whole and opened;
     # payload_bytes is then the plaintext's length (what L1 reserves for it).
     sealed: bool = False
+    # time.monotonic() when this process wrote it; files found at start count as old.
+    stored_at: float = float("-inf")
 
 
 class DiskTier(Tier):
@@ -94,12 +97,15 @@ class DiskTier(Tier):
         namespace_quota: int | None = None,
         direct: bool = True,
         keys: KeyRing | None = None,
+        young_seconds: float = 60.0,
     ):
         self.root = os.fspath(path)
         # Seal files written, open files read (None: encryption off).
         self._keys = keys
         # Plaintext files may not be read straight into L1: each read is checked.
         self._plaintext_refused = keys is not None and keys.mode == "required"
+        # An eviction of a file written less than this long ago counts as young (thrash).
+        self.young_seconds = young_seconds
         self.capacity_bytes = capacity_bytes
         # Most file bytes one namespace (a key's first 16 bytes) may hold; a
         # put beyond it evicts that namespace's own least recent files first.
@@ -231,7 +237,9 @@ class DiskTier(Tier):
             return False
         sealed = is_sealed(header)
         plain_bytes = memoryview(payload).nbytes if sealed else len(stored)
-        entry = DiskEntry(total, len(header), plain_bytes, meta, sealed=sealed)
+        entry = DiskEntry(
+            total, len(header), plain_bytes, meta, sealed=sealed, stored_at=time.monotonic()
+        )
         with self._lock:
             old = self._index.pop(key, None)
             if old is not None:
@@ -438,10 +446,16 @@ class DiskTier(Tier):
             key, entry = self._index.popitem(last=False)
             self._usage -= entry.file_bytes
             self._account(key, -entry.file_bytes)
-            self._stats.evictions_total += 1
+            self._count_eviction(entry)
             self._note_removed(key)
             doomed.append(self.path_of(key))
         return doomed
+
+    def _count_eviction(self, entry: DiskEntry) -> None:
+        """Caller holds the lock: one eviction, and whether it was of a young file."""
+        self._stats.evictions_total += 1
+        if time.monotonic() - entry.stored_at < self.young_seconds:
+            self._stats.young_evictions_total += 1
 
     def _note_removed(self, key: bytes) -> None:
         """Caller holds the lock: tell the KV event journal, when there is one."""
@@ -472,7 +486,7 @@ class DiskTier(Tier):
             entry = self._index.pop(victim)
             self._usage -= entry.file_bytes
             self._account(victim, -entry.file_bytes)
-            self._stats.evictions_total += 1
+            self._count_eviction(entry)
             self._note_removed(victim)
             doomed.append(self.path_of(victim))
         return doomed

@@ -51,7 +51,9 @@ def _free_port() -> int:
 class Prometheus:
     """A ``prometheus`` process scraping ``targets``; queried through its HTTP API."""
 
-    def __init__(self, root: Path, targets: list[Target]) -> None:
+    def __init__(
+        self, root: Path, targets: list[Target], rule_files: tuple[Path, ...] = ()
+    ) -> None:
         binary = shutil.which("prometheus")
         if binary is None:
             pytest.fail("no prometheus binary: run `make system-deps` (Debian package prometheus)")
@@ -59,7 +61,7 @@ class Prometheus:
         self.port = _free_port()
         root.mkdir(parents=True, exist_ok=True)
         config = root / "prometheus.yml"
-        config.write_text(yaml.safe_dump(self._config(targets)))
+        config.write_text(yaml.safe_dump(self._config(targets, rule_files)))
         self._log = open(root / "prometheus.log", "wb")  # noqa: SIM115 -- closed in stop()
         self._proc = subprocess.Popen(
             [
@@ -74,7 +76,7 @@ class Prometheus:
         )
 
     @staticmethod
-    def _config(targets: list[Target]) -> dict[str, Any]:
+    def _config(targets: list[Target], rule_files: tuple[Path, ...]) -> dict[str, Any]:
         jobs: dict[str, list[dict[str, Any]]] = {}
         for t in targets:
             labels = {"namespace": t.namespace, "pod": t.pod, **dict(t.extra)}
@@ -88,6 +90,7 @@ class Prometheus:
             "scrape_configs": [
                 {"job_name": job, "static_configs": configs} for job, configs in jobs.items()
             ],
+            "rule_files": [str(path) for path in rule_files],
         }
 
     @property
@@ -113,6 +116,19 @@ class Prometheus:
             step=0.2,
             error=pytest.fail.Exception,
         )
+
+    def samples(self, selector: str, window_s: int, at: float) -> list[tuple[float, float]]:
+        """The raw (timestamp, value) samples of the one series ``selector`` matches in
+        the ``window_s`` seconds up to ``at`` (a range selector as an instant query)."""
+        params = {"query": f"{selector}[{window_s}s]", "time": f"{at:.3f}"}
+        data = self._api("query", params)
+        assert data["resultType"] == "matrix", data
+        (series,) = data["result"]
+        return [(float(t), float(v)) for t, v in series["values"]]
+
+    def series(self, selector: str) -> list[dict[str, str]]:
+        """The label sets of the series ``selector`` matches (``/api/v1/series``)."""
+        return list(self._api("series", {"match[]": selector}))
 
     def _api(self, path: str, params: dict[str, str]) -> Any:
         url = f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}"
@@ -164,14 +180,15 @@ def prometheus_factory(tmp_path: Path) -> Iterator[Any]:
         namespace: str,
         pod: str,
         extra: dict[str, dict[str, str]] | None = None,
+        rule_files: tuple[Path, ...] = (),
     ) -> Prometheus:
         """Prometheus scraping ``{job: "host:port"}``, each labelled with ``namespace``/``pod``
-        and the job's labels in ``extra``."""
+        and the job's labels in ``extra``, evaluating the rules in ``rule_files``."""
         targets = [
             Target(job, address, namespace, pod, tuple(sorted((extra or {}).get(job, {}).items())))
             for job, address in jobs.items()
         ]
-        prom = Prometheus(tmp_path / f"prometheus-{len(started)}", targets)
+        prom = Prometheus(tmp_path / f"prometheus-{len(started)}", targets, rule_files)
         started.append(prom)
         prom.wait_ready(jobs=len(targets))
         return prom
