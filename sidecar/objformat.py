@@ -191,7 +191,10 @@ def _sealed(
 ) -> tuple[bytes, bytes] | None:
     """(version-4 header, ciphertext then tag), or None when ``keys`` has no
     key to seal with (the object is written in plaintext)."""
-    params = keys.seal_params(tenant) if keys is not None else None
+    # A tenant's chunks are sealed under its derived key (the chunk's own
+    # tenant unless the caller names one): a tenant's key can be dropped alone.
+    label = tenant if tenant is not None else (meta.tenant or None)
+    params = keys.seal_params(label) if keys is not None else None
     if keys is None or params is None:
         return None
     seal = Seal(*params)

@@ -65,6 +65,20 @@ def test_a_tenant_key_is_derived_and_named_in_the_header(ring) -> None:
     assert failed.value.reason == "auth_failed"
 
 
+def test_a_chunk_is_sealed_under_its_own_tenants_key(ring) -> None:
+    """What the tiers write: the chunk's tenant (kvstrata.sidecar.tenants)
+    picks the derived key, no caller has to name it; the default tenant's
+    chunks use the KVCache key itself."""
+    data = os.urandom(4096)
+    tenant_meta = ChunkMeta(dtype="uint8", shape=(4096,), tenant="team-b")
+    blob = b"".join(bytes(p) for p in objformat.encode(KEY_A, data, tenant_meta, keys=ring))
+    seal = decode_header(blob).seal
+    assert seal is not None and seal.label == "team-b"
+    assert bytes(decode(blob, KEY_A, keys=ring).payload) == data
+    default_seal = decode_header(sealed(ring, KEY_A, data)).seal
+    assert default_seal is not None and default_seal.label == ""
+
+
 def test_a_compressed_payload_is_sealed_after_the_codec(ring) -> None:
     data = bytes(4096)  # compresses to almost nothing
     blob = b"".join(bytes(p) for p in objformat.encode(KEY_A, data, META, "zstd", keys=ring))
