@@ -504,6 +504,10 @@ def startup_budget_s(l1_bytes: int) -> int:
     return STARTUP_BASE_S + STARTUP_S_PER_GIB * math.ceil(l1_bytes / (1 << 30))
 
 
+# vLLM's flag that loads the admission check of kv_transfer_params.
+PARAMS_CHECK = ("--logits-processors", "kvstrata.connector.params_check:KVStrataParamsCheck")
+
+
 def _configure_vllm(vllm: dict[str, Any], inject_package: bool) -> None:
     env = vllm.setdefault("env", [])
     names = {e.get("name") for e in env}
@@ -520,9 +524,16 @@ def _configure_vllm(vllm: dict[str, Any], inject_package: bool) -> None:
     flag = json.dumps(transfer_config(), separators=(",", ":"))
     command, args = vllm.get("command") or [], vllm.get("args") or []
     argv = [*command, *args]
+    # The check that answers a bad kv_transfer_params with a 400
+    # (kvstrata.connector.params_check); a container that sets its own logits
+    # processors keeps them (argparse keeps the last flag), and such requests
+    # then get no load and no store instead.
+    check = [] if any("--logits-processors" in str(a) for a in argv) else [*PARAMS_CHECK]
     if argv and posixpath.basename(str(argv[0])) in SHELLS and "-c" in argv[:-1]:
         at = argv.index("-c") + 1
         target, offset = (command, 0) if at < len(command) else (args, len(command))
-        target[at - offset] = f"{target[at - offset]} --kv-transfer-config '{flag}'"
+        target[at - offset] = " ".join(
+            [target[at - offset], "--kv-transfer-config", f"'{flag}'", *check]
+        )
         return
-    vllm["args"] = [*args, "--kv-transfer-config", flag]
+    vllm["args"] = [*args, *check, "--kv-transfer-config", flag]

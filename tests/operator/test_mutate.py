@@ -341,3 +341,24 @@ def test_a_pod_that_refuses_a_shared_process_namespace_keeps_its_choice(make_pod
     pod["spec"]["shareProcessNamespace"] = False
     out = applied(pod, mutate_pod(pod, make_kvcache(transferMode="ipc")))
     assert out["spec"]["shareProcessNamespace"] is False
+
+
+def test_the_vllm_container_gets_the_params_check_unless_it_has_logits_processors(
+    make_pod, make_kvcache
+):
+    """A bad kv_transfer_params is answered with a 400 only where vLLM loads the
+    connector's check (kvstrata.connector.params_check); a container with its
+    own --logits-processors keeps its list untouched."""
+    check = "kvstrata.connector.params_check:KVStrataParamsCheck"
+    pod = make_pod(CACHE, [{"name": "vllm", "image": "v", "args": ["--model", "m"]}])
+    args = container(applied(pod, mutate_pod(pod, make_kvcache())), "vllm")["args"]
+    assert args[args.index("--logits-processors") + 1] == check
+    own = {"name": "vllm", "image": "v", "args": ["--logits-processors", "my.mod:Proc"]}
+    pod = make_pod(CACHE, [own])
+    own_args = container(applied(pod, mutate_pod(pod, make_kvcache())), "vllm")["args"]
+    assert own_args.count("--logits-processors") == 1
+    assert own_args[own_args.index("--logits-processors") + 1] == "my.mod:Proc"
+    script = {"name": "vllm", "image": "v", "command": ["sh", "-c", "exec vllm serve m"]}
+    pod = make_pod(CACHE, [script])
+    line = container(applied(pod, mutate_pod(pod, make_kvcache())), "vllm")["command"][2]
+    assert line.endswith(f" --logits-processors {check}")
