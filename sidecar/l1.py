@@ -240,12 +240,6 @@ class L1Store:
             return False
         return not partials_only or entry.meta.blocks > 0
 
-    def _evict(self, entry: Entry) -> None:
-        self._drop(entry)
-        self.evictions_total += 1
-        self.evicted_bytes_total += entry.length
-        self.tenants.evicted(entry.meta.tenant, "l1")
-
     def _evict_until_fits(self, nbytes: int, partials_only: bool, tenant: str) -> int | None:
         entries = self.entries
         for victim in self.policy.victims():
@@ -266,6 +260,7 @@ class L1Store:
         self.evicted_bytes_total += entry.length
         if self._clock() - entry.published_at < self.young_seconds:
             self.young_evictions_total += 1
+        self.tenants.evicted(entry.meta.tenant, "l1")
 
     def publish(self, entry: Entry) -> None:
         """WRITING -> READY: visible to lookups, known to the policy."""
