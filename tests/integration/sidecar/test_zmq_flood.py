@@ -80,6 +80,7 @@ def _flood_every_listener(
     the ZeroMQ flood connects through a hard link to the socket file."""
     assert sidecar.proc is not None
     pid = sidecar.proc.pid
+    assert "acceptguard" in Path(f"/proc/{pid}/maps").read_text()  # preloaded
     path = sidecar.endpoint[len("ipc://") :]
     client = sidecar.client(call_timeout_s=10.0)
     keys = kit.make_keys(8, seed=3801)
@@ -191,5 +192,27 @@ def test_a_limit_lowered_while_running_shrinks_the_caps_before_a_flood(
         _flood_every_listener(
             sidecar, kit, zmq_count=700, other_count=400, nofile=lowered, linked=linked
         )
+    finally:
+        sidecar.cleanup()
+
+
+def test_a_sidecar_without_its_accept_guard_says_so_and_keeps_its_gate(tmp_path: Path, kit: Any):
+    class Unguarded(kit.Sidecar):
+        def command(self) -> list[str]:
+            return ["env", "KVSTRATA_ACCEPT_GUARD=off", *kit.SIDECAR_COMMAND]
+
+    sidecar = Unguarded(tmp_path / "sc").start()
+    try:
+        assert sidecar.proc is not None
+        maps = Path(f"/proc/{sidecar.proc.pid}/maps").read_text()
+        assert "acceptguard" not in maps
+        assert "accept guard not loaded (KVSTRATA_ACCEPT_GUARD=off)" in sidecar.log()
+        # The gate still caps the endpoint.
+        assert _metric(sidecar, "kvstrata_connections_limit", "zmq") >= 32
+        client = sidecar.client(call_timeout_s=10.0)
+        keys = kit.make_keys(2, seed=3802)
+        assert kit.store(client, keys, NBYTES, owner="w") == 2
+        client.close()
+        assert sidecar.stop() == 0, sidecar.log()
     finally:
         sidecar.cleanup()
