@@ -94,10 +94,12 @@ CMD ["sidecar"]
 # The CUDA bases have no Python: Ubuntu's python3 (3.10) comes from apt, with
 # venv support only in the stages that build.
 FROM ${CUDA_DEVEL_BASE} AS cuda-wheel
-RUN if ! python3 -c 'import ensurepip, venv' 2>/dev/null; then \
+# (The devel base has gcc for nvcc; the accept guard needs it too, so a base
+# without it gets it here.)
+RUN if ! python3 -c 'import ensurepip, venv' 2>/dev/null || ! command -v gcc >/dev/null; then \
       apt-get update \
       && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-         python3 python3-venv \
+         python3 python3-venv gcc libc6-dev \
       && rm -rf /var/lib/apt/lists/*; \
     fi
 COPY . /src

@@ -25,7 +25,9 @@ import pytest
 from kvstrata.bench import soakchecks as checks
 from kvstrata.bench import soakplan
 
-pytestmark = [pytest.mark.slow]
+# Each soak subprocess has 900 s (below); the suite's default of 600 s per test
+# would end the first one early on a loaded machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1000)]
 
 
 def _soak(tmp: Path, *extra: str) -> dict:
