@@ -22,16 +22,23 @@ ARG CUDA_DEVEL_BASE=docker.io/nvidia/cuda:12.8.1-devel-ubuntu22.04@sha256:6617a6
 ARG CUDA_RUNTIME_BASE=docker.io/nvidia/cuda:12.8.1-runtime-ubuntu22.04@sha256:fcbbd60a5ad3db3a1c7375bf14546b369b54064c513224310b2026df50c7a9bd
 
 # -- the project's wheel, built once and installed by every slim target ----------
-# setup.py compiles the csrc/ libraries where it finds their compilers; the slim
-# base has none, so this wheel carries none (host mode needs none).
+# setup.py compiles the csrc/ libraries where it finds their compilers. This stage
+# adds a C compiler for the sidecar's accept guard (csrc/kvs_accept_guard.c, which
+# keeps libzmq from ever seeing EMFILE; KVSTRATA_BUILD_PRELOAD=1: no wheel without
+# it); the compiler stays here, the runtime stages get the built library. No C++
+# compiler and no nvcc: the wheel carries neither transfer library (host mode
+# needs none).
 FROM ${PYTHON_BASE} AS wheel
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 COPY . /src
 RUN --mount=type=cache,target=/root/.cache/pip,sharing=locked \
     --mount=type=secret,id=pip-ca \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
     python3 -m venv /tmp/build-env \
-    && KVSTRATA_BUILD_CUDA=0 /tmp/build-env/bin/pip wheel --disable-pip-version-check \
-       --no-deps -w /dist /src
+    && KVSTRATA_BUILD_CUDA=0 KVSTRATA_BUILD_PRELOAD=1 /tmp/build-env/bin/pip wheel \
+       --disable-pip-version-check --no-deps -w /dist /src
 
 # -- /opt/kvstrata: a venv holding kvstrata and its runtime dependencies --------
 # The venv's interpreter is the base's, so its runtime stage uses the same base.
@@ -87,10 +94,12 @@ CMD ["sidecar"]
 # The CUDA bases have no Python: Ubuntu's python3 (3.10) comes from apt, with
 # venv support only in the stages that build.
 FROM ${CUDA_DEVEL_BASE} AS cuda-wheel
-RUN if ! python3 -c 'import ensurepip, venv' 2>/dev/null; then \
+# (The devel base has gcc for nvcc; the accept guard needs it too, so a base
+# without it gets it here.)
+RUN if ! python3 -c 'import ensurepip, venv' 2>/dev/null || ! command -v gcc >/dev/null; then \
       apt-get update \
       && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-         python3 python3-venv \
+         python3 python3-venv gcc libc6-dev \
       && rm -rf /var/lib/apt/lists/*; \
     fi
 COPY . /src
@@ -99,6 +108,7 @@ RUN --mount=type=cache,target=/root/.cache/pip,sharing=locked \
     if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi; \
     if command -v nvcc >/dev/null; then export KVSTRATA_BUILD_CUDA=1; \
     else export KVSTRATA_BUILD_CUDA=0; echo "kvstrata: no nvcc here: no CUDA library"; fi; \
+    export KVSTRATA_BUILD_PRELOAD=1; \
     python3 -m venv /tmp/build-env \
     && /tmp/build-env/bin/pip wheel --disable-pip-version-check --no-deps -w /dist /src
 

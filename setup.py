@@ -1,15 +1,17 @@
 """Install step that compiles the ``csrc/`` transfer libraries into the package.
 
 pyproject.toml holds everything else; this file only adds the two C ABI
-libraries (``libkvstrata-host.so``, ``libkvstrata-cuda.so``) as extension
-entries, so wheels are platform-tagged and editable installs link them. The
+libraries (``libkvstrata-host.so``, ``libkvstrata-cuda.so``) and the
+sidecar's accept guard (``libkvstrata-acceptguard.so``, preloaded; it needs
+only a C compiler) as extension entries, so wheels are platform-tagged and
+editable installs link them. The
 commands are :mod:`kvstrata.sidecar.transfer.csrc_build`'s, loaded here by
 path: the build needs neither torch nor a GPU, only g++ and (for the CUDA
 library) nvcc.
 
-``KVSTRATA_BUILD_CUDA`` / ``KVSTRATA_BUILD_HOST``: ``auto`` (default) builds
-a library where its compiler is found and skips it with a message where the
-compiler is missing or fails; ``1`` makes a missing compiler or a failed
+``KVSTRATA_BUILD_CUDA`` / ``KVSTRATA_BUILD_HOST`` / ``KVSTRATA_BUILD_PRELOAD``:
+``auto`` (default) builds a library where its compiler is found and skips it
+with a message where the compiler is missing or fails; ``1`` makes a missing compiler or a failed
 build an error; ``0`` skips. A package without the CUDA library still works:
 the torch copy path stands in, and the host library is built on first use.
 
@@ -47,11 +49,11 @@ recipe = _load_recipe()
 
 
 class CSrcLibrary(Extension):
-    """A csrc library installed into ``kvstrata/sidecar/transfer/`` (no Python module)."""
+    """A csrc library installed into its package's folder (no Python module)."""
 
     def __init__(self, library: object) -> None:
         self.library = library
-        name = "kvstrata.sidecar.transfer." + library.filename.removesuffix(".so")
+        name = f"{library.package}.{library.filename.removesuffix('.so')}"
         super().__init__(name, sources=[f"csrc/{s}" for s in library.sources])
 
 
@@ -99,6 +101,6 @@ class BuildCSrc(build_ext):
 
 
 setup(
-    ext_modules=[CSrcLibrary(recipe.HOST), CSrcLibrary(recipe.CUDA)],
+    ext_modules=[CSrcLibrary(lib) for lib in (recipe.HOST, recipe.CUDA, recipe.ACCEPT_GUARD)],
     cmdclass={"build_ext": BuildCSrc},
 )

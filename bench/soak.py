@@ -121,24 +121,7 @@ class SoakPlan:
     kinds: str = ",".join(k for k in soakplan.KINDS)
 
 
-# Kinds the quick soak (``make test``) leaves out, and why: said in the JSON's
-# ``faults_skipped``; the full soak runs every kind.
-QUICK_LEFT_OUT = {
-    "fd_flood": (
-        "left out of the quick soak: the ZeroMQ door (kvstrata.sidecar.zmqgate) shuts by a "
-        "margin that a machine loaded by vLLM and the flood itself can outrun (libzmq then "
-        "aborts); the full soak runs it (docs/soak.md)"
-    ),
-}
-
-QUICK_SOAK = SoakPlan(
-    requests=84,
-    fault_free=12,
-    segments=2,
-    per_segment=1,
-    users=4,
-    kinds=",".join(k for k in soakplan.KINDS if k not in QUICK_LEFT_OUT),
-)
+QUICK_SOAK = SoakPlan(requests=84, fault_free=12, segments=2, per_segment=1, users=4)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -368,7 +351,7 @@ class Soak:
         self.quick = quick
         kinds = [k for k in plan.kinds.split(",") if k]
         self.skipped: dict[str, str] = {
-            k: QUICK_LEFT_OUT.get(k, "not among this run's kinds (--param kinds)")
+            k: "not among this run's kinds (--param kinds)"
             for k in soakplan.KINDS
             if k not in kinds
         }

@@ -5,7 +5,8 @@ the pod IP), the liveness socket and the ZeroMQ endpoint accept connections
 from whoever can reach them. libzmq does not survive running out: an accept
 that fails with ``EMFILE`` on its ``ipc://`` listener is an assertion, and
 the assertion aborts the whole process (``src/ipc_listener.cpp``, libzmq
-4.3; :mod:`.zmqgate` says which and how ZeroMQ is kept from it). So:
+4.3; :mod:`.acceptguard` takes that failure out of ``accept`` itself, and
+:mod:`.zmqgate` caps ZeroMQ's connections). So:
 
 * at start the soft ``RLIMIT_NOFILE`` is raised to the hard limit (the
   kernel allows an unprivileged process that much; containers often start
@@ -81,6 +82,7 @@ class ListenerCounts:
     idle_closed: int = 0  # connections closed at their idle deadline
     accept_errors: int = 0  # accept() failures (EMFILE, ...): each pauses accepting
     paused: int = 0  # times accepting stopped at the cap or short of descriptors (zmq)
+    listen_fd: int = -1  # the listening descriptor (http, liveness): the accept guard's key
 
 
 @dataclass(frozen=True, slots=True)

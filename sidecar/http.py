@@ -110,6 +110,7 @@ class HttpEndpoints:
         self._started = threading.Event()
         self.counts = counts if counts is not None else ListenerCounts(max_connections)
         self.counts.limit = max_connections
+        self.counts.listen_fd = self._sock.fileno()
         # Connections still waiting for their request head, oldest first: the
         # ones closed to make room at the cap.
         self._waiting: OrderedDict[asyncio.StreamWriter, None] = OrderedDict()

@@ -123,6 +123,7 @@ class LivenessListener:
         sock.listen(128)
         sock.setblocking(False)
         self._listener = sock
+        self.counts.listen_fd = sock.fileno()
         self._sel.register(sock, selectors.EVENT_READ, "accept")
         self._sel.register(self._stop_r, selectors.EVENT_READ, "stop")
         self._thread = threading.Thread(target=self._run, name="kvstrata-liveness", daemon=True)

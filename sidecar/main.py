@@ -22,6 +22,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvstrata.sidecar.acceptguard import GuardState
     from kvstrata.sidecar.config import SidecarConfig
     from kvstrata.sidecar.engine import StorageManager
     from kvstrata.sidecar.http import HttpEndpoints
@@ -102,8 +103,11 @@ def _open_keys(config: SidecarConfig, stack: contextlib.ExitStack) -> KeyRing | 
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvstrata.sidecar.acceptguard import preload
     from kvstrata.sidecar.config import ConfigError
 
+    # First, before any thread or descriptor: it re-executes the process once.
+    guard = preload()
     try:
         config = load(args)
     except ConfigError as exc:
@@ -112,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     from kvstrata.sidecar.logs import configure_logging
 
     configure_logging(config.log_level, config.log_format)
-    return _serve(config)
+    return _serve(config, guard)
 
 
 class _StartError(Exception):
@@ -123,18 +127,26 @@ class _StartError(Exception):
         self.exit_code = exit_code
 
 
-def _serve(config: SidecarConfig) -> int:
+def _serve(config: SidecarConfig, guard: GuardState) -> int:
     """Start every part, serve until SIGTERM/SIGINT, tear down in reverse order.
 
     The ExitStack closes what was started, newest first: HTTP, server, CUDA
     devices (IPC handles and the arena's registration must go before the arena
     is unmapped), engine (stops writers, unlinks the segment), shared tier.
     """
-    # The ZeroMQ endpoint's gate must see libzmq's accepts within a fraction of
-    # a millisecond while other threads run Python (an HTTP or liveness flood):
-    # a thread waiting for the GIL gets it after at most this long (5 ms by
-    # default, in which libzmq accepts hundreds of connections; .zmqgate).
-    sys.setswitchinterval(GIL_SWITCH_S)
+    if guard.loaded:
+        logger.info("accept guard loaded: an accept short of descriptors drops its connection")
+    else:
+        logger.warning(
+            "accept guard not loaded (%s): libzmq may abort the sidecar when it runs out "
+            "of file descriptors; the ZeroMQ endpoint's gate alone keeps it from that",
+            guard.why_not,
+        )
+        # Without the guard, the gate must see libzmq's accepts within a fraction
+        # of a millisecond while other threads run Python (an HTTP or liveness
+        # flood): a thread waiting for the GIL gets it after at most this long
+        # (5 ms by default, in which libzmq accepts hundreds of connections).
+        sys.setswitchinterval(GIL_SWITCH_S)
     try:
         _pin(config)  # first: every thread started from here on inherits the mask
         with contextlib.ExitStack() as stack:

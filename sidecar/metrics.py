@@ -186,7 +186,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "when the descriptor limit changes)"),
     MetricSpec("kvstrata_connections_closed_total", "counter", ("listener", "reason"),
                "connections", "connections the sidecar closed: refused (at the cap, none "
-               "idle), made_room (idle, closed for a newcomer), idle (past its deadline)"),
+               "idle), made_room (idle, closed for a newcomer), idle (past its deadline), "
+               "no_descriptor (dropped by the accept guard when an accept found no free file "
+               "descriptor; the peer sees the connection end)"),
     MetricSpec("kvstrata_accept_errors_total", "counter", ("listener",), "accepts",
                "accepts that failed for want of file descriptors (each pauses accepting)"),
     MetricSpec("kvstrata_accept_pauses_total", "counter", ("listener",), "events",
@@ -322,15 +324,31 @@ class ListenerCollector(Collector):
         closed = _counter("kvstrata_connections_closed_total")
         errors = _counter("kvstrata_accept_errors_total")
         pauses = _counter("kvstrata_accept_pauses_total")
+        dropped = _dropped_by_guard(self._counts)
         for name, c in self._counts.items():
             opened.add_metric([name], c.open)
             limit.add_metric([name], c.limit)
             for reason, n in (("refused", c.refused), ("made_room", c.made_room),
-                              ("idle", c.idle_closed)):  # fmt: skip
+                              ("idle", c.idle_closed),
+                              ("no_descriptor", dropped[name])):  # fmt: skip
                 closed.add_metric([name, reason], n)
             errors.add_metric([name], c.accept_errors)
             pauses.add_metric([name], c.paused)
         yield from (opened, limit, closed, errors, pauses)
+
+
+def _dropped_by_guard(counts: dict[str, ListenerCounts]) -> dict[str, int]:
+    """Connections the accept guard dropped, per listener: the Python listeners'
+    by their listening descriptor, the rest (libzmq's listeners) as zmq's."""
+    from kvstrata.sidecar import acceptguard
+
+    out = {
+        name: acceptguard.dropped(c.listen_fd) if c.listen_fd >= 0 else 0
+        for name, c in counts.items()
+        if name != "zmq"
+    }
+    out["zmq"] = max(0, acceptguard.dropped() - sum(out.values()))
+    return out
 
 
 class QueuedRepliesCollector(Collector):

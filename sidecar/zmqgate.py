@@ -1,5 +1,11 @@
-"""The ZeroMQ endpoint's door: stop accepting connections before libzmq runs
-out of descriptors, because libzmq aborts the process when it does.
+"""The ZeroMQ endpoint's door: stop accepting connections at the endpoint's cap,
+so that ZeroMQ leaves descriptors to L2 files, tiers and the other listeners.
+
+Safety against running out is not this module's: the accept guard
+(:mod:`.acceptguard`, preloaded) answers an accept short of a descriptor
+with EAGAIN and drops that connection, whatever the door does. The door
+bounds ZeroMQ's share; it was once the only protection, as follows, and is
+again where the guard is missing (an install without a C compiler).
 
 Why: libzmq 4.3.5 (the one pyzmq 27 bundles) accepts every connection that
 reaches an ``ipc://`` listener as soon as it arrives, and treats an
@@ -39,16 +45,22 @@ accepts what was queued (at most :data:`BACKLOG`) and what arrived while the
 gate's thread was waking to the event. That last part is a race the gate
 cannot win by construction, only by margin: half the reserve of
 :mod:`.fdbudget` is kept for it, the HTTP port and the liveness socket keep
-no connection there, and the process hands the GIL over every 0.5 ms
-(``kvstrata.sidecar.main``), so the thread reacts within a few hundred
-accepts even while other threads run Python. Measured on 2 shared cores
+no connection there, and, without the guard, the process hands the GIL
+over every 0.5 ms (``kvstrata.sidecar.main``), so the thread reacts within
+a few hundred accepts even while other threads run Python. (With the guard
+the interval stays Python's 5 ms: a flood may then outrun the thread, which
+costs the flood's connections, not the process; the door still shuts once
+the monitor's events are read.) Through a hard link to the socket file,
+made while the door is open, a client reaches the socket whatever the door
+does: only the guard holds against that. Measured on 2 shared cores
 with 1,100 ZeroMQ, 700 HTTP and 700 liveness connections at once from three
 processes: under ``prlimit --nofile=1024:1024`` (a cap of 83) libzmq
 accepted 17 to 29 connections past the cap before the door shut, the sidecar
 holding at most 526 descriptors; with the limit lowered to 512 while running
 (a cap of 40), 27 to 219 past it, at most 438 descriptors. The worst seen,
 233 past the cap, came while the machine was busier. The margin held in
-every run; it is a margin, not a proof. A limit lowered while the sidecar runs
+every run then; it is a margin, not a proof (a loaded CI machine outran it
+twice later). A limit lowered while the sidecar runs
 is read every :data:`CHECK_S` and shrinks every listener's cap
 (:func:`.fdbudget.replan`); a limit lowered below what the process already
 holds closes the door at that check.

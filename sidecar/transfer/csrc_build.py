@@ -7,7 +7,7 @@ same commands and the same cache keys. This module uses only the standard
 library, because ``setup.py`` loads it by path while the package is being
 built (no torch, no numpy, no GPU needed).
 
-Two libraries, one C ABI (``csrc/kvs_abi.h``):
+Two libraries of one C ABI (``csrc/kvs_abi.h``), and a preload:
 
 - ``libkvstrata-host.so``: ``csrc/kvs_host.cpp``, built with the C++
   compiler (``$CXX`` or ``g++``) as ``-O2 -shared -fPIC``.
@@ -18,6 +18,11 @@ Two libraries, one C ABI (``csrc/kvs_abi.h``):
   arch so newer GPUs JIT it. cudart is linked statically and its symbols
   hidden: the library dlopens on machines without the CUDA toolkit and never
   clashes with torch's own cudart.
+- ``libkvstrata-acceptguard.so``: ``csrc/kvs_accept_guard.c``, built with the
+  C compiler (``$CC``, ``gcc`` or ``cc``) as ``-O2 -shared -fPIC -pthread``
+  and installed into ``kvstrata/sidecar/``: the sidecar preloads it so that
+  no accept in the process fails for want of a descriptor
+  (:mod:`kvstrata.sidecar.acceptguard`).
 
 Each library embeds :func:`source_hash` of the sources it was built from
 (``kvs_source_hash()``), so a loader can tell a stale build from a current
@@ -51,10 +56,11 @@ class CSrcBuildError(RuntimeError):
 class Library:
     """One library of the C ABI: what it is built from and what it is called."""
 
-    kind: str  # "host" or "cuda"
+    kind: str  # "host", "cuda" or "preload"
     filename: str
     headers: tuple[str, ...]  # file names in csrc/ the compiled ones include
     compiled: tuple[str, ...]  # file names in csrc/ handed to the compiler, in order
+    package: str = "kvstrata.sidecar.transfer"  # where the install step puts it
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -65,6 +71,9 @@ class Library:
 _HEADERS = ("kvs_abi.h", "kvs_common.h", "kvs_device_guard.h", "kvs_index.h", "kvs_uuid.h")
 HOST = Library("host", "libkvstrata-host.so", _HEADERS, ("kvs_host.cpp",))
 CUDA = Library("cuda", "libkvstrata-cuda.so", _HEADERS, ("kvs_transfer.cu", "kvs_ipc.cu"))
+ACCEPT_GUARD = Library(
+    "preload", "libkvstrata-acceptguard.so", (), ("kvs_accept_guard.c",), "kvstrata.sidecar"
+)
 
 
 def repo_csrc_dir() -> Path | None:
@@ -106,6 +115,14 @@ def find_cxx() -> str | None:
     if explicit:
         return explicit
     return shutil.which("g++") or shutil.which("c++")
+
+
+def find_cc() -> str | None:
+    """The C compiler: ``$CC``, else ``gcc``, else ``cc`` on PATH."""
+    explicit = os.environ.get("CC")
+    if explicit:
+        return explicit
+    return shutil.which("gcc") or shutil.which("cc")
 
 
 def find_nvcc() -> str | None:
@@ -165,6 +182,14 @@ def compile_command(library: Library, csrc: Path, output: Path, digest: str) -> 
         return [
             cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
             define, "-o", str(output), *sources,
+        ]  # fmt: skip
+    if library.kind == "preload":
+        cc = find_cc()
+        if cc is None:
+            raise CSrcBuildError("no C compiler found (set CC or install gcc)")
+        return [
+            cc, "-O2", "-std=gnu11", "-shared", "-fPIC", "-pthread", "-fvisibility=hidden",
+            define, "-o", str(output), *sources, "-ldl",
         ]  # fmt: skip
     nvcc = find_nvcc()
     if nvcc is None:

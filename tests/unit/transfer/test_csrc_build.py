@@ -50,6 +50,28 @@ def test_the_host_build_compiles_without_a_warning_under_pedantic_cxx17(tmp_path
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_the_accept_guard_builds_without_a_warning_and_exports_only_its_own_symbols(
+    tmp_path: Path,
+) -> None:
+    cc = csrc_build.find_cc()
+    assert cc is not None, "no C compiler: the accept guard cannot be built"
+    command = [
+        cc, "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wconversion", "-Werror", "-fsyntax-only",
+        str(CSRC / "kvs_accept_guard.c"),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    built = build(csrc_build.ACCEPT_GUARD, CSRC, tmp_path)
+    symbols = subprocess.run(
+        ["nm", "-D", "--defined-only", str(built)], capture_output=True, text=True, check=True
+    ).stdout
+    exported = {line.split()[-1] for line in symbols.splitlines() if " T " in line}
+    assert exported == {
+        "accept", "accept4", "kvs_accept_guard_dropped", "kvs_accept_guard_spare",
+        "kvs_accept_guard_spare_missing",
+    }  # fmt: skip
+
+
 def test_csrc_includes_only_standard_and_cuda_runtime_headers() -> None:
     allowed = {"stdint.h", "string.h", "atomic", "vector", "cuda_runtime.h"}
     own = {p.name for p in CSRC.glob("*.h")}
