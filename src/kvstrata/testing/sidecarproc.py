@@ -202,6 +202,15 @@ class SidecarProcess:
         with urllib.request.urlopen(self.url(path), timeout=5) as resp:
             return str(resp.read().decode())
 
+    def samples(self) -> dict[str, float]:
+        """``/metrics`` as ``name{labels}`` (as the text has it) -> value."""
+        samples = {}
+        for line in self.get("/metrics").splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        return samples
+
     def status(self) -> dict[str, Any]:
         """``/status`` as a dict."""
         return dict(json.loads(self.get("/status")))

@@ -22,17 +22,8 @@ from .conftest import shared_valkey
 CHUNK = 64 << 10
 
 
-def _samples(sidecar: Any) -> dict[str, float]:
-    samples = {}
-    for line in sidecar.get("/metrics").splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
-
-
 def _written_behind(sidecar: Any) -> bool:
-    s = _samples(sidecar)
+    s = sidecar.samples()
     queued = (
         s['kvstrata_write_queue_depth{tier="l2"}'] + s['kvstrata_write_queue_depth{tier="valkey"}']
     )
@@ -94,7 +85,7 @@ def test_an_unknown_tier_is_refused_naming_it_and_counted_and_the_sidecar_keeps_
     peer = RawPeer(sidecar.endpoint)
     peer.hello(kit.NAMESPACE.fingerprint())
     keys = [bytes(k) for k in kit.make_keys(2, seed=44)]
-    before = _samples(sidecar)['kvstrata_errors_total{kind="bad_request"}']
+    before = sidecar.samples()['kvstrata_errors_total{kind="bad_request"}']
     lookup = {"keys": keys, "prefetch": False, "owner": "r", "load_tiers": ["l1", "l3"]}
     _, _, ok, body = peer.call(p.LOOKUP, lookup, request_id=7)
     assert (ok, body["code"]) == (False, p.E_BAD_REQUEST)
@@ -104,7 +95,7 @@ def test_an_unknown_tier_is_refused_naming_it_and_counted_and_the_sidecar_keeps_
     _, _, ok, body = peer.call(p.PREPARE_STORE, store, request_id=8)
     assert (ok, body["code"]) == (False, p.E_BAD_REQUEST)
     assert "'store_tiers'" in body["message"] and "'l1'" in body["message"]
-    assert _samples(sidecar)['kvstrata_errors_total{kind="bad_request"}'] == before + 2
+    assert sidecar.samples()['kvstrata_errors_total{kind="bad_request"}'] == before + 2
     # Still serving, this peer included.
     lookup["load_tiers"] = ["l1"]
     assert peer.call(p.LOOKUP, lookup, request_id=9)[2] is True

@@ -67,16 +67,6 @@ def adapter_query(rule: dict[str, Any], series: str) -> str:
     )
 
 
-def sidecar_samples(sidecar: Any) -> dict[str, float]:
-    """The sidecar's own /metrics: ``name{labels}`` -> value."""
-    samples = {}
-    for line in sidecar.get("/metrics").splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
-
-
 @pytest.fixture
 def scraped(sidecar_factory: Any, kit: Any, tmp_path: Path, prometheus_factory: Any) -> Iterator:
     rules = tmp_path / "autoscaling-rules.yaml"
@@ -93,7 +83,7 @@ def scraped(sidecar_factory: Any, kit: Any, tmp_path: Path, prometheus_factory: 
 
 
 def written_behind(sidecar: Any) -> bool:
-    samples = sidecar_samples(sidecar)
+    samples = sidecar.samples()
     return (
         samples['kvstrata_write_queue_depth{tier="l2"}']
         == 0
@@ -161,7 +151,7 @@ def test_every_autoscaling_query_returns_the_sidecars_figures(scraped: Any) -> N
     sidecar, kit, prom = scraped
     run_workload(sidecar, kit, prom)
     at = last_scrape(prom, time.time())
-    own = sidecar_samples(sidecar)  # quiet now: what Prometheus scraped last
+    own = sidecar.samples()  # quiet now: what Prometheus scraped last
     young = own['kvstrata_young_evictions_total{tier="l1"}']
     assert young == own['kvstrata_evictions_total{tier="l1"}'] >= 3 * L1_CHUNKS
     # The window holds the whole run from 0, and ends on a scrape: Prometheus's
