@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--webhook-config",
         default=_env("WEBHOOK_CONFIG", "kvstrata-webhook"),
-        help="MutatingWebhookConfiguration whose caBundle the operator keeps",
+        help="MutatingWebhookConfiguration whose caBundle the operator keeps and whose"
+        " namespaceSelector tells in which namespaces a workload may be rolled",
     )
     parser.add_argument("--webhook-secret", default=_env("WEBHOOK_SECRET", "kvstrata-webhook-tls"))
     parser.add_argument(
