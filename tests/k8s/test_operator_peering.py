@@ -1,15 +1,18 @@
-"""Two operator replicas peering through kopf on the real API server: one reconciles.
+"""Two operator replicas peering through kopf on the real API server: one reconciles, both admit.
 
 The test creates the KopfPeering CRD and object itself (what a peering
 install needs), starts two ``kvstrata operator --peering`` processes with
 different priorities in a fresh namespace, waits until the lower one says it
 paused, and then creates a KVCache: only the higher-priority replica counts a
-reconcile on its /metrics.
+reconcile on its /metrics, and both answer an admission review (kopf pauses
+handlers, not its webhook server).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import ssl
 import subprocess
 import sys
 import urllib.request
@@ -17,7 +20,9 @@ import uuid
 
 import pytest
 
+from kvstrata.operator import certs
 from kvstrata.operator import spec as S
+from kvstrata.operator.webhook_tls import write_files
 
 from .conftest import REPO, free_port
 from .test_operator_on_cluster import kvcache
@@ -58,6 +63,45 @@ def reconciles(port: int) -> float:
     )
 
 
+def admit(port: int, ca_file: str, namespace: str) -> dict:
+    """One AdmissionReview for a pod that asks for no cache, to a replica's webhook."""
+    review = {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": "peering-review",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "operation": "CREATE",
+            "namespace": namespace,
+            "name": "plain",
+            "userInfo": {"username": "test"},
+            "object": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "plain", "namespace": namespace},
+                "spec": {"containers": [{"name": "c", "image": "registry.invalid/c:none"}]},
+            },
+            "dryRun": False,
+        },
+    }
+    request = urllib.request.Request(
+        f"https://127.0.0.1:{port}/inject",
+        data=json.dumps(review).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    context = ssl.create_default_context(cafile=ca_file)
+    with urllib.request.urlopen(request, timeout=10, context=context) as answer:
+        return json.loads(answer.read())["response"]
+
+
+def _admitted(port: int, ca_file: str, namespace: str) -> dict | None:
+    try:
+        return admit(port, ca_file, namespace)
+    except OSError:  # not listening yet
+        return None
+
+
 def test_of_two_peering_replicas_only_the_higher_priority_one_reconciles(
     kube, crd_applied, tmp_path, wait_for
 ):
@@ -89,6 +133,11 @@ def test_of_two_peering_replicas_only_the_higher_priority_one_reconciles(
             "metadata": {"name": "kvstrata", "namespace": namespace},
         },
     )
+    # Both replicas serve one certificate (as from the shared Secret).
+    bundle = certs.issue(["127.0.0.1"])
+    cert_dir = tmp_path / "certs"
+    write_files(bundle, cert_dir)
+    (tmp_path / "ca.crt").write_bytes(bundle.ca_crt)
     replicas = []
     try:
         for priority in (2, 1):
@@ -96,14 +145,15 @@ def test_of_two_peering_replicas_only_the_higher_priority_one_reconciles(
             port = free_port()
             args = [sys.executable, "-m", "kvstrata.cli", "operator", "--watch-namespace"]
             args += [namespace, "--namespace", namespace, "--liveness", "", "--webhook-port"]
-            args += ["0", "--metrics-port", str(port), "--peering", "kvstrata"]
+            args += [str(free_port()), "--cert-dir", str(cert_dir), "--cert-manager"]
+            args += ["--metrics-port", str(port), "--peering", "kvstrata"]
             args += ["--priority", str(priority), "--verbose"]
             with log.open("wb") as out:
                 process = subprocess.Popen(
                     args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=dict(os.environ)
                 )
-            replicas.append((process, log, port))
-        (_, _, high_port), (_, low_log, low_port) = replicas
+            replicas.append((process, log, port, int(args[args.index("--webhook-port") + 1])))
+        (_, _, high_port, high_hook), (_, low_log, low_port, low_hook) = replicas
         wait_for(
             lambda: "Pausing operations" in low_log.read_text(errors="replace"),
             60,
@@ -119,8 +169,16 @@ def test_of_two_peering_replicas_only_the_higher_priority_one_reconciles(
         wait_for(ready, 90, "the KVCache Ready")
         assert reconciles(high_port) >= 1
         assert reconciles(low_port) == 0
+        # The paused replica still answers admission requests, as the active one does.
+        for hook in (low_hook, high_hook):
+            answer = wait_for(
+                lambda hook=hook: _admitted(hook, str(tmp_path / "ca.crt"), namespace),
+                30,
+                f"the webhook on port {hook}",
+            )
+            assert answer["uid"] == "peering-review" and answer["allowed"] is True
     finally:
-        for process, log, _ in replicas:
+        for process, log, _, _ in replicas:
             process.terminate()
             try:
                 process.wait(timeout=20)
