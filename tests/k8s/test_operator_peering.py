@@ -138,6 +138,32 @@ def test_of_two_peering_replicas_only_the_higher_priority_one_reconciles(
     cert_dir = tmp_path / "certs"
     write_files(bundle, cert_dir)
     (tmp_path / "ca.crt").write_bytes(bundle.ca_crt)
+
+    # A CRD just created may accept writes before its watches deliver them
+    # (seen under load: kopf's watch stayed silent for a minute and neither
+    # replica paused); start the replicas once a watch sees a change.
+    def watch_delivers() -> bool:
+        from kubernetes import watch
+
+        found = peerings.get_namespaced_custom_object(
+            "kopf.dev", "v1", namespace, "kopfpeerings", "kvstrata"
+        )
+        marker = {"metadata": {"labels": {"kvstrata.test/probe": uuid.uuid4().hex[:8]}}}
+        peerings.patch_namespaced_custom_object(
+            "kopf.dev", "v1", namespace, "kopfpeerings", "kvstrata", marker
+        )
+        stream = watch.Watch().stream(
+            peerings.list_namespaced_custom_object,
+            "kopf.dev",
+            "v1",
+            namespace,
+            "kopfpeerings",
+            resource_version=found["metadata"]["resourceVersion"],
+            timeout_seconds=5,
+        )
+        return any(True for _ in stream)
+
+    wait_for(watch_delivers, 120, "a watch on kopfpeerings delivering a change")
     replicas = []
     try:
         for priority in (2, 1):
