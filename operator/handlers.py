@@ -172,7 +172,11 @@ def _reconcile_measured(body: kopf.Body, memo: Any) -> Outcome:
     metrics = getattr(memo, "metrics", None)
     started = time.perf_counter()
     try:
-        outcome = reconcile(_raw(body), memo.cluster)
+        # The webhook configuration tells which namespaces' pods it is sent:
+        # workloads elsewhere are not rolled (their new pods would lack a sidecar).
+        options = getattr(memo, "options", None)
+        webhook_config = getattr(options, "webhook_config", None)
+        outcome = reconcile(_raw(body), memo.cluster, webhook_config=webhook_config)
     except Exception:
         if metrics is not None:
             metrics.record_reconcile("error", time.perf_counter() - started)

@@ -29,7 +29,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FIELD_MANAGER = "kvstrata-operator"
+
+
 # Where Kubernetes mounts a pod's service account (token, ca.crt, namespace).
+class WriteConflict(Exception):
+    """The API server refused a write with 409: another client got there first.
+
+    Raised by :meth:`KubeCluster.create` when the object already exists and by
+    :meth:`KubeCluster.replace` when the ``resourceVersion`` it carries is stale. Callers
+    that race other replicas re-read and take the winner's object.
+    """
+
+
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 # (apiVersion, kind) -> (plural, namespaced)
@@ -174,6 +185,7 @@ class KubeCluster:
         body: Any = None,
         query: list[tuple[str, str]] | None = None,
         content_type: str = "application/json",
+        conflicts: bool = False,
     ) -> dict | None:
         from kubernetes.client.exceptions import ApiException
 
@@ -190,6 +202,8 @@ class KubeCluster:
         data = response.read()
         if response.status == 404 and method == "GET":
             return None
+        if response.status == 409 and conflicts:
+            raise WriteConflict(f"{method} {path}: {data[:300]!r}")
         if not 200 <= response.status <= 299:
             raise ApiException(status=response.status, reason=f"{method} {path}: {data[:500]!r}")
         return json.loads(data) if data else {}
@@ -203,6 +217,38 @@ class KubeCluster:
         query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
         result = self._call("PATCH", path, dict(obj), query, "application/apply-patch+yaml")
         return result or {}
+
+    def create(self, obj: Mapping[str, Any]) -> dict:
+        """Create, or raise :class:`WriteConflict` when the object exists already.
+
+        Unlike :meth:`apply` this never overwrites: the API server decides
+        which of several racing writers wins.
+        """
+        meta = obj["metadata"]
+        path = resource_path(obj["apiVersion"], obj["kind"], meta.get("namespace"), None)
+        query = [("fieldManager", FIELD_MANAGER)]
+        return self._call("POST", path, dict(obj), query, conflicts=True) or {}
+
+    def replace(self, obj: Mapping[str, Any]) -> dict:
+        """Overwrite an object read earlier; :class:`WriteConflict` when it changed since.
+
+        ``metadata.resourceVersion`` must be the one read: the API server
+        refuses a patch carrying a stale version (409) when another client
+        updated the object in between. A merge patch rather than PUT, so the
+        verb stays ``patch``, the one the chart already grants.
+        """
+        meta = obj["metadata"]
+        if not meta.get("resourceVersion"):
+            raise ValueError(
+                f"replace of {obj['kind']} {meta['name']} needs the resourceVersion read"
+            )
+        path = resource_path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+        query = [("fieldManager", FIELD_MANAGER)]
+        body = dict(obj)
+        return (
+            self._call("PATCH", path, body, query, "application/merge-patch+json", conflicts=True)
+            or {}
+        )
 
     def list(
         self, api_version: str, kind: str, namespace: str, label_selector: str | None = None

@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--webhook-config",
         default=_env("WEBHOOK_CONFIG", "kvstrata-webhook"),
-        help="MutatingWebhookConfiguration whose caBundle the operator keeps",
+        help="MutatingWebhookConfiguration whose caBundle the operator keeps and whose"
+        " namespaceSelector tells in which namespaces a workload may be rolled",
     )
     parser.add_argument("--webhook-secret", default=_env("WEBHOOK_SECRET", "kvstrata-webhook-tls"))
     parser.add_argument(
@@ -63,6 +64,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env("METRICS_PORT", "9465"),
         help="port of the operator's Prometheus /metrics; 0 disables it",
     )
+    parser.add_argument(
+        "--peering",
+        default=_env("PEERING", ""),
+        help="kopf peering name shared by the replicas: only the highest-priority one"
+        " reconciles, every one serves the webhook; empty runs standalone",
+    )
+    parser.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="this replica's peering priority; default: derived from $POD_NAME",
+    )
     parser.add_argument("--verbose", action="store_true", help="debug logging")
 
 
@@ -74,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     from kvstrata.operator.kube import KubeCluster
     from kvstrata.operator.metrics import OperatorMetrics
     from kvstrata.operator.metrics import serve as serve_metrics
+    from kvstrata.operator.peering import run_options
 
     try:
         cluster = KubeCluster()
@@ -98,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     kopf.run(
         registry=registry,
         memo=memo,
-        standalone=True,
+        **run_options(args.peering, args.priority, os.environ.get("POD_NAME")),
         clusterwide=not namespaces,
         namespaces=namespaces,
         liveness_endpoint=args.liveness or None,

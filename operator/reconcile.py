@@ -54,6 +54,7 @@ from kvstrata.operator import encryption as E
 from kvstrata.operator import resources as R
 from kvstrata.operator import sharedtier
 from kvstrata.operator import spec as S
+from kvstrata.operator.injection_scope import why_not_sent
 from kvstrata.operator.model import PASSWORD_KEY, KVCache, KVCacheLike
 
 logger = logging.getLogger(__name__)
@@ -211,7 +212,13 @@ def apply_objects(cluster: Cluster, objects: list[dict], events: list[Event]) ->
 
 
 def roll_workloads(
-    cluster: Cluster, namespace: str, name: str, digest: str, events: list[Event]
+    cluster: Cluster,
+    namespace: str,
+    name: str,
+    digest: str,
+    events: list[Event],
+    webhook_config: str | None = None,
+    skipped: list[str] | None = None,
 ) -> int:
     """Stamp the config hash on every workload whose pod template asks for this cache.
 
@@ -220,9 +227,14 @@ def roll_workloads(
     with the new config. A workload whose pods all run the current config
     already (created after the KVCache, so injected with it) is left alone;
     one whose pods predate the KVCache (admitted without a sidecar) is rolled.
-    Returns how many workloads were rolled.
+    Returns how many workloads were rolled. In a namespace whose pods the
+    webhook is never sent (see :mod:`kvstrata.operator.injection_scope`) a
+    workload is not rolled: its new pods would lack the sidecar. It gets a
+    Warning Event and is named in ``skipped`` instead.
     """
     rolled = 0
+    not_sent: str | None = None
+    scope_checked = False
     for kind in WORKLOAD_KINDS:
         for workload in cluster.list("apps/v1", kind, namespace):
             template_meta = ((workload.get("spec") or {}).get("template") or {}).get(
@@ -235,16 +247,54 @@ def roll_workloads(
                 continue
             if _pods_current(cluster, namespace, workload, digest):
                 continue
+            wname = workload["metadata"]["name"]
+            if not scope_checked:
+                not_sent, scope_checked = why_not_sent(cluster, webhook_config, namespace), True
+            if not_sent is not None:
+                _skip(cluster, kind, workload, not_sent, events)
+                if skipped is not None:
+                    skipped.append(f"{kind}/{wname}")
+                continue
             body = {
                 "spec": {
                     "template": {"metadata": {"annotations": {S.CONFIG_HASH_ANNOTATION: digest}}}
                 }
             }
-            wname = workload["metadata"]["name"]
             cluster.patch("apps/v1", kind, namespace, wname, body)
             rolled += 1
             events.append(Event("Normal", "RolledWorkload", f"{kind} {wname}: config {digest}"))
     return rolled
+
+
+def _skip(
+    cluster: Cluster, kind: str, workload: Mapping[str, Any], why: str, events: list[Event]
+) -> None:
+    """Say on the workload itself, where its owner looks, why it was not rolled."""
+    meta = workload["metadata"]
+    message = f"not rolled to the KVCache's config: {why}"
+    events.append(Event("Warning", "NamespaceNotOptedIn", f"{kind} {meta['name']} {message}"))
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Event",
+            # One Event per workload and reason, updated by each pass, not one per pass.
+            "metadata": {
+                "name": f"{meta['name']}.kvstrata-not-opted-in",
+                "namespace": meta["namespace"],
+            },
+            "involvedObject": {
+                "apiVersion": "apps/v1",
+                "kind": kind,
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+            },
+            "type": "Warning",
+            "reason": "NamespaceNotOptedIn",
+            "message": message,
+            "source": {"component": "kvstrata-operator"},
+        }
+    )
 
 
 def _pods_current(
@@ -410,6 +460,7 @@ def reconcile(
     cluster: Cluster,
     probes: Probes | None = None,
     now: str | None = None,
+    webhook_config: str | None = None,
 ) -> Outcome:
     """One reconcile pass; safe to repeat (apply is idempotent, status is recomputed)."""
     now = now or now_iso()
@@ -426,7 +477,8 @@ def reconcile(
         return Outcome(status=report.status, events=events, permanent=str(exc))
     apply_objects(cluster, _servable(objects, cluster, events), events)
     probe, endpoints = check_shared_tier(parsed, cluster, probes or Probes())
-    roll_workloads(cluster, parsed.namespace, parsed.name, digest, events)
+    skipped: list[str] = []
+    roll_workloads(cluster, parsed.namespace, parsed.name, digest, events, webhook_config, skipped)
     selector = f"{S.CACHE_LABEL}={S.cache_label_value(parsed.name)}"
     pods = cluster.list("v1", "Pod", parsed.namespace, selector)
     tier = parsed.spec.shared.kind
@@ -436,6 +488,7 @@ def reconcile(
         sharedTier=tier,
         endpoints=endpoints,
         injectedPods=len(pods),
+        notRolled=skipped,
     )
     before = report.reason("SharedTierReady")
     report.shared_tier(probe, digest, tier)

@@ -13,10 +13,13 @@ from __future__ import annotations
 import base64
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 from kvstrata.operator import certs
+from kvstrata.operator.kube import WriteConflict
 from kvstrata.operator.reconcile import Cluster
 
 logger = logging.getLogger(__name__)
@@ -41,32 +44,73 @@ def _decode(secret: dict | None) -> certs.TLSBundle | None:
         return None
 
 
-def ensure_serving_tls(cluster: Cluster, opts: WebhookTLSOptions) -> str:
+class TLSCluster(Cluster, Protocol):
+    """The cluster calls the certificate needs beyond reconcile's: writes that never overwrite."""
+
+    def create(self, obj: Mapping[str, Any]) -> dict: ...  # WriteConflict when it exists
+
+    def replace(self, obj: Mapping[str, Any]) -> dict: ...  # WriteConflict when changed since read
+
+
+# Replicas racing on one Secret settle within two rounds (one create, one
+# rotation); more rounds than that means something keeps rewriting it.
+_MAX_ROUNDS = 4
+
+
+def _secret(opts: WebhookTLSOptions, bundle: certs.TLSBundle, read: dict | None) -> dict:
+    metadata: dict[str, Any] = {"name": opts.secret_name, "namespace": opts.namespace}
+    if read is not None:
+        # The version read: the API server refuses the replace when another
+        # replica wrote the Secret since, instead of one overwriting the other.
+        metadata["resourceVersion"] = (read.get("metadata") or {}).get("resourceVersion")
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata,
+        "type": "Opaque",
+        "data": {k: base64.b64encode(v).decode() for k, v in bundle.as_secret_data().items()},
+    }
+
+
+def ensure_serving_tls(cluster: TLSCluster, opts: WebhookTLSOptions) -> str:
     """Make the Secret, the files and the caBundle agree on a valid certificate.
 
-    Returns what was done (for the log): ``"kept"`` or the rotation reason.
+    Several operator replicas run this at once. The Secret is the one truth
+    they share: a replica writes its new certificate only with create (absent)
+    or replace at the version it read (present), so the API server lets exactly
+    one writer win; a loser (409) reads the winner's certificate and serves
+    that one. Returns what was done (for the log): ``"kept"``, the rotation
+    reason, or ``"taken from another replica"``.
     """
     names = certs.service_dns_names(opts.service_name, opts.namespace)
-    secret = cluster.get("v1", "Secret", opts.namespace, opts.secret_name)
-    bundle = _decode(secret)
-    why = certs.needs_rotation(bundle, names)
-    if why is not None or bundle is None:
-        bundle = certs.issue(names, ca=bundle)
-        cluster.apply(
-            {
-                "apiVersion": "v1",
-                "kind": "Secret",
-                "metadata": {"name": opts.secret_name, "namespace": opts.namespace},
-                "type": "Opaque",
-                "data": {
-                    k: base64.b64encode(v).decode() for k, v in bundle.as_secret_data().items()
-                },
-            }
-        )
+    outcome = "kept"
+    for _ in range(_MAX_ROUNDS):
+        secret = cluster.get("v1", "Secret", opts.namespace, opts.secret_name)
+        bundle = _decode(secret)
+        why = certs.needs_rotation(bundle, names)
+        if why is None and bundle is not None:
+            break
+        issued = certs.issue(names, ca=bundle)
+        try:
+            if secret is None:
+                cluster.create(_secret(opts, issued, None))
+            else:
+                cluster.replace(_secret(opts, issued, secret))
+        except WriteConflict:
+            logger.info("another replica wrote the webhook certificate first; serving theirs")
+            outcome = "taken from another replica"
+            continue
         logger.info("webhook certificate issued: %s", why)
+        bundle, outcome = issued, why or "issued"
+        break
+    else:
+        raise RuntimeError(
+            f"Secret {opts.namespace}/{opts.secret_name} changed under every one of"
+            f" {_MAX_ROUNDS} writes of the webhook certificate"
+        )
     write_files(bundle, opts.cert_dir)
     patch_ca_bundle(cluster, opts.webhook_config, bundle.ca_crt)
-    return why or "kept"
+    return outcome
 
 
 def write_files(bundle: certs.TLSBundle, cert_dir: Path) -> None:

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from kvstrata.operator.kube import WriteConflict
+
 REPO = Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.33"
 
@@ -81,6 +83,30 @@ class InMemoryCluster:
                 return copy.deepcopy(old)
         else:
             new["metadata"]["uid"] = f"uid-{meta['name']}"
+        self._bump(new)
+        self.objects[key] = new
+        return copy.deepcopy(new)
+
+    # create and replace model the API server's rules for racing writers: a
+    # create of an existing object and a replace at a stale resourceVersion are
+    # refused with 409 (WriteConflict), so exactly one writer wins.
+    def create(self, obj: Mapping[str, Any]) -> dict:
+        meta = obj["metadata"]
+        key = self._key(obj["apiVersion"], obj["kind"], meta.get("namespace", ""), meta["name"])
+        if key in self.objects:
+            raise WriteConflict(f"{obj['kind']} {meta['name']} already exists")
+        self.applied.append(copy.deepcopy(dict(obj)))
+        return self.put(obj)
+
+    def replace(self, obj: Mapping[str, Any]) -> dict:
+        meta = obj["metadata"]
+        key = self._key(obj["apiVersion"], obj["kind"], meta.get("namespace", ""), meta["name"])
+        old = self.objects.get(key)
+        if old is None or old["metadata"].get("resourceVersion") != meta.get("resourceVersion"):
+            raise WriteConflict(f"{obj['kind']} {meta['name']} changed since it was read")
+        self.applied.append(copy.deepcopy(dict(obj)))
+        new = copy.deepcopy(dict(obj))
+        new["metadata"]["uid"] = old["metadata"].get("uid")
         self._bump(new)
         self.objects[key] = new
         return copy.deepcopy(new)

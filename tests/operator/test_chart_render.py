@@ -165,6 +165,19 @@ def granted(rules: list[dict[str, Any]]) -> set[str]:
     return {r for rule in rules for r in rule["resources"]}
 
 
+@pytest.mark.parametrize(
+    "values", [{}, {"operator": {"watchNamespaces": ["ml"]}}], ids=["all", "some"]
+)
+def test_the_operator_may_read_a_namespace_and_the_webhook_configuration(values):
+    # What injection_scope reads before rolling a workload: the namespace's
+    # labels and the webhook configuration's namespaceSelector.
+    rules = rbac(render(values))["*"]
+    verbs = {v for rule in rules if "namespaces" in rule["resources"] for v in rule["verbs"]}
+    assert "get" in verbs
+    config = [r for r in rules if "mutatingwebhookconfigurations" in r["resources"]]
+    assert config and all("get" in r["verbs"] for r in config)
+
+
 def test_watching_all_namespaces_grants_the_namespaced_rules_cluster_wide_only():
     by_scope = rbac(render())
     assert set(by_scope) == {"*"}

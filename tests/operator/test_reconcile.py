@@ -261,3 +261,66 @@ def test_the_handler_retries_while_valkey_starts_and_gives_up_on_a_bad_spec(make
     assert cond(kwargs["patch"]["status"], "Ready")["reason"] == "InvalidSpec"
     kwargs = _handler_kwargs(make_kvcache(l1={"policy": "mru"}), cluster, events)
     handlers.recheck_kvcache(**kwargs)  # the timer does not raise again for a bad spec
+
+
+def opt_in_webhook(name="kvstrata-webhook"):
+    """The webhook configuration as the chart renders it by default (the opt-in label)."""
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": name},
+        "webhooks": [
+            {
+                "name": "inject.kvstrata.io",
+                "namespaceSelector": {
+                    "matchLabels": {"kvstrata.io/injection": "enabled"},
+                    "matchExpressions": [
+                        {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": []}
+                    ],
+                },
+            }
+        ],
+    }
+
+
+def namespace(name, labels):
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}
+
+
+def test_a_workload_in_a_namespace_without_the_opt_in_label_is_not_rolled_and_says_why(
+    make_kvcache, cluster
+):
+    cluster.put(opt_in_webhook())
+    cluster.put(namespace("ml", {"kubernetes.io/metadata.name": "ml"}))
+    cluster.put(workload("Deployment", "llama", {S.CACHE_ANNOTATION: "demo"}))
+    outcome = rec.reconcile(make_kvcache(), cluster, now=NOW, webhook_config="kvstrata-webhook")
+    # Not stamped: rolled pods would come back without a sidecar.
+    llama = cluster.get("apps/v1", "Deployment", "ml", "llama")
+    assert S.CONFIG_HASH_ANNOTATION not in llama["spec"]["template"]["metadata"]["annotations"]
+    assert not [p for p in cluster.patches if p[0] == "Deployment"]
+    assert outcome.status["notRolled"] == ["Deployment/llama"]
+    (warning,) = [e for e in outcome.events if e.reason == "NamespaceNotOptedIn"]
+    assert warning.type == "Warning" and "kvstrata.io/injection=enabled" in warning.message
+    # The Deployment's owner sees it on the Deployment too.
+    (event,) = [o for k, o in cluster.objects.items() if k[1] == "Event"]
+    assert event["involvedObject"]["name"] == "llama"
+    assert event["involvedObject"]["kind"] == "Deployment"
+    assert "kvstrata.io/injection=enabled" in event["message"]
+    # A second pass updates the one Event rather than adding another.
+    rec.reconcile(make_kvcache(), cluster, now=NOW, webhook_config="kvstrata-webhook")
+    assert len([k for k in cluster.objects if k[1] == "Event"]) == 1
+    # Once the namespace opts in, the next pass rolls it.
+    cluster.put(namespace("ml", {"kvstrata.io/injection": "enabled"}))
+    opted = rec.reconcile(make_kvcache(), cluster, now=NOW, webhook_config="kvstrata-webhook")
+    assert [e.message.split(":")[0] for e in opted.events if e.reason == "RolledWorkload"] == [
+        "Deployment llama"
+    ]
+    assert opted.status["notRolled"] == []
+
+
+def test_an_unreadable_webhook_configuration_does_not_stop_rolling(make_kvcache, cluster):
+    cluster.put(workload("Deployment", "llama", {S.CACHE_ANNOTATION: "demo"}))
+    # No configuration stored (cert-manager installs, no permission): unknown, so rolled.
+    outcome = rec.reconcile(make_kvcache(), cluster, now=NOW, webhook_config="kvstrata-webhook")
+    assert [e.reason for e in outcome.events].count("RolledWorkload") == 1
+    assert outcome.status["notRolled"] == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import datetime as dt
 import json
 import socket
@@ -154,3 +155,85 @@ def test_the_webhook_server_serves_the_issued_certificate_and_fills_the_namespac
     answer = asyncio.run(asyncio.wait_for(scenario(), 20))
     assert answer == {"response": {"uid": "u1", "allowed": True}}
     assert seen == [{"name": "p", "namespace": "ml"}]
+
+
+class RacingSecretWrites:
+    """Two replicas' view of one API server (the in-memory model of its write rules).
+
+    The first time ``replica`` writes the webhook Secret, ``rival`` runs its
+    whole startup before that write reaches the store: both read "no Secret",
+    both issued a certificate, the rival's write lands first.
+    """
+
+    def __init__(self, store, rival):
+        self.store, self.rival, self.raced = store, rival, False
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def _race_first(self, obj):
+        if obj["kind"] == "Secret" and not self.raced:
+            self.raced = True
+            self.rival()
+
+    def apply(self, obj):
+        self._race_first(obj)
+        return self.store.apply(obj)
+
+    def create(self, obj):
+        self._race_first(obj)
+        return self.store.create(obj)
+
+    def replace(self, obj):
+        self._race_first(obj)
+        return self.store.replace(obj)
+
+
+def test_two_replicas_starting_together_serve_the_one_certificate_in_the_secret(
+    cluster, options, tmp_path
+):
+    cluster.put(webhook_config())
+    other = dataclasses.replace(options, cert_dir=tmp_path / "other-certs")
+    rival_done = []
+    racing = RacingSecretWrites(
+        cluster, lambda: rival_done.append(ensure_serving_tls(cluster, other))
+    )
+    outcome = ensure_serving_tls(racing, options)
+    secret = cluster.get("v1", "Secret", "kvstrata-system", "kvstrata-webhook-tls")
+    stored = base64.b64decode(secret["data"]["tls.crt"])
+    assert (options.cert_dir / "tls.crt").read_bytes() == stored
+    assert (other.cert_dir / "tls.crt").read_bytes() == stored
+    assert rival_done == ["no certificate stored"]  # the rival won the create
+    assert outcome == "taken from another replica"
+    config = cluster.get(
+        "admissionregistration.k8s.io/v1", "MutatingWebhookConfiguration", "", "kvstrata-webhook"
+    )
+    ca = secret["data"]["ca.crt"]
+    assert {w["clientConfig"]["caBundle"] for w in config["webhooks"]} == {ca}
+
+
+def test_two_replicas_rotating_together_serve_the_one_certificate_in_the_secret(
+    cluster, options, tmp_path
+):
+    cluster.put(webhook_config())
+    renamed = certs.issue(["old-name.svc"])  # names other hosts: both replicas rotate it
+    cluster.put(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "kvstrata-webhook-tls", "namespace": "kvstrata-system"},
+            "data": {k: base64.b64encode(v).decode() for k, v in renamed.as_secret_data().items()},
+        }
+    )
+    other = dataclasses.replace(options, cert_dir=tmp_path / "other-certs")
+    rival_done = []
+    racing = RacingSecretWrites(
+        cluster, lambda: rival_done.append(ensure_serving_tls(cluster, other))
+    )
+    outcome = ensure_serving_tls(racing, options)
+    secret = cluster.get("v1", "Secret", "kvstrata-system", "kvstrata-webhook-tls")
+    stored = base64.b64decode(secret["data"]["tls.crt"])
+    assert (options.cert_dir / "tls.crt").read_bytes() == stored
+    assert (other.cert_dir / "tls.crt").read_bytes() == stored
+    assert rival_done == ["serving certificate names other hosts"]
+    assert outcome == "taken from another replica"
