@@ -28,6 +28,7 @@ from kvstrata.testing import sidecarproc
 from kvstrata.testing.localstack import (
     greedy_outputs,
     hold_engine,
+    is_held,
     random_tokens,
     release_held_engine,
     shutdown_engine,
@@ -170,19 +171,35 @@ def kv_events_endpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
+def _engine_box() -> Iterator[dict[str, Any]]:
+    """Holds the connector engine between tests (see :func:`cached_llm`)."""
+    box: dict[str, Any] = {}
+    yield box
+    if box.get("llm") is not None:
+        shutdown_engine(box["llm"])
+
+
+@pytest.fixture
 def cached_llm(
+    _engine_box: dict[str, Any],
     reference: dict[str, list[list[int]]],
     sidecar: SidecarProcess,
     tiny_model: Path,
     kv_events_endpoint: str,
-) -> Iterator[Any]:
-    """The engine with the connector (built after the reference is done).
+) -> Any:
+    """The engine with the connector (built after the reference is done), kept
+    for the session; built again when a test that needed an engine of its own
+    stopped it (:func:`~kvstrata.testing.localstack.release_held_engine`):
+    vLLM keeps one connector per process.
 
     KV events are on, published by vLLM's own ZeroMQ publisher: every test of
     the suite shows that outputs stay exact with them (test_kv_events reads them)."""
     from vllm import LLM
     from vllm.config import KVEventsConfig
 
+    llm = _engine_box.get("llm")
+    if llm is not None and is_held(llm):
+        return llm
     transfer = transfer_config(
         sidecar.endpoint, CHUNK, call_timeout_seconds=2.0, load_timeout_seconds=10.0
     )
@@ -197,11 +214,8 @@ def cached_llm(
         kv_events_config=events,
         disable_log_stats=False,
     )
-    hold_engine(llm)  # a later suite in this process stops it first
-    try:
-        yield llm
-    finally:
-        shutdown_engine(llm)
+    _engine_box["llm"] = hold_engine(llm)  # a later suite in this process stops it first
+    return llm
 
 
 @pytest.fixture

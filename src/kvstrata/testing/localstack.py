@@ -232,6 +232,11 @@ def hold_engine(llm: Any) -> Any:
     return llm
 
 
+def is_held(llm: Any) -> bool:
+    """Whether ``llm`` is still running as a held engine (no one released it)."""
+    return any(held is llm for held in _held_engines)
+
+
 def release_held_engine() -> None:
     """Stop every engine :func:`hold_engine` recorded (before starting another)."""
     while _held_engines:
