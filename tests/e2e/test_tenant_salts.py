@@ -4,7 +4,6 @@ outputs with the hits equal those without."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +13,6 @@ TENANTS = [
     {"name": "team-a", "match": {"cache_salts": ["team-a"]}, "memory_only": True},
     {"name": "team-b", "match": {"cache_salt_prefixes": ["team-b-"]}, "budgets": {"l1_bytes": 0}},
 ]
-
-
-def metric(sidecar: Any, name: str, labels: str) -> float:
-    found = re.search(rf"^{name}{re.escape(labels)} (\S+)$", sidecar.get("/metrics"), re.M)
-    return float(found.group(1)) if found else 0.0
 
 
 def test_requests_salted_for_a_tenant_are_kept_by_its_rules(
@@ -43,20 +37,20 @@ def test_requests_salted_for_a_tenant_are_kept_by_its_rules(
         params = SamplingParams(temperature=0.0, max_tokens=kit.MAX_TOKENS, ignore_eos=True)
         first = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
         held = {
-            t: metric(sidecar, "kvstrata_tenant_bytes", f'{{tenant="{t}",tier="l1"}}')
+            t: sidecar.metric("kvstrata_tenant_bytes", 0.0, tenant=t, tier="l1")
             for t in ("team-a", "team-b", "default")
         }
         assert held["team-a"] > 0 and held["default"] > 0
         assert held["team-b"] == 0  # a budget of 0: never kept
-        refused = '{reason="not_kept",tenant="team-b",tier="l1"}'
-        assert metric(sidecar, "kvstrata_tenant_refusals_total", refused) > 0
-        assert metric(sidecar, "kvstrata_errors_total", '{kind="unknown_tenant"}') == 0
+        refused = {"reason": "not_kept", "tenant": "team-b", "tier": "l1"}
+        assert sidecar.metric("kvstrata_tenant_refusals_total", 0.0, **refused) > 0
+        assert sidecar.metric("kvstrata_errors_total", 0.0, kind="unknown_tenant") == 0
 
-        hits_before = metric(sidecar, "kvstrata_hit_tokens_total", '{tier="l1"}')
+        hits_before = sidecar.metric("kvstrata_hit_tokens_total", 0.0, tier="l1")
         again = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
         assert again == first
         # team-a's and the default prompt's chunks hit; team-b's cannot.
-        hit = metric(sidecar, "kvstrata_hit_tokens_total", '{tier="l1"}') - hits_before
+        hit = sidecar.metric("kvstrata_hit_tokens_total", 0.0, tier="l1") - hits_before
         assert hit == 2 * 3 * kit.CHUNK
     finally:
         shutdown_engine(llm)

@@ -189,10 +189,11 @@ class RacingSecretWrites:
         return self.store.replace(obj)
 
 
-def test_two_replicas_starting_together_serve_the_one_certificate_in_the_secret(
-    cluster, options, tmp_path
-):
-    cluster.put(webhook_config())
+def _race_two_replicas(cluster, options, tmp_path) -> tuple[str, list[str]]:
+    """Two replicas run ensure_serving_tls at once (the rival's write lands
+    between this replica's read and its write); both must end up serving the
+    certificate the Secret holds, and the webhook trusts that Secret's CA.
+    Returns this replica's outcome and the rival's."""
     other = dataclasses.replace(options, cert_dir=tmp_path / "other-certs")
     rival_done = []
     racing = RacingSecretWrites(
@@ -203,13 +204,21 @@ def test_two_replicas_starting_together_serve_the_one_certificate_in_the_secret(
     stored = base64.b64decode(secret["data"]["tls.crt"])
     assert (options.cert_dir / "tls.crt").read_bytes() == stored
     assert (other.cert_dir / "tls.crt").read_bytes() == stored
-    assert rival_done == ["no certificate stored"]  # the rival won the create
-    assert outcome == "taken from another replica"
     config = cluster.get(
         "admissionregistration.k8s.io/v1", "MutatingWebhookConfiguration", "", "kvstrata-webhook"
     )
     ca = secret["data"]["ca.crt"]
     assert {w["clientConfig"]["caBundle"] for w in config["webhooks"]} == {ca}
+    return outcome, rival_done
+
+
+def test_two_replicas_starting_together_serve_the_one_certificate_in_the_secret(
+    cluster, options, tmp_path
+):
+    cluster.put(webhook_config())
+    outcome, rival_done = _race_two_replicas(cluster, options, tmp_path)
+    assert rival_done == ["no certificate stored"]  # the rival won the create
+    assert outcome == "taken from another replica"
 
 
 def test_two_replicas_rotating_together_serve_the_one_certificate_in_the_secret(
@@ -225,15 +234,6 @@ def test_two_replicas_rotating_together_serve_the_one_certificate_in_the_secret(
             "data": {k: base64.b64encode(v).decode() for k, v in renamed.as_secret_data().items()},
         }
     )
-    other = dataclasses.replace(options, cert_dir=tmp_path / "other-certs")
-    rival_done = []
-    racing = RacingSecretWrites(
-        cluster, lambda: rival_done.append(ensure_serving_tls(cluster, other))
-    )
-    outcome = ensure_serving_tls(racing, options)
-    secret = cluster.get("v1", "Secret", "kvstrata-system", "kvstrata-webhook-tls")
-    stored = base64.b64decode(secret["data"]["tls.crt"])
-    assert (options.cert_dir / "tls.crt").read_bytes() == stored
-    assert (other.cert_dir / "tls.crt").read_bytes() == stored
+    outcome, rival_done = _race_two_replicas(cluster, options, tmp_path)
     assert rival_done == ["serving certificate names other hosts"]
     assert outcome == "taken from another replica"

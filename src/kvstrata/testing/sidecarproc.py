@@ -211,6 +211,27 @@ class SidecarProcess:
                 samples[name] = float(value)
         return samples
 
+    def metric(self, name: str, default: float | None = None, **labels: str) -> float:
+        """The sum of ``name``'s samples on ``/metrics`` whose labels include
+        ``labels`` (``kvstrata_tenant_bytes``, ``tenant="a"``, ``tier="l1"``).
+
+        With no such sample: ``default`` when given (a counter not yet
+        incremented has no labelled series), else an AssertionError naming it.
+        """
+        from prometheus_client.parser import text_string_to_metric_families
+
+        found = [
+            sample.value
+            for family in text_string_to_metric_families(self.get("/metrics"))
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
+        ]
+        if not found:
+            if default is not None:
+                return default
+            raise AssertionError(f"/metrics has no {name} with labels {labels}")
+        return float(sum(found))
+
     def status(self) -> dict[str, Any]:
         """``/status`` as a dict."""
         return dict(json.loads(self.get("/status")))

@@ -11,7 +11,6 @@ the sidecar's counters: the expiry, the quarantine, the refusals.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from kvstrata.sidecar import protocol as p
@@ -20,11 +19,6 @@ from kvstrata.testing.rawpeer import RawPeer
 L1_BYTES = 16 << 20  # the test sidecar's arena
 CHUNK = 256 << 10  # the well-behaved client's chunks: 64 fill the arena
 QUARTER = L1_BYTES // 4  # the defaults: chunk_max_fraction and session_write_fraction
-
-
-def metric(sidecar: Any, name: str, labels: str = "") -> float:
-    found = re.search(rf"^{name}{re.escape(labels)} (\S+)$", sidecar.get("/metrics"), re.M)
-    return float(found.group(1)) if found else 0.0
 
 
 def prepare_store(hog: RawPeer, key: bytes, nbytes: int, request_id: int) -> list[Any]:
@@ -60,9 +54,9 @@ def test_an_expired_write_lease_pins_only_its_clients_share_of_l1(
         assert slot is not None and slot[2] == QUARTER  # [lease_id, offset, length, ...]
 
         kit.wait_until(
-            lambda: metric(sidecar, "kvstrata_leases_expired_total") >= 1, 30, "the expiry"
+            lambda: sidecar.metric("kvstrata_leases_expired_total", 0.0) >= 1, 30, "the expiry"
         )
-        assert metric(sidecar, "kvstrata_l1_quarantined_bytes") == QUARTER
+        assert sidecar.metric("kvstrata_l1_quarantined_bytes", 0.0) == QUARTER
         assert sidecar.status()["leases_active"] == 0  # quarantined, not a lease
 
         # Every other store goes on: more than the whole arena, in the budget's batches.
@@ -78,17 +72,17 @@ def test_an_expired_write_lease_pins_only_its_clients_share_of_l1(
         assert sidecar.status()["counters"].get("promotions_total_l2", 0) >= promoted_before + 4
 
         # The quarantined slot counts against the hog: even a small chunk is refused.
-        refused_before = metric(sidecar, "kvstrata_errors_total", '{kind="write_budget"}')
+        refused_before = sidecar.metric("kvstrata_errors_total", 0.0, kind="write_budget")
         small = prepare_store(hog, hog_keys[2], CHUNK, request_id=3)
         assert small[2] is True and small[3]["slots"] == [None], small
         assert (
-            metric(sidecar, "kvstrata_errors_total", '{kind="write_budget"}') == refused_before + 1
+            sidecar.metric("kvstrata_errors_total", 0.0, kind="write_budget") == refused_before + 1
         )
 
         # Its writer says it is done: the slot is free and the hog may store again.
         done = hog.call(p.RELEASE, {"lease_ids": [slot[0]]}, request_id=4)
         assert done[2] is True, done
-        assert metric(sidecar, "kvstrata_l1_quarantined_bytes") == 0
+        assert sidecar.metric("kvstrata_l1_quarantined_bytes", 0.0) == 0
         again = prepare_store(hog, hog_keys[2], CHUNK, request_id=5)
         assert again[2] is True and again[3]["slots"][0] is not None, again
     finally:

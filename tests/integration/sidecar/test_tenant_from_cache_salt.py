@@ -4,7 +4,6 @@ into a real sidecar that enforces the tenant's rules."""
 
 from __future__ import annotations
 
-import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,11 +26,6 @@ TENANTS = [
     {"name": "team-b", "match": {"cache_salt_prefixes": ["b-"]}},
     {"name": "elsewhere", "match": {"cache_salts": ["e"], "models": ["another-model"]}},
 ]
-
-
-def metric(sidecar: Any, name: str, labels: str) -> float:
-    found = re.search(rf"^{name}{re.escape(labels)} (\S+)$", sidecar.get("/metrics"), re.M)
-    return float(found.group(1)) if found else 0.0
 
 
 def _vllm_request(req_id: str, salt: str | None, n_tokens: int, block_size: int) -> Request:
@@ -102,7 +96,7 @@ def test_each_save_names_the_tenant_its_requests_cache_salt_matches(
         assert worker.counters.saved_chunks > 0, worker.client.errors
         assert not worker.client.errors and not worker.counters.save_dropped_chunks
         held = {
-            t: metric(sidecar, "kvstrata_tenant_bytes", f'{{tenant="{t}",tier="l1"}}')
+            t: sidecar.metric("kvstrata_tenant_bytes", 0.0, tenant=t, tier="l1")
             for t in ("team-a", "team-b", "default")
         }
         assert held["team-a"] > 0 and held["team-b"] > 0
