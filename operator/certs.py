@@ -6,7 +6,8 @@ serving certificate for the webhook Service's DNS names, keeps both in a
 Secret, and patches the CA into the MutatingWebhookConfiguration's
 ``caBundle``.
 
-Persisted state, Secret ``<release>-webhook-tls`` (type ``kubernetes.io/tls``)::
+Persisted state, Secret ``<release>-webhook-tls`` (type ``Opaque``: it carries the CA and
+its key beside the serving pair, and a Secret's type cannot change once created)::
 
     data:
       ca.crt:  PEM CA certificate (10 years; kept while valid so caBundle stays put)
