@@ -77,8 +77,9 @@ class DiskEntry:
     payload_bytes: int
     meta: ChunkMeta
     codec: str = "none"
-    # Sealed: the payload is ciphertext then tag, read whole and opened;
-    # payload_bytes is then the plaintext's length (what L1 reserves for it).
+    # Sealed: the payload is ciphertext then tag, read whole and opened.
+    # payload_bytes is always the decoded length (what L1 reserves for it),
+    # whatever the file holds: sealed, compressed or plain.
     sealed: bool = False
     # time.monotonic() when this process wrote it; files found at start count as old.
     stored_at: float = float("-inf")
@@ -189,7 +190,7 @@ class DiskTier(Tier):
         entry = DiskEntry(
             st.st_size,
             header.header_length,
-            header.raw_length if header.seal is not None else header.stored_length,
+            header.raw_length,
             header.meta,
             header.codec,
             sealed=header.seal is not None,
@@ -236,9 +237,13 @@ class DiskTier(Tier):
         if not ok:
             return False
         sealed = is_sealed(header)
-        plain_bytes = memoryview(payload).nbytes if sealed else len(stored)
         entry = DiskEntry(
-            total, len(header), plain_bytes, meta, sealed=sealed, stored_at=time.monotonic()
+            total,
+            len(header),
+            memoryview(payload).nbytes,
+            meta,
+            sealed=sealed,
+            stored_at=time.monotonic(),
         )
         with self._lock:
             old = self._index.pop(key, None)

@@ -178,3 +178,23 @@ def test_an_unusable_directory_is_refused_naming_the_field(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(ValueError, match=r"l2\.path"):
         DiskTier(blocker / "l2", 1 << 20)
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4"])
+def test_a_compressed_file_found_at_start_is_sized_by_its_payload_not_its_bytes(tmp_path, codec):
+    """L1 reserves ``payload_bytes`` for a promotion: for a file another writer
+    compressed, that is the decoded length, never the shorter stored one."""
+    key = make_key(7)
+    payload = b"\0" * 8192  # compresses well: stored length far below 8192
+    tier = DiskTier(tmp_path, 1 << 20)
+    path = tier.path_of(key)
+    tier.close()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(encode_bytes(key, payload, META, codec))
+    again = DiskTier(tmp_path, 1 << 20)
+    entry = again.peek(key)
+    assert entry is not None and entry.payload_bytes == len(payload)
+    buf = bytearray(len(payload))
+    assert again.read_into(key, memoryview(buf)) == META
+    assert bytes(buf) == payload
