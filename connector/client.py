@@ -56,6 +56,7 @@ from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.arena import Arena
 from kvstrata.sidecar.endpoint import ipc_path
 from kvstrata.sidecar.keys import ChunkKey, Namespace
+from kvstrata.sidecar.transfer_mode import TransferMode
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class SidecarClient:
         role: str,
         call_timeout_s: float = 0.5,
         client_id: str | None = None,
-        transfer_mode: str = "host",
+        transfer_mode: TransferMode = TransferMode.HOST,
         curve: CurveKeys | None = None,
         backoff_s: float = BACKOFF_MIN_S,
         backoff_max_s: float = BACKOFF_MAX_S,
@@ -163,8 +164,10 @@ class SidecarClient:
         # a test can step through the windows instead of timing them.
         self._backoff_clock = backoff_clock
         self._closed = False
+        # What HELLO asks for (ipc once KV is registered: register_kv) and what
+        # the sidecar granted at the last HELLO; members, never strings.
         self.requested_mode = transfer_mode
-        self._granted_mode = "host"
+        self._granted_mode = TransferMode.HOST
         # ipc mode's operations and the KV registration they rest on.
         self.ipc = IpcOps(self._call, self._count, self._bad_reply)
         self._live: socket.socket | None = None  # liveness connection (ipc:// only)
@@ -183,15 +186,15 @@ class SidecarClient:
         return self._epoch
 
     @property
-    def transfer_mode(self) -> str:
-        """``ipc`` while the sidecar serves this client's registered KV by block
-        ids, else ``host`` (copies through the arena). Changes only at a HELLO."""
+    def transfer_mode(self) -> TransferMode:
+        """IPC while the sidecar serves this client's registered KV by block
+        ids, else HOST (copies through the arena). Changes only at a HELLO."""
         return self._granted_mode
 
     @property
     def ipc_granted(self) -> bool:
         """Whether the sidecar copies for this client (ipc mode) as of the last HELLO."""
-        return self._granted_mode == "ipc"
+        return self._granted_mode is TransferMode.IPC
 
     def available(self) -> bool:
         """Connected now, as of the last call (no I/O)."""
@@ -338,14 +341,16 @@ class SidecarClient:
         return self.ipc.fallback_reason
 
     def register_kv(self, body: p.RegisterKVRequest) -> None:
-        """Share the KV tensors for ipc mode: sent now and after every re-HELLO.
+        """Share the KV tensors for ipc mode: sent now and after every re-HELLO,
+        whose HELLO asks for ipc mode from now on.
 
         When the sidecar refuses (no GPU it can see, bad handles), the client
         stays in host mode, says why once and counts ``ipc_fallback``.
         """
         with self._lock:
+            self.requested_mode = TransferMode.IPC
             self.ipc.registration = body
-            if self._connected and self._granted_mode == "ipc":
+            if self._connected and self.ipc_granted:
                 timeout = max(self.call_timeout_s, REGISTER_TIMEOUT_S)
                 self._send_registration(time.monotonic() + timeout)
 
@@ -364,10 +369,10 @@ class SidecarClient:
             # Not refused: a restarted sidecar page-locks its arena for our GPU at
             # this first registration (seconds), longer than a step's call may
             # wait. Host mode until its answer comes in (IpcOps.late_answer).
-            self._granted_mode = "host"
+            self._granted_mode = TransferMode.HOST
             return
         if not self.ipc.accepted(reply):
-            self._granted_mode = "host"
+            self._granted_mode = TransferMode.HOST
 
     def close(self) -> None:
         """Close the socket and unmap the arena; later calls return None/False."""
@@ -491,9 +496,9 @@ class SidecarClient:
         self._answered()
         self._open_live(reply.session_id)
         self._granted_mode = reply.transfer_mode
-        if self.requested_mode == "ipc" and reply.transfer_mode != "ipc":
+        if self.requested_mode is TransferMode.IPC and not self.ipc_granted:
             self.ipc.fall_back(reply.fallback_reason or "not served")
-        elif self._granted_mode == "ipc" and self.ipc.registration is not None:
+        elif self.ipc_granted and self.ipc.registration is not None:
             # Half of what is left: a registration the sidecar is slow to take
             # (see _send_registration) must leave the call that re-connected
             # time for its own request.
@@ -503,7 +508,7 @@ class SidecarClient:
             "connected to sidecar %s (epoch %d, %s mode)",
             self.endpoint,
             self._epoch,
-            self._granted_mode,
+            self._granted_mode.value,
         )
         return True
 
@@ -600,7 +605,7 @@ class SidecarClient:
             frames = sock.recv_multipart(zmq.NOBLOCK)
             if self.ipc.awaiting and p.peek_request_id(frames[0]) == self.ipc.awaiting:
                 if self.ipc.late_answer(frames):  # the registration went through
-                    self._granted_mode = "ipc"
+                    self._granted_mode = TransferMode.IPC
                 continue
             try:
                 reply = p.decode_reply(frames, op)

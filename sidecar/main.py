@@ -284,10 +284,11 @@ def _open_ipc(
 ) -> tuple[CudaDevices | None, IpcTransfers | None, str]:
     """``(devices, IpcTransfers, why not)`` for ipc mode: the GPUs and the ops, or
     Nones and the reason HELLO gives clients that ask for ipc (they get host mode)."""
-    if config.transfer_mode == "host":
+    if not config.transfer_mode.may_use_ipc:
         return None, None, "this sidecar is configured for transfer_mode host"
     from kvstrata.sidecar.transfer.cuda_device import open_cuda_devices
     from kvstrata.sidecar.transfer.ipc import IpcTransfers
+    from kvstrata.sidecar.transfer_mode import ModeSetting
 
     devices, reason = open_cuda_devices(
         engine.arena,
@@ -298,9 +299,11 @@ def _open_ipc(
     if devices is None:
         # Asked for explicitly, a missing GPU path is worth a warning; under auto
         # (CPU nodes too) host mode is the expected outcome.
-        level = logging.WARNING if config.transfer_mode == "ipc" else logging.INFO
+        level = logging.WARNING if config.transfer_mode is ModeSetting.IPC else logging.INFO
         logger.log(level, "transfer_mode %s: ipc unavailable, clients get host mode: %s",
-                   config.transfer_mode, reason)  # fmt: skip
+                   config.transfer_mode.value, reason)  # fmt: skip
         return None, None, reason
-    logger.info("transfer_mode %s: ipc served with the csrc CUDA kernels", config.transfer_mode)
+    logger.info(
+        "transfer_mode %s: ipc served with the csrc CUDA kernels", config.transfer_mode.value
+    )
     return devices, IpcTransfers(engine, devices), ""
