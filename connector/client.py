@@ -69,6 +69,13 @@ POPULATE_MODES = ("now", "background", "off")
 _RETRYABLE = frozenset({p.LOOKUP, p.PREPARE_STORE, p.PREPARE_RETRIEVE, p.PING, p.STATS, p.EVENTS})
 
 
+class _NotOurs:
+    """A received frame that does not answer the call waiting (see ``_take_reply``)."""
+
+
+_NOT_OURS = _NotOurs()
+
+
 @dataclass(frozen=True, slots=True)
 class ArenaSlot:
     lease_id: int
@@ -121,8 +128,7 @@ class SidecarClient:
         backoff_clock: Callable[[], float] = time.monotonic,
         populate_arena: str = "background",
     ) -> None:
-        if not 0 < backoff_s <= backoff_max_s:
-            raise ValueError(f"bad back-off {backoff_s}..{backoff_max_s} s")
+        self._init_backoff(backoff_s, backoff_max_s, backoff_clock)
         self.endpoint = endpoint
         self.curve = curve
         self.namespace = namespace
@@ -140,14 +146,7 @@ class SidecarClient:
         if populate_arena not in POPULATE_MODES:
             raise ValueError(f"populate_arena: {populate_arena!r} is not one of {POPULATE_MODES}")
         self.populate_arena = populate_arena
-        self.chunk_size: int | None = None
-        self.write_budget = 0  # uncommitted write bytes the sidecar lets this session hold
-        # How long the sidecar keeps a lease's slot pinned (HELLO); until then, none.
-        self.lease_seconds = 0.0
-        # The tenants this session may name, with the cache_salts that name them
-        # (HELLO's answer; kvstrata.connector.tenant_match picks one per request).
-        self.tenants: list[p.TenantMatchInfo] = []
-        self.server_version: str | None = None
+        self._init_hello_answers()
         self.errors: dict[str, int] = {}
         self._lock = threading.RLock()
         self._channel = Channel(endpoint, curve)
@@ -156,13 +155,6 @@ class SidecarClient:
         self._epoch = 0
         self._next_id = 0
         self._connected = False
-        self.backoff_min_s = float(backoff_s)
-        self.backoff_max_s = float(backoff_max_s)
-        self._backoff_s = self.backoff_min_s
-        self._retry_at = 0.0
-        # The back-off window's own clock (call deadlines use the real one), so
-        # a test can step through the windows instead of timing them.
-        self._backoff_clock = backoff_clock
         self._closed = False
         # What HELLO asks for (ipc once KV is registered: register_kv) and what
         # the sidecar granted at the last HELLO; members, never strings.
@@ -171,6 +163,30 @@ class SidecarClient:
         # ipc mode's operations and the KV registration they rest on.
         self.ipc = IpcOps(self._call, self._count, self._bad_reply)
         self._live: socket.socket | None = None  # liveness connection (ipc:// only)
+
+    def _init_backoff(
+        self, backoff_s: float, backoff_max_s: float, clock: Callable[[], float]
+    ) -> None:
+        if not 0 < backoff_s <= backoff_max_s:
+            raise ValueError(f"bad back-off {backoff_s}..{backoff_max_s} s")
+        self.backoff_min_s = float(backoff_s)
+        self.backoff_max_s = float(backoff_max_s)
+        self._backoff_s = self.backoff_min_s
+        self._retry_at = 0.0
+        # The back-off window's own clock (call deadlines use the real one), so
+        # a test can step through the windows instead of timing them.
+        self._backoff_clock = clock
+
+    def _init_hello_answers(self) -> None:
+        """What the sidecar says at HELLO about the session: nothing yet."""
+        self.chunk_size: int | None = None
+        self.write_budget = 0  # uncommitted write bytes the sidecar lets this session hold
+        # How long the sidecar keeps a lease's slot pinned (HELLO); until then, none.
+        self.lease_seconds = 0.0
+        # The tenants this session may name, with the cache_salts that name them
+        # (HELLO's answer; kvstrata.connector.tenant_match picks one per request).
+        self.tenants: list[p.TenantMatchInfo] = []
+        self.server_version: str | None = None
 
     # -- properties -----------------------------------------------------------
 
@@ -602,27 +618,36 @@ class SidecarClient:
                 else:
                     self._back_off()
                 return None
-            frames = sock.recv_multipart(zmq.NOBLOCK)
-            if self.ipc.awaiting and p.peek_request_id(frames[0]) == self.ipc.awaiting:
-                if self.ipc.late_answer(frames):  # the registration went through
-                    self._granted_mode = TransferMode.IPC
-                continue
-            try:
-                reply = p.decode_reply(frames, op)
-            except p.ProtocolError as exc:
-                if exc.request_id not in (0, request_id) or not frames:
-                    continue  # a late reply to an abandoned request
-                if p.peek_request_id(frames[0]) != request_id:
-                    continue
-                logger.warning("bad reply to %s: %s", op, exc)
-                self._count("bad_reply")
-                return None
-            if reply.request_id != request_id:
-                self._count("late_reply")
-                continue
-            if reply.ok:
-                self._connected = True
-            return reply.body
+            taken = self._take_reply(sock.recv_multipart(zmq.NOBLOCK), op, request_id)
+            if not isinstance(taken, _NotOurs):
+                return taken
+
+    def _take_reply(
+        self, frames: list[bytes], op: str, request_id: int
+    ) -> p.Message | _NotOurs | None:
+        """What one received frame means to the call waiting for ``request_id``:
+        its reply body, None for a bad reply (counted), or :data:`_NOT_OURS`
+        for a frame it skips (a slow registration's answer, a late reply)."""
+        if self.ipc.awaiting and p.peek_request_id(frames[0]) == self.ipc.awaiting:
+            if self.ipc.late_answer(frames):  # the registration went through
+                self._granted_mode = TransferMode.IPC
+            return _NOT_OURS
+        try:
+            reply = p.decode_reply(frames, op)
+        except p.ProtocolError as exc:
+            if exc.request_id not in (0, request_id) or not frames:
+                return _NOT_OURS  # a late reply to an abandoned request
+            if p.peek_request_id(frames[0]) != request_id:
+                return _NOT_OURS
+            logger.warning("bad reply to %s: %s", op, exc)
+            self._count("bad_reply")
+            return None
+        if reply.request_id != request_id:
+            self._count("late_reply")
+            return _NOT_OURS
+        if reply.ok:
+            self._connected = True
+        return reply.body
 
 
 def _closed_by_peer(live: socket.socket) -> bool:
