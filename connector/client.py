@@ -56,6 +56,7 @@ from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.arena import Arena
 from kvstrata.sidecar.endpoint import ipc_path
 from kvstrata.sidecar.keys import ChunkKey, Namespace
+from kvstrata.sidecar.transfer_mode import TransferMode
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,13 @@ BACKOFF_MAX_S = 4.0
 POPULATE_MODES = ("now", "background", "off")
 # Ops retried once after a re-HELLO (their arguments hold no lease ids).
 _RETRYABLE = frozenset({p.LOOKUP, p.PREPARE_STORE, p.PREPARE_RETRIEVE, p.PING, p.STATS, p.EVENTS})
+
+
+class _NotOurs:
+    """A received frame that does not answer the call waiting (see ``_take_reply``)."""
+
+
+_NOT_OURS = _NotOurs()
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +119,7 @@ class SidecarClient:
         role: str,
         call_timeout_s: float = 0.5,
         client_id: str | None = None,
-        transfer_mode: str = "host",
+        transfer_mode: TransferMode = TransferMode.HOST,
         curve: CurveKeys | None = None,
         backoff_s: float = BACKOFF_MIN_S,
         backoff_max_s: float = BACKOFF_MAX_S,
@@ -120,8 +128,7 @@ class SidecarClient:
         backoff_clock: Callable[[], float] = time.monotonic,
         populate_arena: str = "background",
     ) -> None:
-        if not 0 < backoff_s <= backoff_max_s:
-            raise ValueError(f"bad back-off {backoff_s}..{backoff_max_s} s")
+        self._init_backoff(backoff_s, backoff_max_s, backoff_clock)
         self.endpoint = endpoint
         self.curve = curve
         self.namespace = namespace
@@ -139,14 +146,7 @@ class SidecarClient:
         if populate_arena not in POPULATE_MODES:
             raise ValueError(f"populate_arena: {populate_arena!r} is not one of {POPULATE_MODES}")
         self.populate_arena = populate_arena
-        self.chunk_size: int | None = None
-        self.write_budget = 0  # uncommitted write bytes the sidecar lets this session hold
-        # How long the sidecar keeps a lease's slot pinned (HELLO); until then, none.
-        self.lease_seconds = 0.0
-        # The tenants this session may name, with the cache_salts that name them
-        # (HELLO's answer; kvstrata.connector.tenant_match picks one per request).
-        self.tenants: list[p.TenantMatchInfo] = []
-        self.server_version: str | None = None
+        self._init_hello_answers()
         self.errors: dict[str, int] = {}
         self._lock = threading.RLock()
         self._channel = Channel(endpoint, curve)
@@ -155,19 +155,38 @@ class SidecarClient:
         self._epoch = 0
         self._next_id = 0
         self._connected = False
+        self._closed = False
+        # What HELLO asks for (ipc once KV is registered: register_kv) and what
+        # the sidecar granted at the last HELLO; members, never strings.
+        self.requested_mode = transfer_mode
+        self._granted_mode = TransferMode.HOST
+        # ipc mode's operations and the KV registration they rest on.
+        self.ipc = IpcOps(self._call, self._count, self._bad_reply)
+        self._live: socket.socket | None = None  # liveness connection (ipc:// only)
+
+    def _init_backoff(
+        self, backoff_s: float, backoff_max_s: float, clock: Callable[[], float]
+    ) -> None:
+        if not 0 < backoff_s <= backoff_max_s:
+            raise ValueError(f"bad back-off {backoff_s}..{backoff_max_s} s")
         self.backoff_min_s = float(backoff_s)
         self.backoff_max_s = float(backoff_max_s)
         self._backoff_s = self.backoff_min_s
         self._retry_at = 0.0
         # The back-off window's own clock (call deadlines use the real one), so
         # a test can step through the windows instead of timing them.
-        self._backoff_clock = backoff_clock
-        self._closed = False
-        self.requested_mode = transfer_mode
-        self._granted_mode = "host"
-        # ipc mode's operations and the KV registration they rest on.
-        self.ipc = IpcOps(self._call, self._count, self._bad_reply)
-        self._live: socket.socket | None = None  # liveness connection (ipc:// only)
+        self._backoff_clock = clock
+
+    def _init_hello_answers(self) -> None:
+        """What the sidecar says at HELLO about the session: nothing yet."""
+        self.chunk_size: int | None = None
+        self.write_budget = 0  # uncommitted write bytes the sidecar lets this session hold
+        # How long the sidecar keeps a lease's slot pinned (HELLO); until then, none.
+        self.lease_seconds = 0.0
+        # The tenants this session may name, with the cache_salts that name them
+        # (HELLO's answer; kvstrata.connector.tenant_match picks one per request).
+        self.tenants: list[p.TenantMatchInfo] = []
+        self.server_version: str | None = None
 
     # -- properties -----------------------------------------------------------
 
@@ -183,15 +202,15 @@ class SidecarClient:
         return self._epoch
 
     @property
-    def transfer_mode(self) -> str:
-        """``ipc`` while the sidecar serves this client's registered KV by block
-        ids, else ``host`` (copies through the arena). Changes only at a HELLO."""
+    def transfer_mode(self) -> TransferMode:
+        """IPC while the sidecar serves this client's registered KV by block
+        ids, else HOST (copies through the arena). Changes only at a HELLO."""
         return self._granted_mode
 
     @property
     def ipc_granted(self) -> bool:
         """Whether the sidecar copies for this client (ipc mode) as of the last HELLO."""
-        return self._granted_mode == "ipc"
+        return self._granted_mode is TransferMode.IPC
 
     def available(self) -> bool:
         """Connected now, as of the last call (no I/O)."""
@@ -338,14 +357,16 @@ class SidecarClient:
         return self.ipc.fallback_reason
 
     def register_kv(self, body: p.RegisterKVRequest) -> None:
-        """Share the KV tensors for ipc mode: sent now and after every re-HELLO.
+        """Share the KV tensors for ipc mode: sent now and after every re-HELLO,
+        whose HELLO asks for ipc mode from now on.
 
         When the sidecar refuses (no GPU it can see, bad handles), the client
         stays in host mode, says why once and counts ``ipc_fallback``.
         """
         with self._lock:
+            self.requested_mode = TransferMode.IPC
             self.ipc.registration = body
-            if self._connected and self._granted_mode == "ipc":
+            if self._connected and self.ipc_granted:
                 timeout = max(self.call_timeout_s, REGISTER_TIMEOUT_S)
                 self._send_registration(time.monotonic() + timeout)
 
@@ -364,10 +385,10 @@ class SidecarClient:
             # Not refused: a restarted sidecar page-locks its arena for our GPU at
             # this first registration (seconds), longer than a step's call may
             # wait. Host mode until its answer comes in (IpcOps.late_answer).
-            self._granted_mode = "host"
+            self._granted_mode = TransferMode.HOST
             return
         if not self.ipc.accepted(reply):
-            self._granted_mode = "host"
+            self._granted_mode = TransferMode.HOST
 
     def close(self) -> None:
         """Close the socket and unmap the arena; later calls return None/False."""
@@ -491,9 +512,9 @@ class SidecarClient:
         self._answered()
         self._open_live(reply.session_id)
         self._granted_mode = reply.transfer_mode
-        if self.requested_mode == "ipc" and reply.transfer_mode != "ipc":
+        if self.requested_mode is TransferMode.IPC and not self.ipc_granted:
             self.ipc.fall_back(reply.fallback_reason or "not served")
-        elif self._granted_mode == "ipc" and self.ipc.registration is not None:
+        elif self.ipc_granted and self.ipc.registration is not None:
             # Half of what is left: a registration the sidecar is slow to take
             # (see _send_registration) must leave the call that re-connected
             # time for its own request.
@@ -503,7 +524,7 @@ class SidecarClient:
             "connected to sidecar %s (epoch %d, %s mode)",
             self.endpoint,
             self._epoch,
-            self._granted_mode,
+            self._granted_mode.value,
         )
         return True
 
@@ -597,27 +618,36 @@ class SidecarClient:
                 else:
                     self._back_off()
                 return None
-            frames = sock.recv_multipart(zmq.NOBLOCK)
-            if self.ipc.awaiting and p.peek_request_id(frames[0]) == self.ipc.awaiting:
-                if self.ipc.late_answer(frames):  # the registration went through
-                    self._granted_mode = "ipc"
-                continue
-            try:
-                reply = p.decode_reply(frames, op)
-            except p.ProtocolError as exc:
-                if exc.request_id not in (0, request_id) or not frames:
-                    continue  # a late reply to an abandoned request
-                if p.peek_request_id(frames[0]) != request_id:
-                    continue
-                logger.warning("bad reply to %s: %s", op, exc)
-                self._count("bad_reply")
-                return None
-            if reply.request_id != request_id:
-                self._count("late_reply")
-                continue
-            if reply.ok:
-                self._connected = True
-            return reply.body
+            taken = self._take_reply(sock.recv_multipart(zmq.NOBLOCK), op, request_id)
+            if not isinstance(taken, _NotOurs):
+                return taken
+
+    def _take_reply(
+        self, frames: list[bytes], op: str, request_id: int
+    ) -> p.Message | _NotOurs | None:
+        """What one received frame means to the call waiting for ``request_id``:
+        its reply body, None for a bad reply (counted), or :data:`_NOT_OURS`
+        for a frame it skips (a slow registration's answer, a late reply)."""
+        if self.ipc.awaiting and p.peek_request_id(frames[0]) == self.ipc.awaiting:
+            if self.ipc.late_answer(frames):  # the registration went through
+                self._granted_mode = TransferMode.IPC
+            return _NOT_OURS
+        try:
+            reply = p.decode_reply(frames, op)
+        except p.ProtocolError as exc:
+            if exc.request_id not in (0, request_id) or not frames:
+                return _NOT_OURS  # a late reply to an abandoned request
+            if p.peek_request_id(frames[0]) != request_id:
+                return _NOT_OURS
+            logger.warning("bad reply to %s: %s", op, exc)
+            self._count("bad_reply")
+            return None
+        if reply.request_id != request_id:
+            self._count("late_reply")
+            return _NOT_OURS
+        if reply.ok:
+            self._connected = True
+        return reply.body
 
 
 def _closed_by_peer(live: socket.socket) -> bool:

@@ -28,6 +28,7 @@ from kvstrata.connector.layout import dtype_name, layout_id
 from kvstrata.connector.transport import CurveKeys
 from kvstrata.sidecar.endpoint import default_endpoint
 from kvstrata.sidecar.keys import Namespace
+from kvstrata.sidecar.transfer_mode import ModeSetting, parse
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_SIZE = 256
-TRANSFER_MODES = ("auto", "ipc", "host")
 LOAD_ASYNC_MODES = ("auto", "always", "never")
 
 
@@ -154,7 +154,7 @@ class ConnectorSettings:
     num_blocks: int  # vLLM's KV cache blocks (its kernels may split them further)
     kv_cache_layout: str | None  # vLLM's resolved KVCacheLayout name
     layout: str | None  # namespace layout string; None: unknown layout (connector disabled)
-    transfer_mode: str  # "auto" (ipc for CUDA KV where the sidecar can), "ipc" or "host"
+    transfer_mode: ModeSetting  # AUTO (ipc for CUDA KV where the sidecar can), IPC or HOST
     namespace: Namespace  # with tp_rank 0; the worker substitutes its own rank
     curve: CurveKeys | None = None  # CURVE keys for an authenticated tcp:// sidecar
     # vLLM's KV cache groups; one (namespace == ``namespace``) unless hybrid.
@@ -182,7 +182,8 @@ def settings_from_config(
     groups = kv_cache_config.kv_cache_groups
     spec = groups[0].kv_cache_spec if groups else None
     block_size = int(getattr(spec, "block_size", vllm_config.cache_config.block_size))
-    transfer_mode = _choice(extra, "transfer_mode", TRANSFER_MODES, "auto")
+    asked = str(extra.get("transfer_mode", ModeSetting.AUTO.value))
+    transfer_mode = parse(ModeSetting, asked, "kv_connector_extra_config.transfer_mode")
     chunk_size = _chunk_size(extra, block_size)
     namespace = _namespace(vllm_config, layout, block_size, chunk_size)
     kv_groups = _groups(kv_cache_config, namespace) if layout is not None else ()

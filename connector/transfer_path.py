@@ -266,7 +266,6 @@ class IpcPath:
         host = self.host.for_session(client, copies)
         if not self.client.ipc_granted:
             return host
-        client.requested_mode = "ipc"
         client.register_kv(self.registration)
         return IpcPath(host, self.registration)
 

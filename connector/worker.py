@@ -181,7 +181,7 @@ class KVStrataWorker:
             ask_for_amx_tiles()  # before vLLM's first step: see connector/cpu_amx.py
         hybrid = len(self.layouts) > 1
         registration = None
-        if self.layout.device.type == "cuda" and s.transfer_mode != "host" and not hybrid:
+        if self.layout.device.type == "cuda" and s.transfer_mode.may_use_ipc and not hybrid:
             registration = self._ask_for_ipc()
         self.transfer.close()
         host = HostPath(self.client, self._keys, self.layouts, copies_for(self.layout.device))
@@ -229,8 +229,7 @@ class KVStrataWorker:
             logger.exception("kvstrata: cannot export the KV for ipc mode")
             self.client.ipc_unavailable(f"cannot export the KV: {exc}")
             return None
-        self.client.requested_mode = "ipc"
-        self.client.register_kv(body)
+        self.client.register_kv(body)  # and asks for ipc mode at HELLO
         # Connect now (the mode is decided at HELLO) with the patience of a first
         # registration: the sidecar page-locks its arena for our GPU then.
         call_timeout_s = self.client.call_timeout_s

@@ -17,8 +17,14 @@ def _env(name: str, default: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvstrata.cli import port
+    """The operator's flags, each with its environment default."""
+    _add_scope_arguments(parser)
+    _add_webhook_arguments(parser)
+    _add_serving_arguments(parser)
 
+
+def _add_scope_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the operator lives and which namespaces it watches."""
     parser.add_argument(
         "--namespace",
         default=_env("NAMESPACE", os.environ.get("POD_NAMESPACE", "kvstrata-system")),
@@ -30,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="watch only this namespace (repeatable); default: the whole cluster",
     )
+
+
+def _add_webhook_arguments(parser: argparse.ArgumentParser) -> None:
+    """The admission webhook: its port, names and certificates."""
+    from kvstrata.cli import port
+
     parser.add_argument(
         "--webhook-port",
         type=port,
@@ -55,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_env("CERT_MANAGER", "false").lower() == "true",
         help="certificates come from cert-manager (mounted in --cert-dir); do not issue any",
     )
+
+
+def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
+    """Probes, metrics, peering between replicas and logging."""
+    from kvstrata.cli import port
+
     parser.add_argument(
         "--liveness", default=_env("LIVENESS", "http://0.0.0.0:8080/healthz"), help="kopf probe URL"
     )

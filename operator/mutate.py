@@ -70,6 +70,7 @@ from kvstrata.operator.model import (
     SidecarSpec,
 )
 from kvstrata.sidecar.config import SidecarConfig
+from kvstrata.sidecar.transfer_mode import ModeSetting
 
 SIDECAR = "kvstrata-sidecar"
 INSTALLER = "kvstrata-install"
@@ -413,8 +414,8 @@ def _installer(sidecar: SidecarSpec, image: S.Image) -> dict[str, Any]:
     }
 
 
-def _gpu_env(vllm: Mapping[str, Any], mode: str) -> list[dict[str, Any]]:
-    if mode == "host":
+def _gpu_env(vllm: Mapping[str, Any], mode: ModeSetting) -> list[dict[str, Any]]:
+    if not mode.may_use_ipc:
         return []
     for env in vllm.get("env") or []:
         if env.get("name") == "NVIDIA_VISIBLE_DEVICES" and "value" in env:

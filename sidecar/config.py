@@ -44,6 +44,7 @@ from kvstrata.sidecar.config_base import parse_quantity as parse_quantity  # re-
 from kvstrata.sidecar.cpus import parse_cpu_list
 from kvstrata.sidecar.endpoint import check_endpoint, default_endpoint, endpoint_is_local
 from kvstrata.sidecar.tenant_config import TenantConfig, check_tenants
+from kvstrata.sidecar.transfer_mode import ModeSetting
 
 ENV_PREFIX = "KVSTRATA_"
 ENV_NESTING = "__"
@@ -350,8 +351,8 @@ class SidecarConfig(_Section):
     """The whole sidecar configuration."""
 
     chunk_size: int = Field(256, ge=1, description="tokens per chunk; a multiple of the block size")
-    transfer_mode: Literal["auto", "ipc", "host"] = Field(
-        "auto",
+    transfer_mode: ModeSetting = Field(
+        ModeSetting.AUTO,
         description="auto: serve ipc mode where the csrc CUDA library finds a GPU, else host "
         "(the reason given to clients at HELLO); ipc: the same, logged as a warning when it "
         "cannot; host: copies through the shared-memory arena only",

@@ -26,6 +26,7 @@ from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.sessions import Session, SessionLimit, SessionTable
 from kvstrata.sidecar.tenants import TenantRules, UnknownTenantError
+from kvstrata.sidecar.transfer_mode import TransferMode
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.config import SidecarConfig
@@ -99,7 +100,10 @@ class Handlers:
         self.server_version = server_version
         self.ipc = ipc
         self.ipc_unavailable = ipc_unavailable
-        self.transfer_modes = frozenset({"host", "ipc"} if ipc is not None else {"host"})
+        # Host mode is always served; ipc while the GPU path is open and sound.
+        self.transfer_modes = frozenset(
+            {TransferMode.HOST, TransferMode.IPC} if ipc is not None else {TransferMode.HOST}
+        )
         self._retire_lock = threading.Lock()
         self.write_budget = int(engine.arena.size * config.server.session_write_fraction)
         self.chunk_limit = int(engine.arena.size * config.server.chunk_max_fraction)
@@ -161,17 +165,13 @@ class Handlers:
 
     def _hello(self, body: p.HelloRequest, identity: bytes, uid: int | None) -> p.HelloReply:
         # A client that asks for ipc where it cannot be served gets host mode
-        # and the reason (it falls back and says so once); other modes are errors.
+        # and the reason (it falls back and says so once); host mode is always
+        # served, and a mode the protocol does not know was refused when the
+        # body was read (HelloRequest.from_wire).
         mode, fallback = body.transfer_mode, ""
-        if mode == "ipc" and mode not in self.transfer_modes:
-            mode, fallback = "host", self.ipc_unavailable
-            self.metrics.errors.labels(kind="ipc_fallback").inc()
         if mode not in self.transfer_modes:
-            raise p.ProtocolError(
-                p.E_UNSUPPORTED,
-                f"field 'transfer_mode': {body.transfer_mode!r} is not served here "
-                f"(served: {sorted(self.transfer_modes)})",
-            )
+            mode, fallback = TransferMode.HOST, self.ipc_unavailable
+            self.metrics.errors.labels(kind="ipc_fallback").inc()
         try:
             session, replaced = self.sessions.open(
                 body.client_id,
@@ -333,9 +333,9 @@ class Handlers:
     # -- ipc mode -------------------------------------------------------------
 
     def _ipc_session(self, session: Session) -> IpcTransfers:
-        if self.ipc is None or session.transfer_mode != "ipc":
+        if self.ipc is None or session.transfer_mode is not TransferMode.IPC:
             raise p.ProtocolError(
-                p.E_UNSUPPORTED, f"this session is in {session.transfer_mode} transfer mode"
+                p.E_UNSUPPORTED, f"this session is in {session.transfer_mode.value} transfer mode"
             )
         return self.ipc
 
@@ -387,15 +387,17 @@ class Handlers:
         if not fault:
             return
         with self._retire_lock:
-            if "ipc" not in self.transfer_modes:
+            if TransferMode.IPC not in self.transfer_modes:
                 return
             self.ipc_unavailable = (
                 f"the sidecar's GPU context is broken ({fault}); host mode until it restarts"
             )
-            self.transfer_modes = frozenset({"host"})
+            self.transfer_modes = frozenset({TransferMode.HOST})
         ended = 0
         for session in self.sessions.sessions():
-            if session.transfer_mode == "ipc" and self.sessions.remove(session.session_id):
+            if session.transfer_mode is TransferMode.IPC and self.sessions.remove(
+                session.session_id
+            ):
                 self.reclaim(session)
                 ended += 1
         logger.critical(

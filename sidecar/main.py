@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from kvstrata.sidecar.http import HttpEndpoints
     from kvstrata.sidecar.sealing import KeyRing
     from kvstrata.sidecar.server import SidecarServer
+    from kvstrata.sidecar.tiers.base import Tier
     from kvstrata.sidecar.transfer.cuda_device import CudaDevices
     from kvstrata.sidecar.transfer.ipc import IpcTransfers
 
@@ -177,13 +178,8 @@ def _start(
 ) -> tuple[SidecarServer, HttpEndpoints, StorageManager]:
     """Engine, ZMQ server and HTTP endpoints, each registered on ``stack`` for teardown."""
     import prometheus_client
-    import zmq
 
-    from kvstrata import __version__
-    from kvstrata.sidecar.engine import StorageManager
     from kvstrata.sidecar.fdbudget import raise_nofile_limit
-    from kvstrata.sidecar.http import HttpEndpoints
-    from kvstrata.sidecar.server import SidecarServer
 
     # No *_created series: /metrics serves exactly the catalogue (docs/metrics.md).
     prometheus_client.disable_created_metrics()
@@ -191,28 +187,65 @@ def _start(
     # the engine is up between its listeners and a reserve (see .fdbudget).
     raise_nofile_limit()
     keys = _open_keys(config, stack)
-    shared = None
-    if config.shared.backend != "none":
-        from kvstrata.sidecar.tiers.factory import build_shared_tier
+    shared = _open_shared_tier(config, keys, stack)
+    engine = _open_engine(config, shared, keys, stack)
+    server = _open_server(config, engine, shared is not None, keys, stack)
+    http = _open_http(config, server, stack)
+    http.start()
+    return server, http, engine
 
-        try:
-            ttls = {t.name: t.ttl_seconds for t in config.tenants if t.ttl_seconds is not None}
-            shared = build_shared_tier(config.shared, ttls, keys=keys)
-        except ValueError as exc:
-            raise _StartError(str(exc), 2) from exc
-        stack.callback(shared.close)
-        if shared is not None:
-            from kvstrata.sidecar.tiers.reachability import ReachabilityWatch
 
-            # Asked on a thread of its own: an unreachable server delays nothing.
-            watch = ReachabilityWatch(shared, config.shared.breaker_reset_seconds)
-            watch.start()
-            stack.callback(watch.close)  # before shared.close (the stack unwinds newest first)
+def _open_shared_tier(
+    config: SidecarConfig, keys: KeyRing | None, stack: contextlib.ExitStack
+) -> Tier | None:
+    """The shared tier the config names (None: none), watched for reachability."""
+    if config.shared.backend == "none":
+        return None
+    from kvstrata.sidecar.tiers.factory import build_shared_tier
+    from kvstrata.sidecar.tiers.reachability import ReachabilityWatch
+
+    try:
+        ttls = {t.name: t.ttl_seconds for t in config.tenants if t.ttl_seconds is not None}
+        shared = build_shared_tier(config.shared, ttls, keys=keys)
+    except ValueError as exc:
+        raise _StartError(str(exc), 2) from exc
+    if shared is None:  # the factory's word for backend none
+        return None
+    stack.callback(shared.close)
+    # Asked on a thread of its own: an unreachable server delays nothing.
+    watch = ReachabilityWatch(shared, config.shared.breaker_reset_seconds)
+    watch.start()
+    stack.callback(watch.close)  # before shared.close (the stack unwinds newest first)
+    return shared
+
+
+def _open_engine(
+    config: SidecarConfig, shared: Tier | None, keys: KeyRing | None, stack: contextlib.ExitStack
+) -> StorageManager:
+    from kvstrata.sidecar.engine import StorageManager
+
     try:
         engine = StorageManager(config, shared_tier=shared, keys=keys)
     except (OSError, ValueError) as exc:  # no room in /dev/shm, unwritable L2 path, ...
         raise _StartError(f"cannot start the engine: {exc}", 1) from exc
     stack.callback(engine.close)
+    return engine
+
+
+def _open_server(
+    config: SidecarConfig,
+    engine: StorageManager,
+    remote_lookups: bool,
+    keys: KeyRing | None,
+    stack: contextlib.ExitStack,
+) -> SidecarServer:
+    """The ZMQ server, bound, with ipc mode where it can be served."""
+    import zmq
+
+    from kvstrata import __version__
+    from kvstrata.sidecar.keymetrics import KeyRingCollector
+    from kvstrata.sidecar.server import SidecarServer
+
     devices, ipc, ipc_unavailable = _open_ipc(config, engine)
     if devices is not None:
         stack.callback(devices.close)
@@ -220,19 +253,26 @@ def _start(
         config,
         engine,
         server_version=__version__,
-        remote_lookups=shared is not None,
+        remote_lookups=remote_lookups,
         ipc=ipc,
         ipc_unavailable=ipc_unavailable,
     )
     stack.callback(server.close)
-    from kvstrata.sidecar.keymetrics import KeyRingCollector
-
     server.metrics.attach(KeyRingCollector(keys))
     try:
         server.bind()
     except (zmq.ZMQError, OSError) as exc:
         where = config.server.endpoint
         raise _StartError(f"server.endpoint: cannot bind {where}: {exc}", 1) from exc
+    return server
+
+
+def _open_http(
+    config: SidecarConfig, server: SidecarServer, stack: contextlib.ExitStack
+) -> HttpEndpoints:
+    """/metrics, /healthz, /readyz and /status, listening (not yet serving)."""
+    from kvstrata.sidecar.http import HttpEndpoints
+
     try:
         http = HttpEndpoints(
             config.server.http_host,
@@ -247,8 +287,7 @@ def _start(
         where = f"{config.server.http_host}:{config.server.http_port}"
         raise _StartError(f"server.http_port: cannot listen on {where}: {exc}", 1) from exc
     stack.callback(http.close)
-    http.start()
-    return server, http, engine
+    return http
 
 
 def _serve_until_signalled(
@@ -284,10 +323,11 @@ def _open_ipc(
 ) -> tuple[CudaDevices | None, IpcTransfers | None, str]:
     """``(devices, IpcTransfers, why not)`` for ipc mode: the GPUs and the ops, or
     Nones and the reason HELLO gives clients that ask for ipc (they get host mode)."""
-    if config.transfer_mode == "host":
+    if not config.transfer_mode.may_use_ipc:
         return None, None, "this sidecar is configured for transfer_mode host"
     from kvstrata.sidecar.transfer.cuda_device import open_cuda_devices
     from kvstrata.sidecar.transfer.ipc import IpcTransfers
+    from kvstrata.sidecar.transfer_mode import ModeSetting
 
     devices, reason = open_cuda_devices(
         engine.arena,
@@ -298,9 +338,11 @@ def _open_ipc(
     if devices is None:
         # Asked for explicitly, a missing GPU path is worth a warning; under auto
         # (CPU nodes too) host mode is the expected outcome.
-        level = logging.WARNING if config.transfer_mode == "ipc" else logging.INFO
+        level = logging.WARNING if config.transfer_mode is ModeSetting.IPC else logging.INFO
         logger.log(level, "transfer_mode %s: ipc unavailable, clients get host mode: %s",
-                   config.transfer_mode, reason)  # fmt: skip
+                   config.transfer_mode.value, reason)  # fmt: skip
         return None, None, reason
-    logger.info("transfer_mode %s: ipc served with the csrc CUDA kernels", config.transfer_mode)
+    logger.info(
+        "transfer_mode %s: ipc served with the csrc CUDA kernels", config.transfer_mode.value
+    )
     return devices, IpcTransfers(engine, devices), ""

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import Any, ClassVar, TypeVar
 
 from kvstrata.sidecar.keys import FINGERPRINT_BYTES, ChunkKey
 from kvstrata.sidecar.tierchoice import TierChoice, read_tiers
+from kvstrata.sidecar.transfer_mode import TransferMode, UnknownMode, parse
 from kvstrata.sidecar.wire import (
     COMMIT_STORE,
     E_BAD_REQUEST,
     E_INTERNAL,
+    E_UNSUPPORTED,
     END_REQUEST,
     EVENTS,
     HELLO,
@@ -58,11 +61,26 @@ class Message:
     op: ClassVar[str] = ""
 
     def to_wire(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        # An enum field (a transfer mode) goes on the wire as its value, a string.
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
     def from_wire(cls: type[_T], body: Mapping[str, Any]) -> _T:
         return cls()
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, Enum) else value
+
+
+def _read_mode(body: Mapping[str, Any]) -> TransferMode:
+    """HELLO's ``transfer_mode``: a mode this protocol knows, or E_UNSUPPORTED
+    naming the value (a newer client may ask for a mode this sidecar lacks)."""
+    text = read_str(required(body, "transfer_mode"), "transfer_mode", 16)
+    try:
+        return parse(TransferMode, text, "field 'transfer_mode'")
+    except UnknownMode as exc:
+        raise ProtocolError(E_UNSUPPORTED, str(exc)) from None
 
 
 @dataclass(slots=True)
@@ -110,7 +128,8 @@ class HelloRequest(Message):
     fingerprint: bytes = b""  # namespace fingerprint every key of the session must start with
     # the namespace's fields (informational: the fingerprint is what is checked)
     namespace: dict[str, Any] | None = None
-    transfer_mode: str = "host"  # "host" or "ipc": the mode asked for
+    # the mode asked for: "host" or "ipc" on the wire (another is refused as unsupported)
+    transfer_mode: TransferMode = TransferMode.HOST
     pid: int = 0  # process id: logs, /status, which session a re-HELLO replaces
     fingerprints: list[bytes] = field(default_factory=list)  # more namespaces it may name
     kv_events: bool = False  # its vLLM publishes KV events: record the tiers' changes
@@ -128,7 +147,7 @@ class HelloRequest(Message):
             role=read_str(required(body, "role"), "role", 32),
             fingerprint=fingerprint,
             namespace=namespace,
-            transfer_mode=read_str(required(body, "transfer_mode"), "transfer_mode", 16),
+            transfer_mode=_read_mode(body),
             pid=read_int(body.get("pid", 0), "pid"),
             fingerprints=read_items(
                 body.get("fingerprints") or [], "fingerprints", _read_fingerprint, MAX_GROUPS
@@ -151,7 +170,7 @@ class HelloReply(Message):
     arena_size: int = 0  # bytes of that segment
     chunk_size: int = 0  # the sidecar's tokens per chunk
     server_version: str = ""  # the sidecar's version
-    transfer_mode: str = "host"  # the mode granted
+    transfer_mode: TransferMode = TransferMode.HOST  # the mode granted: "host" or "ipc"
     lease_seconds: float = 0.0  # a lease not released by then expires
     fallback_reason: str = ""  # why an asked-for mode was not granted
     write_budget: int = 0  # bytes of uncommitted writes a session may hold (0: not said)
@@ -175,7 +194,7 @@ class HelloReply(Message):
             arena_size=read_int(required(body, "arena_size"), "arena_size"),
             chunk_size=read_int(required(body, "chunk_size"), "chunk_size", 1),
             server_version=read_str(required(body, "server_version"), "server_version"),
-            transfer_mode=read_str(required(body, "transfer_mode"), "transfer_mode", 16),
+            transfer_mode=_read_mode(body),
             lease_seconds=float(lease),
             fallback_reason=read_str(body.get("fallback_reason", ""), "fallback_reason"),
             write_budget=read_int(body.get("write_budget", 0), "write_budget"),

@@ -472,7 +472,7 @@ class SidecarServer:
             "endpoint": self.endpoint,
             "uptime_seconds": round(time.time() - self.started, 3),
             "chunk_size": self.config.chunk_size,
-            "transfer_modes": sorted(self.handlers.transfer_modes),
+            "transfer_modes": sorted(m.value for m in self.handlers.transfer_modes),
             "gpu_fault": self._ipc.fault if self._ipc is not None else "",
             "arena": {"name": arena.name, "size_bytes": arena.size},
             "tiers": stats["tiers"],

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kvstrata.sidecar.leases import OWNER_SEP
+from kvstrata.sidecar.transfer_mode import TransferMode
 
 _K = TypeVar("_K")
 
@@ -53,7 +54,7 @@ class Session:
     client_id: str
     role: str
     pid: int
-    transfer_mode: str
+    transfer_mode: TransferMode
     identity: bytes  # the ZeroMQ peer that opened it; no other peer may use it
     fingerprint: bytes  # the namespace every key of this session must carry
     created: float
@@ -111,7 +112,7 @@ class SessionTable:
         client_id: str,
         role: str,
         pid: int,
-        transfer_mode: str,
+        transfer_mode: TransferMode,
         identity: bytes,
         fingerprint: bytes,
         more_fingerprints: frozenset[bytes] = frozenset(),

@@ -203,6 +203,33 @@ class IpcTransfers:
             raise p.ProtocolError(
                 p.E_UNSUPPORTED, f"field 'device_uuid': GPU {body.device_uuid!r}: {exc}"
             ) from None
+        opened, plan, chunk_nbytes = self._open_and_plan(device, body)
+        mapping = IpcMapping(
+            device=device,
+            opened=opened,
+            plan=plan,
+            blocks_per_chunk=body.blocks_per_chunk,
+            # The shape a host-mode worker of the same layout expects: what one pod
+            # saves loads in another that shares the tier, whichever mode each runs.
+            meta=ChunkMeta(
+                dtype=body.dtype, shape=plan.chunk_shape(body.blocks_per_chunk, body.itemsize)
+            ),
+        )
+        self._install(session_id, mapping, registering)
+        logger.info(
+            "session %s registered %d KV tensors (%d plan layers, chunk %d bytes)",
+            session_id[:8],
+            len(body.layers),
+            plan.num_layers,
+            chunk_nbytes,
+        )
+        return p.RegisterKVReply(layers=len(body.layers), chunk_nbytes=chunk_nbytes)
+
+    def _open_and_plan(
+        self, device: TransferDevice, body: p.RegisterKVRequest
+    ) -> tuple[list[int], CopyPlan, int]:
+        """Open the layers' handles and plan the copies: ``(the opened addresses,
+        the plan, a chunk's bytes)``. A refusal closes what it opened first."""
         opened: dict[bytes, int] = {}
         try:
             geometries = []
@@ -242,17 +269,11 @@ class IpcTransfers:
                 f"REGISTER_KV: a chunk of {chunk_nbytes} bytes exceeds the arena "
                 f"({self.engine.arena.size})",
             )
-        mapping = IpcMapping(
-            device=device,
-            opened=list(opened.values()),
-            plan=plan,
-            blocks_per_chunk=body.blocks_per_chunk,
-            # The shape a host-mode worker of the same layout expects: what one pod
-            # saves loads in another that shares the tier, whichever mode each runs.
-            meta=ChunkMeta(
-                dtype=body.dtype, shape=plan.chunk_shape(body.blocks_per_chunk, body.itemsize)
-            ),
-        )
+        return list(opened.values()), plan, chunk_nbytes
+
+    def _install(self, session_id: str, mapping: IpcMapping, registering: _Registering) -> None:
+        """Make ``mapping`` the session's, closing the one it replaces; refused
+        when the session ended while its handles were being opened."""
         with self._lock:
             ended = registering.ended
             old = None if ended else self._mappings.get(session_id)
@@ -265,14 +286,6 @@ class IpcTransfers:
             raise p.ProtocolError(p.E_BAD_REQUEST, "REGISTER_KV: the session ended meanwhile")
         if old is not None:
             self._close_mapping(session_id, old)
-        logger.info(
-            "session %s registered %d KV tensors (%d plan layers, chunk %d bytes)",
-            session_id[:8],
-            len(body.layers),
-            plan.num_layers,
-            chunk_nbytes,
-        )
-        return p.RegisterKVReply(layers=len(body.layers), chunk_nbytes=chunk_nbytes)
 
     def close(self, session_id: str) -> bool:
         """Close a session's handles; whether it had any.

@@ -10,6 +10,7 @@ from kvstrata.operator import reconcile as rec
 from kvstrata.operator import resources as R
 from kvstrata.operator import spec as S
 from kvstrata.sidecar.config import load_config
+from kvstrata.sidecar.transfer_mode import ModeSetting
 
 SPECS = {
     "defaults": {},
@@ -71,7 +72,7 @@ def test_rendered_config_loads_back_equal_in_the_sidecar_loader(spec, make_kvcac
 
 def test_spec_fields_reach_the_config(make_kvcache):
     config, _ = S.render_sidecar_config(make_kvcache(**SPECS["valkey-external-tls"]))
-    assert config.transfer_mode == "host"
+    assert config.transfer_mode is ModeSetting.HOST
     assert config.shared.backend == "valkey"
     assert config.shared.admission == "reused"
     assert config.shared.valkey.url == "rediss://valkey.cache.svc:6380/0"

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvstrata import metricsdoc
-from kvstrata.refdocs import chart, configuration, connector, kvcache, protocol
+from kvstrata.refdocs import architecture, chart, configuration, connector, kvcache, protocol
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -26,4 +26,6 @@ PAGES: dict[str, Callable[[Path], str]] = {
     "docs/kvcache.md": kvcache.render,
     "charts/kvstrata/README.md": chart.render,
     "charts/kvstrata/crds/kvcache.yaml": kvcache.chart_copy,
+    # Its module table only: the rest of that page is written by hand.
+    architecture.PAGE: architecture.render,
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import types
 import typing
+from enum import Enum
 from typing import Any, Literal, Union
 
 import annotated_types
@@ -99,6 +100,9 @@ def _annotation(annotation: Any, metadata: list[Any]) -> str:
         return _annotation(args[0], list(args[1:]))
     if origin is Literal:
         return " | ".join(f"`{a}`" for a in args)
+    if isinstance(annotation, type) and issubclass(annotation, Enum):
+        # Written in a config as the members' values.
+        return " | ".join(f"`{m.value}`" for m in annotation)
     if origin in (Union, types.UnionType):
         named = [a for a in args if a is not type(None)]
         text = " or ".join(_annotation(a, []) for a in named)
@@ -138,6 +142,8 @@ def _default(info: FieldInfo) -> str:
         return "required"
     if info.default is None:
         return "unset"
+    if isinstance(info.default, Enum):
+        return f"`{info.default.value}`"
     return f"`{info.default}`"
 
 

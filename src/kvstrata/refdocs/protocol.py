@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+from enum import Enum
 from typing import Any
 
 from kvstrata.refdocs.markdown import GENERATED, table
@@ -68,7 +69,7 @@ def _body(title: str, cls: type[Any]) -> list[str]:
     if not fields:
         return [*out, "(no fields)", ""]
     comments = field_comments(cls)
-    rows = [(f"`{f.name}`", f"`{f.type}`", _default(f), comments.get(f.name, "")) for f in fields]
+    rows = [(f"`{f.name}`", _type(f), _default(f), comments.get(f.name, "")) for f in fields]
     return [*out, *table(("field", "type", "default", "meaning"), rows), ""]
 
 
@@ -90,7 +91,14 @@ def field_comments(cls: type[Any]) -> dict[str, str]:
     return out
 
 
+def _type(f: dataclasses.Field[Any]) -> str:
+    # An enum field travels as its value: the page gives the wire's type.
+    return f"`{type(f.default.value).__name__}`" if isinstance(f.default, Enum) else f"`{f.type}`"
+
+
 def _default(f: dataclasses.Field[Any]) -> str:
+    if isinstance(f.default, Enum):
+        return f"`{f.default.value!r}`"
     if f.default is not dataclasses.MISSING:
         return f"`{f.default!r}`"
     if f.default_factory is not dataclasses.MISSING:

@@ -17,6 +17,7 @@ from kvstrata.connector.metadata import ChunkTransfer, RequestTransfer
 from kvstrata.connector.settings import ConnectorSettings
 from kvstrata.connector.worker import KVStrataWorker
 from kvstrata.sidecar.keys import Namespace
+from kvstrata.sidecar.transfer_mode import ModeSetting
 
 if TYPE_CHECKING:
     from kvstrata.testing.sidecarproc import SidecarProcess
@@ -49,7 +50,7 @@ def case_settings(
         num_blocks=case.num_blocks,
         kv_cache_layout=case.kv_cache_layout,
         layout=layout,
-        transfer_mode="host",
+        transfer_mode=ModeSetting.HOST,
         namespace=Namespace(
             model=model,
             layout=layout or "",

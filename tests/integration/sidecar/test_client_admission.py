@@ -37,12 +37,13 @@ _FOREIGN_HELLO = """
 import json, os, sys
 import zmq
 from kvstrata.sidecar import protocol as p
+from kvstrata.sidecar.transfer_mode import TransferMode
 endpoint, gid, uid, fingerprint = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 os.setgroups([]); os.setgid(gid); os.setuid(uid)
 ctx = zmq.Context(); sock = ctx.socket(zmq.DEALER); sock.setsockopt(zmq.LINGER, 0)
 sock.connect(endpoint)
 hello = p.HelloRequest(client_id="intruder", role="worker", fingerprint=bytes.fromhex(fingerprint),
-                       namespace={}, transfer_mode="host", pid=os.getpid())
+                       namespace={}, transfer_mode=TransferMode.HOST, pid=os.getpid())
 sock.send(p.encode_request(p.HELLO, 1, "", hello))
 if not sock.poll(5000):
     print(json.dumps({"reply": None})); sys.exit(0)

@@ -28,6 +28,7 @@ from kvstrata.connector.client_ipc import COPY_MARGIN_S, sidecar_deadline_ms
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.keys import ChunkKey, Namespace
 from kvstrata.sidecar.transfer.plan import CopyPlan
+from kvstrata.sidecar.transfer_mode import TransferMode
 from kvstrata.testing.rawpeer import RawPeer
 from kvstrata.testing.shmdevice import SharedKV, SharedMemoryDevice
 from kvstrata.testing.shmsidecar import ServedOnThread
@@ -136,7 +137,11 @@ def test_a_save_whose_event_outlasts_the_clients_deadline_is_never_copied(
     served: Served, registration: p.RegisterKVRequest, kit: Any
 ) -> None:
     client = SidecarClient(
-        served.endpoint, NAMESPACE, role="worker", call_timeout_s=0.5, transfer_mode="ipc"
+        served.endpoint,
+        NAMESPACE,
+        role="worker",
+        call_timeout_s=0.5,
+        transfer_mode=TransferMode.IPC,
     )
     try:
         client.register_kv(registration)
@@ -161,7 +166,11 @@ def test_a_load_that_waited_past_the_clients_deadline_is_released_unloaded(
 ) -> None:
     served = one_worker
     client = SidecarClient(
-        served.endpoint, NAMESPACE, role="worker", call_timeout_s=0.5, transfer_mode="ipc"
+        served.endpoint,
+        NAMESPACE,
+        role="worker",
+        call_timeout_s=0.5,
+        transfer_mode=TransferMode.IPC,
     )
     holder = RawPeer(served.endpoint)
     try:

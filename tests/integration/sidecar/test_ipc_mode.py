@@ -26,6 +26,7 @@ from kvstrata.sidecar.config import config_from_dict
 from kvstrata.sidecar.engine import StorageManager
 from kvstrata.sidecar.keys import ChunkKey, Namespace
 from kvstrata.sidecar.transfer.ipc import IpcTransfers
+from kvstrata.sidecar.transfer_mode import TransferMode
 from kvstrata.testing.shmdevice import SharedKV, SharedMemoryDevice
 from kvstrata.testing.shmsidecar import ServedOnThread
 
@@ -54,7 +55,7 @@ def keys(n: int, tag: str) -> list[ChunkKey]:
 
 def ipc_client(endpoint: str) -> SidecarClient:
     return SidecarClient(
-        endpoint, NAMESPACE, role="worker", call_timeout_s=5.0, transfer_mode="ipc"
+        endpoint, NAMESPACE, role="worker", call_timeout_s=5.0, transfer_mode=TransferMode.IPC
     )
 
 
@@ -65,7 +66,7 @@ def test_blocks_saved_and_loaded_by_the_sidecar_come_back_byte_for_byte(
     try:
         client.register_kv(kv.registration())
         assert client.stats() is not None  # connects: HELLO + REGISTER_KV
-        assert client.transfer_mode == "ipc"
+        assert client.transfer_mode is TransferMode.IPC
         assert sidecar.device.open_handles == 1  # one allocation for all layers
 
         ks = keys(2, "round-trip")
@@ -216,7 +217,7 @@ def test_a_gpu_the_sidecar_cannot_see_leaves_the_client_in_host_mode(
         client.register_kv(kv.registration(gpu="GPU-ffffffff"))
         with caplog.at_level("WARNING"):
             assert client.stats() is not None
-        assert client.transfer_mode == "host"
+        assert client.transfer_mode is TransferMode.HOST
         assert client.errors.get("ipc_fallback") == 1
         assert sum("ipc transfer mode unavailable" in r.message for r in caplog.records) == 1
         assert sidecar.device.open_handles == 0
@@ -233,11 +234,12 @@ def test_handles_are_closed_at_once_when_the_client_process_is_killed_and_a_rest
 import os, pickle, sys
 from kvstrata.connector.client import SidecarClient
 from kvstrata.sidecar.keys import Namespace
+from kvstrata.sidecar.transfer_mode import TransferMode
 reg = pickle.loads(sys.stdin.buffer.read())
 c = SidecarClient({sidecar.endpoint!r}, Namespace(model="ipc-test", block_size=16, chunk_size=32),
-                  role="worker", call_timeout_s=5.0, transfer_mode="ipc")
+                  role="worker", call_timeout_s=5.0, transfer_mode=TransferMode.IPC)
 c.register_kv(reg)
-assert c.stats() is not None and c.transfer_mode == "ipc"
+assert c.stats() is not None and c.transfer_mode is TransferMode.IPC
 print("registered", flush=True)
 sys.stdin.close()
 import time; time.sleep(60)
@@ -266,7 +268,7 @@ import time; time.sleep(60)
     try:
         client.register_kv(kv.registration())
         assert client.ipc.save_blocks(keys(1, "restarted"), [[1, 2]], None, "r") == [True]
-        assert client.transfer_mode == "ipc" and sidecar.device.open_handles == 1
+        assert client.transfer_mode is TransferMode.IPC and sidecar.device.open_handles == 1
     finally:
         client.close()
 
@@ -275,11 +277,15 @@ def test_a_sidecar_without_cuda_grants_host_mode_with_the_reason(kit: Any, tmp_p
     sc = kit.Sidecar(tmp_path / "sc").start()
     try:
         client = SidecarClient(
-            sc.endpoint, kit.NAMESPACE, role="worker", call_timeout_s=5.0, transfer_mode="ipc"
+            sc.endpoint,
+            kit.NAMESPACE,
+            role="worker",
+            call_timeout_s=5.0,
+            transfer_mode=TransferMode.IPC,
         )
         try:
             assert client.stats() is not None
-            assert client.transfer_mode == "host"
+            assert client.transfer_mode is TransferMode.HOST
             assert client.errors.get("ipc_fallback") == 1
         finally:
             client.close()
@@ -500,7 +506,7 @@ def test_a_cuda_fault_moves_ipc_sessions_to_host_mode_keeps_the_sidecar_ready_an
     try:
         client.register_kv(kv.registration())
         assert client.ipc.save_blocks(keys(1, "before"), [[1, 2]], None, "r") == [True]
-        assert client.transfer_mode == "ipc"
+        assert client.transfer_mode is TransferMode.IPC
         sidecar.device.gather = illegal_address  # type: ignore[method-assign]
         assert client.ipc.save_blocks(keys(1, "fault"), [[3, 4]], None, "r") == [False]
         # The pod stays in its Service: the sidecar is still ready ...
@@ -508,7 +514,7 @@ def test_a_cuda_fault_moves_ipc_sessions_to_host_mode_keeps_the_sidecar_ready_an
         # ... and the worker's session ended: its next call says HELLO again and
         # is granted host mode, with the fault as the reason (a miss, not an error).
         assert client.ipc.load_blocks(keys(1, "before"), [[5, 6]], "r") is None
-        assert client.transfer_mode == "host"
+        assert client.transfer_mode is TransferMode.HOST
         assert "GPU context is broken" in client.ipc_fallback_reason
         assert len(sidecar.ipc) == 0  # nothing mapped for a session that ended
         # Host mode serves: the chunk saved before the fault is found.
@@ -518,7 +524,7 @@ def test_a_cuda_fault_moves_ipc_sessions_to_host_mode_keeps_the_sidecar_ready_an
         other = ipc_client(sidecar.endpoint)
         try:
             assert other.stats() is not None
-            assert other.transfer_mode == "host"
+            assert other.transfer_mode is TransferMode.HOST
         finally:
             other.close()
         # The fault is said where an operator looks: metrics and /status.

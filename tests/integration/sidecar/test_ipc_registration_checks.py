@@ -26,6 +26,7 @@ import torch
 from kvstrata.connector.client import SidecarClient
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.keys import ChunkKey, Namespace
+from kvstrata.sidecar.transfer_mode import TransferMode
 from kvstrata.testing.kvlayouts import vllm_layers
 from kvstrata.testing.shmdevice import handle_for
 
@@ -51,7 +52,11 @@ class SidecarProcess:
 
     def client(self) -> SidecarClient:
         return SidecarClient(
-            self.endpoint, NAMESPACE, role="worker", call_timeout_s=5.0, transfer_mode="ipc"
+            self.endpoint,
+            NAMESPACE,
+            role="worker",
+            call_timeout_s=5.0,
+            transfer_mode=TransferMode.IPC,
         )
 
     def stop(self) -> None:
@@ -182,7 +187,7 @@ def test_a_registration_claiming_more_blocks_than_its_allocation_is_refused_and_
         try:
             client.register_kv(body)
             assert client.stats() is not None
-            assert client.transfer_mode == "host"
+            assert client.transfer_mode is TransferMode.HOST
             assert "past the 8192 bytes mapped" in client.ipc_fallback_reason
             # No registration: the copy the claim would have allowed is refused.
             assert client.ipc.save_blocks(keys(1, "far"), [[999_999, 999_998]], None, "r") is None
@@ -203,7 +208,7 @@ def test_a_registration_past_what_the_worker_says_it_shares_is_refused(
         too_short = 3 * 12 * BLOCK_BYTES - BLOCK_BYTES
         client.register_kv(registration(segment, kv_in(segment), mapped_nbytes=too_short))
         assert client.stats() is not None
-        assert client.transfer_mode == "host"
+        assert client.transfer_mode is TransferMode.HOST
         assert f"past the {too_short} bytes mapped" in client.ipc_fallback_reason
 
 
@@ -212,7 +217,7 @@ def test_a_save_that_names_no_block_is_refused_and_commits_nothing(
 ) -> None:
     with worker_on(sidecar) as (segment, client):
         client.register_kv(registration(segment, kv_in(segment)))
-        assert client.stats() is not None and client.transfer_mode == "ipc"
+        assert client.stats() is not None and client.transfer_mode is TransferMode.IPC
         never_written = keys(1, "unwritten")
         assert client.ipc.save_blocks(never_written, [[-1, -1]], None, "r") is None
         assert client.ipc.save_blocks(keys(1, "half"), [[3, -1]], None, "r") is None
@@ -231,7 +236,7 @@ def test_split_kernel_blocks_are_planned_per_vllm_block(sidecar: SidecarProcess)
     with worker_on(sidecar) as (segment, client):
         layers = kv_in(segment)
         client.register_kv(registration(segment, layers, blocks_per_chunk=1, num_blocks=6))
-        assert client.stats() is not None and client.transfer_mode == "ipc"
+        assert client.stats() is not None and client.transfer_mode is TransferMode.IPC
         ks = keys(2, "split")
         assert client.ipc.save_blocks(ks, [[1], [4]], None, "r") == [True, True]
         for t in layers:
@@ -251,7 +256,7 @@ def test_kernel_blocks_that_do_not_divide_into_vllm_blocks_are_refused(
     with worker_on(sidecar) as (segment, client):
         client.register_kv(registration(segment, kv_in(segment), num_blocks=5))
         assert client.stats() is not None
-        assert client.transfer_mode == "host"
+        assert client.transfer_mode is TransferMode.HOST
         assert "12 kernel blocks for 5 cache blocks" in client.ipc_fallback_reason
 
 
@@ -263,5 +268,5 @@ def test_a_sidecar_planning_other_chunks_than_the_worker_leaves_it_in_host_mode(
         body.chunk_nbytes = 3 * 2 * BLOCK_BYTES * 2  # the worker's split-block chunk
         client.register_kv(body)
         assert client.stats() is not None
-        assert client.transfer_mode == "host"
+        assert client.transfer_mode is TransferMode.HOST
         assert "chunk_nbytes" in client.ipc_fallback_reason

@@ -13,6 +13,7 @@ import pytest
 from kvstrata.connector.client import SidecarClient
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.keys import ChunkKey, Namespace
+from kvstrata.sidecar.transfer_mode import TransferMode
 from kvstrata.testing.shmdevice import SharedKV
 from kvstrata.testing.shmsidecar import ServedOnThread
 
@@ -41,7 +42,11 @@ def test_save_blocks_keeps_each_tenants_chunks_by_its_rules(
 ) -> None:
     kv = shared_kv(GPU_UUID)
     client = SidecarClient(
-        sidecar.endpoint, NAMESPACE, role="worker", call_timeout_s=5.0, transfer_mode="ipc"
+        sidecar.endpoint,
+        NAMESPACE,
+        role="worker",
+        call_timeout_s=5.0,
+        transfer_mode=TransferMode.IPC,
     )
     try:
         client.register_kv(kv.registration())

@@ -6,13 +6,16 @@ import msgpack
 import pytest
 
 from kvstrata.sidecar import protocol as p
+from kvstrata.sidecar.transfer_mode import TransferMode
 
 KEY = b"\x01" * 16 + b"\x02" * 32
 SLOT = p.SlotInfo(lease_id=3, offset=4096, length=512, dtype="bfloat16", shape=(2, 16, 8))
 
 REQUESTS = [
-    p.HelloRequest("c1", "worker", b"f" * 16, {"model": "m", "tp_rank": 0}, "host", 42),
-    p.HelloRequest("c2", "scheduler", b"f" * 16, None, "host", 42, [b"g" * 16, b"h" * 16]),
+    p.HelloRequest("c1", "worker", b"f" * 16, {"model": "m", "tp_rank": 0}, TransferMode.HOST, 42),
+    p.HelloRequest(
+        "c2", "scheduler", b"f" * 16, None, TransferMode.HOST, 42, [b"g" * 16, b"h" * 16]
+    ),
     p.LookupRequest([KEY, KEY], True, "req-1"),
     p.LookupRequest([KEY, KEY, KEY, KEY], True, "req-1", groups=2),
     p.PrepareStoreRequest([KEY], 512, "bfloat16", (2, 16, 8), "req-1"),
@@ -26,7 +29,7 @@ REQUESTS = [
 ]
 
 REPLIES = [
-    (p.HELLO, p.HelloReply("s", "kvstrata-1", 1 << 20, 256, "0.1.0", "host", 30.0)),
+    (p.HELLO, p.HelloReply("s", "kvstrata-1", 1 << 20, 256, "0.1.0", TransferMode.HOST, 30.0)),
     (p.LOOKUP, p.LookupReply(2, ["l1", "l2"])),
     (p.PREPARE_STORE, p.SlotsReply([SLOT, None])),
     (p.COMMIT_STORE, p.CommitStoreReply([True, False])),

@@ -23,6 +23,7 @@ import pytest
 from kvstrata.connector.client import SidecarClient
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.keys import Namespace
+from kvstrata.sidecar.transfer_mode import TransferMode
 from kvstrata.testing import shmsidecar
 from kvstrata.testing.shmdevice import SharedKV
 
@@ -65,7 +66,7 @@ def test_a_registration_answered_after_the_deadline_turns_the_session_to_ipc(
     endpoint: str, registration: p.RegisterKVRequest, held: HeldOpening, kit: Any
 ) -> None:
     client = SidecarClient(
-        endpoint, NAMESPACE, role="worker", call_timeout_s=0.5, transfer_mode="ipc"
+        endpoint, NAMESPACE, role="worker", call_timeout_s=0.5, transfer_mode=TransferMode.IPC
     )
     try:
         client.register_kv(registration)  # not connected yet: sent at the HELLO

@@ -17,6 +17,7 @@ import zmq
 from kvstrata.connector.client import SidecarClient
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.keys import Namespace
+from kvstrata.sidecar.transfer_mode import TransferMode
 
 NBYTES = 4096
 OTHER_TENANT = Namespace(model="another-tenant", block_size=16, chunk_size=16)
@@ -93,7 +94,7 @@ def test_a_hello_copying_another_clients_id_role_and_pid_does_not_replace_its_se
     kit.store(victim, keys, NBYTES, owner="w")
     assert victim.prepare_retrieve(keys, "held") is not None
     epoch = victim.epoch
-    hello = p.HelloRequest("victim", "worker", keys[0][:16], None, "host", os.getpid())
+    hello = p.HelloRequest("victim", "worker", keys[0][:16], None, TransferMode.HOST, os.getpid())
     assert peer.ask(p.HELLO, "", hello).ok
     assert kit.client_leases(sidecar, victim) == 2
     assert victim.ping() and victim.epoch == epoch  # no re-HELLO was needed

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 
 from kvstrata.sidecar.sessions import SessionLimit, SessionTable
+from kvstrata.sidecar.transfer_mode import TransferMode
 
 FP = b"f" * 16
 
 
 def _open(table: SessionTable, client: str, peer: bytes, uid: int | None = 1000) -> str:
-    session, _ = table.open(client, "worker", 7, "host", peer, FP, uid=uid)
+    session, _ = table.open(client, "worker", 7, TransferMode.HOST, peer, FP, uid=uid)
     return session.session_id
 
 
