@@ -26,4 +26,8 @@ PAGES: dict[str, Callable[[Path], str]] = {
     "docs/kvcache.md": kvcache.render,
     "charts/kvstrata/README.md": chart.render,
     "charts/kvstrata/crds/kvcache.yaml": kvcache.chart_copy,
+    # kopf's peering kinds, for operator.replicas above 1: shipped unchanged as well.
+    "charts/kvstrata/crds/kopfpeering.yaml": lambda repo: (
+        repo / "crds/kopfpeering.yaml"
+    ).read_text(),
 }
