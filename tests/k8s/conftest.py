@@ -55,6 +55,7 @@ import yaml
 
 from kvstrata.testing.controlplane import ASSETS_ENV, ControlPlane, ControlPlaneError, find_assets
 from kvstrata.testing.poll import wait_until
+from kvstrata.testing.processes import stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 ADMISSION = "admissionregistration.k8s.io/v1"
@@ -339,10 +340,5 @@ def operator(kube, namespace, webhook, tmp_path_factory) -> Iterator[RunningOper
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     running = RunningOperator(process, log)
     yield running
-    process.terminate()
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-    print(f"operator exited {process.returncode}; last lines of its log:\n{running.tail()}")
+    code = stop_process(process)
+    print(f"operator exited {code}; last lines of its log:\n{running.tail()}")
