@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from .conftest import REPO
+from .conftest import REPO, wait_for
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
@@ -76,6 +76,7 @@ def test_every_object_the_chart_renders_is_created_by_the_api_server(
         for doc in docs:
             if doc["kind"] in ("ClusterKopfPeering", "KopfPeering"):
                 assert_keeps_a_keep_alive(client, doc)
+                assert_rbac_allows_kopfs_peering(kube, docs, doc)
     finally:
         for resource, doc in reversed(made):
             target = doc["metadata"].get("namespace") if resource.namespaced else None
@@ -98,3 +99,49 @@ def assert_keeps_a_keep_alive(client: Any, doc: dict[str, Any]) -> None:
     )
     stored = resource.get(name=doc["metadata"]["name"], namespace=target).to_dict()
     assert stored["status"] == {"kvs-kvstrata-7d9f-abcde": entry}
+
+
+def assert_rbac_allows_kopfs_peering(
+    kube: Any, docs: list[dict[str, Any]], peering: dict[str, Any]
+) -> None:
+    """The API server's RBAC authorizer lets the chart's ServiceAccount make every request
+    kopf's peering makes (recorded from kopf's own code), and no patch of another peering."""
+    import asyncio
+
+    from kubernetes import client
+
+    from kvstrata.testing.kopfrequests import peering_requests
+
+    account = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]
+    user = f"system:serviceaccount:{account['namespace']}:{account['name']}"
+    groups = ["system:serviceaccounts", f"system:serviceaccounts:{account['namespace']}"]
+    namespace = peering["metadata"].get("namespace")
+    requests = asyncio.run(
+        peering_requests(
+            clusterwide=namespace is None,
+            name=peering["metadata"]["name"],
+            namespace=namespace or "",
+        )
+    )
+    assert requests
+    authorization = client.AuthorizationV1Api(kube.api)
+
+    def allowed(verb: str, resource: str, name: str | None) -> bool:
+        attributes = {"group": "kopf.dev", "resource": resource, "verb": verb}
+        attributes |= {"namespace": namespace} if namespace else {}
+        attributes |= {"name": name} if name else {}
+        review = {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SubjectAccessReview",
+            "spec": {"user": user, "groups": groups, "resourceAttributes": attributes},
+        }
+        return authorization.create_subject_access_review(review).status.allowed
+
+    for request in set(requests):
+        assert request.namespace == namespace
+        # RBAC objects just created reach the authorizer a moment later.
+        wait_for(
+            lambda r=request: allowed(r.verb, r.resource, r.name), 30, f"RBAC to allow {request}"
+        )
+    resource = requests[0].resource
+    assert not allowed("patch", resource, "another-operators-peering")

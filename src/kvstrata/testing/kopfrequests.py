@@ -121,13 +121,16 @@ class PeeringStandIn:
         return web.json_response(self.body)
 
 
-async def peering_requests(clusterwide: bool, name: str = "kvstrata") -> list[Request]:
+async def peering_requests(
+    clusterwide: bool, name: str = "kvstrata", namespace: str = "ml"
+) -> list[Request]:
     """Run kopf's peering against a stand-in and return the requests it made.
 
     What runs is what ``kopf.run(peering_name=..., priority=...)`` starts for one
     peering: the keep-alive (a touch, then the farewell when cancelled), the
     watcher of the peering objects (a list, then a watch), and the clean-up a
-    replica does when it sees a dead peer.
+    replica does when it sees a dead peer. ``namespace`` is where the KopfPeering
+    is (unused cluster-wide: a ClusterKopfPeering has none).
     """
     from kopf._cogs.clients import auth
     from kopf._cogs.configs import configuration
@@ -140,8 +143,8 @@ async def peering_requests(clusterwide: bool, name: str = "kvstrata") -> list[Re
         if clusterwide
         else ("kopfpeerings", "KopfPeering")
     )
-    namespace = None if clusterwide else "ml"
-    stand_in = PeeringStandIn(plural, kind, name, namespace)
+    where = None if clusterwide else namespace
+    stand_in = PeeringStandIn(plural, kind, name, where)
     await stand_in.start()
     try:
         vault = credentials.Vault()
@@ -163,14 +166,14 @@ async def peering_requests(clusterwide: bool, name: str = "kvstrata") -> list[Re
         identity = peering.Identity("replica-a")
         keepalive = asyncio.create_task(
             peering.keepalive(
-                namespace=namespace, resource=resource, identity=identity, settings=settings
+                namespace=where, resource=resource, identity=identity, settings=settings
             )
         )
         watcher = asyncio.create_task(
             queueing.watcher(
                 settings=settings,
                 resource=resource,
-                namespace=namespace,
+                namespace=where,
                 processor=_ignore,
             )
         )
@@ -180,7 +183,7 @@ async def peering_requests(clusterwide: bool, name: str = "kvstrata") -> list[Re
         event = {"type": "MODIFIED", "object": {**stand_in.body, "status": {"gone": dead}}}
         await peering.process_peering_event(
             raw_event=event,  # type: ignore[arg-type]
-            namespace=namespace,
+            namespace=where,
             resource=resource,
             identity=identity,
             settings=settings,
