@@ -55,6 +55,7 @@ import yaml
 
 from kvstrata.testing.controlplane import ASSETS_ENV, ControlPlane, ControlPlaneError, find_assets
 from kvstrata.testing.poll import wait_until
+from kvstrata.testing.processes import stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 ADMISSION = "admissionregistration.k8s.io/v1"
@@ -191,6 +192,30 @@ def crd_applied(kube):
 
 
 @pytest.fixture(scope="session")
+def peering_crds(kube) -> list[dict[str, Any]]:
+    """kopf's peering CRDs as the chart ships them (``crds/kopfpeering.yaml``), served."""
+    crds = list(yaml.safe_load_all((REPO / "crds" / "kopfpeering.yaml").read_text()))
+    for crd in crds:
+        kube.apply(crd)  # refused here when the API server rejects the CRD
+    from kubernetes import client
+
+    objects = client.CustomObjectsApi(kube.api)
+
+    # A CRD just created is served a moment after it is established: wait
+    # until each kind can be listed, or a watch started now might miss writes.
+    def served() -> bool:
+        try:
+            objects.list_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings")
+            objects.list_cluster_custom_object("kopf.dev", "v1", "kopfpeerings")
+        except client.exceptions.ApiException:
+            return False
+        return True
+
+    wait_for(served, 60, "kopf's peering kinds served")
+    return crds
+
+
+@pytest.fixture(scope="session")
 def namespace(kube, crd_applied) -> Iterator[str]:
     name = f"kvstrata-test-{uuid.uuid4().hex[:6]}"
     kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
@@ -315,10 +340,5 @@ def operator(kube, namespace, webhook, tmp_path_factory) -> Iterator[RunningOper
         process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     running = RunningOperator(process, log)
     yield running
-    process.terminate()
-    try:
-        process.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-    print(f"operator exited {process.returncode}; last lines of its log:\n{running.tail()}")
+    code = stop_process(process)
+    print(f"operator exited {code}; last lines of its log:\n{running.tail()}")

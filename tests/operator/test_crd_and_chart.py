@@ -161,7 +161,7 @@ def test_default_values_match_the_values_schema():
     [
         {"webhook": {"failurePolicy": "Fail"}},
         {"image": {"pullPolicy": "Sometimes"}},
-        {"replicaCount": 3},
+        {"operator": {"replicas": -1}},
         {"webhook": {"timeoutSeconds": 60}},
         {"monitoring": {"serviceMonitor": {"enabled": "yes"}}},
     ],
@@ -288,4 +288,5 @@ def test_non_template_chart_files_parse():
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert chart["apiVersion"] == "v2" and chart["name"] == "kvstrata"
     for path in (CHART / "crds").glob("*.yaml"):
-        yaml.safe_load(path.read_text())
+        docs = list(yaml.safe_load_all(path.read_text()))
+        assert docs and all(d["kind"] == "CustomResourceDefinition" for d in docs), path.name

@@ -122,3 +122,36 @@ namespace, else in a Role in each watched namespace only.
   resources: [servicemonitors]
   verbs: [get, create, patch]
 {{- end }}
+
+{{/*
+"true" when the operator runs as kopf peers (more than one replica), else "":
+one replica reconciles, the others stand by, all serve the webhook.
+*/}}
+{{- define "kvstrata.peering" -}}
+{{- if gt (int .Values.operator.replicas) 1 }}true{{ end }}
+{{- end }}
+
+{{/* The peering object the replicas share: one per release. */}}
+{{- define "kvstrata.peeringName" -}}
+{{- include "kvstrata.fullname" . }}
+{{- end }}
+
+{{/*
+What kopf's peering does with the peering kind (RESOURCE: clusterkopfpeerings
+or kopfpeerings): list and watch every object of the kind (kopf lists the
+kind, not one name), patch its own keep-alive into this release's object only.
+Called with (list RESOURCE $).
+*/}}
+{{- define "kvstrata.peeringRules" -}}
+{{- $resource := index . 0 }}
+{{- $root := index . 1 -}}
+# kopf peering: list and watch the peering kind to see the other replicas.
+- apiGroups: [kopf.dev]
+  resources: [{{ $resource }}]
+  verbs: [list, watch]
+# kopf peering: write this replica's keep-alive into this release's object.
+- apiGroups: [kopf.dev]
+  resources: [{{ $resource }}]
+  resourceNames: [{{ include "kvstrata.peeringName" $root | quote }}]
+  verbs: [patch]
+{{- end }}

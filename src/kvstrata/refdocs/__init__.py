@@ -28,4 +28,8 @@ PAGES: dict[str, Callable[[Path], str]] = {
     "charts/kvstrata/crds/kvcache.yaml": kvcache.chart_copy,
     # Its module table only: the rest of that page is written by hand.
     architecture.PAGE: architecture.render,
+    # kopf's peering kinds, for operator.replicas above 1: shipped unchanged as well.
+    "charts/kvstrata/crds/kopfpeering.yaml": lambda repo: (
+        repo / "crds/kopfpeering.yaml"
+    ).read_text(),
 }

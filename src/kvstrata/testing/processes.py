@@ -1,6 +1,7 @@
 """The long-running processes of a harness (etcd, kube-apiserver, containerd, a kubelet):
 started with their output in one log file each, waited on by a readiness probe that
-fails at once, with the log's tail, when the process exits, and stopped newest first.
+fails at once, with the log's tail, when the process exits, and stopped newest first;
+and the one way a test stops a process it started (:func:`stop_process`).
 
 Why this module exists: the control plane and the node each start several
 daemons and must say, when one of them dies on start, what it printed;
@@ -14,6 +15,22 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from kvstrata.testing.poll import wait_until
+
+
+def wait_or_kill(process: subprocess.Popen, grace: float = 20.0) -> int:
+    """Wait up to ``grace`` seconds for a process asked to stop, then kill it; its exit code."""
+    try:
+        return process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
+
+
+def stop_process(process: subprocess.Popen, grace: float = 20.0) -> int:
+    """SIGTERM (a clean exit: an operator says farewell to its peers), then :func:`wait_or_kill`."""
+    if process.poll() is None:
+        process.terminate()
+    return wait_or_kill(process, grace)
 
 
 class ProcessSet:
@@ -64,9 +81,5 @@ class ProcessSet:
             if process.poll() is None:
                 process.terminate()
         for _, process in reversed(self.processes):
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            wait_or_kill(process)
         self.processes.clear()
