@@ -431,10 +431,17 @@ def _read_seal(view: memoryview, at: int) -> tuple[Seal, int]:
     return Seal(key_id, label, nonce), at + NONCE_BYTES
 
 
-def open_sealed(view: memoryview, header: ObjectHeader, keys: KeyRing | None) -> bytes | memoryview:
+def open_sealed(
+    view: memoryview, header: ObjectHeader, keys: KeyRing | None, in_place: bool = False
+) -> bytes | memoryview:
     """The stored payload (after decryption, before the codec) of a whole
     object whose header is ``header``; raise :class:`SealError` when it is
-    sealed and cannot be opened, or plaintext where encryption is required."""
+    sealed and cannot be opened, or plaintext where encryption is required.
+
+    ``in_place``: the caller owns ``view`` (writable) and reads it only
+    through what this returns: the plaintext is written over the ciphertext
+    (AES-GCM allows it), so a sealed read costs no buffer and no copy of its
+    own over a plaintext one. A tag that fails leaves ``view`` garbled."""
     if header.seal is None:
         if keys is not None:
             keys.check_plaintext()
@@ -445,7 +452,12 @@ def open_sealed(view: memoryview, header: ObjectHeader, keys: KeyRing | None) ->
         raise CorruptObjectError(f"object of {len(view)} bytes, header says {header.object_length}")
     seal = header.seal
     aad = bytes(view[: header.header_length])
-    return keys.decrypt(seal.key_id, seal.label, seal.nonce, view[header.header_length :], aad)
+    sealed = view[header.header_length :]
+    if in_place and not view.readonly:
+        plain = sealed[: header.stored_length]
+        keys.decrypt_into(seal.key_id, seal.label, seal.nonce, sealed, aad, plain)
+        return plain
+    return keys.decrypt(seal.key_id, seal.label, seal.nonce, sealed, aad)
 
 
 def decode(
@@ -453,9 +465,11 @@ def decode(
     expected_key: bytes | None = None,
     payload_xxh3: int | None = None,
     keys: KeyRing | None = None,
+    in_place: bool = False,
 ) -> DecodedObject:
     """Validate and decode one whole object; raise :class:`CorruptObjectError`
     (:class:`SealError` for what ``keys`` cannot open or must not serve).
+    ``in_place``: a sealed object is opened over its own bytes (:func:`open_sealed`).
 
     ``payload_xxh3``: the stored payload's xxh3_64, when the reader already
     computed it while the bytes arrived (:class:`PayloadHasher`); it is then
@@ -464,7 +478,7 @@ def decode(
     view = memoryview(blob).cast("B")
     header = decode_header(view, expected_key)
     if header.seal is not None:
-        return _decoded(header, open_sealed(view, header, keys))
+        return _decoded(header, open_sealed(view, header, keys, in_place))
     if keys is not None:
         keys.check_plaintext()
     checksum, end = header.checksum, len(view)

@@ -250,6 +250,28 @@ class KeyRing:
         except InvalidTag:
             raise SealError("auth_failed", "authentication tag mismatch") from None
 
+    def decrypt_into(
+        self,
+        key_id: str,
+        label: str,
+        nonce: bytes,
+        data: memoryview,
+        aad: bytes,
+        out: memoryview,
+    ) -> None:
+        """:meth:`decrypt` written into ``out`` (``len(data) - 16`` bytes; it may
+        be the start of ``data`` itself). On :class:`SealError` ``out`` holds garbage."""
+        cipher = self._cipher(key_id, label) if self.mode != "off" else None
+        if cipher is None:
+            reason = "no_key" if self.mode == "off" else "unknown_key"
+            raise SealError(reason, f"no key {key_id!r} to open the object with")
+        if len(out) != len(data) - TAG_BYTES:
+            raise SealError("auth_failed", "sealed payload shorter than its tag")
+        try:
+            cipher.decrypt_into(nonce, data, aad, out)
+        except InvalidTag:
+            raise SealError("auth_failed", "authentication tag mismatch") from None
+
     def check_plaintext(self) -> None:
         """Raise :class:`SealError` when a plaintext object must not be served."""
         if self.mode == "required":

@@ -385,8 +385,10 @@ class DiskTier(Tier):
         path = self.path_of(key)
         try:
             with open(path, "rb") as fh:
-                blob = fh.read()
-            obj = decode(blob, expected_key=key, keys=self._keys)
+                # A buffer of its own, so that a sealed file is opened over itself.
+                blob = bytearray(os.fstat(fh.fileno()).st_size)
+                blob = blob[: fh.readinto(blob)]
+            obj = decode(blob, expected_key=key, keys=self._keys, in_place=True)
         except SealError as exc:
             self._discard_sealed(key, path, exc.reason)
             return None
