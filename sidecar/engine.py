@@ -82,7 +82,7 @@ from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.partials import blocks_match, entry_is_partial, is_partial
 from kvstrata.sidecar.prefetch import Prefetcher
 from kvstrata.sidecar.promotion import IndexSteps, Promotion
-from kvstrata.sidecar.tenants import TenantRules, TenantSnapshot
+from kvstrata.sidecar.tenants import TenantRules, TenantSnapshot, l2_shares, with_tier
 from kvstrata.sidecar.tierchoice import TierChoice
 from kvstrata.sidecar.tiers.base import Tier, TierStats
 from kvstrata.sidecar.tiers.disk import DiskTier
@@ -158,7 +158,9 @@ class StorageManager:
                     direct=config.l2.direct_io,
                     keys=keys,
                     young_seconds=config.young_eviction_seconds,
+                    tenants=l2_shares(config.tenants),
                 )
+                self._adopt_l2_ages(self.l2)
             self._wb = WriteBehind(
                 config, self.arena, self._store, self._lock, self._count, self.l2, shared_tier
             )
@@ -184,6 +186,17 @@ class StorageManager:
         )
         self.journal = EventJournal()
         self._closed = False
+
+    def _adopt_l2_ages(self, l2: DiskTier) -> None:
+        """Files found in L2 at start whose (sealed) header names a tenant with
+        a TTL age from when they were written: a restart does not make them new."""
+        ledger = self._store.tenants
+        ttl_tenants = ledger.rules.ttl_tenants
+        if not ttl_tenants:
+            return
+        now, wall = self._store.now(), time.time()
+        for key, tenant, written in l2.tenant_files(ttl_tenants):
+            ledger.stored("l2", tenant, ChunkKey(key), now - max(0.0, wall - written))
 
     def record_events(self) -> None:
         """Every tier tells the journal what arrives and leaves from now on (idempotent;
@@ -693,6 +706,8 @@ class StorageManager:
             counters["prefetched_bytes_total"] = self._prefetched_bytes
             tenants = store.tenants.snapshot()
             counters["queued_loads"] = self._prefetcher.queued()
+        if self.l2 is not None:
+            tenants = with_tier(tenants, "l2", self.l2.tenant_figures())
         tiers = {"l1": l1}
         for tier in (self.l2, self.shared):
             if tier is not None:

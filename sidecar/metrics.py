@@ -203,7 +203,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "refused), queued_reply_bytes (a reply dropped for a short busy error: its "
                "client left server.max_queued_reply_bytes of replies unread)"),
     MetricSpec("kvstrata_tenant_bytes", "gauge", ("tenant", "tier"), "bytes",
-               "bytes of a tenant's chunks held in a tier (l1); tenant: a configured "
+               "bytes of a tenant's chunks held in a tier (l1, l2); tenant: a configured "
                "tenant's name, or default"),
     MetricSpec("kvstrata_tenant_refusals_total", "counter", ("tenant", "tier", "reason"),
                "chunks", "stores of a tenant refused: budget (larger than its budget, or "
@@ -543,6 +543,8 @@ def _tenant_metrics(stats: EngineStats) -> Iterator[Metric]:
     held = _gauge("kvstrata_tenant_bytes")
     for label in tenants.labels:
         held.add_metric([label, "l1"], tenants.l1_bytes.get(label, 0))
+        if tenants.l2_bytes is not None:
+            held.add_metric([label, "l2"], tenants.l2_bytes.get(label, 0))
     yield held
     for name, values in (
         ("kvstrata_tenant_refusals_total", tenants.refusals),

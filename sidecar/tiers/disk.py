@@ -38,7 +38,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -57,6 +57,7 @@ from kvstrata.sidecar.objformat import (
 )
 from kvstrata.sidecar.tiers import direct_io
 from kvstrata.sidecar.tiers.base import Tier, TierStats
+from kvstrata.sidecar.tiers.tenant_shares import TenantFigures, TenantShares
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.journal import TierEvents
@@ -82,6 +83,9 @@ class DiskEntry:
     sealed: bool = False
     # time.monotonic() when this process wrote it; files found at start count as old.
     stored_at: float = float("-inf")
+    # time.time() when it was written (a file found at start: its mtime), for
+    # its tenant's TTL across a restart.
+    written_unix: float = 0.0
 
 
 class DiskTier(Tier):
@@ -98,6 +102,7 @@ class DiskTier(Tier):
         direct: bool = True,
         keys: KeyRing | None = None,
         young_seconds: float = 60.0,
+        tenants: TenantShares | None = None,
     ):
         self.root = os.fspath(path)
         # Seal files written, open files read (None: encryption off).
@@ -112,6 +117,8 @@ class DiskTier(Tier):
         # Writes in flight are not counted against it (a brief overshoot).
         self.namespace_quota = namespace_quota
         self._ns_usage: dict[bytes, int] = {}
+        # Per-tenant budgets and bytes (tiers.tenant_shares); kept under self._lock.
+        self.tenants = tenants or TenantShares()
         self.fsync = fsync
         # Files go past the page cache (tiers.direct_io) until the filesystem
         # refuses O_DIRECT once; then buffered, said once in the log.
@@ -160,8 +167,8 @@ class DiskTier(Tier):
         for _, key, entry in found:
             self._index[key] = entry
             self._usage += entry.file_bytes
-            self._account(key, entry.file_bytes)
-        self._evict_locked(0)
+            self._account(key, entry, entry.file_bytes)
+        self._unlink_all(self._evict_locked(0))
         logger.info(
             "L2 %s: %d objects, %d bytes re-indexed", self.root, len(self._index), self._usage
         )
@@ -186,13 +193,16 @@ class DiskTier(Tier):
             return None
         except OSError:
             return None
+        # The sealed header's tenant, if it is one this sidecar knows.
+        meta = replace(header.meta, tenant=self.tenants.name(header.meta.tenant))
         entry = DiskEntry(
             st.st_size,
             header.header_length,
             header.raw_length if header.seal is not None else header.stored_length,
-            header.meta,
+            meta,
             header.codec,
             sealed=header.seal is not None,
+            written_unix=st.st_mtime,
         )
         return max(st.st_atime, st.st_mtime), key, entry
 
@@ -225,29 +235,49 @@ class DiskTier(Tier):
             if total > self.capacity_bytes or (quota is not None and total > quota):
                 self._stats.dropped_total += 1
                 return False
-            doomed = self._evict_namespace_locked(key, total) + self._evict_locked(total)
-            self._reserved += total
+            refused = self.tenants.refusal(meta.tenant, total)
+            if refused is not None:
+                self.tenants.refuse(meta.tenant, refused)
+                self._stats.dropped_total += 1
+                return False
+            doomed = self._evict_tenant_locked(meta.tenant, total)
+            doomed += self._evict_namespace_locked(key, total) + self._evict_locked(total)
+            fits = self._usage + self._reserved + total <= self.capacity_bytes
+            if fits:
+                self._reserved += total
+                self.tenants.reserve(meta.tenant, total)
+            else:  # the rest is pinned tenants' files
+                self._stats.dropped_total += 1
         self._unlink_all(doomed)
+        if not fits:
+            return False
         try:
             ok = self._write_file(key, header, stored)
         finally:
             with self._lock:
                 self._reserved -= total
+                self.tenants.reserve(meta.tenant, -total)
         if not ok:
             return False
         sealed = is_sealed(header)
         plain_bytes = memoryview(payload).nbytes if sealed else len(stored)
         entry = DiskEntry(
-            total, len(header), plain_bytes, meta, sealed=sealed, stored_at=time.monotonic()
+            total,
+            len(header),
+            plain_bytes,
+            meta,
+            sealed=sealed,
+            stored_at=time.monotonic(),
+            written_unix=time.time(),
         )
         with self._lock:
             old = self._index.pop(key, None)
             if old is not None:
                 self._usage -= old.file_bytes
-                self._account(key, -old.file_bytes)
+                self._account(key, old, -old.file_bytes)
             self._index[key] = entry
             self._usage += total
-            self._account(key, total)
+            self._account(key, entry, total)
             self._stats.stored_bytes_total += len(stored)
             if old is None and self.events is not None:
                 self.events.stored(key)
@@ -415,7 +445,27 @@ class DiskTier(Tier):
                 self._note_removed(key)
             self._usage = 0
             self._ns_usage.clear()
+            self.tenants.clear()
         self._unlink_all([self.path_of(k) for k in keys])
+
+    def tenant_files(self, tenants: Collection[str]) -> list[tuple[bytes, str, float]]:
+        """(key, tenant, time.time() when written) of the files of ``tenants``,
+        oldest first: what a TTL needs of the files found at start."""
+        with self._lock:
+            found = [
+                (key, e.meta.tenant, e.written_unix)
+                for key, e in self._index.items()
+                if e.meta.tenant in tenants
+            ]
+        return sorted(found, key=lambda t: t[2])
+
+    def tenant_figures(self) -> TenantFigures:
+        """A copy of the tenants' bytes, refusals and evictions here."""
+        with self._lock:
+            shares = self.tenants
+            return TenantFigures(
+                dict(shares.usage), dict(shares.refusals), dict(shares.evictions)
+            )
 
     def stats(self) -> TierStats:
         with self._lock:
@@ -443,14 +493,39 @@ class DiskTier(Tier):
             return entry
 
     def _evict_locked(self, incoming: int) -> list[str]:
+        """Evict least recent files until ``incoming`` more fits, passing over
+        pinned tenants' files (it may then not fit: the caller checks)."""
         doomed: list[str] = []
-        while self._index and self._usage + self._reserved + incoming > self.capacity_bytes:
-            key, entry = self._index.popitem(last=False)
-            self._usage -= entry.file_bytes
-            self._account(key, -entry.file_bytes)
-            self._count_eviction(entry)
-            self._note_removed(key)
-            doomed.append(self.path_of(key))
+        if self._usage + self._reserved + incoming <= self.capacity_bytes:
+            return doomed
+        for key, entry in list(self._index.items()):
+            if self._usage + self._reserved + incoming <= self.capacity_bytes:
+                break
+            if self.tenants.protected(entry.meta.tenant):
+                continue
+            doomed.append(self._evict_entry(key))
+        return doomed
+
+    def _evict_entry(self, key: bytes) -> str:
+        """Caller holds the lock: drop ``key`` from the index; the path to unlink."""
+        entry = self._index.pop(key)
+        self._usage -= entry.file_bytes
+        self._account(key, entry, -entry.file_bytes)
+        self._count_eviction(entry)
+        self._note_removed(key)
+        return self.path_of(key)
+
+    def _evict_tenant_locked(self, tenant: str, incoming: int) -> list[str]:
+        """Evict ``tenant``'s own least recent files until ``incoming`` more is
+        within its budget (a pinned tenant was refused before this)."""
+        doomed: list[str] = []
+        if not self.tenants.over(tenant, incoming):
+            return doomed
+        for key in [k for k, e in self._index.items() if e.meta.tenant == tenant]:
+            if not self.tenants.over(tenant, incoming):
+                break
+            doomed.append(self._evict_entry(key))
+            self.tenants.evictions[tenant] += 1
         return doomed
 
     def _count_eviction(self, entry: DiskEntry) -> None:
@@ -464,8 +539,10 @@ class DiskTier(Tier):
         if self.events is not None:
             self.events.removed(key)
 
-    def _account(self, key: bytes, delta: int) -> None:
-        """Caller holds the lock (or is the constructor): per-namespace usage."""
+    def _account(self, key: bytes, entry: DiskEntry, delta: int) -> None:
+        """Caller holds the lock (or is the constructor): per-namespace and
+        per-tenant usage."""
+        self.tenants.add(entry.meta.tenant, delta)
         if self.namespace_quota is None:
             return
         namespace = key[:FINGERPRINT_BYTES]
@@ -485,12 +562,7 @@ class DiskTier(Tier):
         for victim in [k for k in self._index if k[:FINGERPRINT_BYTES] == namespace]:
             if self._ns_usage.get(namespace, 0) + incoming <= quota:
                 break
-            entry = self._index.pop(victim)
-            self._usage -= entry.file_bytes
-            self._account(victim, -entry.file_bytes)
-            self._count_eviction(entry)
-            self._note_removed(victim)
-            doomed.append(self.path_of(victim))
+            doomed.append(self._evict_entry(victim))
         return doomed
 
     def _forget(self, key: bytes, missing: bool = False) -> bool:
@@ -499,7 +571,7 @@ class DiskTier(Tier):
             if entry is None:
                 return False
             self._usage -= entry.file_bytes
-            self._account(key, -entry.file_bytes)
+            self._account(key, entry, -entry.file_bytes)
             self._note_removed(key)
             if missing:
                 self._stats.misses_total += 1

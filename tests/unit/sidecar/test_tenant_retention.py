@@ -112,8 +112,8 @@ def test_where_a_tenants_chunks_may_go_below_l1() -> None:
             "tenant name 'a' is used twice",
         ),
         (
-            [{"name": "a", "match": {"models": ["m"]}, "budgets": {"l2_bytes": "1Gi"}}],
-            "tenants.0.budgets: l2_bytes: only 0",
+            [{"name": "a", "match": {"models": ["m"]}, "budgets": {"shared_bytes": "1Gi"}}],
+            "tenants.0.budgets: shared_bytes: only 0",
         ),
         (
             [
