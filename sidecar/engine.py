@@ -481,6 +481,11 @@ class StorageManager:
         self, key: ChunkKey, nbytes: int, meta: ChunkMeta, owner: str, prefetch: bool
     ) -> tuple[Entry | None, Slot | None]:
         """(entry to fill, None) or (None, a read lease when it appeared meanwhile)."""
+        if meta.tenant and self._store.tenants.rules.get(meta.tenant) is None:
+            # A sealed header named a tenant this sidecar does not know (one
+            # removed from the config since): the default tenant's, so that
+            # metrics labels stay the configured names.
+            meta = replace(meta, tenant="")
         with self._lock:
             entry = self._store.reserve(key, nbytes, meta, read_now=True)
             if entry is not None:
@@ -501,8 +506,8 @@ class StorageManager:
             if entry.dead:
                 self._store.unpin(entry)
                 return None
-            # The tenant is the one the reservation was charged to (L2's index
-            # remembers it; object headers do not carry it).
+            # The tenant is the one the reservation was charged to (from L2's
+            # index or the sealed header the place callback saw).
             entry.meta = replace(meta, tenant=entry.meta.tenant)
             self._store.publish(entry)
             self._count(f"promotions_total_{tier}")

@@ -130,8 +130,8 @@ class ChunkMeta:
     shape: tuple[int, ...] = ()
     blocks: int = 0  # 0: a full chunk; else the blocks of a partial chunk
     # The tenant that stored it ("": the default tenant; kvstrata.sidecar.tenants).
-    # Process memory only: not in the header, so a chunk read back from a
-    # tier below L1 is the default tenant's.
+    # Carried by a sealed object's header (its key's label); a plaintext
+    # object read back from a tier below L1 is the default tenant's.
     tenant: str = ""
 
 
@@ -399,7 +399,14 @@ def decode_header(prefix: bytes | memoryview, expected_key: bytes | None = None)
         raise CorruptObjectError("object holds a different key")
     *shape, blocks = struct.unpack_from(f"<{ndim}QH", view, FIXED_HEADER_BYTES)
     meta = ChunkMeta(
-        dtype=dtype_raw.rstrip(b"\0").decode("ascii"), shape=tuple(shape), blocks=blocks
+        dtype=dtype_raw.rstrip(b"\0").decode("ascii"),
+        shape=tuple(shape),
+        blocks=blocks,
+        # A sealed object names the tenant whose key sealed it: read back
+        # (L2 re-indexed after a restart, a promotion), the chunk is that
+        # tenant's again. Only its key opens it, so a forged label is a miss.
+        # The reader checks the name against its own tenants before use.
+        tenant=seal.label if seal is not None else "",
     )
     return ObjectHeader(
         meta,
