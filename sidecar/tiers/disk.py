@@ -463,9 +463,7 @@ class DiskTier(Tier):
         """A copy of the tenants' bytes, refusals and evictions here."""
         with self._lock:
             shares = self.tenants
-            return TenantFigures(
-                dict(shares.usage), dict(shares.refusals), dict(shares.evictions)
-            )
+            return TenantFigures(dict(shares.usage), dict(shares.refusals), dict(shares.evictions))
 
     def stats(self) -> TierStats:
         with self._lock:
