@@ -439,7 +439,11 @@ def _read_seal(view: memoryview, at: int) -> tuple[Seal, int]:
 
 
 def open_sealed(
-    view: memoryview, header: ObjectHeader, keys: KeyRing | None, in_place: bool = False
+    view: memoryview,
+    header: ObjectHeader,
+    keys: KeyRing | None,
+    in_place: bool = False,
+    out: memoryview | None = None,
 ) -> bytes | memoryview:
     """The stored payload (after decryption, before the codec) of a whole
     object whose header is ``header``; raise :class:`SealError` when it is
@@ -448,7 +452,9 @@ def open_sealed(
     ``in_place``: the caller owns ``view`` (writable) and reads it only
     through what this returns: the plaintext is written over the ciphertext
     (AES-GCM allows it), so a sealed read costs no buffer and no copy of its
-    own over a plaintext one. A tag that fails leaves ``view`` garbled."""
+    own over a plaintext one. A tag that fails leaves ``view`` garbled.
+    ``out``: the plaintext is written there instead (``stored_length`` bytes:
+    the caller's destination, an L1 slot), and ``out`` is returned."""
     if header.seal is None:
         if keys is not None:
             keys.check_plaintext()
@@ -460,10 +466,11 @@ def open_sealed(
     seal = header.seal
     aad = bytes(view[: header.header_length])
     sealed = view[header.header_length :]
-    if in_place and not view.readonly:
-        plain = sealed[: header.stored_length]
-        keys.decrypt_into(seal.key_id, seal.label, seal.nonce, sealed, aad, plain)
-        return plain
+    if out is None and in_place and not view.readonly:
+        out = sealed[: header.stored_length]
+    if out is not None:
+        keys.decrypt_into(seal.key_id, seal.label, seal.nonce, sealed, aad, out)
+        return out
     return keys.decrypt(seal.key_id, seal.label, seal.nonce, sealed, aad)
 
 

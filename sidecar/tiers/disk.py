@@ -54,6 +54,7 @@ from kvstrata.sidecar.objformat import (
     decode_header,
     encode,
     is_sealed,
+    open_sealed,
 )
 from kvstrata.sidecar.tiers import direct_io
 from kvstrata.sidecar.tiers.base import Tier, TierStats
@@ -328,7 +329,7 @@ class DiskTier(Tier):
             os.close(fd)
 
     def _read_file(
-        self, path: str, head: bytearray, target: memoryview
+        self, path: str, head: bytearray | memoryview, target: memoryview
     ) -> tuple[int, int, int, int]:
         """Read the header into ``head`` and the payload into ``target``, past
         the page cache where the filesystem allows (as :meth:`_write_tmp`):
@@ -367,11 +368,18 @@ class DiskTier(Tier):
         if entry is None:
             return None
         if entry.codec != "none" or entry.sealed or self._plaintext_refused:
-            # Not written by us, sealed, or to be checked against the keys: decode the slow way.
-            obj = self.get(key)
-            if obj is None:
+            # Compressed, sealed, or to be checked against the keys: the whole file
+            # is read and decoded (a sealed one decrypted straight into ``out``).
+            if len(out) < entry.payload_bytes:
+                raise ValueError(
+                    f"buffer of {len(out)} bytes for a {entry.payload_bytes}-byte object"
+                )
+            got = self._decode_file(key, entry, out)
+            if got is None:
                 return None
-            out[: len(obj.payload)] = obj.payload
+            obj, placed = got
+            if not placed:
+                out[: len(obj.payload)] = obj.payload
             return obj.meta
         if len(out) < entry.payload_bytes:
             raise ValueError(f"buffer of {len(out)} bytes for a {entry.payload_bytes}-byte object")
@@ -412,13 +420,38 @@ class DiskTier(Tier):
             buf = bytearray(entry.payload_bytes)
             meta = self.read_into(key, memoryview(buf))
             return None if meta is None else DecodedObject(meta, buf)
+        got = self._decode_file(key, entry)
+        return None if got is None else got[0]
+
+    def _decode_file(
+        self, key: bytes, entry: DiskEntry, out: memoryview | None = None
+    ) -> tuple[DecodedObject, bool] | None:
+        """The whole file of ``key``, checked and decoded, and whether its payload
+        was decrypted straight into ``out`` (a sealed, uncompressed one); None
+        (a miss, counted; the file deleted when it is bad)."""
         path = self.path_of(key)
         try:
-            with open(path, "rb") as fh:
-                # A buffer of its own, so that a sealed file is opened over itself.
-                blob = bytearray(os.fstat(fh.fileno()).st_size)
-                blob = blob[: fh.readinto(blob)]
-            obj = decode(blob, expected_key=key, keys=self._keys, in_place=True)
+            # The whole file in one buffer of its own, read as plaintext files
+            # are (past the page cache where allowed); a sealed one is opened
+            # into ``out`` or over itself: no second buffer, no second copy.
+            blob = memoryview(bytearray(entry.file_bytes))
+            split = entry.header_bytes
+            got_head, got, _, size = self._read_file(path, blob[:split], blob[split:])
+            if got_head + got != entry.file_bytes or size != entry.file_bytes:
+                raise CorruptObjectError("file length changed")
+            header = decode_header(blob, expected_key=key)
+            placed = (
+                out is not None
+                and header.seal is not None
+                and header.codec == "none"
+                and header.raw_length == header.stored_length <= len(out)
+            )
+            if placed:
+                dest = out[: header.stored_length]
+                open_sealed(blob, header, self._keys, out=dest)
+                obj = DecodedObject(header.meta, dest)
+            else:
+                obj = decode(blob, expected_key=key, keys=self._keys, in_place=True)
         except SealError as exc:
             self._discard_sealed(key, path, exc.reason)
             return None
@@ -431,7 +464,7 @@ class DiskTier(Tier):
         with self._lock:
             self._stats.hits_total += 1
             self._stats.retrieved_bytes_total += len(obj.payload)
-        return obj
+        return obj, placed
 
     def remove(self, key: ChunkKey) -> None:
         if self._forget(key):
