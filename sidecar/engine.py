@@ -338,11 +338,10 @@ class StorageManager:
                 return None
             if client_of(owner) in self._ended:
                 return None
-            entry = self._store.reserve(key, nbytes, meta, parent)
+            entry = self._store.reserve(key, nbytes, replace(meta, store_tiers=store_tiers), parent)
             if entry is None:
                 self._count("store_rejected_total")
                 return None
-            entry.store_tiers = store_tiers
             return self._leases.new(entry, owner, write=True)
 
     def _held_below(self, key: ChunkKey) -> bool:
@@ -501,14 +500,19 @@ class StorageManager:
         with self._lock:
             entry.promoting = False
             self._cond.notify_all()
+            # The storing request's tier choice stays with the chunk: L2's index
+            # kept it (in the reserved meta); for the shared tier, the
+            # write-behind remembers what it uploaded.
+            choice = entry.meta.store_tiers
             if tier != "l2":
-                self._wb.note_shared(entry.key)
+                choice = self._wb.shared_choice(entry.key)
+                self._wb.note_shared(entry.key, choice)
             if entry.dead:
                 self._store.unpin(entry)
                 return None
             # The tenant is the one the reservation was charged to (from L2's
             # index or the sealed header the place callback saw).
-            entry.meta = replace(meta, tenant=entry.meta.tenant)
+            entry.meta = replace(meta, tenant=entry.meta.tenant, store_tiers=choice)
             self._store.publish(entry)
             self._count(f"promotions_total_{tier}")
             self._wb.promoted(entry, tier)

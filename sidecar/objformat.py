@@ -133,6 +133,10 @@ class ChunkMeta:
     # Carried by a sealed object's header (its key's label); a plaintext
     # object read back from a tier below L1 is the default tenant's.
     tenant: str = ""
+    # The tiers the storing request let it go to (kvstrata.sidecar.tierchoice;
+    # None: every tier). Process memory only, never in a header: L2's index
+    # keeps it for a chunk promoted back, the write-behind for its uploads.
+    store_tiers: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
