@@ -182,7 +182,9 @@ class StorageManager:
         # (PREPARE_RETRIEVE takes its own lease): counted apart, so that
         # retrieved bytes and hits count each read once.
         self._prefetcher = Prefetcher(
-            self._cond, lambda key, owner: self._acquire(key, owner, prefetch=True), self._pop_lease
+            self._cond,
+            lambda key, owner, tiers: self._acquire(key, owner, prefetch=True, tiers=tiers),
+            self._pop_lease,
         )
         self.journal = EventJournal()
         self._closed = False
@@ -416,12 +418,17 @@ class StorageManager:
 
     # -- retrieve -----------------------------------------------------------
 
-    def acquire(self, key: ChunkKey, owner: str, blocks: int | None = None) -> Slot | None:
+    def acquire(
+        self, key: ChunkKey, owner: str, blocks: int | None = None, tiers: TierChoice = None
+    ) -> Slot | None:
         """A read lease on ``key``, promoting it from L2 or the shared tier
         into L1 when needed (synchronously, within the tiers' deadlines).
         None is a miss; so is an object whose block count (its header's) is
-        not ``blocks`` when given (0: a full chunk; see :mod:`.partials`)."""
-        slot = self._acquire(key, owner)
+        not ``blocks`` when given (0: a full chunk; see :mod:`.partials`).
+        ``tiers``: the only tiers below L1 it may be promoted from (the
+        request's load tiers; None: every tier). A chunk already in L1 is
+        served whatever they say: every load lands there first."""
+        slot = self._acquire(key, owner, tiers=tiers)
         if slot is not None and self._drop_if_ended(slot, owner):
             return None
         if slot is None or blocks is None or blocks_match(slot.meta, blocks):
@@ -445,7 +452,9 @@ class StorageManager:
         with self._lock:
             return client in self._ended
 
-    def _acquire(self, key: ChunkKey, owner: str, prefetch: bool = False) -> Slot | None:
+    def _acquire(
+        self, key: ChunkKey, owner: str, prefetch: bool = False, tiers: TierChoice = None
+    ) -> Slot | None:
         self.expire()
         with self._lock:
             if client_of(owner) in self._ended:
@@ -456,7 +465,7 @@ class StorageManager:
         self._wb.submit()
         if slot is not None or key in self._store.entries:
             return slot
-        return self._promotion.promote(key, owner, prefetch)
+        return self._promotion.promote(key, owner, prefetch, tiers)
 
     def _acquire_local(self, key: ChunkKey, owner: str, prefetch: bool = False) -> Slot | None:
         """Caller holds the lock. Waits for an in-flight promotion of ``key``."""
@@ -623,12 +632,12 @@ class StorageManager:
 
     # -- prefetch -----------------------------------------------------------
 
-    def prefetch(self, keys: Sequence[ChunkKey], owner: str) -> int:
+    def prefetch(self, keys: Sequence[ChunkKey], owner: str, tiers: TierChoice = None) -> int:
         """Bring ``keys`` into L1 in the background, pinned under leases of
         ``owner``; the number of chunks pinned now or scheduled. Stops at the
         first key no local index knows unless a shared tier may have it.
         Keys ``owner`` already holds a read lease on, or is prefetching, are
-        counted as pinned and not leased again."""
+        counted as pinned and not leased again. ``tiers``: as :meth:`acquire`'s."""
         scheduled = 0
         to_fetch: list[ChunkKey] = []
         with self._lock:
@@ -653,7 +662,7 @@ class StorageManager:
             if to_fetch:
                 self._prefetcher.expect(owner, to_fetch)
         self._wb.submit()
-        self._prefetcher.start(to_fetch, owner)
+        self._prefetcher.start(to_fetch, owner, tiers)
         return scheduled
 
     # -- maintenance --------------------------------------------------------
