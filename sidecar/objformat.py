@@ -61,7 +61,7 @@ object is never returned as KV.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -239,13 +239,19 @@ class StreamedObject:
     (a retry) never hashes a byte twice: the hash only moves forward.
     """
 
-    __slots__ = ("_hash", "_hashed", "_trailer", "header", "stored")
+    __slots__ = ("_hash", "_hashed", "_release", "_trailer", "header", "stored")
 
     def __init__(
-        self, header: bytes, stored: bytes | memoryview, tag: bytes | memoryview | None = None
+        self,
+        header: bytes,
+        stored: bytes | memoryview,
+        tag: bytes | memoryview | None = None,
+        release: Callable[[], None] | None = None,
     ) -> None:
         self.header = header
         self.stored = memoryview(stored).cast("B")
+        # Gives a pooled ciphertext buffer back (sealbuffers); None: nothing to give.
+        self._release = release
         self._hash = xxhash.xxh3_64()
         self._hashed = 0
         self._trailer: bytes | None = None
@@ -280,6 +286,14 @@ class StreamedObject:
             yield self.stored[start:end]
         yield self.trailer()
 
+    def release(self) -> None:
+        """The sending is over (for good: no retry follows): a pooled buffer
+        goes back for reuse. The object must not be read after this."""
+        release, self._release = self._release, None
+        if release is not None:
+            self.stored = memoryview(b"")
+            release()
+
     def read_at(self, offset: int, size: int) -> bytes | memoryview:
         """Up to ``size`` bytes at ``offset`` of the object, from one of its three
         parts (fewer at a part boundary; empty at the end)."""
@@ -311,11 +325,19 @@ def encode_streamed(
     """
     check_meta(key, meta)
     raw, stored, codec = _stored_payload(payload, codec)
-    sealed = _sealed(key, raw, stored, meta, codec, keys, tenant)
-    if sealed is not None:
-        header, ciphertext = sealed
-        view = memoryview(ciphertext)
-        return StreamedObject(header, view[:-TAG_BYTES], view[-TAG_BYTES:])
+    label = tenant if tenant is not None else (meta.tenant or None)
+    params = keys.seal_params(label) if keys is not None else None
+    if keys is not None and params is not None:
+        # Sealed into a reused buffer (kvstrata.sidecar.sealbuffers), given back
+        # by the tier through StreamedObject.release once it is sent.
+        seal = Seal(*params)
+        header = _header(key, meta, codec, len(raw), len(stored), 0, SEALED_FORMAT_VERSION, seal)
+        buf = keys.buffers.take(len(stored) + TAG_BYTES)
+        view = memoryview(buf)[: len(stored) + TAG_BYTES]
+        keys.encrypt_into(seal.key_id, seal.label, seal.nonce, stored, header, view)
+        return StreamedObject(
+            header, view[:-TAG_BYTES], view[-TAG_BYTES:], lambda: keys.buffers.give(buf)
+        )
     header = _header(key, meta, codec, len(raw), len(stored), 0, TRAILER_FORMAT_VERSION)
     return StreamedObject(header, stored)
 

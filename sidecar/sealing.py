@@ -41,6 +41,7 @@ from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from kvstrata.sidecar.objformat import SealError
+from kvstrata.sidecar.sealbuffers import SealBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,8 @@ class KeyRing:
         self._fingerprint: tuple[object, ...] | None = None
         self.reloads_total = 0
         self.reload_failures_total = 0
+        # Ciphertext buffers of objects sent to the shared tier, reused (.sealbuffers).
+        self.buffers = SealBuffers()
         if mode == "off":
             return
         if key_dir is None:
@@ -235,6 +238,21 @@ class KeyRing:
         if cipher is None:  # the writing key was rotated out between params and here
             raise SealError("unknown_key", f"writing key {key_id!r} is gone")
         return cipher.encrypt(nonce, data, aad)
+
+    def encrypt_into(
+        self,
+        key_id: str,
+        label: str,
+        nonce: bytes,
+        data: bytes | memoryview,
+        aad: bytes,
+        out: memoryview,
+    ) -> None:
+        """:meth:`encrypt` written into ``out`` (``len(data) + 16`` bytes)."""
+        cipher = self._cipher(key_id, label)
+        if cipher is None:  # the writing key was rotated out between params and here
+            raise SealError("unknown_key", f"writing key {key_id!r} is gone")
+        cipher.encrypt_into(nonce, data, aad, out)
 
     def decrypt(
         self, key_id: str, label: str, nonce: bytes, data: bytes | memoryview, aad: bytes

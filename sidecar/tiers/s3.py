@@ -527,6 +527,17 @@ class S3Tier(RemoteTier):
     def _store(
         self, object_key: str, obj: StreamedObject, metadata: dict[str, str] | None = None
     ) -> bool:
+        """:meth:`_upload`, then the object's pooled buffer goes back: here, on the
+        upload's own thread, once the upload returned (never while a body
+        read may still come, as from a caller that stopped waiting)."""
+        try:
+            return self._upload(object_key, obj, metadata)
+        finally:
+            obj.release()
+
+    def _upload(
+        self, object_key: str, obj: StreamedObject, metadata: dict[str, str] | None
+    ) -> bool:
         """Upload unless the object exists; True if stored, False if it was there.
 
         Small objects use a conditional PUT (``If-None-Match: *``): one
