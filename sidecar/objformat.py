@@ -309,6 +309,51 @@ class StreamedObject:
         return self.trailer()[at : at + size]
 
 
+def _sealed_pooled(
+    key: bytes,
+    raw: memoryview,
+    stored: bytes | memoryview,
+    meta: ChunkMeta,
+    codec: str,
+    keys: KeyRing | None,
+    tenant: str | None,
+) -> tuple[bytes, memoryview, Callable[[], None]] | None:
+    """As :func:`_sealed`, the ciphertext (then tag) in a reused buffer
+    (:mod:`kvstrata.sidecar.sealbuffers`) and the call that gives it back once
+    the object is written; None when ``keys`` has no key to seal with."""
+    label = tenant if tenant is not None else (meta.tenant or None)
+    params = keys.seal_params(label) if keys is not None else None
+    if keys is None or params is None:
+        return None
+    seal = Seal(*params)
+    header = _header(key, meta, codec, len(raw), len(stored), 0, SEALED_FORMAT_VERSION, seal)
+    buf = keys.buffers.take(len(stored) + TAG_BYTES)
+    view = memoryview(buf)[: len(stored) + TAG_BYTES]
+    keys.encrypt_into(seal.key_id, seal.label, seal.nonce, stored, header, view)
+    buffers = keys.buffers
+    return header, view, lambda: buffers.give(buf)
+
+
+def encode_pooled(
+    key: bytes,
+    payload: bytes | memoryview,
+    meta: ChunkMeta,
+    keys: KeyRing | None = None,
+) -> tuple[list[bytes | memoryview], Callable[[], None] | None]:
+    """:func:`encode` (no codec) for a writer that says when it is done: a
+    sealed object's ciphertext is in a reused buffer, and the second item
+    gives it back (call it once the pieces are written; None: nothing to give)."""
+    check_meta(key, meta)
+    raw, stored, codec = _stored_payload(payload, "none")
+    pooled = _sealed_pooled(key, raw, stored, meta, codec, keys, None)
+    if pooled is not None:
+        header, view, release = pooled
+        return [header, view], release
+    checksum = xxhash.xxh3_64_intdigest(stored)
+    header = _header(key, meta, codec, len(raw), len(stored), checksum, FORMAT_VERSION)
+    return [header, stored], None
+
+
 def encode_streamed(
     key: bytes,
     payload: bytes | memoryview,
@@ -325,19 +370,10 @@ def encode_streamed(
     """
     check_meta(key, meta)
     raw, stored, codec = _stored_payload(payload, codec)
-    label = tenant if tenant is not None else (meta.tenant or None)
-    params = keys.seal_params(label) if keys is not None else None
-    if keys is not None and params is not None:
-        # Sealed into a reused buffer (kvstrata.sidecar.sealbuffers), given back
-        # by the tier through StreamedObject.release once it is sent.
-        seal = Seal(*params)
-        header = _header(key, meta, codec, len(raw), len(stored), 0, SEALED_FORMAT_VERSION, seal)
-        buf = keys.buffers.take(len(stored) + TAG_BYTES)
-        view = memoryview(buf)[: len(stored) + TAG_BYTES]
-        keys.encrypt_into(seal.key_id, seal.label, seal.nonce, stored, header, view)
-        return StreamedObject(
-            header, view[:-TAG_BYTES], view[-TAG_BYTES:], lambda: keys.buffers.give(buf)
-        )
+    pooled = _sealed_pooled(key, raw, stored, meta, codec, keys, tenant)
+    if pooled is not None:
+        header, view, release = pooled
+        return StreamedObject(header, view[:-TAG_BYTES], view[-TAG_BYTES:], release)
     header = _header(key, meta, codec, len(raw), len(stored), 0, TRAILER_FORMAT_VERSION)
     return StreamedObject(header, stored)
 

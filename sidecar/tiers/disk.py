@@ -52,7 +52,7 @@ from kvstrata.sidecar.objformat import (
     SealError,
     decode,
     decode_header,
-    encode,
+    encode_pooled,
     is_sealed,
     open_sealed,
 )
@@ -225,7 +225,22 @@ class DiskTier(Tier):
 
     def put(self, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta) -> bool:
         # On the writer thread that calls put: sealing never runs on the serving thread.
-        header, stored = encode(key, payload, meta, keys=self._keys)
+        # A sealed object's ciphertext is in a reused buffer, given back once written.
+        (header, stored), release = encode_pooled(key, payload, meta, self._keys)
+        try:
+            return self._put_encoded(key, header, stored, payload, meta)
+        finally:
+            if release is not None:
+                release()
+
+    def _put_encoded(
+        self,
+        key: ChunkKey,
+        header: bytes | memoryview,
+        stored: bytes | memoryview,
+        payload: bytes | memoryview,
+        meta: ChunkMeta,
+    ) -> bool:
         total = len(header) + len(stored)
         with self._lock:
             if key in self._index:
