@@ -541,16 +541,15 @@ class DiskTier(Tier):
     def _evict_locked(self, incoming: int) -> list[str]:
         """Evict least recent files until ``incoming`` more fits, passing over
         pinned tenants' files (it may then not fit: the caller checks)."""
-        doomed: list[str] = []
-        if self._usage + self._reserved + incoming <= self.capacity_bytes:
-            return doomed
-        for key, entry in list(self._index.items()):
-            if self._usage + self._reserved + incoming <= self.capacity_bytes:
+        excess = self._usage + self._reserved + incoming - self.capacity_bytes
+        victims: list[bytes] = []
+        for key, entry in self._index.items():  # least recent first; stops once enough
+            if excess <= 0:
                 break
-            if self.tenants.protected(entry.meta.tenant):
-                continue
-            doomed.append(self._evict_entry(key))
-        return doomed
+            if not self.tenants.protected(entry.meta.tenant):
+                victims.append(key)
+                excess -= entry.file_bytes
+        return [self._evict_entry(key) for key in victims]
 
     def _evict_entry(self, key: bytes) -> str:
         """Caller holds the lock: drop ``key`` from the index; the path to unlink."""
@@ -564,15 +563,18 @@ class DiskTier(Tier):
     def _evict_tenant_locked(self, tenant: str, incoming: int) -> list[str]:
         """Evict ``tenant``'s own least recent files until ``incoming`` more is
         within its budget (a pinned tenant was refused before this)."""
-        doomed: list[str] = []
         if not self.tenants.over(tenant, incoming):
-            return doomed
-        for key in [k for k, e in self._index.items() if e.meta.tenant == tenant]:
-            if not self.tenants.over(tenant, incoming):
+            return []
+        excess = self.tenants.excess(tenant, incoming)
+        victims: list[bytes] = []
+        for key, entry in self._index.items():  # least recent first; stops once enough
+            if excess <= 0:
                 break
-            doomed.append(self._evict_entry(key))
-            self.tenants.evictions[tenant] += 1
-        return doomed
+            if entry.meta.tenant == tenant:
+                victims.append(key)
+                excess -= entry.file_bytes
+        self.tenants.evictions[tenant] += len(victims)
+        return [self._evict_entry(key) for key in victims]
 
     def _count_eviction(self, entry: DiskEntry) -> None:
         """Caller holds the lock: one eviction, and whether it was of a young file."""

@@ -98,6 +98,11 @@ class TenantShares:
         budget = self.budgets.get(tenant)
         return budget is not None and self._held(tenant) + nbytes > budget
 
+    def excess(self, tenant: str, nbytes: int) -> int:
+        """Bytes of ``tenant``'s to free before ``nbytes`` more fit its budget."""
+        budget = self.budgets.get(tenant)
+        return 0 if budget is None else self._held(tenant) + nbytes - budget
+
     def _held(self, tenant: str) -> int:
         return self.usage[tenant] + self.reserved[tenant]
 
