@@ -1,5 +1,5 @@
-"""Reused buffers for the ciphertext of objects sealed on their way to the
-shared tier.
+"""Reused buffers for the ciphertext of objects sealed on their way below L1
+(L2 files, Valkey values, S3 objects).
 
 Why a module of its own: a sealed object needs a buffer as large as its
 payload for the ciphertext, where a plaintext one is sent straight from the
@@ -12,9 +12,12 @@ the next seal reuses it.
 
 State: free buffers, at most ``max_bytes`` of them in all (the rest is
 left to the garbage collector); a buffer is handed out to one object at a
-time. A buffer is given back only by the thread that sent its object, once
-the send returned (the Valkey tier after its pipeline, the S3 tier on the
-upload's own thread), so no send still reads a buffer another seal writes.
+time. What is kept is never more than the writes in flight at once already
+needed: the pool holds the peak, it does not add to it. A buffer is given
+back only by the thread that sent its object, once the send returned (the
+disk tier once the file is written, the Valkey tier after its pipeline, the
+S3 tier on the upload's own thread), so no send still reads a buffer
+another seal writes.
 """
 
 from __future__ import annotations

@@ -49,18 +49,17 @@ from boto3.s3.transfer import TransferConfig
 
 from kvstrata.sidecar.config import S3Config, SharedConfig
 from kvstrata.sidecar.keys import ChunkKey, key_hex
-from kvstrata.sidecar.objformat import ChunkMeta, CorruptObjectError, StreamedObject, decode
+from kvstrata.sidecar.objformat import ChunkMeta, StreamedObject
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.sealing import KeyRing
 from kvstrata.sidecar.tiers.base import Place, TierStats
-from kvstrata.sidecar.tiers.placing import Placed, receive_into
+from kvstrata.sidecar.tiers.placing import Placed, receive_into, receive_whole
 from kvstrata.sidecar.tiers.remote import (
     Encoder,
     Fetched,
     RemoteTier,
     Stored,
-    Validated,
     read_secret,
 )
 from kvstrata.sidecar.tiers.s3ahead import HeldGets, close_response
@@ -662,36 +661,39 @@ class S3Tier(RemoteTier):
             self._refresher.offer(name, response.get("LastModified"))
         return placed
 
-    def _download(self, object_key: str, key: bytes) -> Validated | bytes | None:
+    def _download(self, object_key: str, key: bytes) -> Fetched:
         """One plain GET, checked on this thread. Parallelism comes from fetching
         many chunks at once (:meth:`get_many`), which keeps every connection busy
         without the per-request overhead of ranged GETs on objects of a few MiB;
         checking each object here overlaps its checksum with the other GETs.
+        The body is received into one buffer of its own, hashed as it arrives,
+        and a sealed one is opened over itself (:func:`.placing.receive_whole`).
         A body that fails the check goes back as bytes: the caller counts and
         deletes it (never from a pool thread, which would wait on the pool)."""
+        deadline = time.monotonic() + self._config.timeout_seconds
         response = self._held.take(object_key)
-        body = None
         if response is not None:
             try:
-                body = response["Body"].read()
+                return self._download_from(object_key, response, key, deadline)
             except Exception as exc:  # the held connection broke: ask again, once
                 logger.debug("s3 held GET of %s failed (%s); sending it again", object_key, exc)
-                close_response(response)
-        if body is None:
-            response = self._client.get_object(Bucket=self._config.bucket, Key=object_key)
-            if expired(response):
-                self._expire(object_key, response)
-                return None
-            body = response["Body"].read()
-        elif expired(response):
+        response = self._client.get_object(Bucket=self._config.bucket, Key=object_key)
+        return self._download_from(object_key, response, key, deadline)
+
+    def _download_from(
+        self, object_key: str, response: dict[str, Any], key: bytes, deadline: float
+    ) -> Fetched:
+        if expired(response):
             self._expire(object_key, response)
             return None
+        body = BodyStream(response, deadline)
+        try:
+            got = receive_whole(body.size, memoryview(b""), key, body.fill, self._keys)
+        finally:
+            body.finish()
         if self._refresher is not None and not has_expiry(response):
             self._refresher.offer(object_key, response.get("LastModified"))
-        try:
-            return Validated(decode(body, expected_key=key, keys=self._keys), len(body))
-        except CorruptObjectError:
-            return body
+        return got
 
     def _expire(self, object_key: str, response: Mapping[str, Any]) -> None:
         """An object past its tenant's TTL was seen: close its response, delete it, count it."""
