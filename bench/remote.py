@@ -69,13 +69,50 @@ QUIET_OTHER_CORES = 0.5
 NS = Namespace(model="bench-remote").fingerprint()
 
 
+PARTS = ("all", "encryption")
+
+
 def _params(quick: bool) -> dict[str, Any]:
     return {
         "sizes_mib": [1, 4] if quick else [1, 4, 16, 32],
         "reps": 2 if quick else 5,
         "bytes_per_run": (16 if quick else 128) * MiB,
         "batch": BATCH,
+        "parts": "all",
     }
+
+
+def plan_from(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's settings: :func:`_params` with ``--param`` applied.
+
+    ``parts=encryption`` runs only the sealed-against-plain rows (:mod:`.sealed`),
+    which a run repeated to see its spread needs without the rest;
+    ``sizes_mib=1,4,16`` and ``reps=N`` set the chunk sizes and the runs per cell.
+    """
+    params = _params(bool(getattr(args, "quick", False)))
+    for item in getattr(args, "param", None) or []:
+        key, sep, value = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError("expected KEY=VALUE")
+            if key == "parts":
+                if value not in PARTS:
+                    raise ValueError(f"one of {', '.join(PARTS)}")
+                params["parts"] = value
+            elif key == "sizes_mib":
+                sizes = [int(v) for v in value.split(",")]
+                if not sizes or not all(1 <= v <= 64 for v in sizes):
+                    raise ValueError("sizes between 1 and 64 MiB")
+                params["sizes_mib"] = sizes
+            elif key == "reps":
+                params["reps"] = int(value)
+                if not 1 <= params["reps"] <= 50:
+                    raise ValueError("between 1 and 50")
+            else:
+                raise ValueError("KEY one of parts, reps, sizes_mib")
+        except ValueError as exc:
+            raise SystemExit(f"--param {item!r}: {exc}") from None
+    return params
 
 
 def _keys(n: int) -> list[ChunkKey]:
@@ -317,6 +354,9 @@ def _codec_through_tier(server: RedisServer, params: dict[str, Any]) -> dict[str
 
 
 def _s3_config(server: MotoS3Server, secrets: Path, **s3: Any) -> SharedConfig:
+    """The S3 tier's config on ``server``, its credentials written under ``secrets``."""
+    (secrets / "id").write_text("bench")
+    (secrets / "secret").write_text("bench-secret")
     return SharedConfig(
         backend="s3",
         s3={
@@ -334,8 +374,6 @@ def _s3_config(server: MotoS3Server, secrets: Path, **s3: Any) -> SharedConfig:
 
 def bench_s3(server: MotoS3Server, secrets: Path, params: dict[str, Any]) -> dict[str, Any]:
     """S3 rows: single PUTs like the raw client; then the multipart path at >= 16 MiB."""
-    (secrets / "id").write_text("bench")
-    (secrets / "secret").write_text("bench-secret")
     config = _s3_config(
         server, secrets, multipart_threshold_bytes=max(params["sizes_mib"]) * 2 * MiB
     )
@@ -430,13 +468,17 @@ def _summary(result: dict[str, Any]) -> dict[str, Any]:
         out[f"{backend}_median_cpu_ratio"] = round(statistics.median(cpu), 3) if cpu else None
         met = met and min(ratios) >= TARGET_CELL_RATIO
         met = met and out[f"{backend}_median_ratio"] >= TARGET_MEDIAN_RATIO
-    load = result.get("load_average", {})
-    other = load.get("other_work_cores")
-    out["quiet"] = load.get("start", 0.0) <= QUIET_LOAD and (
-        other is None or other <= QUIET_OTHER_CORES
-    )
+    out.update(_quiet(result))
     out["targets_met"] = met
     return out
+
+
+def _quiet(result: dict[str, Any]) -> dict[str, Any]:
+    """Whether the machine was quiet enough for the wall ratios to be a measurement."""
+    load = result.get("load_average", {})
+    other = load.get("other_work_cores")
+    quiet = load.get("start", 0.0) <= QUIET_LOAD and (other is None or other <= QUIET_OTHER_CORES)
+    return {"quiet": quiet}
 
 
 def _load_1min() -> float:
@@ -463,7 +505,8 @@ def _own_cpu_seconds() -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    params = _params(bool(getattr(args, "quick", False)))
+    params = plan_from(args)
+    everything = params["parts"] == "all"
     load_start = _load_1min()
     busy_start, own_start, wall_start = _machine_busy_seconds(), _own_cpu_seconds(), time.time()
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-remote-") as tmp:
@@ -483,13 +526,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "s3": f"moto_server (loopback, child process; objects up to "
                     f"{in_memory // MiB} MiB kept in memory)",
                 },
-                "valkey": bench_valkey(valkey_server, params),
-                "s3": bench_s3(moto, base, params),
             }
+            if everything:
+                result["valkey"] = bench_valkey(valkey_server, params)
+                result["s3"] = bench_s3(moto, base, params)
             from kvstrata.bench.sealed import bench_encryption
 
             result["encryption"] = bench_encryption(valkey_server, moto, base, params)
-    result["codecs"] = bench_codecs()
+    if everything:
+        result["codecs"] = bench_codecs()
     busy_end, wall = _machine_busy_seconds(), time.time() - wall_start
     other = None
     if busy_start is not None and busy_end is not None and wall > 0:
@@ -502,11 +547,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "other_work_cores": other,
         "quiet_other_cores_below": QUIET_OTHER_CORES,
     }
-    result["summary"] = _summary(result)
+    result["summary"] = _summary(result) if everything else _quiet(result)
     return result
 
 
 def format_table(result: dict[str, Any]) -> str:
+    lines = _format_tiers(result) if "valkey" in result else []
+    if "encryption" in result:
+        from kvstrata.bench.sealed import format_rows
+
+        lines += format_rows(result["encryption"])
+    load, quiet = result["load_average"], result["summary"]["quiet"]
+    lines.append(
+        f"load average (1 min): {load['start']} at start, {load['end']} at end (with this run);"
+        f" other work used {load['other_work_cores']} cores on average while it ran"
+        + ("" if quiet else ": NOT a measurement (other work competed for the cores)")
+    )
+    return "\n".join(lines)
+
+
+def _format_tiers(result: dict[str, Any]) -> list[str]:
     lines = []
     for backend in ("valkey", "s3"):
         lines.append(f"{backend}: GB/s (tier vs raw client, median of {result['params']['reps']})")
@@ -553,14 +613,4 @@ def format_table(result: dict[str, Any]) -> str:
         f" (target >= {s['target_median_ratio']}); median CPU raw/tier: valkey"
         f" {s['valkey_median_cpu_ratio']}, s3 {s['s3_median_cpu_ratio']}"
     )
-    if "encryption" in result:
-        from kvstrata.bench.sealed import format_rows
-
-        lines += format_rows(result["encryption"])
-    load = result["load_average"]
-    lines.append(
-        f"load average (1 min): {load['start']} at start, {load['end']} at end (with this run);"
-        f" other work used {load['other_work_cores']} cores on average while it ran"
-        + ("" if s["quiet"] else ": NOT a measurement (other work competed for the cores)")
-    )
-    return "\n".join(lines)
+    return lines

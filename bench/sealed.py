@@ -92,7 +92,18 @@ def bench_encryption(
     valkey: RedisServer, moto: MotoS3Server, s3_secrets: Path, params: dict[str, Any]
 ) -> dict[str, Any]:
     """Sealed / plain rows for Valkey, S3 (single PUTs) and L2 on this machine's disk."""
-    out: dict[str, Any] = {"target_ratio": TARGET_RATIO}
+    out: dict[str, Any] = {
+        "target_ratio": TARGET_RATIO,
+        # What both sides of every ratio share: nothing differs but the keys.
+        "equal_resources": {
+            "process": "one (this one), the same thread pool of "
+            f"{remote.BATCH} for batches, serial calls on the calling thread",
+            "servers": "the same redis-server and moto server, prefixes of their own",
+            "l2": "the same file system, a folder each, the same capacity",
+            "data": "the same bf16 KV-like bytes per size; runs interleaved, first side "
+            "alternating",
+        },
+    }
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-sealed-") as tmp:
         keys = _keys(Path(tmp) / "keys")
 
@@ -129,6 +140,17 @@ def bench_encryption(
     ]
     out["median_ratio"] = round(statistics.median(ratios), 3)
     out["min_ratio"] = min(ratios)
+    # Process CPU per byte, sealed less plain: what sealing costs whatever the
+    # machine's load (the wall ratios move with other work, this much less).
+    for backend in ("valkey", "s3", "l2"):
+        for op in ("put", "get"):
+            extra = [
+                r[f"sealed_{op}_cpu_ns_per_byte"] - r[f"plain_{op}_cpu_ns_per_byte"]
+                for r in out[backend]
+            ]
+            out[f"{backend}_{op}_cpu_extra_ns_per_byte"] = round(statistics.median(extra), 3)
+            ratio = [r[f"{op}_ratio"] for r in out[backend]]
+            out[f"{backend}_{op}_median_ratio"] = round(statistics.median(ratio), 3)
     return out
 
 
@@ -141,6 +163,13 @@ def format_rows(result: dict[str, Any]) -> list[str]:
                 f" put {r['sealed_put_gbps']:.3f}/{r['plain_put_gbps']:.3f} {r['put_ratio']:.2f}"
                 f"  get {r['sealed_get_gbps']:.3f}/{r['plain_get_gbps']:.3f} {r['get_ratio']:.2f}"
             )
+    for backend in ("valkey", "s3", "l2"):
+        lines.append(
+            f"  {backend:>6} median ratio put {result[f'{backend}_put_median_ratio']}"
+            f" get {result[f'{backend}_get_median_ratio']}; CPU per byte sealed - plain:"
+            f" put {result[f'{backend}_put_cpu_extra_ns_per_byte']:+.3f} ns/B,"
+            f" get {result[f'{backend}_get_cpu_extra_ns_per_byte']:+.3f} ns/B"
+        )
     lines.append(
         f"  median ratio {result['median_ratio']}, min {result['min_ratio']}"
         f" (target >= {result['target_ratio']})"

@@ -312,18 +312,28 @@ class SidecarClient:
         return True
 
     def prepare_retrieve(
-        self, keys: Sequence[ChunkKey], owner: str, runs: Sequence[int] = (), blocks: int = 0
+        self,
+        keys: Sequence[ChunkKey],
+        owner: str,
+        runs: Sequence[int] = (),
+        blocks: int = 0,
+        load_tiers: frozenset[str] | None = None,
     ) -> list[ArenaSlot | None] | None:
         """Read slots, one per key (None = miss; every entry after the first
         miss is None, within each of ``runs`` when given: consecutive key
         counts, e.g. one per request of a step). Give them back with
         :meth:`release`. Each object must hold ``blocks`` blocks (0: full
-        chunks), or it is a miss."""
+        chunks), or it is a miss. ``load_tiers``: the only tiers below L1 a
+        chunk may be promoted from (None: every tier)."""
         if runs and (sum(runs) != len(keys) or len(keys) > p.MAX_KEYS or min(runs) < 1):
             self._count("bad_argument")
             return None
         body = p.PrepareRetrieveRequest(
-            keys=list(keys[: p.MAX_KEYS]), owner=owner, runs=[int(n) for n in runs], blocks=blocks
+            keys=list(keys[: p.MAX_KEYS]),
+            owner=owner,
+            runs=[int(n) for n in runs],
+            blocks=blocks,
+            load_tiers=load_tiers,
         )
         return self._slots(p.PREPARE_RETRIEVE, body, len(keys))
 

@@ -70,28 +70,47 @@ class LeasedReads:
         the full ones). The leases of the returned chunks are held; the
         others are released now."""
         fulls = [[c for c in r.chunks if not c.partial] for r in reqs]
-        out = self._lease_runs(fulls, 0, deadline)
         epoch = self.client.epoch  # the session that granted these leases
+        out: list[Sources] = [[] for _ in reqs]
+        # One call per tier choice (most steps: one call): a read promotes only
+        # from the tiers its request lets it load from.
+        by_choice: dict[frozenset[str] | None, list[int]] = {}
+        for i, req in enumerate(reqs):
+            by_choice.setdefault(req.load_tiers, []).append(i)
+        for choice, members in by_choice.items():
+            got = self._lease_runs([fulls[i] for i in members], 0, deadline, choice)
+            for i, sources in zip(members, got, strict=True):
+                out[i] = sources
         for i, req in enumerate(reqs):
             tail = req.chunks[len(fulls[i]) :]  # at most one partial chunk, after the full ones
             if len(out[i]) == len(fulls[i]) and len(tail) == 1:
-                out[i] += self._lease_runs([tail], len(tail[0].block_ids), deadline)[0]
+                blocks = len(tail[0].block_ids)
+                out[i] += self._lease_runs([tail], blocks, deadline, req.load_tiers)[0]
         if self.client.epoch != epoch:  # reconnected in between: the first leases are void
             return [[] for _ in reqs]
         return out
 
     def _lease_runs(
-        self, runs: list[list[ChunkTransfer]], blocks: int, deadline: float
+        self,
+        runs: list[list[ChunkTransfer]],
+        blocks: int,
+        deadline: float,
+        load_tiers: frozenset[str] | None = None,
     ) -> list[Sources]:
         """One PREPARE_RETRIEVE for every run's chunks, all of ``blocks`` blocks
-        (0: full chunks), each run a prefix of its own."""
+        (0: full chunks), each run a prefix of its own, promoted only from
+        ``load_tiers`` (None: every tier)."""
         out: list[Sources] = [[] for _ in runs]
         asked = [i for i, run in enumerate(runs) if run]
         keys = [self.keys.of(c) for i in asked for c in runs[i]]
         if not keys:
             return out
         slots = self.client.prepare_retrieve(
-            keys, owner=STEP_OWNER, runs=[len(runs[i]) for i in asked], blocks=blocks
+            keys,
+            owner=STEP_OWNER,
+            runs=[len(runs[i]) for i in asked],
+            blocks=blocks,
+            load_tiers=load_tiers,
         )
         if slots is None:
             return out

@@ -58,13 +58,17 @@ class RequestTransfer:
     ``plan_failed``: the scheduler could not plan such a load; the workers
     report it as a failed receive (vLLM recomputes the request).
     ``tenant`` (saves only): the request's tenant, by its ``cache_salt``
-    (:mod:`.tenant_match`); "" is the default tenant."""
+    (:mod:`.tenant_match`); "" is the default tenant.
+    ``load_tiers`` (loads only): the tiers the request lets its chunks come
+    from (:mod:`.request_tiers`; None: every tier), so that a chunk evicted
+    from L1 since the lookup is not promoted from a tier the request left out."""
 
     req_id: ReqId
     chunks: list[ChunkTransfer]
     asynchronous: bool = False
     plan_failed: bool = False
     tenant: str = ""
+    load_tiers: frozenset[str] | None = None
 
 
 @dataclass(slots=True)

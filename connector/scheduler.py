@@ -410,7 +410,12 @@ class KVStrataScheduler:
                 self.counters.hit_tokens_by_tier.get(tier, 0) + n
             )
         self.counters.chunks_to_load += len(chunks)
-        return RequestTransfer(state.request.request_id, chunks, asynchronous=state.load_async)
+        return RequestTransfer(
+            state.request.request_id,
+            chunks,
+            asynchronous=state.load_async,
+            load_tiers=state.choice.load,
+        )
 
     def load_tokens_by_tier(self, req_id: ReqId) -> dict[str, int]:
         """The planned load's tokens by the tier that holds them ({} without one)."""

@@ -82,7 +82,7 @@ from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.partials import blocks_match, entry_is_partial, is_partial
 from kvstrata.sidecar.prefetch import Prefetcher
 from kvstrata.sidecar.promotion import IndexSteps, Promotion
-from kvstrata.sidecar.tenants import TenantRules, TenantSnapshot
+from kvstrata.sidecar.tenants import TenantRules, TenantSnapshot, l2_shares, with_tier
 from kvstrata.sidecar.tierchoice import TierChoice
 from kvstrata.sidecar.tiers.base import Tier, TierStats
 from kvstrata.sidecar.tiers.disk import DiskTier
@@ -158,7 +158,9 @@ class StorageManager:
                     direct=config.l2.direct_io,
                     keys=keys,
                     young_seconds=config.young_eviction_seconds,
+                    tenants=l2_shares(config.tenants),
                 )
+                self._adopt_l2_ages(self.l2)
             self._wb = WriteBehind(
                 config, self.arena, self._store, self._lock, self._count, self.l2, shared_tier
             )
@@ -180,10 +182,23 @@ class StorageManager:
         # (PREPARE_RETRIEVE takes its own lease): counted apart, so that
         # retrieved bytes and hits count each read once.
         self._prefetcher = Prefetcher(
-            self._cond, lambda key, owner: self._acquire(key, owner, prefetch=True), self._pop_lease
+            self._cond,
+            lambda key, owner, tiers: self._acquire(key, owner, prefetch=True, tiers=tiers),
+            self._pop_lease,
         )
         self.journal = EventJournal()
         self._closed = False
+
+    def _adopt_l2_ages(self, l2: DiskTier) -> None:
+        """Files found in L2 at start whose (sealed) header names a tenant with
+        a TTL age from when they were written: a restart does not make them new."""
+        ledger = self._store.tenants
+        ttl_tenants = ledger.rules.ttl_tenants
+        if not ttl_tenants:
+            return
+        now, wall = self._store.now(), time.time()
+        for key, tenant, written in l2.tenant_files(ttl_tenants):
+            ledger.stored("l2", tenant, ChunkKey(key), now - max(0.0, wall - written))
 
     def record_events(self) -> None:
         """Every tier tells the journal what arrives and leaves from now on (idempotent;
@@ -325,11 +340,10 @@ class StorageManager:
                 return None
             if client_of(owner) in self._ended:
                 return None
-            entry = self._store.reserve(key, nbytes, meta, parent)
+            entry = self._store.reserve(key, nbytes, replace(meta, store_tiers=store_tiers), parent)
             if entry is None:
                 self._count("store_rejected_total")
                 return None
-            entry.store_tiers = store_tiers
             return self._leases.new(entry, owner, write=True)
 
     def _held_below(self, key: ChunkKey) -> bool:
@@ -404,12 +418,17 @@ class StorageManager:
 
     # -- retrieve -----------------------------------------------------------
 
-    def acquire(self, key: ChunkKey, owner: str, blocks: int | None = None) -> Slot | None:
+    def acquire(
+        self, key: ChunkKey, owner: str, blocks: int | None = None, tiers: TierChoice = None
+    ) -> Slot | None:
         """A read lease on ``key``, promoting it from L2 or the shared tier
         into L1 when needed (synchronously, within the tiers' deadlines).
         None is a miss; so is an object whose block count (its header's) is
-        not ``blocks`` when given (0: a full chunk; see :mod:`.partials`)."""
-        slot = self._acquire(key, owner)
+        not ``blocks`` when given (0: a full chunk; see :mod:`.partials`).
+        ``tiers``: the only tiers below L1 it may be promoted from (the
+        request's load tiers; None: every tier). A chunk already in L1 is
+        served whatever they say: every load lands there first."""
+        slot = self._acquire(key, owner, tiers=tiers)
         if slot is not None and self._drop_if_ended(slot, owner):
             return None
         if slot is None or blocks is None or blocks_match(slot.meta, blocks):
@@ -433,7 +452,9 @@ class StorageManager:
         with self._lock:
             return client in self._ended
 
-    def _acquire(self, key: ChunkKey, owner: str, prefetch: bool = False) -> Slot | None:
+    def _acquire(
+        self, key: ChunkKey, owner: str, prefetch: bool = False, tiers: TierChoice = None
+    ) -> Slot | None:
         self.expire()
         with self._lock:
             if client_of(owner) in self._ended:
@@ -444,7 +465,7 @@ class StorageManager:
         self._wb.submit()
         if slot is not None or key in self._store.entries:
             return slot
-        return self._promotion.promote(key, owner, prefetch)
+        return self._promotion.promote(key, owner, prefetch, tiers)
 
     def _acquire_local(self, key: ChunkKey, owner: str, prefetch: bool = False) -> Slot | None:
         """Caller holds the lock. Waits for an in-flight promotion of ``key``."""
@@ -468,6 +489,11 @@ class StorageManager:
         self, key: ChunkKey, nbytes: int, meta: ChunkMeta, owner: str, prefetch: bool
     ) -> tuple[Entry | None, Slot | None]:
         """(entry to fill, None) or (None, a read lease when it appeared meanwhile)."""
+        if meta.tenant and self._store.tenants.rules.get(meta.tenant) is None:
+            # A sealed header named a tenant this sidecar does not know (one
+            # removed from the config since): the default tenant's, so that
+            # metrics labels stay the configured names.
+            meta = replace(meta, tenant="")
         with self._lock:
             entry = self._store.reserve(key, nbytes, meta, read_now=True)
             if entry is not None:
@@ -483,14 +509,19 @@ class StorageManager:
         with self._lock:
             entry.promoting = False
             self._cond.notify_all()
+            # The storing request's tier choice stays with the chunk: L2's index
+            # kept it (in the reserved meta); for the shared tier, the
+            # write-behind remembers what it uploaded.
+            choice = entry.meta.store_tiers
             if tier != "l2":
-                self._wb.note_shared(entry.key)
+                choice = self._wb.shared_choice(entry.key)
+                self._wb.note_shared(entry.key, choice)
             if entry.dead:
                 self._store.unpin(entry)
                 return None
-            # The tenant is the one the reservation was charged to (L2's index
-            # remembers it; object headers do not carry it).
-            entry.meta = replace(meta, tenant=entry.meta.tenant)
+            # The tenant is the one the reservation was charged to (from L2's
+            # index or the sealed header the place callback saw).
+            entry.meta = replace(meta, tenant=entry.meta.tenant, store_tiers=choice)
             self._store.publish(entry)
             self._count(f"promotions_total_{tier}")
             self._wb.promoted(entry, tier)
@@ -601,12 +632,12 @@ class StorageManager:
 
     # -- prefetch -----------------------------------------------------------
 
-    def prefetch(self, keys: Sequence[ChunkKey], owner: str) -> int:
+    def prefetch(self, keys: Sequence[ChunkKey], owner: str, tiers: TierChoice = None) -> int:
         """Bring ``keys`` into L1 in the background, pinned under leases of
         ``owner``; the number of chunks pinned now or scheduled. Stops at the
         first key no local index knows unless a shared tier may have it.
         Keys ``owner`` already holds a read lease on, or is prefetching, are
-        counted as pinned and not leased again."""
+        counted as pinned and not leased again. ``tiers``: as :meth:`acquire`'s."""
         scheduled = 0
         to_fetch: list[ChunkKey] = []
         with self._lock:
@@ -631,7 +662,7 @@ class StorageManager:
             if to_fetch:
                 self._prefetcher.expect(owner, to_fetch)
         self._wb.submit()
-        self._prefetcher.start(to_fetch, owner)
+        self._prefetcher.start(to_fetch, owner, tiers)
         return scheduled
 
     # -- maintenance --------------------------------------------------------
@@ -693,6 +724,8 @@ class StorageManager:
             counters["prefetched_bytes_total"] = self._prefetched_bytes
             tenants = store.tenants.snapshot()
             counters["queued_loads"] = self._prefetcher.queued()
+        if self.l2 is not None:
+            tenants = with_tier(tenants, "l2", self.l2.tenant_figures())
         tiers = {"l1": l1}
         for tier in (self.l2, self.shared):
             if tier is not None:

@@ -240,9 +240,9 @@ class Handlers:
         if body.prefetch and (hit or found):
             owner_key = session.owner_key(body.owner)
             for keys in runs:
-                self.engine.prefetch(keys[:hit], owner_key)
+                self.engine.prefetch(keys[:hit], owner_key, load)
             if found:
-                self.engine.prefetch([partial[found[0]]], owner_key)
+                self.engine.prefetch([partial[found[0]]], owner_key, load)
         self.metrics.count_lookup(n, tiers, self.config.chunk_size, results[0].asked)
         if found is None:
             return p.LookupReply(hit_chunks=hit, tiers=tiers)
@@ -303,7 +303,7 @@ class Handlers:
         for run in body.runs or [len(keys)]:
             start = len(slots)
             for key in keys[start : start + run]:
-                slot = self.engine.acquire(key, owner_key, blocks=body.blocks)
+                slot = self.engine.acquire(key, owner_key, body.blocks, body.load_tiers)
                 if slot is None:
                     # A prefix is only usable up to its first gap: skip the I/O
                     # after it; and a session that ended meanwhile gets nothing more.

@@ -79,8 +79,6 @@ class Entry:
     # When it became READY (the store's clock): its age at eviction tells thrash apart
     # from the turnover of a cold cache.
     published_at: float = 0.0
-    # The tiers the storing request let it go to (kvstrata.sidecar.tierchoice); None: all.
-    store_tiers: frozenset[str] | None = None
 
 
 class L1Store:

@@ -388,6 +388,17 @@ class PrepareRetrieveRequest(Message):
     owner: str = ""  # the request the read leases belong to
     runs: list[int] = field(default_factory=list)  # prefix lengths; empty: one run
     blocks: int = 0  # the block count every key must hold (0: full chunks)
+    # the tiers below L1 a chunk may be promoted from for this read (as the
+    # LOOKUP's load_tiers; kvstrata.sidecar.tierchoice); None: all
+    load_tiers: TierChoice = None
+
+    def to_wire(self) -> dict[str, Any]:
+        body = Message.to_wire(self)
+        if self.load_tiers is None:
+            del body["load_tiers"]  # left out: every tier (and what older sidecars read)
+        else:
+            body["load_tiers"] = sorted(self.load_tiers)
+        return body
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> PrepareRetrieveRequest:
@@ -397,6 +408,7 @@ class PrepareRetrieveRequest(Message):
             owner=read_str(required(body, "owner"), "owner"),
             runs=read_runs(body, keys),
             blocks=read_int(body.get("blocks", 0), "blocks", 0, 0xFFFF),
+            load_tiers=read_tiers(body.get("load_tiers"), "load_tiers"),
         )
 
 

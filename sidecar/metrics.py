@@ -94,6 +94,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "half_open), 0 for the others", from_start=False),
     MetricSpec("kvstrata_tier_breaker_opened_total", "counter", ("tier",), "events",
                "times a shared tier's circuit breaker opened", from_start=False),
+    MetricSpec("kvstrata_tier_expired_total", "counter", ("tier",), "objects",
+               "objects a read found past their tenant's ttl_seconds, each a miss and "
+               "deleted (S3, whose objects carry their expiry; 0 elsewhere)"),
     MetricSpec("kvstrata_tier_refreshed_total", "counter", ("tier",), "objects",
                "objects a read found near expiry and copied onto themselves to keep them "
                "(S3 with refresh_after_seconds; 0 elsewhere)"),
@@ -203,7 +206,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "refused), queued_reply_bytes (a reply dropped for a short busy error: its "
                "client left server.max_queued_reply_bytes of replies unread)"),
     MetricSpec("kvstrata_tenant_bytes", "gauge", ("tenant", "tier"), "bytes",
-               "bytes of a tenant's chunks held in a tier (l1); tenant: a configured "
+               "bytes of a tenant's chunks held in a tier (l1, l2); tenant: a configured "
                "tenant's name, or default"),
     MetricSpec("kvstrata_tenant_refusals_total", "counter", ("tenant", "tier", "reason"),
                "chunks", "stores of a tenant refused: budget (larger than its budget, or "
@@ -442,6 +445,7 @@ _TIER_VALUES: dict[str, Callable[[Any], float]] = {
     "kvstrata_write_queue_dropped_total": lambda t: t.dropped_total,
     "kvstrata_tier_degraded": lambda t: 1 if t.degraded else 0,
     "kvstrata_corrupt_objects_total": lambda t: t.corrupt_total,
+    "kvstrata_tier_expired_total": lambda t: t.expired_total,
     "kvstrata_tier_refreshed_total": lambda t: t.refreshed_total,
     "kvstrata_tier_refresh_dropped_total": lambda t: t.refresh_dropped_total,
     "kvstrata_tier_lookup_gets_used_total": lambda t: t.lookup_gets_used_total,
@@ -543,6 +547,8 @@ def _tenant_metrics(stats: EngineStats) -> Iterator[Metric]:
     held = _gauge("kvstrata_tenant_bytes")
     for label in tenants.labels:
         held.add_metric([label, "l1"], tenants.l1_bytes.get(label, 0))
+        if tenants.l2_bytes is not None:
+            held.add_metric([label, "l2"], tenants.l2_bytes.get(label, 0))
     yield held
     for name, values in (
         ("kvstrata_tenant_refusals_total", tenants.refusals),

@@ -61,7 +61,7 @@ object is never returned as KV.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -130,9 +130,13 @@ class ChunkMeta:
     shape: tuple[int, ...] = ()
     blocks: int = 0  # 0: a full chunk; else the blocks of a partial chunk
     # The tenant that stored it ("": the default tenant; kvstrata.sidecar.tenants).
-    # Process memory only: not in the header, so a chunk read back from a
-    # tier below L1 is the default tenant's.
+    # Carried by a sealed object's header (its key's label); a plaintext
+    # object read back from a tier below L1 is the default tenant's.
     tenant: str = ""
+    # The tiers the storing request let it go to (kvstrata.sidecar.tierchoice;
+    # None: every tier). Process memory only, never in a header: L2's index
+    # keeps it for a chunk promoted back, the write-behind for its uploads.
+    store_tiers: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,13 +239,19 @@ class StreamedObject:
     (a retry) never hashes a byte twice: the hash only moves forward.
     """
 
-    __slots__ = ("_hash", "_hashed", "_trailer", "header", "stored")
+    __slots__ = ("_hash", "_hashed", "_release", "_trailer", "header", "stored")
 
     def __init__(
-        self, header: bytes, stored: bytes | memoryview, tag: bytes | memoryview | None = None
+        self,
+        header: bytes,
+        stored: bytes | memoryview,
+        tag: bytes | memoryview | None = None,
+        release: Callable[[], None] | None = None,
     ) -> None:
         self.header = header
         self.stored = memoryview(stored).cast("B")
+        # Gives a pooled ciphertext buffer back (sealbuffers); None: nothing to give.
+        self._release = release
         self._hash = xxhash.xxh3_64()
         self._hashed = 0
         self._trailer: bytes | None = None
@@ -276,6 +286,14 @@ class StreamedObject:
             yield self.stored[start:end]
         yield self.trailer()
 
+    def release(self) -> None:
+        """The sending is over (for good: no retry follows): a pooled buffer
+        goes back for reuse. The object must not be read after this."""
+        release, self._release = self._release, None
+        if release is not None:
+            self.stored = memoryview(b"")
+            release()
+
     def read_at(self, offset: int, size: int) -> bytes | memoryview:
         """Up to ``size`` bytes at ``offset`` of the object, from one of its three
         parts (fewer at a part boundary; empty at the end)."""
@@ -289,6 +307,51 @@ class StreamedObject:
             return self.stored[at:end]
         at -= len(self.stored)
         return self.trailer()[at : at + size]
+
+
+def _sealed_pooled(
+    key: bytes,
+    raw: memoryview,
+    stored: bytes | memoryview,
+    meta: ChunkMeta,
+    codec: str,
+    keys: KeyRing | None,
+    tenant: str | None,
+) -> tuple[bytes, memoryview, Callable[[], None]] | None:
+    """As :func:`_sealed`, the ciphertext (then tag) in a reused buffer
+    (:mod:`kvstrata.sidecar.sealbuffers`) and the call that gives it back once
+    the object is written; None when ``keys`` has no key to seal with."""
+    label = tenant if tenant is not None else (meta.tenant or None)
+    params = keys.seal_params(label) if keys is not None else None
+    if keys is None or params is None:
+        return None
+    seal = Seal(*params)
+    header = _header(key, meta, codec, len(raw), len(stored), 0, SEALED_FORMAT_VERSION, seal)
+    buf = keys.buffers.take(len(stored) + TAG_BYTES)
+    view = memoryview(buf)[: len(stored) + TAG_BYTES]
+    keys.encrypt_into(seal.key_id, seal.label, seal.nonce, stored, header, view)
+    buffers = keys.buffers
+    return header, view, lambda: buffers.give(buf)
+
+
+def encode_pooled(
+    key: bytes,
+    payload: bytes | memoryview,
+    meta: ChunkMeta,
+    keys: KeyRing | None = None,
+) -> tuple[list[bytes | memoryview], Callable[[], None] | None]:
+    """:func:`encode` (no codec) for a writer that says when it is done: a
+    sealed object's ciphertext is in a reused buffer, and the second item
+    gives it back (call it once the pieces are written; None: nothing to give)."""
+    check_meta(key, meta)
+    raw, stored, codec = _stored_payload(payload, "none")
+    pooled = _sealed_pooled(key, raw, stored, meta, codec, keys, None)
+    if pooled is not None:
+        header, view, release = pooled
+        return [header, view], release
+    checksum = xxhash.xxh3_64_intdigest(stored)
+    header = _header(key, meta, codec, len(raw), len(stored), checksum, FORMAT_VERSION)
+    return [header, stored], None
 
 
 def encode_streamed(
@@ -307,11 +370,10 @@ def encode_streamed(
     """
     check_meta(key, meta)
     raw, stored, codec = _stored_payload(payload, codec)
-    sealed = _sealed(key, raw, stored, meta, codec, keys, tenant)
-    if sealed is not None:
-        header, ciphertext = sealed
-        view = memoryview(ciphertext)
-        return StreamedObject(header, view[:-TAG_BYTES], view[-TAG_BYTES:])
+    pooled = _sealed_pooled(key, raw, stored, meta, codec, keys, tenant)
+    if pooled is not None:
+        header, view, release = pooled
+        return StreamedObject(header, view[:-TAG_BYTES], view[-TAG_BYTES:], release)
     header = _header(key, meta, codec, len(raw), len(stored), 0, TRAILER_FORMAT_VERSION)
     return StreamedObject(header, stored)
 
@@ -399,7 +461,14 @@ def decode_header(prefix: bytes | memoryview, expected_key: bytes | None = None)
         raise CorruptObjectError("object holds a different key")
     *shape, blocks = struct.unpack_from(f"<{ndim}QH", view, FIXED_HEADER_BYTES)
     meta = ChunkMeta(
-        dtype=dtype_raw.rstrip(b"\0").decode("ascii"), shape=tuple(shape), blocks=blocks
+        dtype=dtype_raw.rstrip(b"\0").decode("ascii"),
+        shape=tuple(shape),
+        blocks=blocks,
+        # A sealed object names the tenant whose key sealed it: read back
+        # (L2 re-indexed after a restart, a promotion), the chunk is that
+        # tenant's again. Only its key opens it, so a forged label is a miss.
+        # The reader checks the name against its own tenants before use.
+        tenant=seal.label if seal is not None else "",
     )
     return ObjectHeader(
         meta,
@@ -431,10 +500,23 @@ def _read_seal(view: memoryview, at: int) -> tuple[Seal, int]:
     return Seal(key_id, label, nonce), at + NONCE_BYTES
 
 
-def open_sealed(view: memoryview, header: ObjectHeader, keys: KeyRing | None) -> bytes | memoryview:
+def open_sealed(
+    view: memoryview,
+    header: ObjectHeader,
+    keys: KeyRing | None,
+    in_place: bool = False,
+    out: memoryview | None = None,
+) -> bytes | memoryview:
     """The stored payload (after decryption, before the codec) of a whole
     object whose header is ``header``; raise :class:`SealError` when it is
-    sealed and cannot be opened, or plaintext where encryption is required."""
+    sealed and cannot be opened, or plaintext where encryption is required.
+
+    ``in_place``: the caller owns ``view`` (writable) and reads it only
+    through what this returns: the plaintext is written over the ciphertext
+    (AES-GCM allows it), so a sealed read costs no buffer and no copy of its
+    own over a plaintext one. A tag that fails leaves ``view`` garbled.
+    ``out``: the plaintext is written there instead (``stored_length`` bytes:
+    the caller's destination, an L1 slot), and ``out`` is returned."""
     if header.seal is None:
         if keys is not None:
             keys.check_plaintext()
@@ -445,7 +527,13 @@ def open_sealed(view: memoryview, header: ObjectHeader, keys: KeyRing | None) ->
         raise CorruptObjectError(f"object of {len(view)} bytes, header says {header.object_length}")
     seal = header.seal
     aad = bytes(view[: header.header_length])
-    return keys.decrypt(seal.key_id, seal.label, seal.nonce, view[header.header_length :], aad)
+    sealed = view[header.header_length :]
+    if out is None and in_place and not view.readonly:
+        out = sealed[: header.stored_length]
+    if out is not None:
+        keys.decrypt_into(seal.key_id, seal.label, seal.nonce, sealed, aad, out)
+        return out
+    return keys.decrypt(seal.key_id, seal.label, seal.nonce, sealed, aad)
 
 
 def decode(
@@ -453,9 +541,11 @@ def decode(
     expected_key: bytes | None = None,
     payload_xxh3: int | None = None,
     keys: KeyRing | None = None,
+    in_place: bool = False,
 ) -> DecodedObject:
     """Validate and decode one whole object; raise :class:`CorruptObjectError`
     (:class:`SealError` for what ``keys`` cannot open or must not serve).
+    ``in_place``: a sealed object is opened over its own bytes (:func:`open_sealed`).
 
     ``payload_xxh3``: the stored payload's xxh3_64, when the reader already
     computed it while the bytes arrived (:class:`PayloadHasher`); it is then
@@ -464,7 +554,7 @@ def decode(
     view = memoryview(blob).cast("B")
     header = decode_header(view, expected_key)
     if header.seal is not None:
-        return _decoded(header, open_sealed(view, header, keys))
+        return _decoded(header, open_sealed(view, header, keys, in_place))
     if keys is not None:
         keys.check_plaintext()
     checksum, end = header.checksum, len(view)

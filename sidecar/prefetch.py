@@ -30,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.leases import Slot, client_of
+from kvstrata.sidecar.tierchoice import TierChoice
 
 __all__ = ["PREFETCH_THREADS", "Prefetcher"]
 
@@ -44,7 +45,7 @@ class Prefetcher:
     def __init__(
         self,
         cond: threading.Condition,
-        acquire: Callable[[ChunkKey, str], Slot | None],
+        acquire: Callable[[ChunkKey, str, TierChoice], Slot | None],
         end_lease: Callable[[int], None],
     ) -> None:
         """``acquire`` takes a read lease (promoting as needed); ``end_lease``
@@ -73,10 +74,11 @@ class Prefetcher:
         loads a lookup started that have not landed yet)."""
         return sum(len(keys) for keys in self._in_flight.values())
 
-    def start(self, keys: Sequence[ChunkKey], owner: str) -> None:
-        """Without the lock: one job per key (after :meth:`expect`)."""
+    def start(self, keys: Sequence[ChunkKey], owner: str, tiers: TierChoice = None) -> None:
+        """Without the lock: one job per key (after :meth:`expect`), each
+        promoting only from ``tiers`` (None: every tier)."""
         for key in keys:
-            future = self._pool.submit(self._one, key, owner)
+            future = self._pool.submit(self._one, key, owner, tiers)
             with self._cond:
                 self._pending.add(future)
             future.add_done_callback(self._done)
@@ -100,10 +102,10 @@ class Prefetcher:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _one(self, key: ChunkKey, owner: str) -> None:
+    def _one(self, key: ChunkKey, owner: str, tiers: TierChoice) -> None:
         slot = None
         try:
-            slot = self._acquire(key, owner)
+            slot = self._acquire(key, owner, tiers)
         except Exception:
             logger.exception("prefetch of a chunk failed")
         with self._cond:

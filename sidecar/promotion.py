@@ -24,6 +24,7 @@ from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.l1 import Entry
 from kvstrata.sidecar.leases import Slot
 from kvstrata.sidecar.objformat import ChunkMeta
+from kvstrata.sidecar.tierchoice import TierChoice, allows
 from kvstrata.sidecar.tiers.base import Tier
 from kvstrata.sidecar.tiers.disk import DiskTier
 
@@ -59,14 +60,17 @@ class Promotion:
         self.shared = shared
         self._index = index
 
-    def promote(self, key: ChunkKey, owner: str, prefetch: bool = False) -> Slot | None:
+    def promote(
+        self, key: ChunkKey, owner: str, prefetch: bool = False, tiers: TierChoice = None
+    ) -> Slot | None:
         """A read lease on ``key`` once it is in L1, or None (a miss).
-        ``prefetch``: the lease is a prefetch's (counted apart)."""
-        if self.l2 is not None:
+        ``prefetch``: the lease is a prefetch's (counted apart). ``tiers``:
+        the only tiers it may come from (a request's load tiers; None: all)."""
+        if self.l2 is not None and allows(tiers, "l2"):
             slot = self._from_l2(self.l2, key, owner, prefetch)
             if slot is not None:
                 return slot
-        if self.shared is not None:
+        if self.shared is not None and allows(tiers, self.shared.name):
             return self._from_shared(self.shared, key, owner, prefetch)
         return None
 

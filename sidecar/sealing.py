@@ -41,6 +41,7 @@ from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from kvstrata.sidecar.objformat import SealError
+from kvstrata.sidecar.sealbuffers import SealBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,8 @@ class KeyRing:
         self._fingerprint: tuple[object, ...] | None = None
         self.reloads_total = 0
         self.reload_failures_total = 0
+        # Ciphertext buffers of objects sent to the shared tier, reused (.sealbuffers).
+        self.buffers = SealBuffers()
         if mode == "off":
             return
         if key_dir is None:
@@ -236,6 +239,21 @@ class KeyRing:
             raise SealError("unknown_key", f"writing key {key_id!r} is gone")
         return cipher.encrypt(nonce, data, aad)
 
+    def encrypt_into(
+        self,
+        key_id: str,
+        label: str,
+        nonce: bytes,
+        data: bytes | memoryview,
+        aad: bytes,
+        out: memoryview,
+    ) -> None:
+        """:meth:`encrypt` written into ``out`` (``len(data) + 16`` bytes)."""
+        cipher = self._cipher(key_id, label)
+        if cipher is None:  # the writing key was rotated out between params and here
+            raise SealError("unknown_key", f"writing key {key_id!r} is gone")
+        cipher.encrypt_into(nonce, data, aad, out)
+
     def decrypt(
         self, key_id: str, label: str, nonce: bytes, data: bytes | memoryview, aad: bytes
     ) -> bytes:
@@ -247,6 +265,28 @@ class KeyRing:
             raise SealError(reason, f"no key {key_id!r} to open the object with")
         try:
             return cipher.decrypt(nonce, data, aad)
+        except InvalidTag:
+            raise SealError("auth_failed", "authentication tag mismatch") from None
+
+    def decrypt_into(
+        self,
+        key_id: str,
+        label: str,
+        nonce: bytes,
+        data: memoryview,
+        aad: bytes,
+        out: memoryview,
+    ) -> None:
+        """:meth:`decrypt` written into ``out`` (``len(data) - 16`` bytes; it may
+        be the start of ``data`` itself). On :class:`SealError` ``out`` holds garbage."""
+        cipher = self._cipher(key_id, label) if self.mode != "off" else None
+        if cipher is None:
+            reason = "no_key" if self.mode == "off" else "unknown_key"
+            raise SealError(reason, f"no key {key_id!r} to open the object with")
+        if len(out) != len(data) - TAG_BYTES:
+            raise SealError("auth_failed", "sealed payload shorter than its tag")
+        try:
+            cipher.decrypt_into(nonce, data, aad, out)
         except InvalidTag:
             raise SealError("auth_failed", "authentication tag mismatch") from None
 

@@ -22,6 +22,7 @@ which the cache-wide settings govern. As YAML::
           l2_bytes: null
           shared_bytes: null
         pinned: true                 # others' pressure never evicts it within l1_bytes
+                                     # (and within l2_bytes in L2, when set)
         memory_only: false           # never written to L2 or the shared tier
 """
 
@@ -93,8 +94,8 @@ class TenantBudgets(ConfigSection):
     l1_bytes: ByteSize | None = Field(None, description="bytes in the L1 arena")
     l2_bytes: ByteSize | None = Field(
         None,
-        description="bytes in L2: 0 (never written there) or unset; other values "
-        "are refused (not enforced yet)",
+        description="bytes in L2: a store past it evicts the tenant's own least recent "
+        "files (a pinned tenant's is refused); 0: never written there",
     )
     shared_bytes: ByteSize | None = Field(
         None,
@@ -106,12 +107,11 @@ class TenantBudgets(ConfigSection):
     def _only_what_is_enforced(self) -> TenantBudgets:
         # A budget the sidecar would silently not enforce is refused: a user
         # who writes one expects it to hold.
-        for tier in ("l2_bytes", "shared_bytes"):
-            value = getattr(self, tier)
-            if value not in (None, 0):
-                raise ValueError(
-                    f"{tier}: only 0 (never kept there) or unset is supported, got {value}"
-                )
+        if self.shared_bytes not in (None, 0):
+            raise ValueError(
+                f"shared_bytes: only 0 (never kept there) or unset is supported, "
+                f"got {self.shared_bytes}"
+            )
         return self
 
 
@@ -129,8 +129,9 @@ class TenantConfig(ConfigSection):
     budgets: TenantBudgets = Field(default_factory=TenantBudgets)
     pinned: bool = Field(
         False,
-        description="other tenants' stores never evict its L1 chunks; a store past "
-        "budgets.l1_bytes is refused instead of evicting its own",
+        description="other tenants' stores never evict its L1 chunks (nor its L2 files "
+        "when budgets.l2_bytes is set); a store past its budget is refused instead of "
+        "evicting its own",
     )
     memory_only: bool = Field(False, description="never written to L2 or the shared tier")
 

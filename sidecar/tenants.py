@@ -26,10 +26,11 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.tenant_config import DEFAULT_TENANT, TenantConfig
+from kvstrata.sidecar.tiers.tenant_shares import TenantFigures, TenantShares
 
 __all__ = [
     "LOWER_TIERS",
@@ -38,7 +39,9 @@ __all__ = [
     "TenantRules",
     "TenantSnapshot",
     "UnknownTenantError",
+    "l2_shares",
     "lower_tiers_for",
+    "with_tier",
 ]
 
 # Why a store was refused (kvstrata_tenant_refusals_total{reason}).
@@ -66,6 +69,16 @@ def lower_tiers_for(tenant: TenantConfig | None, shared_expires: bool = True) ->
     if tenant.ttl_seconds is not None and not shared_expires:
         tiers -= {"shared"}
     return tiers
+
+
+def l2_shares(tenants: Sequence[TenantConfig]) -> TenantShares:
+    """The L2 budgets of ``tenants`` (``budgets.l2_bytes``; 0 is "never kept
+    there", which write-behind enforces before any write)."""
+    return TenantShares(
+        budgets={t.name: t.budgets.l2_bytes for t in tenants if t.budgets.l2_bytes},
+        pinned=[t.name for t in tenants if t.pinned],
+        known=[t.name for t in tenants],
+    )
 
 
 class TenantRules:
@@ -131,9 +144,26 @@ class TenantSnapshot:
 
     labels: list[str] = field(default_factory=lambda: [DEFAULT_TENANT])
     l1_bytes: dict[str, int] = field(default_factory=dict)
+    l2_bytes: dict[str, int] | None = None  # None: no L2
     refusals: dict[tuple[str, str, str], int] = field(default_factory=dict)
     evictions: dict[tuple[str, str], int] = field(default_factory=dict)
     expirations: dict[tuple[str, str], int] = field(default_factory=dict)
+
+
+def with_tier(snapshot: TenantSnapshot, tier: str, figures: TenantFigures) -> TenantSnapshot:
+    """``snapshot`` with a lower tier's own per-tenant figures (``l2``) added, labelled."""
+
+    def label(name: str) -> str:
+        return name or DEFAULT_TENANT
+
+    refusals = dict(snapshot.refusals)
+    for (tenant, reason), n in figures.refusals.items():
+        refusals[(label(tenant), tier, reason)] = n
+    evictions = dict(snapshot.evictions)
+    for tenant, n in figures.evictions.items():
+        evictions[(label(tenant), tier)] = n
+    held = {label(t): n for t, n in figures.usage.items()}
+    return replace(snapshot, l2_bytes=held, refusals=refusals, evictions=evictions)
 
 
 class TenantLedger:

@@ -11,8 +11,10 @@ State (process memory only)::
     pinned:       bytes of L1 entries pinned by writes queued or running
     backlog:      (key, shared) -> (entry, queue), oldest first: writes
                   waiting for the pin budget
-    known_shared: key -> None, most recent last: chunks the shared tier holds
-                  (bounded; a forgotten key is at worst uploaded twice)
+    known_shared: key -> store tiers, most recent last: chunks the shared tier
+                  holds (bounded; a forgotten key is at worst uploaded twice),
+                  with the tier choice of the request that stored each one
+                  here (None: every tier, or not stored by this sidecar)
     ready:        (queue, job) pairs to hand to their queues
 
 Keys name content, so every tier must answer a key with the same bytes. The
@@ -51,7 +53,7 @@ from kvstrata.sidecar.config import SidecarConfig
 from kvstrata.sidecar.journal import TierEvents
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.l1 import Entry, L1Store
-from kvstrata.sidecar.tierchoice import allows
+from kvstrata.sidecar.tierchoice import TierChoice, allows
 from kvstrata.sidecar.tiers.base import Tier, TierStats, WriteBehindQueue, WriteJob
 
 __all__ = ["WriteBehind"]
@@ -66,7 +68,7 @@ def may_copy(entry: Entry, tier: str) -> bool:
     "shared"): the request that stored it may have kept it out of some tiers
     (:mod:`kvstrata.sidecar.tierchoice`). Its tenant's rules are the other half
     of the decision (:meth:`WriteBehind._keeps`)."""
-    return allows(entry.store_tiers, tier)
+    return allows(entry.meta.store_tiers, tier)
 
 
 class WriteBehind:
@@ -94,7 +96,7 @@ class WriteBehind:
         self._backlog: OrderedDict[tuple[ChunkKey, bool], tuple[Entry, WriteBehindQueue]] = (
             OrderedDict()
         )
-        self._known_shared: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._known_shared: OrderedDict[ChunkKey, TierChoice] = OrderedDict()
         # deque appends and pops are atomic: any thread may submit any job.
         self._ready: deque[tuple[WriteBehindQueue, WriteJob]] = deque()
         self._l2_queue: WriteBehindQueue | None = None
@@ -151,12 +153,17 @@ class WriteBehind:
         else:
             self._queue_l2(entry)
 
-    def note_shared(self, key: ChunkKey) -> None:
-        """The shared tier holds ``key``."""
-        self._known_shared[key] = None
+    def note_shared(self, key: ChunkKey, store_tiers: TierChoice = None) -> None:
+        """The shared tier holds ``key``, stored by a request that chose ``store_tiers``."""
+        self._known_shared[key] = store_tiers
         self._known_shared.move_to_end(key)
         while len(self._known_shared) > KNOWN_SHARED_MAX:
             self._known_shared.popitem(last=False)
+
+    def shared_choice(self, key: ChunkKey) -> TierChoice:
+        """The tier choice ``key`` was uploaded with by this sidecar (None: every
+        tier, or unknown): a chunk promoted from the shared tier keeps it."""
+        return self._known_shared.get(key)
 
     def forget(self, key: ChunkKey) -> None:
         self._known_shared.pop(key, None)
@@ -250,7 +257,7 @@ class WriteBehind:
                     now = self._store.now()
                     self._store.tenants.stored("l2", entry.meta.tenant, entry.key, now)
                 if ok and shared:
-                    self.note_shared(entry.key)
+                    self.note_shared(entry.key, entry.meta.store_tiers)
                     superseded, entry.supersedes = entry.supersedes, ()
                     if superseded:
                         self._count("partial_superseded_deleted_total", len(superseded))

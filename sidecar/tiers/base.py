@@ -95,6 +95,8 @@ class TierStats:
     # S3: GET responses a lookup opened, read by the fetch or closed unread (tiers.s3ahead).
     lookup_gets_used_total: int = 0
     lookup_gets_closed_total: int = 0
+    # S3: objects read past their tenant's TTL (tiers.s3expiry): a miss, deleted.
+    expired_total: int = 0
     # Valkey: the server's own evicted_keys (INFO stats); None for other tiers.
     server_evicted_keys: int | None = None
 

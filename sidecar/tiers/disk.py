@@ -38,7 +38,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -52,11 +52,13 @@ from kvstrata.sidecar.objformat import (
     SealError,
     decode,
     decode_header,
-    encode,
+    encode_pooled,
     is_sealed,
+    open_sealed,
 )
 from kvstrata.sidecar.tiers import direct_io
 from kvstrata.sidecar.tiers.base import Tier, TierStats
+from kvstrata.sidecar.tiers.tenant_shares import TenantFigures, TenantShares
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.journal import TierEvents
@@ -83,6 +85,9 @@ class DiskEntry:
     sealed: bool = False
     # time.monotonic() when this process wrote it; files found at start count as old.
     stored_at: float = float("-inf")
+    # time.time() when it was written (a file found at start: its mtime), for
+    # its tenant's TTL across a restart.
+    written_unix: float = 0.0
 
 
 class DiskTier(Tier):
@@ -99,6 +104,7 @@ class DiskTier(Tier):
         direct: bool = True,
         keys: KeyRing | None = None,
         young_seconds: float = 60.0,
+        tenants: TenantShares | None = None,
     ):
         self.root = os.fspath(path)
         # Seal files written, open files read (None: encryption off).
@@ -113,6 +119,8 @@ class DiskTier(Tier):
         # Writes in flight are not counted against it (a brief overshoot).
         self.namespace_quota = namespace_quota
         self._ns_usage: dict[bytes, int] = {}
+        # Per-tenant budgets and bytes (tiers.tenant_shares); kept under self._lock.
+        self.tenants = tenants or TenantShares()
         self.fsync = fsync
         # Files go past the page cache (tiers.direct_io) until the filesystem
         # refuses O_DIRECT once; then buffered, said once in the log.
@@ -161,8 +169,8 @@ class DiskTier(Tier):
         for _, key, entry in found:
             self._index[key] = entry
             self._usage += entry.file_bytes
-            self._account(key, entry.file_bytes)
-        self._evict_locked(0)
+            self._account(key, entry, entry.file_bytes)
+        self._unlink_all(self._evict_locked(0))
         logger.info(
             "L2 %s: %d objects, %d bytes re-indexed", self.root, len(self._index), self._usage
         )
@@ -187,13 +195,16 @@ class DiskTier(Tier):
             return None
         except OSError:
             return None
+        # The sealed header's tenant, if it is one this sidecar knows.
+        meta = replace(header.meta, tenant=self.tenants.name(header.meta.tenant))
         entry = DiskEntry(
             st.st_size,
             header.header_length,
             header.raw_length,
-            header.meta,
+            meta,
             header.codec,
             sealed=header.seal is not None,
+            written_unix=st.st_mtime,
         )
         return max(st.st_atime, st.st_mtime), key, entry
 
@@ -215,7 +226,22 @@ class DiskTier(Tier):
 
     def put(self, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta) -> bool:
         # On the writer thread that calls put: sealing never runs on the serving thread.
-        header, stored = encode(key, payload, meta, keys=self._keys)
+        # A sealed object's ciphertext is in a reused buffer, given back once written.
+        (header, stored), release = encode_pooled(key, payload, meta, self._keys)
+        try:
+            return self._put_encoded(key, header, stored, payload, meta)
+        finally:
+            if release is not None:
+                release()
+
+    def _put_encoded(
+        self,
+        key: ChunkKey,
+        header: bytes | memoryview,
+        stored: bytes | memoryview,
+        payload: bytes | memoryview,
+        meta: ChunkMeta,
+    ) -> bool:
         total = len(header) + len(stored)
         with self._lock:
             if key in self._index:
@@ -226,14 +252,28 @@ class DiskTier(Tier):
             if total > self.capacity_bytes or (quota is not None and total > quota):
                 self._stats.dropped_total += 1
                 return False
-            doomed = self._evict_namespace_locked(key, total) + self._evict_locked(total)
-            self._reserved += total
+            refused = self.tenants.refusal(meta.tenant, total)
+            if refused is not None:
+                self.tenants.refuse(meta.tenant, refused)
+                self._stats.dropped_total += 1
+                return False
+            doomed = self._evict_tenant_locked(meta.tenant, total)
+            doomed += self._evict_namespace_locked(key, total) + self._evict_locked(total)
+            fits = self._usage + self._reserved + total <= self.capacity_bytes
+            if fits:
+                self._reserved += total
+                self.tenants.reserve(meta.tenant, total)
+            else:  # the rest is pinned tenants' files
+                self._stats.dropped_total += 1
         self._unlink_all(doomed)
+        if not fits:
+            return False
         try:
             ok = self._write_file(key, header, stored)
         finally:
             with self._lock:
                 self._reserved -= total
+                self.tenants.reserve(meta.tenant, -total)
         if not ok:
             return False
         sealed = is_sealed(header)
@@ -244,15 +284,16 @@ class DiskTier(Tier):
             meta,
             sealed=sealed,
             stored_at=time.monotonic(),
+            written_unix=time.time(),
         )
         with self._lock:
             old = self._index.pop(key, None)
             if old is not None:
                 self._usage -= old.file_bytes
-                self._account(key, -old.file_bytes)
+                self._account(key, old, -old.file_bytes)
             self._index[key] = entry
             self._usage += total
-            self._account(key, total)
+            self._account(key, entry, total)
             self._stats.stored_bytes_total += len(stored)
             if old is None and self.events is not None:
                 self.events.stored(key)
@@ -303,7 +344,7 @@ class DiskTier(Tier):
             os.close(fd)
 
     def _read_file(
-        self, path: str, head: bytearray, target: memoryview
+        self, path: str, head: bytearray | memoryview, target: memoryview
     ) -> tuple[int, int, int, int]:
         """Read the header into ``head`` and the payload into ``target``, past
         the page cache where the filesystem allows (as :meth:`_write_tmp`):
@@ -342,11 +383,18 @@ class DiskTier(Tier):
         if entry is None:
             return None
         if entry.codec != "none" or entry.sealed or self._plaintext_refused:
-            # Not written by us, sealed, or to be checked against the keys: decode the slow way.
-            obj = self.get(key)
-            if obj is None:
+            # Compressed, sealed, or to be checked against the keys: the whole file
+            # is read and decoded (a sealed one decrypted straight into ``out``).
+            if len(out) < entry.payload_bytes:
+                raise ValueError(
+                    f"buffer of {len(out)} bytes for a {entry.payload_bytes}-byte object"
+                )
+            got = self._decode_file(key, entry, out)
+            if got is None:
                 return None
-            out[: len(obj.payload)] = obj.payload
+            obj, placed = got
+            if not placed:
+                out[: len(obj.payload)] = obj.payload
             return obj.meta
         if len(out) < entry.payload_bytes:
             raise ValueError(f"buffer of {len(out)} bytes for a {entry.payload_bytes}-byte object")
@@ -387,11 +435,38 @@ class DiskTier(Tier):
             buf = bytearray(entry.payload_bytes)
             meta = self.read_into(key, memoryview(buf))
             return None if meta is None else DecodedObject(meta, buf)
+        got = self._decode_file(key, entry)
+        return None if got is None else got[0]
+
+    def _decode_file(
+        self, key: bytes, entry: DiskEntry, out: memoryview | None = None
+    ) -> tuple[DecodedObject, bool] | None:
+        """The whole file of ``key``, checked and decoded, and whether its payload
+        was decrypted straight into ``out`` (a sealed, uncompressed one); None
+        (a miss, counted; the file deleted when it is bad)."""
         path = self.path_of(key)
         try:
-            with open(path, "rb") as fh:
-                blob = fh.read()
-            obj = decode(blob, expected_key=key, keys=self._keys)
+            # The whole file in one buffer of its own, read as plaintext files
+            # are (past the page cache where allowed); a sealed one is opened
+            # into ``out`` or over itself: no second buffer, no second copy.
+            blob = memoryview(bytearray(entry.file_bytes))
+            split = entry.header_bytes
+            got_head, got, _, size = self._read_file(path, blob[:split], blob[split:])
+            if got_head + got != entry.file_bytes or size != entry.file_bytes:
+                raise CorruptObjectError("file length changed")
+            header = decode_header(blob, expected_key=key)
+            placed = (
+                out is not None
+                and header.seal is not None
+                and header.codec == "none"
+                and header.raw_length == header.stored_length <= len(out)
+            )
+            if placed:
+                dest = out[: header.stored_length]
+                open_sealed(blob, header, self._keys, out=dest)
+                obj = DecodedObject(header.meta, dest)
+            else:
+                obj = decode(blob, expected_key=key, keys=self._keys, in_place=True)
         except SealError as exc:
             self._discard_sealed(key, path, exc.reason)
             return None
@@ -404,7 +479,7 @@ class DiskTier(Tier):
         with self._lock:
             self._stats.hits_total += 1
             self._stats.retrieved_bytes_total += len(obj.payload)
-        return obj
+        return obj, placed
 
     def remove(self, key: ChunkKey) -> None:
         if self._forget(key):
@@ -418,7 +493,25 @@ class DiskTier(Tier):
                 self._note_removed(key)
             self._usage = 0
             self._ns_usage.clear()
+            self.tenants.clear()
         self._unlink_all([self.path_of(k) for k in keys])
+
+    def tenant_files(self, tenants: Collection[str]) -> list[tuple[bytes, str, float]]:
+        """(key, tenant, time.time() when written) of the files of ``tenants``,
+        oldest first: what a TTL needs of the files found at start."""
+        with self._lock:
+            found = [
+                (key, e.meta.tenant, e.written_unix)
+                for key, e in self._index.items()
+                if e.meta.tenant in tenants
+            ]
+        return sorted(found, key=lambda t: t[2])
+
+    def tenant_figures(self) -> TenantFigures:
+        """A copy of the tenants' bytes, refusals and evictions here."""
+        with self._lock:
+            shares = self.tenants
+            return TenantFigures(dict(shares.usage), dict(shares.refusals), dict(shares.evictions))
 
     def stats(self) -> TierStats:
         with self._lock:
@@ -446,15 +539,42 @@ class DiskTier(Tier):
             return entry
 
     def _evict_locked(self, incoming: int) -> list[str]:
-        doomed: list[str] = []
-        while self._index and self._usage + self._reserved + incoming > self.capacity_bytes:
-            key, entry = self._index.popitem(last=False)
-            self._usage -= entry.file_bytes
-            self._account(key, -entry.file_bytes)
-            self._count_eviction(entry)
-            self._note_removed(key)
-            doomed.append(self.path_of(key))
-        return doomed
+        """Evict least recent files until ``incoming`` more fits, passing over
+        pinned tenants' files (it may then not fit: the caller checks)."""
+        excess = self._usage + self._reserved + incoming - self.capacity_bytes
+        victims: list[bytes] = []
+        for key, entry in self._index.items():  # least recent first; stops once enough
+            if excess <= 0:
+                break
+            if not self.tenants.protected(entry.meta.tenant):
+                victims.append(key)
+                excess -= entry.file_bytes
+        return [self._evict_entry(key) for key in victims]
+
+    def _evict_entry(self, key: bytes) -> str:
+        """Caller holds the lock: drop ``key`` from the index; the path to unlink."""
+        entry = self._index.pop(key)
+        self._usage -= entry.file_bytes
+        self._account(key, entry, -entry.file_bytes)
+        self._count_eviction(entry)
+        self._note_removed(key)
+        return self.path_of(key)
+
+    def _evict_tenant_locked(self, tenant: str, incoming: int) -> list[str]:
+        """Evict ``tenant``'s own least recent files until ``incoming`` more is
+        within its budget (a pinned tenant was refused before this)."""
+        if not self.tenants.over(tenant, incoming):
+            return []
+        excess = self.tenants.excess(tenant, incoming)
+        victims: list[bytes] = []
+        for key, entry in self._index.items():  # least recent first; stops once enough
+            if excess <= 0:
+                break
+            if entry.meta.tenant == tenant:
+                victims.append(key)
+                excess -= entry.file_bytes
+        self.tenants.evictions[tenant] += len(victims)
+        return [self._evict_entry(key) for key in victims]
 
     def _count_eviction(self, entry: DiskEntry) -> None:
         """Caller holds the lock: one eviction, and whether it was of a young file."""
@@ -467,8 +587,10 @@ class DiskTier(Tier):
         if self.events is not None:
             self.events.removed(key)
 
-    def _account(self, key: bytes, delta: int) -> None:
-        """Caller holds the lock (or is the constructor): per-namespace usage."""
+    def _account(self, key: bytes, entry: DiskEntry, delta: int) -> None:
+        """Caller holds the lock (or is the constructor): per-namespace and
+        per-tenant usage."""
+        self.tenants.add(entry.meta.tenant, delta)
         if self.namespace_quota is None:
             return
         namespace = key[:FINGERPRINT_BYTES]
@@ -488,12 +610,7 @@ class DiskTier(Tier):
         for victim in [k for k in self._index if k[:FINGERPRINT_BYTES] == namespace]:
             if self._ns_usage.get(namespace, 0) + incoming <= quota:
                 break
-            entry = self._index.pop(victim)
-            self._usage -= entry.file_bytes
-            self._account(victim, -entry.file_bytes)
-            self._count_eviction(entry)
-            self._note_removed(victim)
-            doomed.append(self.path_of(victim))
+            doomed.append(self._evict_entry(victim))
         return doomed
 
     def _forget(self, key: bytes, missing: bool = False) -> bool:
@@ -502,7 +619,7 @@ class DiskTier(Tier):
             if entry is None:
                 return False
             self._usage -= entry.file_bytes
-            self._account(key, -entry.file_bytes)
+            self._account(key, entry, -entry.file_bytes)
             self._note_removed(key)
             if missing:
                 self._stats.misses_total += 1

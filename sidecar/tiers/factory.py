@@ -27,7 +27,8 @@ def build_shared_tier(
     Raises ``ValueError`` naming the field for config the tier cannot use
     (an unreadable secret file, a malformed URL). An unreachable server is
     not an error here: the tier starts degraded and recovers by itself.
-    ``tenant_ttl_seconds``: tenants' TTLs, which Valkey applies per key.
+    ``tenant_ttl_seconds``: tenants' TTLs, which Valkey applies per key and S3
+    writes into each object and checks on every read.
     """
     if config.backend == "none":
         return None
@@ -38,5 +39,5 @@ def build_shared_tier(
     if config.backend == "s3":
         from kvstrata.sidecar.tiers.s3 import S3Tier
 
-        return S3Tier(config, keys=keys)
+        return S3Tier(config, keys=keys, tenant_ttl_seconds=tenant_ttl_seconds)
     raise ValueError(f"shared.backend: unknown backend {config.backend!r}")

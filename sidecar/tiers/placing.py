@@ -93,7 +93,8 @@ def receive_whole(
     hasher = PayloadHasher(view)
     fill(view[len(head) :], hasher, len(head))
     try:
-        return Validated(decode(view, expected_key, hasher.digest(), keys), size)
+        # The buffer is this call's own: a sealed object is opened over itself.
+        return Validated(decode(view, expected_key, hasher.digest(), keys, in_place=True), size)
     except CorruptObjectError:
         return view
 

@@ -39,7 +39,7 @@ import datetime as dt
 import io
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import boto3
@@ -49,22 +49,22 @@ from boto3.s3.transfer import TransferConfig
 
 from kvstrata.sidecar.config import S3Config, SharedConfig
 from kvstrata.sidecar.keys import ChunkKey, key_hex
-from kvstrata.sidecar.objformat import ChunkMeta, CorruptObjectError, StreamedObject, decode
+from kvstrata.sidecar.objformat import ChunkMeta, StreamedObject
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.sealing import KeyRing
 from kvstrata.sidecar.tiers.base import Place, TierStats
-from kvstrata.sidecar.tiers.placing import Placed, receive_into
+from kvstrata.sidecar.tiers.placing import Placed, receive_into, receive_whole
 from kvstrata.sidecar.tiers.remote import (
     Encoder,
     Fetched,
     RemoteTier,
     Stored,
-    Validated,
     read_secret,
 )
 from kvstrata.sidecar.tiers.s3ahead import HeldGets, close_response
 from kvstrata.sidecar.tiers.s3body import BodyStream
+from kvstrata.sidecar.tiers.s3expiry import expired, expiry_metadata, has_expiry
 from kvstrata.sidecar.tiers.s3refresh import Refresher
 
 logger = logging.getLogger(__name__)
@@ -232,9 +232,18 @@ class S3Tier(RemoteTier):
 
     name = "s3"
 
-    def __init__(self, config: SharedConfig, keys: KeyRing | None = None) -> None:
+    # A tenant's TTL is written into each object and checked on every read
+    # (tiers.s3expiry); the bucket's lifecycle rule is the backstop.
+    expires_per_key = True
+
+    def __init__(
+        self,
+        config: SharedConfig,
+        keys: KeyRing | None = None,
+        tenant_ttl_seconds: Mapping[str, float] | None = None,
+    ) -> None:
         self._config = config.s3
-        super().__init__(config, self._config.timeout_seconds, keys=keys)
+        super().__init__(config, self._config.timeout_seconds, tenant_ttl_seconds, keys=keys)
         self._client = make_client(self._config)
         self._transfer = TransferConfig(
             multipart_threshold=max(self._config.multipart_threshold_bytes, 5 << 20),
@@ -432,8 +441,12 @@ class S3Tier(RemoteTier):
             exc = future.exception()
             if exc is not None and not _is_missing(exc):
                 failure = exc
+            if exc is None and expired(future.result()):
+                self._expire(self._name(key), future.result())
+                answers.append(False)
+                continue
             answers.append(exc is None)
-            if exc is None and self._refresher is not None:
+            if exc is None and self._refresher is not None and not has_expiry(future.result()):
                 # A lookup is a read too: what vLLM asks for stays young.
                 self._refresher.offer(self._name(key), _modified(future))
         # A slow but answering endpoint is not a failure; silence is.
@@ -458,9 +471,12 @@ class S3Tier(RemoteTier):
     ) -> list[Stored]:
         """Concurrent uploads, each skipped when the object already exists; each
         object is encoded (compressed) on its upload's thread and hashed as its
-        body is read. ``ttls`` are not applied: S3 objects expire by the
-        bucket's lifecycle rule, not per object."""
-        fns = [lambda n=n, e=e: self._store(n, e()) for n, e in zip(names, objects, strict=True)]
+        body is read. ``ttls[i]``: object i's expiry, written into it
+        (tiers.s3expiry)."""
+        fns = [
+            lambda n=n, e=e, t=t: self._store(n, e(), expiry_metadata(t))
+            for n, e, t in zip(names, objects, ttls, strict=True)
+        ]
         return self._run_many("put", fns)
 
     def _delete_many(self, names: Sequence[str]) -> None:
@@ -507,7 +523,20 @@ class S3Tier(RemoteTier):
 
     # -- transfers (run on the pool) ---------------------------------------
 
-    def _store(self, object_key: str, obj: StreamedObject) -> bool:
+    def _store(
+        self, object_key: str, obj: StreamedObject, metadata: dict[str, str] | None = None
+    ) -> bool:
+        """:meth:`_upload`, then the object's pooled buffer goes back: here, on the
+        upload's own thread, once the upload returned (never while a body
+        read may still come, as from a caller that stopped waiting)."""
+        try:
+            return self._upload(object_key, obj, metadata)
+        finally:
+            obj.release()
+
+    def _upload(
+        self, object_key: str, obj: StreamedObject, metadata: dict[str, str] | None
+    ) -> bool:
         """Upload unless the object exists; True if stored, False if it was there.
 
         Small objects use a conditional PUT (``If-None-Match: *``): one
@@ -522,7 +551,11 @@ class S3Tier(RemoteTier):
         if size < self._transfer.multipart_threshold:
             try:
                 self._client.put_object(
-                    Bucket=bucket, Key=object_key, Body=_ObjectBody(obj), IfNoneMatch="*"
+                    Bucket=bucket,
+                    Key=object_key,
+                    Body=_ObjectBody(obj),
+                    IfNoneMatch="*",
+                    Metadata=metadata or {},
                 )
             except botocore.exceptions.ClientError as exc:
                 if _error_code(exc) in _EXISTS_CODES:
@@ -539,6 +572,7 @@ class S3Tier(RemoteTier):
             io.BufferedReader(_ObjectBody(obj), buffer_size=1 << 20),
             bucket,
             object_key,
+            ExtraArgs={"Metadata": metadata} if metadata else None,
             Config=self._transfer,
         )
         return True
@@ -615,39 +649,66 @@ class S3Tier(RemoteTier):
     def _receive(
         self, name: str, response: dict[str, Any], key: bytes, place: Place, deadline: float
     ) -> Placed:
+        if expired(response):  # a miss: nothing is placed
+            self._expire(name, response)
+            return Placed(None, 0)
         body = BodyStream(response, deadline)
         try:
             placed = receive_into(body.size, key, place, body.fill, body.skip, self._keys)
         finally:
             body.finish()
-        if placed.meta is not None and self._refresher is not None:
+        if placed.meta is not None and self._refresher is not None and not has_expiry(response):
             self._refresher.offer(name, response.get("LastModified"))
         return placed
 
-    def _download(self, object_key: str, key: bytes) -> Validated | bytes:
+    def _download(self, object_key: str, key: bytes) -> Fetched:
         """One plain GET, checked on this thread. Parallelism comes from fetching
         many chunks at once (:meth:`get_many`), which keeps every connection busy
         without the per-request overhead of ranged GETs on objects of a few MiB;
         checking each object here overlaps its checksum with the other GETs.
+        The body is received into one buffer of its own, hashed as it arrives,
+        and a sealed one is opened over itself (:func:`.placing.receive_whole`).
         A body that fails the check goes back as bytes: the caller counts and
         deletes it (never from a pool thread, which would wait on the pool)."""
+        deadline = time.monotonic() + self._config.timeout_seconds
         response = self._held.take(object_key)
-        body = None
         if response is not None:
             try:
-                body = response["Body"].read()
+                return self._download_from(object_key, response, key, deadline)
             except Exception as exc:  # the held connection broke: ask again, once
                 logger.debug("s3 held GET of %s failed (%s); sending it again", object_key, exc)
-                close_response(response)
-        if body is None:
-            response = self._client.get_object(Bucket=self._config.bucket, Key=object_key)
-            body = response["Body"].read()
-        if self._refresher is not None:
-            self._refresher.offer(object_key, response.get("LastModified"))
+        response = self._client.get_object(Bucket=self._config.bucket, Key=object_key)
+        return self._download_from(object_key, response, key, deadline)
+
+    def _download_from(
+        self, object_key: str, response: dict[str, Any], key: bytes, deadline: float
+    ) -> Fetched:
+        if expired(response):
+            self._expire(object_key, response)
+            return None
+        body = BodyStream(response, deadline)
         try:
-            return Validated(decode(body, expected_key=key, keys=self._keys), len(body))
-        except CorruptObjectError:
-            return body
+            got = receive_whole(body.size, memoryview(b""), key, body.fill, self._keys)
+        finally:
+            body.finish()
+        if self._refresher is not None and not has_expiry(response):
+            self._refresher.offer(object_key, response.get("LastModified"))
+        return got
+
+    def _expire(self, object_key: str, response: Mapping[str, Any]) -> None:
+        """An object past its tenant's TTL was seen: close its response, delete it, count it."""
+        if "Body" in response:
+            close_response(response)
+        with self._lock:
+            self._stats.expired_total += 1
+        # Not waited for: this may run on a pool thread, or inside a lookup.
+        self._pool.submit(self._delete_expired, object_key)
+
+    def _delete_expired(self, object_key: str) -> None:
+        try:
+            self._client.delete_object(Bucket=self._config.bucket, Key=object_key)
+        except Exception as exc:  # the bucket's lifecycle rule is the backstop
+            self._count_error(_error_kind(exc))
 
     def _refresh(self, object_key: str) -> None:
         """Copy an object onto itself: same bytes, a fresh LastModified (see :mod:`.s3refresh`)."""

@@ -413,6 +413,10 @@ class ValkeyTier(RemoteTier):
         except Exception as exc:
             self._failed("put", exc)
             return [exc] * len(names)
+        finally:
+            # Sent (or the connection dropped mid-send): nothing reads them again.
+            for obj in encoded:
+                obj.release()
         self._breaker.record_success()
         # SET NX answers None when another writer stored the chunk first.
         return [bool(a) for a in answers]

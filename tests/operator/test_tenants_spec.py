@@ -60,7 +60,10 @@ def test_a_kvcache_without_tenants_renders_none() -> None:
     [
         ({"name": "a", "pinned": True, "match": {"cacheSalts": ["a"]}}, "needs budgets.l1_bytes"),
         ({"name": "a"}, "match needs cache_salts"),
-        ({"name": "a", "match": {"models": ["m"]}, "budgets": {"l2": "1Gi"}}, "l2_bytes: only 0"),
+        (
+            {"name": "a", "match": {"models": ["m"]}, "budgets": {"shared": "1Gi"}},
+            "shared_bytes: only 0",
+        ),
         ({"name": "default", "match": {"models": ["m"]}}, "tenants.0.name"),
     ],
 )

@@ -87,6 +87,24 @@ def test_stored_object_holds_no_plaintext_of_the_chunk_and_reads_back(backend, t
     assert tier.stats().decrypt_failures_total == {}
 
 
+def test_objects_sealed_one_after_another_into_a_reused_buffer_each_read_back(
+    backend, tmp_path
+) -> None:
+    keys = ring(tmp_path / "keys", k1=os.urandom(32))
+    tier, _ = backend.make_tier(keys=keys)
+    stored = {random_key(): payload(seed) for seed in range(10, 16)}
+    for key, data in stored.items():  # one at a time: each seal may reuse the last buffer
+        assert tier.put(key, data, META)
+    batch = {random_key(): payload(seed) for seed in range(20, 24)}
+    assert all(tier.put_many([(k, d, META) for k, d in batch.items()]))
+    stored.update(batch)
+    assert keys.buffers.reused_total >= 5  # each tier gives its ciphertext buffers back
+    for key, data in stored.items():
+        got = tier.get(key)
+        assert got is not None and bytes(got.payload) == data
+    assert tier.stats().decrypt_failures_total == {}
+
+
 def test_each_object_gets_its_own_nonce(backend, tmp_path) -> None:
     tier, raw = backend.make_tier(keys=ring(tmp_path / "keys", k1=os.urandom(32)))
     a, b, data = random_key(), random_key(), payload(2)

@@ -24,8 +24,8 @@ CHUNK = 64 << 10
 
 def _written_behind(sidecar: Any) -> bool:
     s = sidecar.samples()
-    queued = (
-        s['kvstrata_write_queue_depth{tier="l2"}'] + s['kvstrata_write_queue_depth{tier="valkey"}']
+    queued = s['kvstrata_write_queue_depth{tier="l2"}'] + s.get(
+        'kvstrata_write_queue_depth{tier="valkey"}', 0
     )
     return queued == 0 == s["kvstrata_writeback_pinned_bytes"]
 
@@ -141,3 +141,93 @@ def test_the_scheduler_looks_up_only_the_tiers_a_request_names_and_nothing_on_un
         assert scheduler.counters.bad_params == 1
     finally:
         scheduler.close()
+
+
+def test_a_chunk_promoted_from_l2_keeps_its_store_choice_and_stays_out_of_the_shared_tier(
+    sidecar_factory: Any, kit: Any, valkey: Any
+):
+    # Admission "reused": a chunk promoted from L2 is a hit, which uploads it.
+    shared = shared_valkey(valkey.url, admission="reused")
+    sidecar = sidecar_factory("promoted", {"shared": shared, "l1": {"size_bytes": "8Mi"}}).start()
+    client = sidecar.client(call_timeout_s=5.0)
+    local_only = kit.make_keys(3, seed=45)
+    _store(kit, client, local_only, frozenset({"l1", "l2"}))
+    kit.wait_until(lambda: _written_behind(sidecar), 20, "write-behind to drain")
+    assert all(_l2_file(sidecar, k).exists() for k in local_only)
+
+    # Chunks kept in L1 only push the local-only ones out of the 8 MiB arena.
+    flood = kit.make_keys(160, seed=46)
+    for i in range(0, len(flood), 16):
+        _store(kit, client, flood[i : i + 16], frozenset({"l1"}))
+    reply = client.lookup(local_only, prefetch=False, owner="look")
+    assert reply is not None and reply.tiers == ["l2"] * 3, client.errors
+
+    # Read back: promoted from L2 into L1, and not uploaded for being a hit.
+    assert kit.retrieve(client, local_only, owner="read") == [
+        kit.payload(k, CHUNK) for k in local_only
+    ]
+    assert sidecar.samples()['kvstrata_promotions_total{tier="l2"}'] >= 3
+    kit.wait_until(lambda: _written_behind(sidecar), 20, "write-behind to drain")
+    prefix = shared["valkey"]["key_prefix"]
+    server = redis.Redis.from_url(valkey.url)
+    assert not any(server.exists(f"{prefix}{key_hex(k)}") for k in local_only)
+    server.close()
+    client.close()
+
+
+def test_a_chunk_promoted_from_the_shared_tier_keeps_its_store_choice_and_stays_off_the_disk(
+    sidecar_factory: Any, kit: Any, valkey: Any
+):
+    shared = shared_valkey(valkey.url)
+    sidecar = sidecar_factory("upward", {"shared": shared, "l1": {"size_bytes": "8Mi"}}).start()
+    client = sidecar.client(call_timeout_s=5.0)
+    shared_only = kit.make_keys(3, seed=47)
+    _store(kit, client, shared_only, frozenset({"l1", "shared"}))
+    kit.wait_until(lambda: _written_behind(sidecar), 20, "write-behind to drain")
+    flood = kit.make_keys(160, seed=48)
+    for i in range(0, len(flood), 16):
+        _store(kit, client, flood[i : i + 16], frozenset({"l1"}))
+    reply = client.lookup(shared_only, prefetch=False, owner="look")
+    assert reply is not None and reply.tiers == ["valkey"] * 3, client.errors
+
+    # Promoted from Valkey into L1, and not written to L2 on its way up.
+    assert kit.retrieve(client, shared_only, owner="read") == [
+        kit.payload(k, CHUNK) for k in shared_only
+    ]
+    assert sidecar.samples()['kvstrata_promotions_total{tier="valkey"}'] >= 3
+    kit.wait_until(lambda: _written_behind(sidecar), 20, "write-behind to drain")
+    assert not any(_l2_file(sidecar, k).exists() for k in shared_only)
+    client.close()
+
+
+def test_a_read_promotes_only_from_the_tiers_its_request_may_load_from(
+    sidecar_factory: Any, kit: Any
+):
+    sidecar = sidecar_factory("reads", {"l1": {"size_bytes": "8Mi"}}).start()
+    client = sidecar.client(call_timeout_s=5.0)
+    on_disk = kit.make_keys(3, seed=49)
+    _store(kit, client, on_disk, None)
+    kit.wait_until(lambda: _written_behind(sidecar), 20, "write-behind to drain")
+    flood = kit.make_keys(160, seed=50)
+    for i in range(0, len(flood), 16):
+        _store(kit, client, flood[i : i + 16], frozenset({"l1"}))
+    reply = client.lookup(on_disk, prefetch=False, owner="look")
+    assert reply is not None and reply.tiers == ["l2"] * 3, client.errors
+    promoted = sidecar.samples().get('kvstrata_promotions_total{tier="l2"}', 0)
+
+    # Evicted from L1 since: a read that may load from L1 only is a miss,
+    # and nothing is promoted for it.
+    slots = client.prepare_retrieve(on_disk, owner="l1-only", load_tiers=frozenset({"l1"}))
+    assert slots == [None] * 3, client.errors
+    assert sidecar.samples().get('kvstrata_promotions_total{tier="l2"}', 0) == promoted
+
+    # A read that may load from L2 promotes them.
+    slots = client.prepare_retrieve(on_disk, owner="any", load_tiers=frozenset({"l1", "l2"}))
+    assert slots is not None and all(slots), client.errors
+    arena = client.arena
+    assert [bytes(arena[s.offset : s.offset + s.length]) for s in slots] == [
+        kit.payload(k, CHUNK) for k in on_disk
+    ]
+    assert sidecar.samples().get('kvstrata_promotions_total{tier="l2"}', 0) == promoted + 3
+    assert client.release([s.lease_id for s in slots])
+    client.close()

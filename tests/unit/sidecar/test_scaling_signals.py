@@ -74,7 +74,9 @@ def test_an_l2_eviction_of_a_file_this_process_wrote_is_young_and_of_one_found_a
 
 def test_queued_loads_count_the_chunks_a_prefetch_has_not_landed_yet():
     cond = threading.Condition()
-    prefetcher = Prefetcher(cond, acquire=lambda key, owner: None, end_lease=lambda lease: None)
+    prefetcher = Prefetcher(
+        cond, acquire=lambda key, owner, tiers: None, end_lease=lambda lease: None
+    )
     try:
         with cond:
             prefetcher.expect("client:req-1", [make_key(1), make_key(2)])

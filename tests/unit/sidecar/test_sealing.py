@@ -52,6 +52,25 @@ def test_a_ciphertext_moved_under_another_chunk_key_fails_its_tag(ring) -> None:
     assert failed.value.reason == "auth_failed"
 
 
+def test_a_sealed_object_opened_in_place_needs_no_buffer_of_its_own(ring) -> None:
+    data = os.urandom(4096)
+    blob = bytearray(sealed(ring, KEY_A, data, tenant="team-a"))
+    payload = memoryview(decode(blob, KEY_A, keys=ring, in_place=True).payload)
+    assert bytes(payload) == data
+    header = decode_header(blob)
+    # The plaintext is where the ciphertext was: the same buffer, no copy.
+    assert blob[header.header_length : header.header_length + len(data)] == data
+    assert payload.obj is blob
+
+
+def test_a_tampered_object_opened_in_place_is_refused(ring) -> None:
+    blob = bytearray(sealed(ring, KEY_A, os.urandom(4096)))
+    blob[-20] ^= 1
+    with pytest.raises(SealError) as failed:
+        decode(blob, KEY_A, keys=ring, in_place=True)
+    assert failed.value.reason == "auth_failed"
+
+
 def test_a_tenant_key_is_derived_and_named_in_the_header(ring) -> None:
     data = os.urandom(4096)
     blob = sealed(ring, KEY_A, data, tenant="team-a")

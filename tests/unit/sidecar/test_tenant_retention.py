@@ -112,8 +112,8 @@ def test_where_a_tenants_chunks_may_go_below_l1() -> None:
             "tenant name 'a' is used twice",
         ),
         (
-            [{"name": "a", "match": {"models": ["m"]}, "budgets": {"l2_bytes": "1Gi"}}],
-            "tenants.0.budgets: l2_bytes: only 0",
+            [{"name": "a", "match": {"models": ["m"]}, "budgets": {"shared_bytes": "1Gi"}}],
+            "tenants.0.budgets: shared_bytes: only 0",
         ),
         (
             [
@@ -161,3 +161,38 @@ def test_a_chunk_promoted_from_l2_stays_its_tenants_and_ages_from_its_first_stor
             engine.remove(key)
         # What the tenant was charged for its chunks is what their removal gave back.
         assert engine.stats().tenants.l1_bytes.get("daily", 0) == 0
+
+
+def test_after_a_restart_a_sealed_l2_file_ages_by_its_tenants_ttl_from_when_it_was_written(
+    tmp_path: Path,
+) -> None:
+    import os
+    import time
+
+    from kvstrata.sidecar.sealing import KeyRing
+    from kvstrata.testing.keyfolder import MountedSecret, key_files
+
+    MountedSecret(tmp_path / "keys").publish(key_files({"k1": os.urandom(32)}, writing="k1"))
+    daily = {"name": "daily", "match": {"cache_salts": ["d"]}, "ttl_seconds": 60}
+    config = _engine(tmp_path, Clock(), daily).config
+    old, young, plain = make_key(31), make_key(32), make_key(33)
+    with StorageManager(config, keys=KeyRing("on", str(tmp_path / "keys"))) as engine:
+        for key, tenant in ((old, "daily"), (young, "daily"), (plain, "")):
+            assert engine.put(key, payload_for(key, CHUNK), _meta(tenant))
+        assert engine.flush(timeout=30)
+        assert engine.l2 is not None
+        old_file = engine.l2.path_of(old)
+    hour_ago = time.time() - 3600
+    os.utime(old_file, (hour_ago, hour_ago))  # written an hour before the restart
+
+    clock = Clock()
+    with StorageManager(config, clock=clock, keys=KeyRing("on", str(tmp_path / "keys"))) as engine:
+        # The restarted sidecar knows the files' tenant from their sealed headers:
+        # the hour-old one is past daily's TTL, the others are not.
+        assert engine.lookup([young]).tiers == ["l2"]
+        assert engine.lookup([old]).hit_chunks == 0
+        assert engine.l2 is not None and not engine.l2.contains(old)
+        assert engine.stats().tenants.expirations == {("daily", "l2"): 1}
+        clock.now += 3600.0  # long after: the young one too; the default tenant has no TTL
+        assert engine.lookup([young]).hit_chunks == 0
+        assert engine.get(plain) == payload_for(plain, CHUNK)
