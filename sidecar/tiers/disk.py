@@ -276,28 +276,31 @@ class DiskTier(Tier):
                 self.tenants.reserve(meta.tenant, -total)
         if not ok:
             return False
-        sealed = is_sealed(header)
         entry = DiskEntry(
             total,
             len(header),
             memoryview(payload).nbytes,
             meta,
-            sealed=sealed,
+            sealed=is_sealed(header),
             stored_at=time.monotonic(),
             written_unix=time.time(),
         )
+        self._index_written(key, entry, len(stored))
+        return True
+
+    def _index_written(self, key: ChunkKey, entry: DiskEntry, stored_bytes: int) -> None:
+        """Index a file just written, in place of any older one under its key."""
         with self._lock:
             old = self._index.pop(key, None)
             if old is not None:
                 self._usage -= old.file_bytes
                 self._account(key, old, -old.file_bytes)
             self._index[key] = entry
-            self._usage += total
-            self._account(key, entry, total)
-            self._stats.stored_bytes_total += len(stored)
+            self._usage += entry.file_bytes
+            self._account(key, entry, entry.file_bytes)
+            self._stats.stored_bytes_total += stored_bytes
             if old is None and self.events is not None:
                 self.events.stored(key)
-        return True
 
     def _write_file(self, key: bytes, header: bytes, stored: bytes | memoryview) -> bool:
         final = self.path_of(key)
