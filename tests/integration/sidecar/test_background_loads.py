@@ -281,8 +281,15 @@ def test_the_scheduler_loads_hits_below_l1_in_the_background(sidecar: Any, kit: 
         assert scheduler.build_connector_meta(kit.empty_step()).loads == []  # sent once
         scheduler.request_finished("below-l1")
 
+        # Landed, not only reserved: an L1 entry counts among the objects as
+        # soon as its promotion reserves it, and a lookup sees it only once ready.
         kit.wait_until(
-            lambda: sidecar.status()["tiers"]["l1"]["objects"] >= 2, 10, "the promotions"
+            lambda: (
+                sidecar.status()["tiers"]["l1"]["objects"] >= 2
+                and sidecar.metric("kvstrata_queued_loads") == 0
+            ),
+            10,
+            "the promotions",
         )
         again = _request("in-l1", hashes, kit)
         assert _matched(scheduler, again, kit) == 2 * kit.WORKER_CHUNK
