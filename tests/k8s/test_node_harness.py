@@ -8,6 +8,7 @@ and containerd, runc, the CNI plugins, ip and gcc; it skips naming what is missi
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import ipaddress
@@ -247,3 +248,33 @@ def test_containerd_sockets_stay_within_the_unix_path_limit_under_a_deep_folder(
     config = nodemod.containerd_config(node.paths, Path("/usr/lib/cni"), Path("/usr/sbin/runc"))
     assert f'address = "{ttrpc}"' in config
     assert node.paths.containerd_state.is_relative_to(deep)  # all else stays in the folder
+
+
+def test_a_cgroup_still_busy_with_exiting_threads_is_removed_once_they_are_gone(
+    tmp_path, monkeypatch
+):
+    # Seen on the node: the teardown killed vLLM's container; the process's leader was
+    # a zombie already, its other threads were still exiting, and every rmdir of its
+    # cgroups failed with EBUSY. That moment cannot be had on cue: a fault double
+    # answers the first rmdir of each cgroup with EBUSY, as the kernel did.
+    if os.geteuid() != 0 or not nodeclean.cgroup_hierarchies():
+        pytest.skip("making cgroups needs root and cgroup hierarchies")
+    name = f"kvstest-busy-{os.getpid()}"
+    nodeclean.make_cgroup_root(name)
+    (nodeclean.cgroup_hierarchies()[0] / name / "pod").mkdir()
+    refused: set[Path] = set()
+
+    def busy_once(folder: Path) -> None:  # fault double: threads still exiting
+        if folder not in refused:
+            refused.add(folder)
+            raise OSError(errno.EBUSY, "Device or resource busy", str(folder))
+        os.rmdir(folder)
+
+    monkeypatch.setattr(Path, "rmdir", busy_once)
+    try:
+        assert nodeclean.remove_cgroups(name) == []
+    finally:
+        monkeypatch.undo()
+        for folder in nodeclean._cgroup_folders(name):  # what a failed removal left
+            folder.rmdir()
+    assert not any((h / name).exists() for h in nodeclean.cgroup_hierarchies())
