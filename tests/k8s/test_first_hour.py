@@ -18,8 +18,10 @@ a running, injected vLLM pod. One scenario, in steps, each a function below:
    and the tiny model, all mounted read-only from this host; the connector
    comes in through the chart's installer init container, as into a stock vLLM
    image. The pod runs with the injected native sidecar and serves;
-4. two completions with the same 600-token prompt (vLLM's own prefix cache off):
-   the second one's prefix is loaded from the sidecar, counted in the sidecar's
+4. a 600-token completion, vLLM's container restarted (``kill 1`` through the
+   API server's exec, as the README does; its sidecar keeps running), the same
+   completion again: its prefix, gone from vLLM's own prefix cache with the
+   restart, is loaded from the sidecar's L1, counted in the sidecar's
    ``kvstrata_hit_tokens_total`` and in vLLM's
    ``vllm:prompt_tokens_cached_by_source{source="host"}``, both read at the
    pod's IP from this host, and the greedy outputs agree;
@@ -219,8 +221,6 @@ def vllm_deployment(namespace: str, base: str, venv: Path, model: Path) -> list[
                 "--dtype=float32",
                 "--max-model-len=1024",
                 "--enforce-eager",
-                # The second request must find its prefix in the sidecar, not in vLLM.
-                "--no-enable-prefix-caching",
             ],
             "env": [{"name": k, "value": v} for k, v in env.items()],
             "resources": {},
@@ -234,7 +234,44 @@ def vllm_deployment(namespace: str, base: str, venv: Path, model: Path) -> list[
     return docs
 
 
-# -- 4. requests and counters ---------------------------------------------------------
+# -- 4. requests, a restart and counters ---------------------------------------------------
+
+
+def restart_vllm(kube: Any, namespace: str, pod: str) -> None:
+    """``kubectl exec POD -c vllm -- sh -c 'kill 1'``: vLLM exits and the kubelet
+    restarts its container; the sidecar, and what its L1 holds, keep running."""
+    from kubernetes import client
+    from kubernetes.stream import stream
+
+    core = client.CoreV1Api(kube.api)
+    stream(
+        core.connect_get_namespaced_pod_exec,
+        pod,
+        namespace,
+        container="vllm",
+        command=["sh", "-c", "kill 1"],
+        stderr=True,
+        stdin=False,
+        stdout=True,
+        tty=False,
+    )
+
+
+def vllm_restarted(kube: Any, namespace: str, name: str) -> bool:
+    """vLLM's container restarted once and Ready again; the sidecar never restarted."""
+    status = (kube.get("v1", "Pod", namespace, name) or {}).get("status") or {}
+    by_name = {
+        c["name"]: c
+        for c in (status.get("containerStatuses") or [])
+        + (status.get("initContainerStatuses") or [])
+    }
+    vllm, sidecar = by_name.get("vllm", {}), by_name.get("kvstrata-sidecar", {})
+    return (
+        vllm.get("restartCount") == 1
+        and bool(vllm.get("ready"))
+        and sidecar.get("restartCount") == 0
+        and bool(sidecar.get("ready"))
+    )
 
 
 def http(url: str, body: dict | None = None, timeout: float = 300) -> str:
@@ -385,8 +422,14 @@ def test_a_users_first_hour_from_helm_install_to_cache_hits_in_an_injected_vllm_
         assert "kvstrata-install" in init
         pod_ip = pod["status"]["podIP"]
 
-        step(f"4. two requests with the same prefix at {pod_ip}")
+        step(f"4. a request, vLLM restarted, the same request again, at {pod_ip}")
         first = complete(pod_ip)
+        restart_vllm(kube, workload, pod["metadata"]["name"])
+        wait_for(
+            lambda: vllm_restarted(kube, workload, pod["metadata"]["name"]),
+            VLLM_READY_S,
+            "the vLLM container restarted and Ready, its sidecar still running",
+        )
         second = complete(pod_ip)
         assert first == second  # greedy: the KV loaded from the sidecar is vLLM's own
 
