@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -372,11 +374,13 @@ def sleeper_deployment(namespace: str, base: str) -> dict[str, Any]:
 
 
 def test_a_users_first_hour_from_helm_install_to_cache_hits_in_an_injected_vllm_pod(
-    kube, node, wait_for, tmp_path_factory
+    kube, node, wait_for
 ):
     suffix = uuid.uuid4().hex[:6]
     system, workload = f"kvstrata-system-{suffix}", f"first-hour-{suffix}"
-    work = tmp_path_factory.mktemp("first-hour")
+    # Not under pytest's temporary folder, which another pytest run of this user may
+    # prune: the vLLM pods mount the venv from here.
+    work = Path(tempfile.mkdtemp(prefix="kvstrata-first-hour-"))
     release = chart.new_release(kube.api)
     try:
         step("1. building the images and importing them into the node")
@@ -523,6 +527,7 @@ def test_a_users_first_hour_from_helm_install_to_cache_hits_in_an_injected_vllm_
     finally:
         remove_workloads(kube, workload, wait_for)
         release.uninstall()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def remove_workloads(kube: Any, namespace: str, wait_for: Any) -> None:
