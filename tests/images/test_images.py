@@ -14,7 +14,6 @@ import json
 import re
 import subprocess
 import sys
-import sysconfig
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,6 +25,7 @@ from kvstrata import __version__
 from kvstrata.connector.client import SidecarClient
 from kvstrata.sidecar.keys import ChunkKey, Namespace
 from kvstrata.testing.localstack import VLLM_ENV
+from kvstrata.testing.vllmvenv import clean_vllm_venv
 
 # The first test also waits for the session's image build.
 pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -168,28 +168,12 @@ VLLM_SCRIPT = textwrap.dedent(
 )
 
 
-def _clean_vllm_venv(where: Path) -> Path:
-    """A venv that sees torch and vLLM (this venv's site-packages through a .pth
-    file) but not kvstrata: a .pth file's own .pth files (the editable
-    install's finder among them) are not processed outside site directories."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
-    python = where / "bin" / "python"
-    purelib = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    Path(purelib, "project-site-packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    return python
-
-
 def test_the_installer_from_the_sidecar_image_gives_a_clean_vllm_venv_a_working_connector(
     buildah: Any, containers: dict[str, str], kit: Any, shared_dir: Path, tmp_path: Path
 ):
     from kvstrata.testing.tinymodel import build_tiny_llama, default_cache_root
 
-    python = _clean_vllm_venv(tmp_path / "venv")
+    python = clean_vllm_venv(tmp_path / "venv")
     target = shared_dir / "python"
     probe = "import importlib.util as u; print(*(bool(u.find_spec(m)) for m in ('vllm', 'torch')))"
     seen = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=True)

@@ -40,9 +40,11 @@ from __future__ import annotations
 import base64
 import ipaddress
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
@@ -53,6 +55,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvstrata.testing import nodeclean
 from kvstrata.testing.controlplane import ASSETS_ENV, ControlPlane, ControlPlaneError, find_assets
 from kvstrata.testing.poll import wait_until
 from kvstrata.testing.processes import stop_process
@@ -73,7 +76,7 @@ def wait_for_fixture() -> Callable[..., Any]:
 
 
 @pytest.fixture(scope="session")
-def own_control_plane(tmp_path_factory) -> Iterator[ControlPlane | None]:
+def own_control_plane() -> Iterator[ControlPlane | None]:
     """The loopback control plane ``KUBEBUILDER_ASSETS`` asks for (None when it does not)."""
     try:
         assets = find_assets()
@@ -82,7 +85,19 @@ def own_control_plane(tmp_path_factory) -> Iterator[ControlPlane | None]:
     if assets is None:
         yield None
         return
-    plane = ControlPlane(assets, tmp_path_factory.mktemp("control-plane"))
+    # Not under pytest's temporary folder: a pytest run of the same user elsewhere on the
+    # machine keeps only the three newest of those, and deleted a running suite's etcd
+    # data and CA (seen: the API server answered 504, then the CA file was gone).
+    workdir = Path(tempfile.mkdtemp(prefix="kvstrata-control-plane-"))
+    try:
+        yield from _running_control_plane(assets, workdir)
+    finally:
+        if not nodeclean.mounts_under(workdir):  # never delete through a mount left behind
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _running_control_plane(assets: Any, workdir: Path) -> Iterator[ControlPlane]:
+    plane = ControlPlane(assets, workdir)
     try:
         kubeconfig = plane.start()
     except ControlPlaneError as exc:

@@ -9,29 +9,16 @@ validation, which no schema in the cluster-free suite fully restates.
 
 from __future__ import annotations
 
-import contextlib
 import uuid
 from typing import Any
 
 import pytest
-import yaml
 
-from .conftest import REPO, wait_for
+from kvstrata.testing.chart import new_release, render
+
+from .conftest import wait_for
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
-
-
-def rendered(release: str, namespace: str, values: dict[str, Any]) -> list[dict[str, Any]]:
-    import helm_python as helm
-
-    manifests = helm.Chart.load(REPO / "charts" / "kvstrata").render(
-        values=values, name=release, namespace=namespace
-    )
-    docs = []
-    for path, text in sorted(manifests.items()):
-        if path.endswith(".yaml"):  # NOTES.txt is text for the user
-            docs += [d for d in yaml.safe_load_all(text) if d]
-    return docs
 
 
 @pytest.mark.parametrize(
@@ -42,29 +29,20 @@ def rendered(release: str, namespace: str, values: dict[str, Any]) -> list[dict[
 def test_every_object_the_chart_renders_is_created_by_the_api_server(
     kube, crd_applied, peering_crds, values
 ):
-    from kubernetes import dynamic
-    from kubernetes.dynamic.exceptions import NotFoundError
-
-    client = dynamic.DynamicClient(kube.api)
     suffix = uuid.uuid4().hex[:6]
-    release, namespace = f"kvs{suffix}", f"kvstrata-system-{suffix}"
-    docs = rendered(release, namespace, values)
+    release_name, namespace = f"kvs{suffix}", f"kvstrata-system-{suffix}"
+    docs = render(release_name, namespace, values)
     watched = values.get("operator", {}).get("watchNamespaces", [])
-    namespaces = client.resources.get(api_version="v1", kind="Namespace")
-    made: list[tuple[Any, dict[str, Any]]] = []
+    release = new_release(kube.api)
     try:
         for name in [namespace, *watched]:
             if kube.get("v1", "Namespace", "", name) is None:
                 ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
-                namespaces.create(body=ns)
-                made.append((namespaces, ns))
+                release.create(ns)
         kinds = set()
         for doc in docs:
-            resource = client.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
-            target = doc["metadata"].get("namespace") if resource.namespaced else None
-            created = resource.create(body=doc, namespace=target)
+            created = release.create(doc)
             assert created.metadata.uid, f"{doc['kind']} {doc['metadata']['name']}"
-            made.append((resource, doc))
             kinds.add(doc["kind"])
         assert {"Deployment", "MutatingWebhookConfiguration", "Service", "ServiceAccount"} <= kinds
         replicas = values.get("operator", {}).get("replicas", 2)
@@ -75,14 +53,10 @@ def test_every_object_the_chart_renders_is_created_by_the_api_server(
             assert not peers & kinds
         for doc in docs:
             if doc["kind"] in ("ClusterKopfPeering", "KopfPeering"):
-                assert_keeps_a_keep_alive(client, doc)
+                assert_keeps_a_keep_alive(release.client, doc)
                 assert_rbac_allows_kopfs_peering(kube, docs, doc)
     finally:
-        for resource, doc in reversed(made):
-            target = doc["metadata"].get("namespace") if resource.namespaced else None
-            # NotFound: its namespace's deletion took it already.
-            with contextlib.suppress(NotFoundError):
-                resource.delete(name=doc["metadata"]["name"], namespace=target)
+        release.uninstall()
 
 
 def assert_keeps_a_keep_alive(client: Any, doc: dict[str, Any]) -> None:

@@ -9,7 +9,7 @@ import boto3
 import kopf
 import pytest
 
-from kvstrata.operator import handlers
+from kvstrata.operator import handlers, rollout
 from kvstrata.operator import reconcile as rec
 from kvstrata.operator import spec as S
 from kvstrata.testing.servers import MotoS3Server, RedisServer, ServerError, redis_server_binary
@@ -324,3 +324,93 @@ def test_an_unreadable_webhook_configuration_does_not_stop_rolling(make_kvcache,
     outcome = rec.reconcile(make_kvcache(), cluster, now=NOW, webhook_config="kvstrata-webhook")
     assert [e.reason for e in outcome.events].count("RolledWorkload") == 1
     assert outcome.status["notRolled"] == []
+
+
+def pod_from(template_annotations, name, **extra):
+    """A pod as the ReplicaSet makes it: the template's annotations copied, plus ``extra``
+    (what the webhook adds when the API server calls it)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": "ml",
+            "labels": {"app": "later"},
+            "annotations": {**template_annotations, **extra},
+        },
+        "spec": {"containers": [{"name": "main", "image": "busybox"}]},
+    }
+
+
+def remove_pod(cluster, name):
+    """The pod gone, as the ReplicaSet controller deletes it in a rollout."""
+    del cluster.objects[("v1", "Pod", "ml", name)]
+
+
+def template_of(cluster, name="later"):
+    found = cluster.get("apps/v1", "Deployment", "ml", name)
+    return found["spec"]["template"]["metadata"]["annotations"]
+
+
+def test_pods_admitted_without_the_webhook_are_rolled_again_though_the_template_is_current(
+    make_kvcache, cluster
+):
+    # Seen on a real node: the operator, back after a downtime, stamped the current hash
+    # on a Deployment; its new pod was admitted before the webhook's Service had the
+    # operator's pod as an endpoint (failurePolicy Ignore), so it ran without a sidecar
+    # and, the template being current, was never rolled again.
+    digest = rec.desired_objects(make_kvcache(), cluster)[1]
+    stamped = {S.CACHE_ANNOTATION: "demo", S.CONFIG_HASH_ANNOTATION: digest}
+    cluster.put(workload("Deployment", "later", stamped))
+    cluster.put(pod_from(stamped, "later-1"))  # no sidecar, no skip reason: never seen
+    out = rec.reconcile(make_kvcache(), cluster, now=NOW)
+    assert [n for _, n, _ in cluster.patches] == ["later"]
+    assert template_of(cluster)[S.REROLL_ANNOTATION] == "1"
+    assert template_of(cluster)[S.CONFIG_HASH_ANNOTATION] == digest
+    (event,) = [e for e in out.events if e.reason == "RolledWorkload"]
+    assert "re-roll 1" in event.message
+
+    # The controller replaces the pod; the webhook injects the new one: nothing more to do.
+    cluster.patches.clear()
+    remove_pod(cluster, "later-1")
+    cluster.put(pod_from(template_of(cluster), "later-2", **{S.INJECTED_ANNOTATION: digest}))
+    rec.reconcile(make_kvcache(), cluster, now=NOW)
+    assert cluster.patches == []
+
+
+def test_the_old_templates_pods_during_a_rollout_and_skipped_pods_cause_no_reroll(
+    make_kvcache, cluster
+):
+    digest = rec.desired_objects(make_kvcache(), cluster)[1]
+    old = {S.CACHE_ANNOTATION: "demo", S.CONFIG_HASH_ANNOTATION: digest}
+    current = {**old, S.REROLL_ANNOTATION: "1"}
+    cluster.put(workload("Deployment", "later", current))
+    cluster.put(pod_from(old, "later-old"))  # the previous template's: being replaced
+    cluster.put(pod_from(current, "later-new", **{S.SKIPPED_ANNOTATION: "no_such_cache"}))
+    rec.reconcile(make_kvcache(), cluster, now=NOW)
+    assert cluster.patches == []
+
+
+def test_rerolls_stop_after_a_few_when_the_webhook_is_never_reached(make_kvcache, cluster):
+    digest = rec.desired_objects(make_kvcache(), cluster)[1]
+    stamped = {S.CACHE_ANNOTATION: "demo", S.CONFIG_HASH_ANNOTATION: digest}
+    cluster.put(workload("Deployment", "later", stamped))
+    for attempt in range(1, rollout.MAX_REROLLS + 2):
+        for found in cluster.list("v1", "Pod", "ml"):
+            remove_pod(cluster, found["metadata"]["name"])
+        cluster.put(pod_from(template_of(cluster), f"later-{attempt}"))  # unseen again
+        cluster.patches.clear()
+        rec.reconcile(make_kvcache(), cluster, now=NOW)
+        if attempt <= rollout.MAX_REROLLS:
+            assert template_of(cluster)[S.REROLL_ANNOTATION] == str(attempt)
+        else:
+            assert cluster.patches == []  # given up: the workload is left as it is
+
+
+def test_a_config_change_drops_the_reroll_count(make_kvcache, cluster):
+    digest = rec.desired_objects(make_kvcache(), cluster)[1]
+    rerolled = {S.CACHE_ANNOTATION: "demo", S.CONFIG_HASH_ANNOTATION: digest}
+    cluster.put(workload("Deployment", "later", {**rerolled, S.REROLL_ANNOTATION: "3"}))
+    changed = rec.reconcile(make_kvcache(l1={"size": "4Gi"}), cluster, now=NOW)
+    assert template_of(cluster)[S.CONFIG_HASH_ANNOTATION] == changed.status["configHash"]
+    assert S.REROLL_ANNOTATION not in template_of(cluster)

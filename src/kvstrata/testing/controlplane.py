@@ -15,8 +15,10 @@ that can run a node (:func:`node_unavailable` says why not), the control
 plane gets one node (:mod:`kvstrata.testing.node`), stopped before it.
 
 Everything lives in one temporary folder and listens on 127.0.0.1 only, on
-free ports: a CA and a serving certificate for 127.0.0.1 (the API server's
-``--tls-cert-file``), a static token for one ``system:masters`` user
+free ports: a CA and a serving certificate (the API server's
+``--tls-cert-file``) for 127.0.0.1 and for the ``kubernetes`` Service's
+ClusterIP and DNS names (the node's pods reach the API server there,
+:mod:`kvstrata.testing.apiroute`), a static token for one ``system:masters`` user
 (``--token-auth-file``, RBAC authorisation), a service-account signing key,
 and a kubeconfig for the clients. The flags are kube-apiserver's and
 kube-controller-manager's documented ones
@@ -28,6 +30,7 @@ version from 1.29 on and in etcd 3.4 and 3.5.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import secrets
@@ -47,6 +50,15 @@ ASSETS_ENV = "KUBEBUILDER_ASSETS"
 ADMIN_USER = "kvstrata-admin"
 SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
+# The kubernetes Service gets the range's first address; in-cluster clients dial it.
+API_SERVICE_IP = str(next(ipaddress.ip_network(SERVICE_CLUSTER_IP_RANGE).hosts()))
+API_SERVICE_NAMES = (
+    API_SERVICE_IP,
+    "kubernetes",
+    "kubernetes.default",
+    "kubernetes.default.svc",
+    "kubernetes.default.svc.cluster.local",
+)
 
 
 class ControlPlaneError(RuntimeError):
@@ -154,7 +166,9 @@ class Files:
         from kvstrata.operator import certs
 
         self.root.mkdir(parents=True, exist_ok=True)
-        bundle = certs.issue(["127.0.0.1", "localhost"])
+        # The Service names and ClusterIP too: the node's pods verify the API
+        # server at the kubernetes Service (kvstrata.testing.apiroute).
+        bundle = certs.issue(["127.0.0.1", "localhost", *API_SERVICE_NAMES])
         self.ca.write_bytes(bundle.ca_crt)
         self.serving_cert.write_bytes(bundle.tls_crt)
         _write_private(self.serving_key, bundle.tls_key)
@@ -240,6 +254,8 @@ def apiserver_args(
         # Webhooks (and aggregated APIs) behind a Service are dialled at an
         # endpoint's pod IP, not the ClusterIP: no kube-proxy runs here.
         "--enable-aggregator-routing=true",
+        # The node's name resolves nowhere: logs, exec and port-forward dial its address.
+        "--kubelet-preferred-address-types=InternalIP",
     ]
     if not service_account_admission:
         # No controller manager, no "default" service account: the plugin
@@ -348,6 +364,7 @@ class ControlPlane:
                     self.workdir / "node",
                     self.files.kubeconfig,
                     self._node_ready,
+                    api_service=(API_SERVICE_IP, port),
                 )
                 try:
                     self.node.start()

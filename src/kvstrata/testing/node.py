@@ -40,11 +40,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstrata.testing import nodeclean, pauseimage
+from kvstrata.testing.apiroute import ApiServiceRoute
 from kvstrata.testing.nodenet import NodeNetwork, PodNetwork, cni_bin_dir
 from kvstrata.testing.processes import ProcessSet
 
 # The Debian packages that hold each tool, for the message that says what to install.
-TOOLS = {"containerd": "containerd", "ctr": "containerd", "runc": "runc", "ip": "iproute2"}
+TOOLS = {
+    "containerd": "containerd",
+    "ctr": "containerd",
+    "runc": "runc",
+    "ip": "iproute2",
+    "iptables": "iptables",
+}
 
 
 class NodeError(RuntimeError):
@@ -206,10 +213,18 @@ class Node:
 
     ``node_ready(name)`` answers whether the API server has the Node ``name``
     with condition Ready=True: the control plane that owns the credentials asks.
+    With ``api_service`` (the ``kubernetes`` Service's ClusterIP and the API
+    server's loopback port) the node's pods reach the API server at that
+    ClusterIP, as in-cluster clients do (:mod:`kvstrata.testing.apiroute`).
     """
 
     def __init__(
-        self, kubelet: Path, workdir: Path, kubeconfig: Path, node_ready: Callable[[str], bool]
+        self,
+        kubelet: Path,
+        workdir: Path,
+        kubeconfig: Path,
+        node_ready: Callable[[str], bool],
+        api_service: tuple[str, int] | None = None,
     ) -> None:
         suffix = secrets.token_hex(3)
         self.kubelet = kubelet
@@ -218,11 +233,15 @@ class Node:
         self.node_ready = node_ready
         self.name = f"kvstrata-node-{suffix}"
         self.cgroup_root = f"kvstrata-{suffix}"
-        self.network = NodeNetwork(self.paths.cni_conf_dir, self.paths.ipam_dir)
+        # Pods get a route to the kubernetes Service's address alone: through the node.
+        routes = () if api_service is None else (f"{api_service[0]}/32",)
+        self.network = NodeNetwork(self.paths.cni_conf_dir, self.paths.ipam_dir, routes)
         # Two sets so that the kubelet stops before containerd is asked to.
         self.runtime = ProcessSet(workdir, NodeError)
         self.agent = ProcessSet(workdir, NodeError)
         self.pod_network: PodNetwork | None = None
+        self.api_service = api_service
+        self.api_route: ApiServiceRoute | None = None
 
     def start(self, timeout: float = 180) -> PodNetwork:
         missing = missing_tools()
@@ -232,6 +251,10 @@ class Node:
         try:
             self.paths.socket_dir.mkdir(mode=0o700)
             self.pod_network = self.network.create()
+            if self.api_service is not None:
+                cluster_ip, api_port = self.api_service
+                self.api_route = ApiServiceRoute(self.pod_network.bridge, cluster_ip, api_port)
+                self.api_route.add()
             nodeclean.make_cgroup_root(self.cgroup_root)
             self._start_containerd(timeout)
             self.import_image(pauseimage.build(self.paths.root / "pause"))
@@ -292,6 +315,8 @@ class Node:
         self.runtime.stop()
         failures = nodeclean.unmount_under(self.paths.root)
         failures += nodeclean.remove_cgroups(self.cgroup_root)
+        if self.api_route is not None:
+            failures += self.api_route.remove()
         failures += self.network.remove()
         shutil.rmtree(self.paths.socket_dir, ignore_errors=True)  # ours alone: named by our id
         if failures:

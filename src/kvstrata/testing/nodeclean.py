@@ -12,9 +12,11 @@ stopping at the first failure.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 from kvstrata.testing.poll import wait_until
@@ -66,13 +68,37 @@ def kill_cgroup_processes(name: str) -> int:
     return len(pids)
 
 
-def remove_cgroups(name: str) -> list[str]:
+def remove_cgroups(name: str, timeout: float = 30) -> list[str]:
+    """Remove the cgroups under ``/name``; return what could not be removed.
+
+    A cgroup refuses removal (EBUSY) while a task is in it, and a killed
+    process's threads leave it only once each has exited: its leader can be a
+    zombie already (so :func:`_kill_and_reap` counts it gone) while the other
+    threads of a big process (vLLM's) still tear down. So EBUSY is retried
+    until ``timeout``; any other error, or EBUSY past it, is a failure.
+    """
     failures = []
+    deadline = time.monotonic() + timeout
     for folder in _cgroup_folders(name):
+        busy: list[OSError] = []
+
+        def removed(folder: Path = folder, busy: list[OSError] = busy) -> bool:
+            try:
+                folder.rmdir()
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
+                    raise
+                busy.append(exc)
+                return False
+            return True
+
         try:
-            folder.rmdir()
+            left = max(deadline - time.monotonic(), 0.0)
+            wait_until(removed, left, f"cgroup {folder} to empty", step=0.1)
         except OSError as exc:
             failures.append(f"cgroup {folder}: {exc}")
+        except AssertionError:
+            failures.append(f"cgroup {folder}: {busy[-1]}")
     return failures
 
 

@@ -10,7 +10,9 @@ take a fixed name or range. What it makes, all named after one short id:
   IPs directly with no routing or NAT;
 - a CNI config (``bridge`` plugin in the pods' own network namespaces on
   that bridge, ``host-local`` IPAM with its lease files in the node's folder,
-  no IP masquerade: the pods need to reach this host only). containerd adds
+  no IP masquerade: the pods need to reach this host only; no default route,
+  only the routes the node asks for, the ``kubernetes`` Service's address
+  among them, :mod:`kvstrata.testing.apiroute`). containerd adds
   the loopback interface itself with the ``loopback`` plugin from the same
   plugin folder.
 
@@ -82,8 +84,9 @@ class PodNetwork:
     def node_ip(self) -> str:
         return str(self.subnet.network_address + 1)
 
-    def cni_config(self, ipam_dir: Path) -> dict:
-        """The conflist containerd reads: one bridge network on this subnet."""
+    def cni_config(self, ipam_dir: Path, routes: tuple[str, ...] = ()) -> dict:
+        """The conflist containerd reads: one bridge network on this subnet; ``routes``
+        (CIDRs) are routed through the node's address (the only gateway pods get)."""
         return {
             "cniVersion": "0.4.0",
             "name": self.bridge,
@@ -97,6 +100,7 @@ class PodNetwork:
                     "ipam": {
                         "type": "host-local",
                         "ranges": [[{"subnet": str(self.subnet), "gateway": self.node_ip}]],
+                        "routes": [{"dst": cidr} for cidr in routes],
                         "dataDir": str(ipam_dir),
                     },
                 }
@@ -107,9 +111,10 @@ class PodNetwork:
 class NodeNetwork:
     """Make with :meth:`create`, remove with :meth:`remove` (also after a failed create)."""
 
-    def __init__(self, conf_dir: Path, ipam_dir: Path) -> None:
+    def __init__(self, conf_dir: Path, ipam_dir: Path, routes: tuple[str, ...] = ()) -> None:
         self.conf_dir = conf_dir
         self.ipam_dir = ipam_dir
+        self.routes = routes
         self.network: PodNetwork | None = None
 
     def create(self) -> PodNetwork:
@@ -123,7 +128,7 @@ class NodeNetwork:
         self.conf_dir.mkdir(parents=True, exist_ok=True)
         self.ipam_dir.mkdir(parents=True, exist_ok=True)
         conflist = self.conf_dir / "10-kvstrata.conflist"
-        conflist.write_text(json.dumps(network.cni_config(self.ipam_dir), indent=2))
+        conflist.write_text(json.dumps(network.cni_config(self.ipam_dir, self.routes), indent=2))
         return network
 
     def remove(self) -> list[str]:
