@@ -406,7 +406,7 @@ def test_a_chunk_saved_in_ipc_mode_fits_a_host_mode_worker_of_the_same_layout(
     # Two pods share a tier, one in ipc mode, one in host mode: a chunk the first
     # saved must carry the dtype and shape the second's loads check (slot_fits).
     from kvstrata.connector.arena_view import slot_fits
-    from kvstrata.connector.client import ArenaSlot
+    from kvstrata.connector.client_arena import ArenaSlot
     from kvstrata.connector.layout import detect_layout
 
     engine = in_process_engine(tmp_path)
