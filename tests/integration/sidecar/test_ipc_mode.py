@@ -493,7 +493,7 @@ def test_a_cuda_fault_moves_ipc_sessions_to_host_mode_keeps_the_sidecar_ready_an
 ) -> None:
     from prometheus_client import generate_latest
 
-    from kvstrata.sidecar.transfer.cuda_device import CudaDeviceError
+    from kvstrata.sidecar.transfer.ipc_device import CudaDeviceError
 
     def illegal_address(*_args: Any, **_kwargs: Any) -> None:
         # The double's copy hits what a stray kernel access is on a GPU: a
@@ -543,7 +543,7 @@ def test_a_copy_failure_that_leaves_the_gpu_usable_is_counted_and_keeps_the_side
 ) -> None:
     from prometheus_client import generate_latest
 
-    from kvstrata.sidecar.transfer.cuda_device import CudaDeviceError
+    from kvstrata.sidecar.transfer.ipc_device import CudaDeviceError
 
     def out_of_memory(*_args: Any, **_kwargs: Any) -> None:
         raise CudaDeviceError("scatter on device 0: out of memory", "cudaErrorMemoryAllocation")
