@@ -11,6 +11,8 @@
 * :mod:`.staging`: the staging copy path (a device buffer and the copy engines)
 * :mod:`.peer_events`: waiting on the host for vLLM's interprocess events
 * :mod:`.ipc`: the ipc transfer mode, in which the sidecar copies itself
+* :mod:`.kv_registration`: REGISTER_KV's checks: handles opened, tensors bounded, copies planned
+* :mod:`.ipc_mapping`: one session's registered KV, and the block ids a copy may name
 * :mod:`.ipc_device`: what ipc mode asks of a GPU, its error type and sticky CUDA errors
 
 Nothing here imports vLLM; torch is imported only by the modules that copy,
