@@ -2,8 +2,9 @@
 
 * :mod:`.plan`: the byte geometry of vLLM's KV tensors, read from strides
 * :mod:`.torch_copy`: moves bytes by a plan with torch on any device
-* :mod:`.kernels`: ctypes binding of the ``csrc/`` CUDA kernels (and their
-  host build) that move all layers of many chunks in one launch
+* :mod:`.kernels`: loads the ``csrc/`` CUDA kernels (and their host build)
+  that move all layers of many chunks in one launch
+* :mod:`.kernel_binding`: the ctypes binding of a loaded library (copies, CUDA runtime calls)
 * :mod:`.abi`: the C ABI of those libraries, declarations and argument checks
 * :mod:`.csrc_build`: how the ``csrc/`` libraries are compiled
 * :mod:`.cuda_device`: the sidecar's GPUs in ipc mode (IPC handles, copies)

@@ -15,7 +15,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvstrata.sidecar.transfer.ipc_device import CudaDeviceError
-from kvstrata.sidecar.transfer.kernels import KernelError, TransferLibrary
+from kvstrata.sidecar.transfer.kernel_binding import KernelError, TransferLibrary
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.arena import Arena

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 from kvstrata.sidecar.transfer import kernels
 from kvstrata.sidecar.transfer.arena_registration import ArenaRegistration
 from kvstrata.sidecar.transfer.ipc_device import CudaDeviceError
-from kvstrata.sidecar.transfer.kernels import KernelError, TransferLibrary
+from kvstrata.sidecar.transfer.kernel_binding import KernelError, TransferLibrary
 from kvstrata.sidecar.transfer.peer_events import DEFAULT_PEER_EVENT_TIMEOUT_S, wait_for_peer_event
 from kvstrata.sidecar.transfer.staging import (
     DEFAULT_STAGING_BYTES,

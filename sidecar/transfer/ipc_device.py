@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from kvstrata.sidecar.transfer.kernels import KernelError
+    from kvstrata.sidecar.transfer.kernel_binding import KernelError
     from kvstrata.sidecar.transfer.plan import CopyPlan
 
 __all__ = ["STICKY_CUDA_ERRORS", "CudaDeviceError", "TransferDevice"]

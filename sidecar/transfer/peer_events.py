@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from kvstrata.sidecar.transfer.ipc_device import CudaDeviceError
-from kvstrata.sidecar.transfer.kernels import KernelError, TransferLibrary
+from kvstrata.sidecar.transfer.kernel_binding import KernelError, TransferLibrary
 
 __all__ = ["DEFAULT_PEER_EVENT_TIMEOUT_S", "wait_for_peer_event"]
 

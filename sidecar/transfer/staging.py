@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 from kvstrata.sidecar.transfer.ipc_device import CudaDeviceError
-from kvstrata.sidecar.transfer.kernels import KernelError, TransferLibrary
+from kvstrata.sidecar.transfer.kernel_binding import KernelError, TransferLibrary
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.transfer.plan import CopyPlan

@@ -33,7 +33,7 @@ from kvstrata.sidecar.transfer import csrc_build, kernels
 from kvstrata.sidecar.transfer.cuda_device import CudaDevice, CudaDevices
 from kvstrata.sidecar.transfer.ipc import IpcTransfers
 from kvstrata.sidecar.transfer.ipc_device import CudaDeviceError
-from kvstrata.sidecar.transfer.kernels import KernelError, TransferLibrary
+from kvstrata.sidecar.transfer.kernel_binding import KernelError, TransferLibrary
 from kvstrata.sidecar.transfer.plan import CopyPlan, TensorGeometry, plan_from_geometry
 from kvstrata.testing import chunkref
 from kvstrata.testing.kvlayouts import vllm_layers
