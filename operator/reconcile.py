@@ -1,9 +1,11 @@
 """Reconcile one KVCache: render, apply, check the shared tier, roll workloads, report.
 
 Why this module exists: the kopf handlers stay a few lines; everything they
-decide lives here, in plain functions over a :class:`Cluster` (the real one
-is :class:`kvstrata.operator.kube.KubeCluster`), so tests drive it without a
-cluster.
+decide lives here, in plain functions over a
+:class:`~kvstrata.operator.cluster.Cluster` (the real one is
+:class:`kvstrata.operator.kube.KubeCluster`), so tests drive it without a
+cluster. Which workloads are rolled onto a new config is
+:mod:`kvstrata.operator.rollout`'s decision.
 
 The status it writes, ``KVCache.status`` (patched whole on every pass)::
 
@@ -48,46 +50,21 @@ import datetime as dt
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from kvstrata.operator import encryption as E
 from kvstrata.operator import resources as R
 from kvstrata.operator import sharedtier
 from kvstrata.operator import spec as S
-from kvstrata.operator.injection_scope import why_not_sent
+from kvstrata.operator.cluster import Cluster, Event
 from kvstrata.operator.model import PASSWORD_KEY, KVCache, KVCacheLike
+from kvstrata.operator.rollout import roll_workloads
 
 logger = logging.getLogger(__name__)
 
 CONVERGE_DELAY_S = 10.0  # retry while the managed Valkey starts
 UNREACHABLE_DELAY_S = 30.0  # retry while an external tier does not answer
 SERVICEMONITOR_API = ("monitoring.coreos.com/v1", "ServiceMonitor")
-WORKLOAD_KINDS = ("Deployment", "StatefulSet")
-
-
-class Cluster(Protocol):
-    """The few API calls reconcile makes; objects are plain dicts."""
-
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None: ...
-
-    def apply(self, obj: Mapping[str, Any]) -> dict: ...
-
-    def list(
-        self, api_version: str, kind: str, namespace: str, label_selector: str | None = None
-    ) -> list[dict]: ...
-
-    def patch(
-        self, api_version: str, kind: str, namespace: str, name: str, body: Mapping[str, Any]
-    ) -> dict: ...
-
-    def has_kind(self, api_version: str, kind: str) -> bool: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    type: str  # "Normal" | "Warning"
-    reason: str
-    message: str
 
 
 @dataclass(slots=True)
@@ -209,107 +186,6 @@ def apply_objects(cluster: Cluster, objects: list[dict], events: list[Event]) ->
             events.append(Event("Normal", "Created", f"created {obj['kind']} {meta['name']}"))
         elif old_rv != new_rv:
             events.append(Event("Normal", "Updated", f"updated {obj['kind']} {meta['name']}"))
-
-
-def roll_workloads(
-    cluster: Cluster,
-    namespace: str,
-    name: str,
-    digest: str,
-    events: list[Event],
-    webhook_config: str | None = None,
-    skipped: list[str] | None = None,
-) -> int:
-    """Stamp the config hash on every workload whose pod template asks for this cache.
-
-    A changed annotation on the pod template is what makes the Deployment or
-    StatefulSet controller replace its pods, which the webhook then injects
-    with the new config. A workload whose pods all run the current config
-    already (created after the KVCache, so injected with it) is left alone;
-    one whose pods predate the KVCache (admitted without a sidecar) is rolled.
-    Returns how many workloads were rolled. In a namespace whose pods the
-    webhook is never sent (see :mod:`kvstrata.operator.injection_scope`) a
-    workload is not rolled: its new pods would lack the sidecar. It gets a
-    Warning Event and is named in ``skipped`` instead.
-    """
-    rolled = 0
-    not_sent: str | None = None
-    scope_checked = False
-    for kind in WORKLOAD_KINDS:
-        for workload in cluster.list("apps/v1", kind, namespace):
-            template_meta = ((workload.get("spec") or {}).get("template") or {}).get(
-                "metadata"
-            ) or {}
-            annotations = template_meta.get("annotations") or {}
-            if annotations.get(S.CACHE_ANNOTATION) != name:
-                continue
-            if annotations.get(S.CONFIG_HASH_ANNOTATION) == digest:
-                continue
-            if _pods_current(cluster, namespace, workload, digest):
-                continue
-            wname = workload["metadata"]["name"]
-            if not scope_checked:
-                not_sent, scope_checked = why_not_sent(cluster, webhook_config, namespace), True
-            if not_sent is not None:
-                _skip(cluster, kind, workload, not_sent, events)
-                if skipped is not None:
-                    skipped.append(f"{kind}/{wname}")
-                continue
-            body = {
-                "spec": {
-                    "template": {"metadata": {"annotations": {S.CONFIG_HASH_ANNOTATION: digest}}}
-                }
-            }
-            cluster.patch("apps/v1", kind, namespace, wname, body)
-            rolled += 1
-            events.append(Event("Normal", "RolledWorkload", f"{kind} {wname}: config {digest}"))
-    return rolled
-
-
-def _skip(
-    cluster: Cluster, kind: str, workload: Mapping[str, Any], why: str, events: list[Event]
-) -> None:
-    """Say on the workload itself, where its owner looks, why it was not rolled."""
-    meta = workload["metadata"]
-    message = f"not rolled to the KVCache's config: {why}"
-    events.append(Event("Warning", "NamespaceNotOptedIn", f"{kind} {meta['name']} {message}"))
-    cluster.apply(
-        {
-            "apiVersion": "v1",
-            "kind": "Event",
-            # One Event per workload and reason, updated by each pass, not one per pass.
-            "metadata": {
-                "name": f"{meta['name']}.kvstrata-not-opted-in",
-                "namespace": meta["namespace"],
-            },
-            "involvedObject": {
-                "apiVersion": "apps/v1",
-                "kind": kind,
-                "name": meta["name"],
-                "namespace": meta["namespace"],
-                "uid": meta.get("uid"),
-            },
-            "type": "Warning",
-            "reason": "NamespaceNotOptedIn",
-            "message": message,
-            "source": {"component": "kvstrata-operator"},
-        }
-    )
-
-
-def _pods_current(
-    cluster: Cluster, namespace: str, workload: Mapping[str, Any], digest: str
-) -> bool:
-    """Do the workload's pods exist and all carry the sidecar of config ``digest``?"""
-    selector = ((workload.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
-    if not selector:
-        return False
-    query = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
-    pods = cluster.list("v1", "Pod", namespace, query)
-    return bool(pods) and all(
-        ((p.get("metadata") or {}).get("annotations") or {}).get(S.INJECTED_ANNOTATION) == digest
-        for p in pods
-    )
 
 
 def check_shared_tier(
