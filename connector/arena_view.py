@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kvstrata.connector.client import ArenaSlot, SidecarClient
+    from kvstrata.connector.client import SidecarClient
+    from kvstrata.connector.client_arena import ArenaSlot
     from kvstrata.connector.device import DeviceCopies
     from kvstrata.connector.layout import ChunkLayout
 

@@ -34,7 +34,7 @@ import torch
 
 from kvstrata.sidecar.transfer import kernels
 from kvstrata.sidecar.transfer.csrc_build import CSrcBuildError
-from kvstrata.sidecar.transfer.kernels import TransferLibrary
+from kvstrata.sidecar.transfer.kernel_binding import TransferLibrary
 from kvstrata.sidecar.transfer.plan import (
     CopyPlan,
     TensorGeometry,

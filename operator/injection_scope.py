@@ -18,8 +18,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # reconcile imports this module
-    from kvstrata.operator.reconcile import Cluster
+if TYPE_CHECKING:
+    from kvstrata.operator.cluster import Cluster
 
 logger = logging.getLogger(__name__)
 

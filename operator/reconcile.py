@@ -54,7 +54,7 @@ from kvstrata.operator import encryption as E
 from kvstrata.operator import resources as R
 from kvstrata.operator import sharedtier
 from kvstrata.operator import spec as S
-from kvstrata.operator.clusterapi import Cluster, Event
+from kvstrata.operator.cluster import Cluster, Event
 from kvstrata.operator.model import PASSWORD_KEY, KVCache, KVCacheLike
 from kvstrata.operator.rollout import roll_workloads
 

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvstrata.operator import spec as S
-from kvstrata.operator.clusterapi import Cluster, Event
+from kvstrata.operator.cluster import Cluster, Event
 from kvstrata.operator.injection_scope import why_not_sent
 
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")

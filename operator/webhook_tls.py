@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvstrata.operator import certs
+from kvstrata.operator.cluster import Cluster
 from kvstrata.operator.kube import WriteConflict
-from kvstrata.operator.reconcile import Cluster
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,15 @@
-"""Message bodies of the host-mode ops (every op and field: ``docs/protocol.md``).
+"""Message bodies of the host-mode data ops, and the base every body shares (``docs/protocol.md``).
 
 Each is a slotted dataclass typed as it is after validation: ``to_wire``
 gives the body map and ``from_wire`` validates one (raising
 :class:`~kvstrata.sidecar.wire.ProtocolError` naming the field), so code
-past the boundary reads fields and never re-checks them.
+past the boundary reads fields and never re-checks them. Here: the
+:class:`Message` base, LOOKUP, PREPARE_STORE / COMMIT_STORE,
+PREPARE_RETRIEVE, RELEASE, END_REQUEST, PING, STATS and error replies.
+The session's opening (HELLO) is :mod:`kvstrata.sidecar.hello_messages`,
+the KV events :mod:`kvstrata.sidecar.event_messages`, the ipc-mode ops
+:mod:`kvstrata.sidecar.ipc_messages`; :mod:`kvstrata.sidecar.protocol`
+gathers them all.
 """
 
 from __future__ import annotations
@@ -13,17 +19,13 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, ClassVar, TypeVar
 
-from kvstrata.sidecar.keys import FINGERPRINT_BYTES, ChunkKey
+from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.tierchoice import TierChoice, read_tiers
-from kvstrata.sidecar.transfer_mode import TransferMode, UnknownMode, parse
 from kvstrata.sidecar.wire import (
     COMMIT_STORE,
     E_BAD_REQUEST,
     E_INTERNAL,
-    E_UNSUPPORTED,
     END_REQUEST,
-    EVENTS,
-    HELLO,
     LOOKUP,
     MAX_GROUPS,
     MAX_STR,
@@ -48,8 +50,6 @@ from kvstrata.sidecar.wire import (
 
 _T = TypeVar("_T", bound="Message")
 
-MAX_TENANTS = 64  # tenants in a HELLO reply (the config's limit)
-MAX_TENANT_SALTS = 256  # salts or prefixes of one tenant
 MAX_TENANT_NAME = 256  # a tenant name a client may send (the sidecar refuses unknown ones)
 
 
@@ -71,16 +71,6 @@ class Message:
 
 def _plain(value: Any) -> Any:
     return value.value if isinstance(value, Enum) else value
-
-
-def _read_mode(body: Mapping[str, Any]) -> TransferMode:
-    """HELLO's ``transfer_mode``: a mode this protocol knows, or E_UNSUPPORTED
-    naming the value (a newer client may ask for a mode this sidecar lacks)."""
-    text = read_str(required(body, "transfer_mode"), "transfer_mode", 16)
-    try:
-        return parse(TransferMode, text, "field 'transfer_mode'")
-    except UnknownMode as exc:
-        raise ProtocolError(E_UNSUPPORTED, str(exc)) from None
 
 
 @dataclass(slots=True)
@@ -118,117 +108,6 @@ def _slots_to_wire(slots: Sequence[SlotInfo | None]) -> list[Any]:
 
 def _slots_from_wire(value: Any) -> list[SlotInfo | None]:
     return read_items(value, "slots", SlotInfo.from_wire)
-
-
-@dataclass(slots=True)
-class HelloRequest(Message):
-    op: ClassVar[str] = HELLO
-    client_id: str = ""  # the client's own id (one per connector role and rank)
-    role: str = "worker"  # "scheduler" or "worker"
-    fingerprint: bytes = b""  # namespace fingerprint every key of the session must start with
-    # the namespace's fields (informational: the fingerprint is what is checked)
-    namespace: dict[str, Any] | None = None
-    # the mode asked for: "host" or "ipc" on the wire (another is refused as unsupported)
-    transfer_mode: TransferMode = TransferMode.HOST
-    pid: int = 0  # process id: logs, /status, which session a re-HELLO replaces
-    fingerprints: list[bytes] = field(default_factory=list)  # more namespaces it may name
-    kv_events: bool = False  # its vLLM publishes KV events: record the tiers' changes
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> HelloRequest:
-        fingerprint = required(body, "fingerprint")
-        if not isinstance(fingerprint, bytes) or len(fingerprint) != FINGERPRINT_BYTES:
-            raise bad_field("fingerprint", f"{FINGERPRINT_BYTES} bytes", fingerprint)
-        namespace = body.get("namespace")
-        if namespace is not None and not isinstance(namespace, dict):
-            raise bad_field("namespace", "a map", namespace)
-        return cls(
-            client_id=read_str(required(body, "client_id"), "client_id", 128),
-            role=read_str(required(body, "role"), "role", 32),
-            fingerprint=fingerprint,
-            namespace=namespace,
-            transfer_mode=_read_mode(body),
-            pid=read_int(body.get("pid", 0), "pid"),
-            fingerprints=read_items(
-                body.get("fingerprints") or [], "fingerprints", _read_fingerprint, MAX_GROUPS
-            ),
-            kv_events=read_bool(body.get("kv_events", False), "kv_events"),
-        )
-
-
-def _read_fingerprint(value: Any, name: str) -> bytes:
-    if not isinstance(value, bytes) or len(value) != FINGERPRINT_BYTES:
-        raise bad_field(name, f"{FINGERPRINT_BYTES} bytes", value)
-    return value
-
-
-@dataclass(slots=True)
-class HelloReply(Message):
-    op: ClassVar[str] = HELLO
-    session_id: str = ""  # names the session in every later request
-    arena_name: str = ""  # shared-memory segment of L1 to map (/dev/shm/NAME)
-    arena_size: int = 0  # bytes of that segment
-    chunk_size: int = 0  # the sidecar's tokens per chunk
-    server_version: str = ""  # the sidecar's version
-    transfer_mode: TransferMode = TransferMode.HOST  # the mode granted: "host" or "ipc"
-    lease_seconds: float = 0.0  # a lease not released by then expires
-    fallback_reason: str = ""  # why an asked-for mode was not granted
-    write_budget: int = 0  # bytes of uncommitted writes a session may hold (0: not said)
-    # the tenants of this session's model: [name, cache_salts, cache_salt_prefixes]
-    # each; a store names the tenant whose salts match its request's cache_salt
-    tenants: list[TenantMatchInfo] = field(default_factory=list)
-
-    def to_wire(self) -> dict[str, Any]:
-        body = Message.to_wire(self)
-        body["tenants"] = [t.to_wire() for t in self.tenants]
-        return body
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> HelloReply:
-        lease = required(body, "lease_seconds")
-        if not isinstance(lease, (int, float)) or isinstance(lease, bool):
-            raise bad_field("lease_seconds", "a number", lease)
-        return cls(
-            session_id=read_str(required(body, "session_id"), "session_id"),
-            arena_name=read_str(required(body, "arena_name"), "arena_name", 255),
-            arena_size=read_int(required(body, "arena_size"), "arena_size"),
-            chunk_size=read_int(required(body, "chunk_size"), "chunk_size", 1),
-            server_version=read_str(required(body, "server_version"), "server_version"),
-            transfer_mode=_read_mode(body),
-            lease_seconds=float(lease),
-            fallback_reason=read_str(body.get("fallback_reason", ""), "fallback_reason"),
-            write_budget=read_int(body.get("write_budget", 0), "write_budget"),
-            tenants=read_items(
-                body.get("tenants", []), "tenants", TenantMatchInfo.from_wire, MAX_TENANTS
-            ),
-        )
-
-
-@dataclass(slots=True)
-class TenantMatchInfo:
-    """Which requests are one tenant's: ``[name, cache_salts, cache_salt_prefixes]``."""
-
-    name: str
-    cache_salts: list[str]
-    cache_salt_prefixes: list[str]
-
-    def to_wire(self) -> list[Any]:
-        return [self.name, self.cache_salts, self.cache_salt_prefixes]
-
-    @classmethod
-    def from_wire(cls, value: Any, name: str) -> TenantMatchInfo:
-        items = read_list(value, name, 3)
-        if len(items) != 3:
-            raise bad_field(name, "[name, cache_salts, cache_salt_prefixes]", value)
-
-        def salts(v: Any, n: str) -> list[str]:
-            return read_items(v, n, read_str, MAX_TENANT_SALTS)
-
-        return cls(
-            read_str(items[0], f"{name}[0]", 63),
-            salts(items[1], f"{name}[1]"),
-            salts(items[2], f"{name}[2]"),
-        )
 
 
 @dataclass(slots=True)
@@ -479,80 +358,6 @@ class StatsReply(Message):
         if not isinstance(stats, dict):
             raise bad_field("stats", "a map", stats)
         return cls(stats=stats)
-
-
-# -- KV events ----------------------------------------------------------------
-
-MAX_EVENTS = 4096  # records one EVENTS reply carries
-EVENT_KINDS = frozenset({"stored", "removed"})
-
-
-@dataclass(slots=True)
-class EventsRequest(Message):
-    """The session's tier changes after sequence number ``after``."""
-
-    op: ClassVar[str] = EVENTS
-    after: int = 0  # records after this sequence number (the last reply's next_seq)
-    limit: int = MAX_EVENTS  # most records in the reply
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> EventsRequest:
-        return cls(
-            after=read_int(required(body, "after"), "after"),
-            limit=read_int(required(body, "limit"), "limit", 1, MAX_EVENTS),
-        )
-
-
-@dataclass(slots=True)
-class TierEvent:
-    """One record of the sidecar's journal: ``key`` arrived in or left ``tier``."""
-
-    seq: int
-    kind: str  # "stored" | "removed"
-    tier: str  # "l1", "l2" or the shared tier's name
-    key: ChunkKey
-
-
-def _read_event(value: Any, name: str) -> TierEvent:
-    items = read_list(value, name, 4)
-    if len(items) != 4:
-        raise bad_field(name, "[seq, kind, tier, key]", value)
-    kind = read_str(items[1], f"{name}[1]", 16)
-    if kind not in EVENT_KINDS:
-        raise ProtocolError(E_BAD_REQUEST, f"field '{name}[1]': unknown event kind {kind!r}")
-    return TierEvent(
-        seq=read_int(items[0], f"{name}[0]"),
-        kind=kind,
-        tier=read_str(items[2], f"{name}[2]", 32),
-        key=read_keys([items[3]], f"{name}[3]")[0],
-    )
-
-
-@dataclass(slots=True)
-class EventsReply(Message):
-    op: ClassVar[str] = EVENTS
-    # [seq, kind, tier, key] records, oldest first
-    events: list[TierEvent] = field(default_factory=list)
-    next_seq: int = 0  # ask for events after this next time
-    lost: int = 0  # records that fell out of the sidecar's ring before this read
-    journal_id: int = 0  # changes when the sidecar restarts: numbering starts over
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "events": [[e.seq, e.kind, e.tier, bytes(e.key)] for e in self.events],
-            "next_seq": self.next_seq,
-            "lost": self.lost,
-            "journal_id": self.journal_id,
-        }
-
-    @classmethod
-    def from_wire(cls, body: Mapping[str, Any]) -> EventsReply:
-        return cls(
-            events=read_items(required(body, "events"), "events", _read_event, MAX_EVENTS),
-            next_seq=read_int(required(body, "next_seq"), "next_seq"),
-            lost=read_int(required(body, "lost"), "lost"),
-            journal_id=read_int(required(body, "journal_id"), "journal_id"),
-        )
 
 
 @dataclass(slots=True)

@@ -3,8 +3,9 @@
 Why a module of its own: the server (``kvstrata.sidecar.server``) and the
 client (``kvstrata.connector.client``) both import it, so the frame shapes
 and their validation live in exactly one place: this module (op tables,
-envelopes) over :mod:`.wire` (limits, field readers), :mod:`.messages` and
-:mod:`.ipc_messages` (the bodies), whose names it re-exports.
+envelopes) over :mod:`.wire` (limits, field readers), :mod:`.messages`,
+:mod:`.hello_messages`, :mod:`.event_messages` and :mod:`.ipc_messages`
+(the bodies), whose names it re-exports.
 
 Transport: ZeroMQ, client DEALER -> server ROUTER. Every message is ONE
 ZeroMQ frame holding one msgpack array. A request is::
@@ -33,9 +34,9 @@ reply's body is
 ``{"code": str, "message": str}``; ``message`` names what was wrong.
 
 Ops: the ``REQUESTS`` and ``REPLIES`` tables below name each op's body
-dataclasses (:mod:`.messages`, :mod:`.ipc_messages`); ``docs/protocol.md``
-lists every op with its fields, the error codes and the limits, generated
-from those definitions by ``make docs``.
+dataclasses (:mod:`.messages`, :mod:`.hello_messages`, :mod:`.event_messages`,
+:mod:`.ipc_messages`); ``docs/protocol.md`` lists every op with its fields,
+the error codes and the limits, generated from those definitions by ``make docs``.
 
 HELLO's reply names the transfer mode granted: a client asking for ``ipc``
 gets ``host`` and a ``fallback_reason`` when the sidecar cannot serve it
@@ -69,6 +70,17 @@ from typing import Any
 
 import msgpack
 
+from kvstrata.sidecar.event_messages import (
+    MAX_EVENTS,
+    EventsReply,
+    EventsRequest,
+    TierEvent,
+)
+from kvstrata.sidecar.hello_messages import (
+    HelloReply,
+    HelloRequest,
+    TenantMatchInfo,
+)
 from kvstrata.sidecar.ipc_messages import (
     IPC_HANDLE_BYTES,
     MAX_BLOCKS_PER_CHUNK,
@@ -81,16 +93,11 @@ from kvstrata.sidecar.ipc_messages import (
     SaveBlocksRequest,
 )
 from kvstrata.sidecar.messages import (
-    MAX_EVENTS,
     CommitStoreReply,
     CommitStoreRequest,
     CountReply,
     EndRequestRequest,
     ErrorReply,
-    EventsReply,
-    EventsRequest,
-    HelloReply,
-    HelloRequest,
     LookupReply,
     LookupRequest,
     Message,
@@ -103,8 +110,6 @@ from kvstrata.sidecar.messages import (
     SlotsReply,
     StatsReply,
     StatsRequest,
-    TenantMatchInfo,
-    TierEvent,
 )
 from kvstrata.sidecar.wire import (
     COMMIT_STORE,

@@ -7,13 +7,13 @@ to the GPU only through the csrc CUDA library
 sidecar image need not carry torch, and the sidecar's copies must not
 depend on a second CUDA runtime's idea of the current device.
 
-What lives here, per sidecar process::
+What a sidecar process holds in ipc mode::
 
     CudaDevices (the factory open_cuda_devices returns; IpcTransfers caches its devices)
       ArenaRegistration   the L1 arena page-locked and mapped for every GPU, once
       CudaDevice per UUID device index, one non-blocking stream, the arena's device
                           address, the IPC allocations it has open (address -> opens),
-                          its copy path and, for "staging", its staging buffer
+                          its copy path and, for "staging", its StagingCopies (.staging)
 
 Ordering contract of :class:`CudaDevice` (the ``TransferDevice`` protocol):
 ``gather`` and ``scatter`` wait on the host, boundedly, for the peer's
@@ -26,35 +26,34 @@ reply) see the loaded blocks. Copies of one device are serialised by a lock,
 and closing a handle takes the same lock, so no copy still reads memory that
 is being unmapped.
 
-Two copy paths, chosen per sidecar (``ipc.copy_path``) because which one is
-faster depends on the node (PCIe generation, GPU, how busy its SMs are);
-``kvstrata bench transfer`` measures both:
-
-* ``zero_copy``: the kernel reads and writes the pinned arena itself, over
-  PCIe. One launch per call, no device memory.
-* ``staging``: the kernel moves the KV to or from a buffer in device memory
-  (``staging_bytes``, allocated at the first copy, freed by :meth:`CudaDevice.close`)
-  and the copy engines move each chunk between that buffer and its arena
-  slot (one ``cudaMemcpyAsync`` per chunk). Calls with more chunks than the
-  buffer holds run in batches on the one stream, whose order keeps a batch
-  from reusing the buffer before the previous one left it. The ordering
-  contract above is the same. A call whose single chunk is larger than the
-  buffer runs zero-copy instead, with a warning once per device: the
-  buffer size is a speed setting, and refusing REGISTER_KV over it would
-  send the worker to host mode, slower than either path.
+Two copy paths, chosen per sidecar (``ipc.copy_path``): ``zero_copy``,
+where the kernel reads and writes the pinned arena itself over PCIe, and
+``staging``, through a buffer in device memory
+(:mod:`kvstrata.sidecar.transfer.staging`). The peer's event is waited
+for on the host (:mod:`kvstrata.sidecar.transfer.peer_events`); the
+arena's registration with CUDA is
+:mod:`kvstrata.sidecar.transfer.arena_registration`'s.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from kvstrata.sidecar.transfer import kernels
-from kvstrata.sidecar.transfer.kernels import KernelError, TransferLibrary
+from kvstrata.sidecar.transfer.arena_registration import ArenaRegistration
+from kvstrata.sidecar.transfer.ipc_device import CudaDeviceError
+from kvstrata.sidecar.transfer.kernel_binding import KernelError, TransferLibrary
+from kvstrata.sidecar.transfer.peer_events import DEFAULT_PEER_EVENT_TIMEOUT_S, wait_for_peer_event
+from kvstrata.sidecar.transfer.staging import (
+    DEFAULT_STAGING_BYTES,
+    CopyPath,
+    StagingCopies,
+    check_copy_path,
+)
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.arena import Arena
@@ -62,101 +61,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-CopyPath = Literal["zero_copy", "staging"]
-COPY_PATHS: tuple[CopyPath, ...] = ("zero_copy", "staging")
-DEFAULT_STAGING_BYTES = 256 << 20
-
-# Each staged chunk starts on a 256-byte boundary, so a chunk size that is not a
-# multiple of 16 does not push the kernel's accesses of every later chunk below
-# 16 bytes (the width is chosen once per launch from every address).
-_STAGING_ALIGN = 256
-
-# Polling a peer's event: first after 20 us (a forward pass usually ends soon
-# after vLLM asks to save), backing off to 1 ms; the default bound is far above
-# any forward pass.
-_POLL_FIRST_S = 20e-6
-_POLL_MAX_S = 1e-3
-DEFAULT_PEER_EVENT_TIMEOUT_S = 60.0
-
-
-def check_copy_path(copy_path: str, staging_bytes: int) -> None:
-    """ValueError naming the argument unless ``copy_path`` is one of
-    :data:`COPY_PATHS` and ``staging_bytes`` is >= 1."""
-    if copy_path not in COPY_PATHS:
-        raise ValueError(f"copy_path must be one of {', '.join(COPY_PATHS)}, not {copy_path!r}")
-    if not isinstance(staging_bytes, int) or staging_bytes < 1:
-        raise ValueError(f"staging_bytes must be an int >= 1, not {staging_bytes!r}")
-
-
-class CudaDeviceError(OSError):
-    """A CUDA call of ipc mode failed; ``name`` is the cudaError_t's name when CUDA said one.
-
-    An OSError, because that is how :class:`~kvstrata.sidecar.transfer.ipc.IpcTransfers`
-    is told a GPU or a handle cannot be used (the client then gets an error reply).
-    """
-
-    def __init__(self, message: str, name: str = "") -> None:
-        super().__init__(message)
-        self.name = name
+__all__ = ["CudaDevice", "CudaDevices", "open_cuda_devices"]
 
 
 def _failed(what: str, exc: KernelError) -> CudaDeviceError:
-    return CudaDeviceError(f"{what}: {exc}", exc.name)
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _STAGING_ALIGN) * _STAGING_ALIGN
-
-
-class ArenaRegistration:
-    """The arena page-locked and mapped for the GPUs, once for all of them.
-
-    Registering tens of GiB takes seconds, so it is done once, when the
-    sidecar starts, not at a worker's first REGISTER_KV (which has a
-    deadline). The registration is portable (every device's context sees
-    it); each device asks for its own device address. An arena that torch
-    already pinned (``l1.pin_memory``) is used as it is and left to torch
-    to unpin: :meth:`close` unregisters only what this object registered.
-    """
-
-    def __init__(self, lib: TransferLibrary, arena: Arena) -> None:
-        self._lib = lib
-        self.host_address = arena.address()
-        self.size = arena.size
-        self.device: int | None = None  # the first device mapped: current when unregistering
-        try:
-            _, self.owned = lib.host_register(self.host_address, self.size)
-        except KernelError as exc:
-            raise _failed(f"registering the arena ({self.size} bytes) with CUDA", exc) from None
-        self._closed = False
-
-    def device_address(self, device: int) -> int:
-        """The address kernels of ``device`` use for the arena's first byte
-        (makes ``device`` current for the calling thread)."""
-        try:
-            self._lib.set_device(device)
-            address, registered = self._lib.host_register(self.host_address, self.size)
-        except KernelError as exc:
-            raise _failed(f"mapping the arena for device {device}", exc) from None
-        self.owned = self.owned or registered
-        if self.device is None:
-            self.device = device
-        return address
-
-    def close(self) -> None:
-        """Unregister the arena if this object registered it; before the arena is unmapped."""
-        if self._closed:
-            return
-        self._closed = True
-        if self.owned:
-            try:
-                # A runtime call on a thread with no device chosen runs on device 0
-                # and creates a context there (maybe another pod's GPU): choose ours.
-                if self.device is not None:
-                    self._lib.set_device(self.device)
-                self._lib.host_unregister(self.host_address)
-            except KernelError:
-                logger.exception("unregistering the arena from CUDA failed")
+    return CudaDeviceError.of_kernel(what, exc)
 
 
 class CudaDevice:
@@ -192,8 +101,7 @@ class CudaDevice:
         self.max_ctas = max_ctas
         self.copy_path = copy_path
         self.staging_bytes = staging_bytes
-        self.fallbacks = 0
-        self._staging = 0  # device address of the staging buffer; 0 until the first copy
+        self._staging: StagingCopies | None = None  # the staging path, once the stream is made
         self._lib = lib
         self._lock = threading.Lock()
         self._opened: Counter[int] = Counter()  # IPC allocations: address -> opens
@@ -222,9 +130,16 @@ class CudaDevice:
             if isinstance(exc, KernelError):
                 raise _failed(f"creating a stream on device {self.index}", exc) from None
             raise
+        if copy_path == "staging":
+            self._staging = StagingCopies(lib, self.index, staging_bytes, self.stream, max_ctas)
 
     def __repr__(self) -> str:
         return f"CudaDevice({self.uuid!r}, index={self.index}, copy_path={self.copy_path!r})"
+
+    @property
+    def fallbacks(self) -> int:
+        """Staging calls that ran zero-copy: one chunk did not fit the buffer."""
+        return self._staging.fallbacks if self._staging is not None else 0
 
     # -- TransferDevice -------------------------------------------------------
 
@@ -296,9 +211,10 @@ class CudaDevice:
             self._check_open()
             try:
                 self._lib.set_device(self.index)
-                batch = self._batch_chunks(plan, blocks_per_chunk)
-                if batch:
-                    self._staged(
+                staging = self._staging
+                batch = staging.batch_chunks(plan, blocks_per_chunk) if staging else 0
+                if staging is not None and batch:
+                    staging.copy(
                         "gather", batch, plan, block_ids, chunk_addresses, blocks_per_chunk
                     )
                 else:
@@ -311,38 +227,9 @@ class CudaDevice:
                 raise _failed(f"gather on device {self.index}", exc) from None
 
     def _wait_for_peer(self, event: bytes, cancelled: Callable[[], bool] | None) -> None:
-        """Return once the peer's interprocess event has completed.
-
-        Why on the host and not ``cudaStreamWaitEvent`` plus a stream sync:
-        a vLLM killed between recording the event and its forward pass
-        finishing leaves a device-side wait that may never end, and a sync
-        on it would hold this device's lock (every session's copies) and
-        the dead worker's mapping forever (``IpcTransfers.close`` waits for
-        running copies). Polling the event keeps vLLM's side free of any
-        host sync (its forward pass stays asynchronous) and bounds the wait:
-        by the session's end (its process gone) and by a deadline.
-        """
-        deadline = time.monotonic() + self.peer_event_timeout_s
-        pause = _POLL_FIRST_S
-        while True:
-            try:
-                if self._lib.ipc_event_done(self.index, event):
-                    return
-            except KernelError as exc:
-                # The peer's event, not this context: no error name, so it is
-                # never taken for a fault of the sidecar's GPU context.
-                raise CudaDeviceError(
-                    f"querying the peer's event on device {self.index}: {exc}"
-                ) from None
-            if cancelled is not None and cancelled():
-                raise CudaDeviceError("the session ended while its copy waited for vLLM's event")
-            if time.monotonic() >= deadline:
-                raise CudaDeviceError(
-                    f"vLLM's event did not complete within {self.peer_event_timeout_s} s "
-                    "(its process may have died); the copy is dropped"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX_S)
+        """Return once the peer's interprocess event has completed (on the host, bounded:
+        :mod:`kvstrata.sidecar.transfer.peer_events` says why)."""
+        wait_for_peer_event(self._lib, self.index, event, cancelled, self.peer_event_timeout_s)
 
     def scatter(
         self,
@@ -372,9 +259,10 @@ class CudaDevice:
                 raise CudaDeviceError("the load was cancelled before its copy started")
             try:
                 self._lib.set_device(self.index)
-                batch = self._batch_chunks(plan, blocks_per_chunk)
-                if batch:
-                    self._staged(
+                staging = self._staging
+                batch = staging.batch_chunks(plan, blocks_per_chunk) if staging else 0
+                if staging is not None and batch:
+                    staging.copy(
                         "scatter", batch, plan, block_ids, chunk_addresses, blocks_per_chunk
                     )
                 else:
@@ -385,82 +273,6 @@ class CudaDevice:
                     self._lib.synchronize(self.stream)
             except KernelError as exc:
                 raise _failed(f"scatter on device {self.index}", exc) from None
-
-    # -- the staging path (under self._lock) ----------------------------------
-
-    def _batch_chunks(self, plan: CopyPlan, blocks_per_chunk: int) -> int:
-        """Chunks per staged batch; 0 to copy zero-copy (the path, or a chunk too big)."""
-        if self.copy_path != "staging":
-            return 0
-        nbytes = plan.chunk_nbytes(blocks_per_chunk)
-        if nbytes > self.staging_bytes:
-            if self.fallbacks == 0:
-                logger.warning(
-                    "device %d: a chunk of %d bytes exceeds ipc.staging_bytes (%d); "
-                    "such copies run zero-copy",
-                    self.index, nbytes, self.staging_bytes,
-                )  # fmt: skip
-            self.fallbacks += 1
-            return 0
-        # The last chunk of a batch need not be followed by alignment padding.
-        return (self.staging_bytes - nbytes) // _aligned(nbytes) + 1
-
-    def _staged(
-        self,
-        kind: Literal["gather", "scatter"],
-        batch: int,
-        plan: CopyPlan,
-        block_ids: Sequence[int],
-        chunk_addresses: Sequence[int],
-        blocks_per_chunk: int,
-    ) -> None:
-        """The copy through the staging buffer, ``batch`` chunks at a time; synchronised
-        on return."""
-        per_chunk = blocks_per_chunk
-        if len(block_ids) != len(chunk_addresses) * per_chunk:
-            # Checked here, not only by the binding: batches slice both lists by it.
-            raise ValueError(
-                f"{len(block_ids)} block ids for {len(chunk_addresses)} chunks of "
-                f"{per_chunk} blocks (expected {len(chunk_addresses) * per_chunk})"
-            )
-        nbytes = plan.chunk_nbytes(per_chunk)
-        stride = _aligned(nbytes)
-        staging = self._staging_buffer()
-        copy = self._lib.gather if kind == "gather" else self._lib.scatter
-        try:
-            for first in range(0, len(chunk_addresses), batch):
-                arena = list(chunk_addresses[first : first + batch])
-                ids = list(block_ids[first * per_chunk : (first + len(arena)) * per_chunk])
-                staged = [staging + i * stride for i in range(len(arena))]
-                for i, (stage, slot) in enumerate(zip(staged, arena, strict=True)):
-                    # A skipped position (negative id) keeps the arena's bytes in a
-                    # gather, as zero-copy does: fetch them so the copy back returns them.
-                    skips = any(b < 0 for b in ids[i * per_chunk : (i + 1) * per_chunk])
-                    if kind == "scatter" or skips:
-                        self._lib.memcpy_async(stage, slot, nbytes, self.stream)
-                copy(plan, ids, staged, per_chunk, stream=self.stream, max_ctas=self.max_ctas)
-                if kind == "gather":
-                    for stage, slot in zip(staged, arena, strict=True):
-                        self._lib.memcpy_async(slot, stage, nbytes, self.stream)
-        finally:
-            # Also when a later batch is refused: nothing queued may outlive the call
-            # (the caller frees the slots of a failed save).
-            self._lib.synchronize(self.stream)
-
-    def _staging_buffer(self) -> int:
-        if not self._staging:
-            try:
-                self._staging = self._lib.malloc(self.index, self.staging_bytes)
-            except KernelError as exc:
-                raise _failed(
-                    f"allocating the {self.staging_bytes}-byte staging buffer on device "
-                    f"{self.index} (ipc.staging_bytes)",
-                    exc,
-                ) from None
-            logger.info(
-                "device %d: %d-byte staging buffer allocated", self.index, self.staging_bytes
-            )
-        return self._staging
 
     def arena_address(self, offset: int) -> int:
         """The address this device's kernels use for arena byte ``offset``."""
@@ -496,9 +308,8 @@ class CudaDevice:
             for address in leftover:
                 self._quietly("cudaIpcCloseMemHandle", self._lib.ipc_close, self.index, address)
             self._quietly("cudaStreamSynchronize", self._lib.synchronize, self.stream)
-            if self._staging:
-                self._quietly("cudaFree", self._lib.free, self.index, self._staging)
-                self._staging = 0
+            if self._staging is not None:
+                self._quietly("cudaFree", self._staging.free)
             self._quietly("cudaStreamDestroy", self._lib.stream_destroy, self.index, self.stream)
         if self._own_registration:
             self.registration.close()

@@ -7,8 +7,9 @@ and then names only block ids; the sidecar runs the ``csrc`` kernels on
 its own stream between the mapped KV and its pinned arena, after the
 CUDA event vLLM recorded at the end of its forward pass.
 
-State, one :class:`IpcMapping` per session (never shared between
-sessions)::
+State, one :class:`~kvstrata.sidecar.transfer.ipc_mapping.IpcMapping` per
+session (never shared between sessions; what REGISTER_KV checks and plans
+before it is installed: :mod:`kvstrata.sidecar.transfer.kv_registration`)::
 
     session_id -> IpcMapping(device, opened handles, CopyPlan, chunk dtype/shape)
     session_id -> _Registering(count, ended)   while a REGISTER_KV opens handles
@@ -31,22 +32,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.transfer.ipc_device import STICKY_CUDA_ERRORS, TransferDevice
-from kvstrata.sidecar.transfer.plan import (
-    CopyPlan,
-    TensorGeometry,
-    UnsupportedLayoutError,
-    per_manager_block,
-    plan_from_geometry,
-)
+from kvstrata.sidecar.transfer.ipc_mapping import IpcMapping, past
+from kvstrata.sidecar.transfer.kv_registration import open_and_plan
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.engine import StorageManager
@@ -54,50 +49,6 @@ if TYPE_CHECKING:
     from kvstrata.sidecar.leases import Slot
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class IpcMapping:
-    """One worker's registered KV, as mapped in the sidecar."""
-
-    device: TransferDevice
-    opened: list[int]  # device addresses of the opened allocations (to close)
-    plan: CopyPlan
-    blocks_per_chunk: int
-    meta: ChunkMeta  # dtype and shape recorded with every chunk saved
-    copies: int = 0  # copies running on it now (its handles stay open until 0)
-    closing: threading.Event = field(default_factory=threading.Event)  # a waiting copy gives up
-    detached: bool = False  # out of the table: the last copy to end closes the handles
-
-    @property
-    def chunk_nbytes(self) -> int:
-        return self.plan.chunk_nbytes(self.blocks_per_chunk)
-
-
-def past(expires: float | None) -> bool:
-    """Whether a client's deadline (``time.perf_counter()``; None: none) has passed."""
-    return expires is not None and time.perf_counter() >= expires
-
-
-def _check_extent(
-    index: int, layer: p.KVLayerHandle, itemsize: int, device_nbytes: int | None
-) -> None:
-    """Refuse a tensor that reaches past the allocation it is mapped from: the
-    kernels trust the plan, and a block past the mapping is an illegal address
-    (a fault for the sidecar's whole CUDA context) or another tenant's bytes."""
-    bounds = [n for n in (device_nbytes, layer.mapped_nbytes or None) if n is not None]
-    if not bounds:
-        raise UnsupportedLayoutError(
-            f"field 'layers[{index}].mapped_nbytes': not given, and the device cannot tell "
-            "the allocation's size"
-        )
-    limit = min(bounds)
-    extent = layer.extent_nbytes(itemsize)
-    if extent > limit:
-        raise UnsupportedLayoutError(
-            f"layer {index}: shape {layer.shape} strides {layer.strides} at offset "
-            f"{layer.offset} reach byte {extent}, past the {limit} bytes mapped"
-        )
 
 
 @dataclass(slots=True)
@@ -203,7 +154,7 @@ class IpcTransfers:
             raise p.ProtocolError(
                 p.E_UNSUPPORTED, f"field 'device_uuid': GPU {body.device_uuid!r}: {exc}"
             ) from None
-        opened, plan, chunk_nbytes = self._open_and_plan(device, body)
+        opened, plan, chunk_nbytes = open_and_plan(device, body, self.engine.arena.size)
         mapping = IpcMapping(
             device=device,
             opened=opened,
@@ -224,52 +175,6 @@ class IpcTransfers:
             chunk_nbytes,
         )
         return p.RegisterKVReply(layers=len(body.layers), chunk_nbytes=chunk_nbytes)
-
-    def _open_and_plan(
-        self, device: TransferDevice, body: p.RegisterKVRequest
-    ) -> tuple[list[int], CopyPlan, int]:
-        """Open the layers' handles and plan the copies: ``(the opened addresses,
-        the plan, a chunk's bytes)``. A refusal closes what it opened first."""
-        opened: dict[bytes, int] = {}
-        try:
-            geometries = []
-            for i, layer in enumerate(body.layers):
-                if any(n < 1 for n in layer.shape):
-                    raise UnsupportedLayoutError(f"layer {i}: empty shape {layer.shape}")
-                if layer.handle not in opened:
-                    opened[layer.handle] = device.open_memory(layer.handle)
-                _check_extent(i, layer, body.itemsize, device.mapped_nbytes(opened[layer.handle]))
-                geometries.append(
-                    TensorGeometry(
-                        address=opened[layer.handle] + layer.offset,
-                        shape=layer.shape,
-                        strides=layer.strides,
-                        itemsize=body.itemsize,
-                    )
-                )
-            plan = plan_from_geometry(geometries, body.block_dim)
-            if body.num_blocks:
-                plan = per_manager_block(plan, body.num_blocks)
-            plan = plan.coalesced()
-            chunk_nbytes = plan.chunk_nbytes(body.blocks_per_chunk)
-            if body.chunk_nbytes and chunk_nbytes != body.chunk_nbytes:
-                raise UnsupportedLayoutError(
-                    f"field 'chunk_nbytes': the worker makes a chunk {body.chunk_nbytes} bytes, "
-                    f"these tensors make it {chunk_nbytes}"
-                )
-        except (UnsupportedLayoutError, OSError) as exc:
-            for address in opened.values():
-                device.close_memory(address)
-            raise p.ProtocolError(p.E_UNSUPPORTED, f"REGISTER_KV: {exc}") from None
-        if chunk_nbytes > self.engine.arena.size:
-            for address in opened.values():
-                device.close_memory(address)
-            raise p.ProtocolError(
-                p.E_BAD_REQUEST,
-                f"REGISTER_KV: a chunk of {chunk_nbytes} bytes exceeds the arena "
-                f"({self.engine.arena.size})",
-            )
-        return list(opened.values()), plan, chunk_nbytes
 
     def _install(self, session_id: str, mapping: IpcMapping, registering: _Registering) -> None:
         """Make ``mapping`` the session's, closing the one it replaces; refused
@@ -347,31 +252,6 @@ class IpcTransfers:
             if last:  # the session ended while this copy ran
                 self._release_handles(session_id, mapping)
 
-    def _check_blocks(
-        self, mapping: IpcMapping, block_ids: list[list[int]], *, save: bool = False
-    ) -> None:
-        """Refuse a wrong block count or a block past the KV (the kernels trust
-        ids), and for a save a skipped block (-1): its bytes in the slot would
-        never be written, and such a slot must never be committed."""
-        for i, ids in enumerate(block_ids):
-            if len(ids) != mapping.blocks_per_chunk:
-                raise p.ProtocolError(
-                    p.E_BAD_REQUEST,
-                    f"field 'block_ids[{i}]': {len(ids)} blocks, a chunk has "
-                    f"{mapping.blocks_per_chunk}",
-                )
-            for b in ids:
-                if save and b < 0:
-                    raise p.ProtocolError(
-                        p.E_BAD_REQUEST,
-                        f"field 'block_ids[{i}]': a save names every block of a chunk (no -1)",
-                    )
-                if b >= mapping.plan.num_blocks:
-                    raise p.ProtocolError(
-                        p.E_BAD_REQUEST,
-                        f"field 'block_ids[{i}]': block {b} >= {mapping.plan.num_blocks}",
-                    )
-
     # -- copies ---------------------------------------------------------------
 
     def save(
@@ -397,7 +277,7 @@ class IpcTransfers:
     ) -> p.CommitStoreReply:
         keys = body.keys
         blocks = body.block_ids
-        self._check_blocks(mapping, blocks, save=True)
+        mapping.check_blocks(blocks, save=True)
         # The handler checked the tenant against the config before this copy.
         meta = replace(mapping.meta, tenant=body.tenant) if body.tenant else mapping.meta
         slots: list[Slot | None] = [
@@ -455,7 +335,7 @@ class IpcTransfers:
     ) -> p.LoadBlocksReply:
         """Every run (one per request of a step) loads its longest present
         prefix; all of them in one scatter."""
-        self._check_blocks(mapping, body.block_ids)
+        mapping.check_blocks(body.block_ids)
         runs = body.runs or [len(body.keys)]
         slots: list[Slot] = []
         ids: list[int] = []

@@ -1,10 +1,11 @@
-"""What ipc mode asks of a GPU, and which of its errors break it for good.
+"""What ipc mode asks of a GPU, how it fails, and which of its errors break it for good.
 
 Why a module of its own: :mod:`.ipc` (sessions, plans, arena slots) drives
 a device through this interface only, so the CUDA device
 (:class:`~kvstrata.sidecar.transfer.cuda_device.CudaDevice`) and the tests'
 host-memory stand-in (:mod:`kvstrata.testing.shmdevice`) are interchangeable;
-and a failed copy is judged here: a sticky CUDA error retires ipc mode for
+a GPU step that fails raises :class:`CudaDeviceError`; and a failed copy is
+judged here: a sticky CUDA error retires ipc mode for
 the process (the handlers move its sessions to host mode), any other costs
 that copy only.
 """
@@ -15,9 +16,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from kvstrata.sidecar.transfer.kernel_binding import KernelError
     from kvstrata.sidecar.transfer.plan import CopyPlan
 
-__all__ = ["STICKY_CUDA_ERRORS", "TransferDevice"]
+__all__ = ["STICKY_CUDA_ERRORS", "CudaDeviceError", "TransferDevice"]
 
 
 class TransferDevice(Protocol):
@@ -82,3 +84,21 @@ STICKY_CUDA_ERRORS = frozenset(
         "cudaErrorUnknown",
     }
 )
+
+
+class CudaDeviceError(OSError):
+    """A CUDA call of ipc mode failed; ``name`` is the cudaError_t's name when CUDA said one.
+
+    An OSError, because that is how :class:`~kvstrata.sidecar.transfer.ipc.IpcTransfers`
+    is told a GPU or a handle cannot be used (the client then gets an error
+    reply); ``name`` is what :data:`STICKY_CUDA_ERRORS` is checked against.
+    """
+
+    def __init__(self, message: str, name: str = "") -> None:
+        super().__init__(message)
+        self.name = name
+
+    @classmethod
+    def of_kernel(cls, what: str, exc: KernelError) -> CudaDeviceError:
+        """The error of step ``what`` that failed with the csrc library's ``exc``."""
+        return cls(f"{what}: {exc}", exc.name)

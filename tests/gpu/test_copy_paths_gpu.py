@@ -18,7 +18,8 @@ import torch
 
 from kvstrata.sidecar.arena import Arena
 from kvstrata.sidecar.transfer.cuda_device import CudaDevice
-from kvstrata.sidecar.transfer.kernels import TransferLibrary, cuda_unavailable_reason, load_cuda
+from kvstrata.sidecar.transfer.kernel_binding import TransferLibrary
+from kvstrata.sidecar.transfer.kernels import cuda_unavailable_reason, load_cuda
 from kvstrata.sidecar.transfer.plan import CopyPlan, TensorGeometry, plan_from_geometry
 from kvstrata.testing import chunkref
 from kvstrata.testing.kvlayouts import KVLayoutCase, vllm_layers

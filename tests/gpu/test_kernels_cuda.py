@@ -14,11 +14,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvstrata.sidecar.transfer.kernels import (
-    TransferLibrary,
-    cuda_unavailable_reason,
-    load_cuda,
-)
+from kvstrata.sidecar.transfer.kernel_binding import TransferLibrary
+from kvstrata.sidecar.transfer.kernels import cuda_unavailable_reason, load_cuda
 from kvstrata.sidecar.transfer.plan import CopyPlan, TensorGeometry, plan_from_geometry
 from kvstrata.testing import chunkref
 from kvstrata.testing.chunkref import POISON, ChunkArena, random_block_ids

@@ -10,11 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstrata.sidecar.transfer.kernels import (
-    TransferLibrary,
-    cuda_unavailable_reason,
-    load_cuda,
-)
+from kvstrata.sidecar.transfer.kernel_binding import TransferLibrary
+from kvstrata.sidecar.transfer.kernels import cuda_unavailable_reason, load_cuda
 from kvstrata.testing import chunkref, gpuipc, selftest
 from kvstrata.testing.kvlayouts import vllm_layers
 

@@ -1,6 +1,6 @@
 """Fixtures for the cluster-free operator suite.
 
-* ``InMemoryCluster``: the :class:`kvstrata.operator.reconcile.Cluster`
+* ``InMemoryCluster``: the :class:`kvstrata.operator.cluster.Cluster`
   protocol over a dict. Not a mock of behaviour under test: it is the stand-in
   for an API server on machines without one (the ``k8s`` suite runs the same
   code against a real one). ``apply`` keeps ``status`` and bumps

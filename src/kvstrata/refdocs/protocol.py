@@ -3,8 +3,9 @@
 Sources: the prose is :mod:`kvstrata.sidecar.protocol`'s module docstring; the
 ops are its ``REQUESTS`` / ``REPLIES`` tables; each body's fields (name, type,
 default, and the comment on the field's line or the lines just above it) are
-the dataclasses of :mod:`kvstrata.sidecar.messages` and
-:mod:`kvstrata.sidecar.ipc_messages`; error codes and limits are the constants
+the dataclasses of :mod:`kvstrata.sidecar.messages`,
+:mod:`kvstrata.sidecar.hello_messages`, :mod:`kvstrata.sidecar.event_messages`
+and :mod:`kvstrata.sidecar.ipc_messages`; error codes and limits are the constants
 of :mod:`kvstrata.sidecar.wire` with their comments.
 """
 
@@ -30,7 +31,8 @@ def render() -> str:
         "",
         GENERATED.format(
             source="`kvstrata.sidecar.protocol` and the message dataclasses of "
-            "`kvstrata.sidecar.messages` / `kvstrata.sidecar.ipc_messages`"
+            "`kvstrata.sidecar.messages` / `hello_messages` / `event_messages` / "
+            "`ipc_messages`"
         ),
         "",
         inspect.getdoc(protocol) or "",

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _mapping(client: Any) -> Any:
-    arena = client._arena  # the client's own mapping (connector/client.py _Arena)
+    arena = client._arena  # the client's own mapping (kvstrata.connector.client_arena.MappedArena)
     assert arena is not None, "the client has not mapped the arena"
     return arena.arena
 

@@ -406,7 +406,7 @@ def test_a_chunk_saved_in_ipc_mode_fits_a_host_mode_worker_of_the_same_layout(
     # Two pods share a tier, one in ipc mode, one in host mode: a chunk the first
     # saved must carry the dtype and shape the second's loads check (slot_fits).
     from kvstrata.connector.arena_view import slot_fits
-    from kvstrata.connector.client import ArenaSlot
+    from kvstrata.connector.client_arena import ArenaSlot
     from kvstrata.connector.layout import detect_layout
 
     engine = in_process_engine(tmp_path)
@@ -493,7 +493,7 @@ def test_a_cuda_fault_moves_ipc_sessions_to_host_mode_keeps_the_sidecar_ready_an
 ) -> None:
     from prometheus_client import generate_latest
 
-    from kvstrata.sidecar.transfer.cuda_device import CudaDeviceError
+    from kvstrata.sidecar.transfer.ipc_device import CudaDeviceError
 
     def illegal_address(*_args: Any, **_kwargs: Any) -> None:
         # The double's copy hits what a stray kernel access is on a GPU: a
@@ -543,7 +543,7 @@ def test_a_copy_failure_that_leaves_the_gpu_usable_is_counted_and_keeps_the_side
 ) -> None:
     from prometheus_client import generate_latest
 
-    from kvstrata.sidecar.transfer.cuda_device import CudaDeviceError
+    from kvstrata.sidecar.transfer.ipc_device import CudaDeviceError
 
     def out_of_memory(*_args: Any, **_kwargs: Any) -> None:
         raise CudaDeviceError("scatter on device 0: out of memory", "cudaErrorMemoryAllocation")

@@ -243,6 +243,7 @@ def test_the_cuda_library_exports_every_function_of_the_header_as_declared(
 
 IPC_CALLS = (
     "import json, sys; from kvstrata.sidecar.transfer import kernels as k; "
+    "from kvstrata.sidecar.transfer.kernel_binding import KernelError; "
     "lib = k._open(__import__('pathlib').Path(sys.argv[1])); out = {}\n"
     "calls = {\n"
     " 'device_by_uuid': lambda: lib.device_by_uuid('GPU-12345678-9abc-def0-1234-56789abcdef0'),\n"
@@ -260,7 +261,7 @@ IPC_CALLS = (
     "for name, call in calls.items():\n"
     "    try:\n"
     "        out[name] = repr(call())\n"
-    "    except k.KernelError as exc:\n"
+    "    except KernelError as exc:\n"
     "        out[name] = exc.name\n"
     "print(json.dumps(out))"
 )

@@ -30,13 +30,10 @@ from kvstrata.sidecar.config import ConfigError, config_from_dict
 from kvstrata.sidecar.engine import StorageManager
 from kvstrata.sidecar.keys import ChunkKey, Namespace
 from kvstrata.sidecar.transfer import csrc_build, kernels
-from kvstrata.sidecar.transfer.cuda_device import (
-    CudaDevice,
-    CudaDeviceError,
-    CudaDevices,
-)
+from kvstrata.sidecar.transfer.cuda_device import CudaDevice, CudaDevices
 from kvstrata.sidecar.transfer.ipc import IpcTransfers
-from kvstrata.sidecar.transfer.kernels import KernelError, TransferLibrary
+from kvstrata.sidecar.transfer.ipc_device import CudaDeviceError
+from kvstrata.sidecar.transfer.kernel_binding import KernelError, TransferLibrary
 from kvstrata.sidecar.transfer.plan import CopyPlan, TensorGeometry, plan_from_geometry
 from kvstrata.testing import chunkref
 from kvstrata.testing.kvlayouts import vllm_layers

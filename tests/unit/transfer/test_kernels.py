@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvstrata.sidecar.transfer.kernels import TransferLibrary, load_host
+from kvstrata.sidecar.transfer.kernel_binding import TransferLibrary
+from kvstrata.sidecar.transfer.kernels import load_host
 from kvstrata.sidecar.transfer.plan import CopyPlan, TensorGeometry, plan_from_geometry
 from kvstrata.testing import chunkref
 from kvstrata.testing.chunkref import POISON, ChunkArena, random_block_ids

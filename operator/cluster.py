@@ -1,10 +1,11 @@
-"""What the operator's decisions need of a cluster, and the Events they report.
+"""What reconcile asks of the API server (:class:`Cluster`) and what it says back (:class:`Event`).
 
-Why this module exists: reconcile and the workload rollout are plain
-functions over :class:`Cluster` (the real one is
-:class:`kvstrata.operator.kube.KubeCluster`; tests pass an in-memory one),
-and both report :class:`Event` values the kopf handlers post. Kept apart so
-that either module can use them without importing the other.
+Why a module of its own: every step of a reconcile pass (render and apply,
+roll the workloads, check the shared tier, report) talks to the cluster
+through this one small interface, so tests drive each step on an
+in-memory cluster and the real one (:class:`kvstrata.operator.kube.KubeCluster`)
+is the only place that speaks HTTP; the Events the steps collect are
+recorded on the KVCache by the handlers.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+__all__ = ["Cluster", "Event"]
 
 
 class Cluster(Protocol):
@@ -34,6 +37,8 @@ class Cluster(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Event:
+    """One Kubernetes Event a reconcile pass records on the KVCache."""
+
     type: str  # "Normal" | "Warning"
     reason: str
     message: str
