@@ -70,7 +70,10 @@ class LeasedReads:
         the full ones). The leases of the returned chunks are held; the
         others are released now."""
         fulls = [[c for c in r.chunks if not c.partial] for r in reqs]
-        epoch = self.client.epoch  # the session that granted these leases
+        # The session that granted the first leases: read after the first
+        # call, which may itself have opened a new session (the sidecar
+        # restarted since the last call: re-HELLO, then the retry answers).
+        epoch: int | None = None
         out: list[Sources] = [[] for _ in reqs]
         # One call per tier choice (most steps: one call): a read promotes only
         # from the tiers its request lets it load from.
@@ -79,6 +82,8 @@ class LeasedReads:
             by_choice.setdefault(req.load_tiers, []).append(i)
         for choice, members in by_choice.items():
             got = self._lease_runs([fulls[i] for i in members], 0, deadline, choice)
+            if epoch is None:
+                epoch = self.client.epoch
             for i, sources in zip(members, got, strict=True):
                 out[i] = sources
         for i, req in enumerate(reqs):
@@ -86,7 +91,8 @@ class LeasedReads:
             if len(out[i]) == len(fulls[i]) and len(tail) == 1:
                 blocks = len(tail[0].block_ids)
                 out[i] += self._lease_runs([tail], blocks, deadline, req.load_tiers)[0]
-        if self.client.epoch != epoch:  # reconnected in between: the first leases are void
+        if epoch is not None and self.client.epoch != epoch:
+            # Reconnected after the first call: the leases granted before are void.
             return [[] for _ in reqs]
         return out
 
