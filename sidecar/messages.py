@@ -53,6 +53,16 @@ _T = TypeVar("_T", bound="Message")
 MAX_TENANT_NAME = 256  # a tenant name a client may send (the sidecar refuses unknown ones)
 
 
+def load_tiers_on_wire(body: dict[str, Any], load_tiers: TierChoice) -> dict[str, Any]:
+    """``body`` with a request's ``load_tiers`` as the wire has them: left out
+    for every tier (what older sidecars read), else a sorted list."""
+    if load_tiers is None:
+        body.pop("load_tiers", None)
+    else:
+        body["load_tiers"] = sorted(load_tiers)
+    return body
+
+
 @dataclass(slots=True)
 class Message:
     """Base of every body. Subclasses override ``from_wire`` when a field
@@ -124,12 +134,7 @@ class LookupRequest(Message):
     load_tiers: TierChoice = None
 
     def to_wire(self) -> dict[str, Any]:
-        body = Message.to_wire(self)
-        if self.load_tiers is None:
-            del body["load_tiers"]  # left out: every tier (and what older sidecars read)
-        else:
-            body["load_tiers"] = sorted(self.load_tiers)
-        return body
+        return load_tiers_on_wire(Message.to_wire(self), self.load_tiers)
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> LookupRequest:
@@ -272,12 +277,7 @@ class PrepareRetrieveRequest(Message):
     load_tiers: TierChoice = None
 
     def to_wire(self) -> dict[str, Any]:
-        body = Message.to_wire(self)
-        if self.load_tiers is None:
-            del body["load_tiers"]  # left out: every tier (and what older sidecars read)
-        else:
-            body["load_tiers"] = sorted(self.load_tiers)
-        return body
+        return load_tiers_on_wire(Message.to_wire(self), self.load_tiers)
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> PrepareRetrieveRequest:
