@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +47,13 @@ def buildah() -> Buildah:
     if missing:
         pytest.fail(missing)
     return Buildah(WORK)
+
+
+@pytest.fixture(scope="session")
+def kit() -> types.ModuleType:
+    """This module (``kit.ImageSidecar``): test modules cannot import a
+    conftest under ``--import-mode=importlib``."""
+    return sys.modules[__name__]
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,6 @@ import hashlib
 import json
 import re
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,13 +32,6 @@ pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.timeout(1800)]
 SIDECARS = ("sidecar", "sidecar-cuda")
 NBYTES = 8192
 HIT_L1 = re.compile(r'^kvstrata_hit_tokens_total\{tier="l1"\}\s+(\S+)', re.M)
-
-
-@pytest.fixture(scope="module")
-def kit(buildah: Any) -> Any:
-    """The conftest module (``kit.ImageSidecar``): test modules cannot import a
-    conftest under ``--import-mode=importlib``."""
-    return sys.modules[type(buildah).__module__]
 
 
 def test_every_image_runs_kvstrata_as_65532_and_leaves_health_to_kubernetes(
