@@ -184,6 +184,28 @@ def _header(
     return fixed_wo_hc + struct.pack("<Q", header_checksum) + tail
 
 
+def _seal_header(
+    key: bytes,
+    raw: memoryview,
+    stored: bytes | memoryview,
+    meta: ChunkMeta,
+    codec: str,
+    keys: KeyRing | None,
+    tenant: str | None,
+) -> tuple[bytes, Seal] | None:
+    """(version-4 header, its seal), or None when ``keys`` has no key to seal
+    with (the object is written in plaintext)."""
+    # A tenant's chunks are sealed under its derived key (the chunk's own
+    # tenant unless the caller names one): a tenant's key can be dropped alone.
+    label = tenant if tenant is not None else (meta.tenant or None)
+    params = keys.seal_params(label) if keys is not None else None
+    if params is None:
+        return None
+    seal = Seal(*params)
+    header = _header(key, meta, codec, len(raw), len(stored), 0, SEALED_FORMAT_VERSION, seal)
+    return header, seal
+
+
 def _sealed(
     key: bytes,
     raw: memoryview,
@@ -195,14 +217,10 @@ def _sealed(
 ) -> tuple[bytes, bytes] | None:
     """(version-4 header, ciphertext then tag), or None when ``keys`` has no
     key to seal with (the object is written in plaintext)."""
-    # A tenant's chunks are sealed under its derived key (the chunk's own
-    # tenant unless the caller names one): a tenant's key can be dropped alone.
-    label = tenant if tenant is not None else (meta.tenant or None)
-    params = keys.seal_params(label) if keys is not None else None
-    if keys is None or params is None:
+    sealing = _seal_header(key, raw, stored, meta, codec, keys, tenant)
+    if sealing is None or keys is None:
         return None
-    seal = Seal(*params)
-    header = _header(key, meta, codec, len(raw), len(stored), 0, SEALED_FORMAT_VERSION, seal)
+    header, seal = sealing
     return header, keys.encrypt(seal.key_id, seal.label, seal.nonce, stored, header)
 
 
@@ -321,12 +339,10 @@ def _sealed_pooled(
     """As :func:`_sealed`, the ciphertext (then tag) in a reused buffer
     (:mod:`kvstrata.sidecar.sealbuffers`) and the call that gives it back once
     the object is written; None when ``keys`` has no key to seal with."""
-    label = tenant if tenant is not None else (meta.tenant or None)
-    params = keys.seal_params(label) if keys is not None else None
-    if keys is None or params is None:
+    sealing = _seal_header(key, raw, stored, meta, codec, keys, tenant)
+    if sealing is None or keys is None:
         return None
-    seal = Seal(*params)
-    header = _header(key, meta, codec, len(raw), len(stored), 0, SEALED_FORMAT_VERSION, seal)
+    header, seal = sealing
     buf = keys.buffers.take(len(stored) + TAG_BYTES)
     view = memoryview(buf)[: len(stored) + TAG_BYTES]
     keys.encrypt_into(seal.key_id, seal.label, seal.nonce, stored, header, view)
