@@ -143,6 +143,20 @@ def test_the_scheduler_looks_up_only_the_tiers_a_request_names_and_nothing_on_un
         scheduler.close()
 
 
+def _push_out_of_l1(kit: Any, client: Any, seed: int) -> None:
+    """Chunks kept in L1 only, enough to push every earlier chunk out of the
+    tests' 8 MiB arena."""
+    flood = kit.make_keys(160, seed=seed)
+    for i in range(0, len(flood), 16):
+        _store(kit, client, flood[i : i + 16], frozenset({"l1"}))
+
+
+def _read_back_promoted(kit: Any, client: Any, sidecar: Any, keys: list, tier: str) -> None:
+    """``keys`` read back whole, each promoted into L1 from ``tier``."""
+    assert kit.retrieve(client, keys, owner="read") == [kit.payload(k, CHUNK) for k in keys]
+    assert sidecar.samples()[f'kvstrata_promotions_total{{tier="{tier}"}}'] >= len(keys)
+
+
 def test_a_chunk_promoted_from_l2_keeps_its_store_choice_and_stays_out_of_the_shared_tier(
     sidecar_factory: Any, kit: Any, valkey: Any
 ):
@@ -155,18 +169,12 @@ def test_a_chunk_promoted_from_l2_keeps_its_store_choice_and_stays_out_of_the_sh
     kit.wait_until(lambda: _written_behind(sidecar), 20, "write-behind to drain")
     assert all(_l2_file(sidecar, k).exists() for k in local_only)
 
-    # Chunks kept in L1 only push the local-only ones out of the 8 MiB arena.
-    flood = kit.make_keys(160, seed=46)
-    for i in range(0, len(flood), 16):
-        _store(kit, client, flood[i : i + 16], frozenset({"l1"}))
+    _push_out_of_l1(kit, client, seed=46)
     reply = client.lookup(local_only, prefetch=False, owner="look")
     assert reply is not None and reply.tiers == ["l2"] * 3, client.errors
 
     # Read back: promoted from L2 into L1, and not uploaded for being a hit.
-    assert kit.retrieve(client, local_only, owner="read") == [
-        kit.payload(k, CHUNK) for k in local_only
-    ]
-    assert sidecar.samples()['kvstrata_promotions_total{tier="l2"}'] >= 3
+    _read_back_promoted(kit, client, sidecar, local_only, "l2")
     kit.wait_until(lambda: _written_behind(sidecar), 20, "write-behind to drain")
     prefix = shared["valkey"]["key_prefix"]
     server = redis.Redis.from_url(valkey.url)
@@ -184,17 +192,12 @@ def test_a_chunk_promoted_from_the_shared_tier_keeps_its_store_choice_and_stays_
     shared_only = kit.make_keys(3, seed=47)
     _store(kit, client, shared_only, frozenset({"l1", "shared"}))
     kit.wait_until(lambda: _written_behind(sidecar), 20, "write-behind to drain")
-    flood = kit.make_keys(160, seed=48)
-    for i in range(0, len(flood), 16):
-        _store(kit, client, flood[i : i + 16], frozenset({"l1"}))
+    _push_out_of_l1(kit, client, seed=48)
     reply = client.lookup(shared_only, prefetch=False, owner="look")
     assert reply is not None and reply.tiers == ["valkey"] * 3, client.errors
 
     # Promoted from Valkey into L1, and not written to L2 on its way up.
-    assert kit.retrieve(client, shared_only, owner="read") == [
-        kit.payload(k, CHUNK) for k in shared_only
-    ]
-    assert sidecar.samples()['kvstrata_promotions_total{tier="valkey"}'] >= 3
+    _read_back_promoted(kit, client, sidecar, shared_only, "valkey")
     kit.wait_until(lambda: _written_behind(sidecar), 20, "write-behind to drain")
     assert not any(_l2_file(sidecar, k).exists() for k in shared_only)
     client.close()
