@@ -27,11 +27,19 @@ pytestmark = [
 LIMBO_WARNING = "Producer process has been terminated before all shared CUDA tensors released"
 
 
+# The counter file is a RefcountedMapAllocator mapping: its first 64 bytes hold the
+# mapping's own reference count, the data (the int64 counters) starts after them
+# (aten/src/ATen/MapAllocator.cpp: map_alloc_alignment = 64, data() = base + 64).
+# Seen on an H100 with torch 2.11: reading slot 0 at offset 0 found the mapping's
+# count (1), unchanged by the release.
+MAP_ALLOC_ALIGNMENT = 64
+
+
 def counter(counter_file: bytes, slot: int) -> int:
     """The int64 in slot ``slot`` of torch's shared-memory counter file."""
     path = Path("/dev/shm") / counter_file.decode().lstrip("/")
     with path.open("rb") as f:
-        f.seek(8 * slot)
+        f.seek(MAP_ALLOC_ALIGNMENT + 8 * slot)
         return int.from_bytes(f.read(8), "little", signed=True)
 
 

@@ -104,16 +104,22 @@ def _build(layout: str, dtype_name: str, device: str, shape: dict[str, int] | No
     return vllm_layers(layout, dtype=dtype, device=device, seed=SEED, **(shape or {}))
 
 
-def _export(case: Any, layout: str, dtype_name: str) -> ExportedKV:
+def _export(case: Any, layout: str, dtype_name: str, references: Any = None) -> ExportedKV:
+    """``case``'s KV as the sidecar learns it; the IPC reference the export takes
+    goes into ``references`` (an :class:`~kvstrata.connector.ipc.IpcReferences`,
+    given back at the worker's end, as the connector does)."""
     import torch
 
     layers = list(case.layers.values())
     storage = layers[0].untyped_storage()
-    # (device, handle, storage bytes, storage offset in the allocation, ...): the
-    # handle covers the caching allocator's whole allocation.
+    # (device, handle, storage bytes, storage offset in the allocation, ref-counter
+    # file, its slot, ...): the handle covers the caching allocator's whole allocation.
     shared = storage._share_cuda_()
     # The connector's own reading of torch's versioned storage handle.
     from kvstrata.connector.ipc import cuda_memory_handle
+
+    if references is not None:
+        references.take(shared[4], shared[5])
 
     device, handle, offset = shared[0], cuda_memory_handle(shared[1]), int(shared[3])
     itemsize = layers[0].element_size()
@@ -249,14 +255,17 @@ def _per_chunk(ids: list[int]) -> list[list[int]]:
     return [ids[c * BLOCKS_PER_CHUNK : (c + 1) * BLOCKS_PER_CHUNK] for c in range(CHUNKS)]
 
 
-def _keys(kv: ExportedKV) -> list[Any]:
+def _keys(kv: ExportedKV, prompt: str = "") -> list[Any]:
+    """The chunk keys of ``kv``'s saves; another ``prompt`` names other chunks (a
+    store of a key the engine holds is answered as already stored)."""
     from kvstrata.sidecar.keys import ChunkKey, Namespace
 
     fp = Namespace(
         model="selftest", kv_dtype=kv.dtype, layout=kv.layout, chunk_size=64
     ).fingerprint()
     return [
-        ChunkKey(fp + hashlib.sha256(f"{kv.layout}/{c}".encode()).digest()) for c in range(CHUNKS)
+        ChunkKey(fp + hashlib.sha256(f"{prompt}{kv.layout}/{c}".encode()).digest())
+        for c in range(CHUNKS)
     ]
 
 
@@ -281,15 +290,17 @@ def check_ipc_round_trip(lib: Any, copy_paths: Sequence[str] = ("zero_copy", "st
     src, dst = _ids()
     cases = list(ROUND_TRIP_CASES)
     with tempfile.TemporaryDirectory(prefix="kvstrata-selftest-") as tmp:
-        config = config_from_dict(
-            {
-                "chunk_size": 64,
-                "l1": {"size_bytes": "64Mi", "pin_memory": True},
-                "l2": {"path": os.path.join(tmp, "l2"), "size_bytes": "64Mi"},
-            }
-        )
         notes = []
-        for copy_path in copy_paths:  # a fresh engine each: the keys are stored again
+        for copy_path in copy_paths:
+            # A fresh engine and L2 each: the keys are stored again, and a key a
+            # tier already holds is answered as stored (keys name content).
+            config = config_from_dict(
+                {
+                    "chunk_size": 64,
+                    "l1": {"size_bytes": "64Mi", "pin_memory": True},
+                    "l2": {"path": os.path.join(tmp, f"l2-{copy_path}"), "size_bytes": "64Mi"},
+                }
+            )
             engine = StorageManager(config)
             arena = torch.frombuffer(engine.arena.buffer, dtype=torch.uint8)
             arena.fill_(chunkref.POISON)  # what the positions the copies skip keep
@@ -338,9 +349,11 @@ def _save_from_source_worker(
     cases: list[tuple[str, str]],
     src: Any,
     watch: EventWatch | None = None,
+    prompt: str = "",
 ) -> str:
-    """SAVE_BLOCKS from a source worker's KV for every case; checks the arena's bytes
-    and, with ``watch``, that the first save really waited for the worker's event."""
+    """SAVE_BLOCKS from a source worker's KV for every case (the chunks of
+    :func:`_keys` ``prompt``); checks the arena's bytes and, with ``watch``, that
+    the first save really waited for the worker's event."""
     from kvstrata.sidecar import protocol as p
 
     with _worker("source", cases) as (_, conn), _sessions(ipc) as sessions:
@@ -350,7 +363,7 @@ def _save_from_source_worker(
         for i, kv in enumerate(exported):
             sessions.append(f"source-{i}")
             ipc.register(sessions[-1], _registration(kv))
-            body = p.SaveBlocksRequest(_keys(kv), _per_chunk(src), event)
+            body = p.SaveBlocksRequest(_keys(kv, prompt), _per_chunk(src), event)
             committed = ipc.save(sessions[-1], body, "selftest").committed
             if committed != [True] * CHUNKS:
                 raise CheckFailed(
@@ -359,7 +372,7 @@ def _save_from_source_worker(
                 )
             if i == 0 and watch is not None:
                 check_waited(watch)
-            _check_arena(engine, arena, kv, src)
+            _check_arena(engine, arena, kv, src, prompt)
         return _check_own_registration(lib, exported[0], event, src)
 
 
@@ -409,8 +422,9 @@ def _sessions(ipc: Any) -> Iterator[list[str]]:
             ipc.close(session)
 
 
-def _check_arena(engine: Any, arena: Any, kv: ExportedKV, src: list[int]) -> None:
-    for c, (key, want) in enumerate(zip(_keys(kv), _reference_chunks(kv, src), strict=True)):
+def _check_arena(engine: Any, arena: Any, kv: ExportedKV, src: list[int], prompt: str) -> None:
+    keys = _keys(kv, prompt)
+    for c, (key, want) in enumerate(zip(keys, _reference_chunks(kv, src), strict=True)):
         slot = engine.acquire(key, "selftest-check")
         if slot is None:
             raise CheckFailed(f"{kv.layout}/{kv.dtype}: chunk {c} is not in L1 after SAVE_BLOCKS")

@@ -89,40 +89,11 @@ def with_memory_baseline(check: Callable[[Any], str]) -> Callable[[], str]:
     return run
 
 
-def _connector_ipc() -> Any:
-    """``kvstrata.connector.ipc``, also where vLLM is absent (the lent GPU machines).
-
-    Its import chain needs one name of vLLM, ``KVConnectorMetadata`` (an empty
-    abstract class in ``vllm/distributed/kv_transfer/kv_connector/v1/base.py``)
-    as a base class; the handle parser checked here never touches it. Where
-    vLLM cannot be imported, a stand-in module holding such an empty class is
-    registered under that name for this import (a test double, named as such).
-    """
-    import abc
-    import importlib
-    import types
-
-    try:
-        return importlib.import_module("kvstrata.connector.ipc")
-    except ImportError as exc:
-        if "vllm" not in str(exc):
-            raise
-    names = ["vllm", "vllm.distributed", "vllm.distributed.kv_transfer",
-             "vllm.distributed.kv_transfer.kv_connector",
-             "vllm.distributed.kv_transfer.kv_connector.v1",
-             "vllm.distributed.kv_transfer.kv_connector.v1.base"]  # fmt: skip
-    for name in names:
-        sys.modules.setdefault(name, types.ModuleType(name))
-    base = sys.modules[names[-1]]
-    base.KVConnectorMetadata = abc.ABCMeta("KVConnectorMetadata", (abc.ABC,), {})  # type: ignore[attr-defined]
-    return importlib.import_module("kvstrata.connector.ipc")
-
-
 def check_handle_format() -> str:
     """The storage handle this torch writes, read by the connector in every version."""
     import torch
 
-    connector_ipc = _connector_ipc()
+    from kvstrata.connector import ipc as connector_ipc
 
     t = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
     shared = bytes(t.untyped_storage()._share_cuda_()[1])

@@ -6,7 +6,8 @@ Python, CPU torch) cannot travel there, and neither can a pip index. The
 kit carries what the checks need and nothing else::
 
     gpu-kit/
-      run.sh              the driver (tests/gpu/kit/run.sh): venv, csrc build, checks
+      run.sh              the driver (tests/gpu/kit/run.sh): venv, csrc build, checks,
+                          then pytest -m gpu tests/gpu
       requirements.txt    what the checks import beyond torch (tests/gpu/kit/)
       wheels/*.whl        cp312 manylinux x86_64 wheels of those and their needs
       kvstrata/           the project's source (tracked and new files, no build output)
@@ -27,6 +28,9 @@ from pathlib import Path
 
 MAX_KIT_BYTES = 60 << 20
 KIT_FILES = Path("tests/gpu/kit")
+# A test double of the one vLLM name the connector's worker side needs at import
+# (run.sh puts it on PYTHONPATH where no vLLM is installed).
+VLLM_STANDIN = KIT_FILES / "vllm_standin"
 PYTHON_VERSION = "3.12"
 # pip matches manylinux tags exactly: every glibc a wheel of the checks' needs was seen built for.
 PLATFORMS = (

@@ -126,9 +126,10 @@ def _kill_the_stalled_peer(lib: Any, call: Literal["save", "load"]) -> tuple[str
                 raise CheckFailed(f"the GPU was marked faulted by a peer's death: {ipc.fault}")
             if len(ipc):
                 raise CheckFailed("the killed worker's KV is still mapped")
-            # The device still serves: another worker's save goes through.
+            # The device still serves: another worker's save of other chunks goes
+            # through (a load's first worker stored this prompt's already).
             arena.fill_(0)
-            after = _save_from_source_worker(lib, ipc, engine, arena, [CASE], src, None)
+            after = _save_from_source_worker(lib, ipc, engine, arena, [CASE], src, None, "again/")
         finally:
             del arena
             devices.close()

@@ -40,6 +40,7 @@ def worker_main(
     try:
         import torch
 
+        from kvstrata.connector.ipc import IpcReferences
         from kvstrata.testing import chunkref
 
         torch.cuda.init()
@@ -47,8 +48,12 @@ def worker_main(
         if role == "hog":
             _hog(conn, nbytes)
             return
+        # Given back once the parent closed its handles and said "exit", as the
+        # connector's worker does at its end: else torch warns at exit that the
+        # producer died with shared tensors outstanding.
+        references = IpcReferences()
         built = [(_build(layout, dtype, "cuda", shape), layout, dtype) for layout, dtype in cases]
-        payload = [_export(case, layout, dtype) for case, layout, dtype in built]
+        payload = [_export(case, layout, dtype, references) for case, layout, dtype in built]
         raws = [
             r for case, _, _ in built for r in chunkref.storage_bytes(list(case.layers.values()))
         ]
@@ -56,6 +61,7 @@ def worker_main(
         event = _fill_kv(role, raws, keep)
         conn.send(("ready", (payload, None if event is None else bytes(event.ipc_handle()))))
         _answer_checks(conn, built)
+        references.release()
     except Exception:
         conn.send(("error", traceback.format_exc()))
 

@@ -46,10 +46,21 @@ def test_the_kit_holds_the_source_the_driver_and_cp312_wheels_within_60_mib(kit:
     assert (kit / "kvstrata" / "csrc" / "kvs_ipc.cu").is_file()
     assert (kit / "kvstrata" / "src" / "kvstrata" / "sidecar" / "server.py").is_file()
     wheels = {w.name.split("-")[0].lower() for w in (kit / "wheels").glob("*.whl")}
-    assert {"pyzmq", "msgpack", "pydantic", "pydantic_core", "cbor2", "redis", "boto3"} <= wheels
+    assert {
+        "pyzmq",
+        "msgpack",
+        "pydantic",
+        "pydantic_core",
+        "cbor2",
+        "redis",
+        "boto3",
+        "cryptography",
+        "pytest",
+    } <= wheels
     for wheel in (kit / "wheels").glob("*.whl"):
         tags = wheel.name.removesuffix(".whl").split("-")[-3:]
-        assert tags[0] in ("py3", "py2.py3", "cp312"), wheel.name
+        # cp312, pure Python, or the stable ABI of an older CPython (cryptography's abi3)
+        assert tags[0] in ("py3", "py2.py3", "cp312") or tags[1] == "abi3", wheel.name
         assert tags[2] == "any" or ("manylinux" in tags[2] and "x86_64" in tags[2]), wheel.name
     # No build output travels: the GPU machine compiles csrc for its own GPU.
     assert not list((kit / "kvstrata").rglob("*.so"))
@@ -111,29 +122,55 @@ def test_the_kit_runs_every_check_the_gpu_machine_must_show() -> None:
     ]  # fmt: skip
 
 
-# vLLM made unimportable in a child process, as on the GPU machines the kit is for.
+# vLLM shadowed by the kit's stand-in, as run.sh puts it where no vLLM is installed
+# (the lent GPU machines): here the stand-in comes first on PYTHONPATH. The checks
+# start their workers as spawned processes, which import the connector afresh.
 WITHOUT_VLLM = """
-import importlib.abc, sys
-class NoVllm(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] == "vllm" and name not in sys.modules:
-            raise ModuleNotFoundError(f"No module named {name!r}")
-sys.meta_path.insert(0, NoVllm())
+import multiprocessing, sys
+import vllm
+assert getattr(vllm, "STANDIN", False), vllm.__file__
 from kvstrata.bench import transfer
 from kvstrata.sidecar.transfer import kernels
 from kvstrata.testing import gpukit, selftest
-selftest.check_kernels(kernels.load_host(), device="cpu")
-selftest.check_torch_copier(device="cpu")
-transfer._case("BLNHC", 8, "cpu")
-handle = bytes([2]) + b"c" + bytes(range(64))
-assert gpukit._connector_ipc().cuda_memory_handle(handle) == bytes(range(64))
-print("checked without vLLM")
+
+def worker_imports(queue):
+    import vllm
+    from kvstrata.connector.ipc import cuda_memory_handle
+    from kvstrata.testing import gpupeers, gpuworker, workers
+    queue.put((vllm.__file__, cuda_memory_handle(bytes([3]) + b"c" + bytes(range(64)))))
+
+if __name__ == "__main__":
+    selftest.check_kernels(kernels.load_host(), device="cpu")
+    selftest.check_torch_copier(device="cpu")
+    transfer._case("BLNHC", 8, "cpu")
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=worker_imports, args=(queue,))
+    proc.start()
+    where, payload = queue.get(timeout=120)
+    proc.join(30)
+    assert proc.exitcode == 0 and payload == bytes(range(64)), (proc.exitcode, payload)
+    print("checked without vLLM; a spawned worker imported", where)
 """
 
 
-def test_the_kits_checks_run_where_vllm_cannot_be_imported() -> None:
+def test_the_kits_checks_and_their_workers_run_on_the_vllm_stand_in(tmp_path: Path) -> None:
+    standin = REPO / gpukit_build.VLLM_STANDIN
+    script = tmp_path / "without_vllm.py"
+    script.write_text(WITHOUT_VLLM)
+    path = os.pathsep.join(filter(None, [str(standin), os.environ.get("PYTHONPATH")]))
     done = subprocess.run(
-        [sys.executable, "-c", WITHOUT_VLLM], capture_output=True, text=True, timeout=300
-    )
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": path},
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "checked without vLLM" in done.stdout
+    assert f"imported {standin}" in done.stdout, done.stdout
+
+
+def test_the_kit_driver_puts_the_stand_in_on_pythonpath_only_where_vllm_is_missing() -> None:
+    driver = (REPO / gpukit_build.KIT_FILES / "run.sh").read_text()
+    guard = driver.index('if ! "$VENV/bin/python" -c "import vllm"')
+    assert driver.index(f"$KIT/kvstrata/{gpukit_build.VLLM_STANDIN}") > guard
+    # the stand-in is set before the checks and the gpu suite start
+    checks = driver.index('"$VENV/bin/python" -m kvstrata.testing.gpukit')
+    assert guard < checks < driver.index('"$VENV/bin/python" -X faulthandler -m pytest -m gpu')
