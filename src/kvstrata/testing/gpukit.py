@@ -96,7 +96,13 @@ def check_handle_format() -> str:
     from kvstrata.connector import ipc as connector_ipc
 
     t = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
-    shared = bytes(t.untyped_storage()._share_cuda_()[1])
+    exported = t.untyped_storage()._share_cuda_()
+    shared = bytes(exported[1])
+    # Given back at once (no consumer opens it): else torch warns at the kit's exit
+    # that the producer died with shared tensors outstanding.
+    references = connector_ipc.IpcReferences()
+    references.take(exported[4], exported[5])
+    references.release()
     if len(shared) == 64:
         written = "a bare 64-byte handle"
         payload = shared
