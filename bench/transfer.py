@@ -35,7 +35,9 @@ over ``chunks`` chunks whose block ids are shuffled (vLLM's free list).
   a machine without CUDA the GPU paths (:data:`GPU_PATHS`) are refused by
   name, and a run of every path says in ``not_measured`` which it left out.
 * CUDA only, ``matmul_slowdown``: how much longer a bf16 matmul loop takes
-  while stores and loads run beside it on another stream.
+  while stores and loads run beside it on another stream (the ``kernel``
+  path); ``matmul_slowdown_by_path`` the same for each measured path (what
+  each copy path costs vLLM's forward pass beside it).
 
 Without a GPU it runs on the CPU (torch and the host build of the kernels).
 """
@@ -243,7 +245,75 @@ def _measure_layout(
         out["errors"] = errors
     if run.cuda and lib is not None:
         out["matmul_slowdown"] = _matmul_slowdown(_side_transfer(run, lib), run.reps)
+        out["matmul_slowdown_by_path"], slowdown_errors = _slowdowns(run, lib, paths)
+        if slowdown_errors:
+            out.setdefault("errors", {}).update(slowdown_errors)
     return out
+
+
+def _slowdowns(
+    run: _LayoutRun, lib: Any, paths: tuple[str, ...]
+) -> tuple[dict[str, float], dict[str, str]]:
+    """:func:`_matmul_slowdown` of each measured path's store and load of every
+    chunk: what each copy path costs a forward pass running beside it. A path
+    that fails here is reported by name, not fatal to the others."""
+    figures: dict[str, float] = {}
+    errors: dict[str, str] = {}
+    for name, transfer in _side_transfers(run, lib, paths).items():
+        try:
+            figures[name] = _matmul_slowdown(transfer, run.reps)
+        except Exception as exc:  # e.g. no batched DMA before CUDA 12.8
+            errors[f"matmul_slowdown/{name}"] = f"{type(exc).__name__}: {exc}"
+    return figures, errors
+
+
+def _side_transfers(
+    run: _LayoutRun, lib: Any, paths: tuple[str, ...]
+) -> dict[str, Callable[[], None]]:
+    """Per path, a store and a load of every chunk on the stream current when
+    called (the side stream :func:`_matmul_slowdown` sets)."""
+    import torch
+
+    plan, ids, per_chunk = run.layout.plan, run.store_ids, run.per_chunk
+    addresses = run.addresses()
+    nbytes = run.layout.chunk_nbytes
+    transfers: dict[str, Callable[[], None]] = {"kernel": _side_transfer(run, lib)}
+    if "torch" in paths:
+        copier = run.layout.copier
+
+        def torch_copies() -> None:
+            for c, buf in enumerate(run.chunk_bufs):
+                copier.gather(ids[c * per_chunk : (c + 1) * per_chunk], buf)
+            for c, buf in enumerate(run.chunk_bufs):
+                copier.scatter(buf, ids[c * per_chunk : (c + 1) * per_chunk])
+
+        transfers["torch"] = torch_copies
+    if "kernel-staging" in paths:
+        staging = torch.empty(run.total, dtype=torch.uint8, device=run.device)
+        stage_addr = [staging.data_ptr() + c * nbytes for c in range(len(run.chunk_bufs))]
+
+        def staged() -> None:
+            stream = torch.cuda.current_stream()
+            lib.gather(plan, ids, stage_addr, per_chunk, stream)
+            run.host.copy_(staging, non_blocking=True)
+            staging.copy_(run.host, non_blocking=True)
+            lib.scatter(plan, ids, stage_addr, per_chunk, stream)
+
+        transfers["kernel-staging"] = staged
+    if "dma-batch" in paths:
+        import numpy as np
+
+        kv, chunks, sizes = (
+            np.asarray(a, dtype=np.uint64) for a in dma_descriptors(plan, ids, addresses, per_chunk)
+        )
+
+        def batched() -> None:
+            stream = torch.cuda.current_stream().cuda_stream
+            lib.memcpy_batch_async(chunks, kv, sizes, stream)
+            lib.memcpy_batch_async(kv, chunks, sizes, stream, src_access_any=True)
+
+        transfers["dma-batch"] = batched
+    return transfers
 
 
 def _baseline_row(run: _LayoutRun) -> dict[str, float]:
@@ -483,6 +553,8 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(
                 f"{name:8} matmul slowdown while transferring: {layout['matmul_slowdown']:.2f}x"
             )
+        for path, slowdown in layout.get("matmul_slowdown_by_path", {}).items():
+            lines.append(f"{name:8} matmul slowdown beside {path}: {slowdown:.2f}x")
     for path, why in result.get("not_measured", {}).items():
         lines.append(f"{path} not measured: {why}")
     return "\n".join(lines)

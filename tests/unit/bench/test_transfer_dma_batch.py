@@ -70,3 +70,17 @@ def test_the_cli_says_which_gpu_paths_a_cpu_run_left_out_and_refuses_asking_for_
     record = json.loads(done.stdout)
     assert record["not_measured"] == {p: "needs a CUDA device" for p in transfer.GPU_PATHS}
     assert set(record["layouts"]["LBNHC"]["paths"]) == {"baseline", "kernel"}
+
+
+def test_the_table_names_each_paths_cost_to_a_matmul_beside_it() -> None:
+    # A GPU run's record (the shape kvstrata bench transfer --json writes there).
+    row = {"store_gbps": 50.0, "load_gbps": 49.0, "store_vs_baseline": 0.9, "load_vs_baseline": 0.9}
+    layout = {
+        "paths": {"baseline": row, "kernel": row},
+        "matmul_slowdown": 1.27,
+        "matmul_slowdown_by_path": {"kernel": 1.27, "kernel-staging": 1.04},
+        "errors": {"matmul_slowdown/dma-batch": "RuntimeError: no batched copies"},
+    }
+    table = transfer.format_table({"device": "cuda", "layouts": {"LBNHC": layout}})
+    assert "LBNHC    matmul slowdown beside kernel-staging: 1.04x" in table
+    assert "matmul_slowdown/dma-batch not measured: RuntimeError" in table
