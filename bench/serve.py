@@ -78,7 +78,12 @@ VLLM_MAIN = [sys.executable, "-m", "kvstrata.bench.vllm_cli"]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 START_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 30.0
-REGIMES = ("l1", "l2", "valkey", "multi_turn", "new_replica")
+REGIMES = ("l1", "l2", "valkey", "multi_turn", "new_replica", "l2_sealed", "valkey_sealed")
+# ``<regime>_sealed``: the regime with encryption at rest required (AES-256-GCM
+# of every object below L1, one key), run in the same interleaved series as the
+# plain regime so that their ratio compares equal resources; not in a default run.
+SEALED = "_sealed"
+DEFAULT_REGIMES = ("l1", "l2", "valkey", "multi_turn", "new_replica")
 # vLLM alone with the regime's KV cap; vLLM alone with KV for the whole working
 # set (its prefix cache never forgets: the ceiling a KV cache can approach);
 # vLLM with kvstrata and the same KV cap as the first.
@@ -117,7 +122,7 @@ class Plan:
     # The sidecar's CPUs (its ``cpus`` setting): "reserved" for the cores vLLM
     # reserves (checked against the log), "" to leave it unpinned.
     sidecar_cpus: str = "reserved"
-    regimes: str = ",".join(REGIMES)
+    regimes: str = ",".join(DEFAULT_REGIMES)
     seed: int = 0
 
 
@@ -368,13 +373,29 @@ def multi_turn_dataset(plan: Plan, path: Path) -> list[str]:
 # -- one run of one system -------------------------------------------------------------
 
 
-def _sidecar_overrides(regime: str, plan: Plan, shared: dict | None) -> tuple[str, dict]:
-    """(L1 size, config overrides) of the sidecar in ``regime``."""
+def _sidecar_overrides(
+    regime: str, plan: Plan, shared: dict | None, key_dir: Path | None = None
+) -> tuple[str, dict]:
+    """(L1 size, config overrides) of the sidecar in ``regime``; a sealed regime's
+    are its plain regime's with encryption required, its key in ``key_dir``."""
+    if regime.endswith(SEALED):
+        if key_dir is None:
+            raise ValueError(f"regime {regime}: a sealed regime needs a key folder")
+        l1, overrides = _sidecar_overrides(regime.removesuffix(SEALED), plan, shared)
+        return l1, {**overrides, "encryption": {"mode": "required", "key_dir": str(key_dir)}}
     if regime in ("l1", "multi_turn"):
         return plan.l1_large, {}
     if regime == "l2":
         return plan.l1_small, {}
     return plan.l1_small, {"l2": {"enabled": False}, "shared": shared or {}}
+
+
+def publish_bench_key(folder: Path) -> Path:
+    """A key folder as the operator mounts it (one random key, the writing one)."""
+    from kvstrata.testing.keyfolder import MountedSecret, key_files
+
+    MountedSecret(folder).publish(key_files({"bench": os.urandom(32)}, writing="bench"))
+    return folder
 
 
 def _summary(result: dict) -> dict[str, Any]:
@@ -423,8 +444,10 @@ def _run_kvstrata(
 
     cpus = sidecar_cpus(plan)
 
+    key_dir = publish_bench_key(root / "keys") if regime.endswith(SEALED) else None
+
     def replica(name: str, rounds: int) -> tuple[list[dict], dict, dict[str, int]]:
-        l1, overrides = _sidecar_overrides(regime, plan, shared)
+        l1, overrides = _sidecar_overrides(regime, plan, shared, key_dir)
         if cpus:
             overrides = {**overrides, "cpus": cpus}
         sidecar = LocalSidecar(
@@ -499,7 +522,7 @@ def check_sidecar_cpus(cpus: str, binding: dict[str, str] | None) -> None:
 @contextlib.contextmanager
 def shared_tier(regime: str, root: Path) -> Iterator[dict | None]:
     """A loopback Valkey (redis-server) when ``regime`` has one."""
-    if regime not in ("valkey", "new_replica"):
+    if regime.removesuffix(SEALED) not in ("valkey", "new_replica"):
         yield None
         return
     from kvstrata.testing.servers import RedisServer
@@ -594,6 +617,28 @@ def summarise(regime: str, plan: Plan, runs: dict[str, list[dict]]) -> dict[str,
     return out
 
 
+def add_sealed_ratios(regimes: dict[str, dict[str, Any]]) -> None:
+    """``sealed_vs_plain`` on each sealed regime whose plain regime ran in the same
+    series: kvstrata's median request throughput sealed / plain (the encryption
+    target: at least 0.95), or why there is none."""
+    for name, sealed in regimes.items():
+        plain = regimes.get(name.removesuffix(SEALED)) if name.endswith(SEALED) else None
+        if plain is None:
+            continue
+        if sealed["vllm_runs_shared_with"] != plain["vllm_runs_shared_with"]:
+            sealed["sealed_vs_plain_refused"] = "not measured in the same series"
+            continue
+        bindings = [b for r in (sealed, plain) for b in r["kvstrata"]["bindings"]]
+        if not bindings_equal(bindings):
+            sealed["sealed_vs_plain_refused"] = REFUSED
+            continue
+        if any(r["failed_requests"]["kvstrata"] for r in (sealed, plain)):
+            sealed["sealed_vs_plain_refused"] = "requests failed"
+            continue
+        medians = [r["kvstrata"]["request_throughput"]["median"] for r in (sealed, plain)]
+        sealed["sealed_vs_plain"] = medians[0] / medians[1]
+
+
 @contextlib.contextmanager
 def _workdir() -> Iterator[Path]:
     """Logs and results of every server and client: kept under
@@ -642,6 +687,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 summary = summarise(regime, plan, {**shared, "kvstrata": runs[regime]})
                 summary["vllm_runs_shared_with"] = list(group)
                 out["regimes"][regime] = summary
+    add_sealed_ratios(out["regimes"])
     if not args.quick:
         RESULTS_DIR.mkdir(exist_ok=True)
         (RESULTS_DIR / "serve.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
@@ -677,4 +723,8 @@ def format_table(result: dict[str, Any]) -> str:
         )
         if r.get("ratio_refused"):
             lines.append(f"  {regime}: no ratio: {r['ratio_refused']}")
+        if "sealed_vs_plain" in r:
+            lines.append(f"  {regime}: sealed / plain throughput {r['sealed_vs_plain']:.3f}")
+        elif r.get("sealed_vs_plain_refused"):
+            lines.append(f"  {regime}: no sealed / plain ratio: {r['sealed_vs_plain_refused']}")
     return "\n".join(lines)
