@@ -25,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from kvstrata.sidecar.engine import EngineStats
+    from kvstrata.sidecar.counters import EngineCounters, EngineGauges, EngineStats
     from kvstrata.sidecar.fdbudget import ListenerCounts
 
 logger = logging.getLogger(__name__)
@@ -397,7 +397,7 @@ class EngineCollector(Collector):
                 self._on_error("stats")
             return
         yield from _tier_metrics(stats)
-        yield from _counter_metrics(stats.counters)
+        yield from _counter_metrics(stats)
         yield from _tenant_metrics(stats)
         free = _gauge("kvstrata_l1_free_bytes")
         l1 = stats.tiers["l1"]
@@ -497,47 +497,45 @@ def _breaker_metrics(stats: EngineStats) -> Iterator[Metric]:
     yield opened
 
 
-# Engine counters exposed as metrics of their own: engine counter -> metric name.
+# Engine counters exposed as metrics of their own: metric name -> its field.
 # Always exposed (0 before the first event), so rates and alerts never see gaps.
-_ENGINE_COUNTERS = {
-    "prefetch_chunks_total": "kvstrata_prefetch_chunks_total",
-    "prefetched_bytes_total": "kvstrata_prefetched_bytes_total",
-    "leases_expired_total": "kvstrata_leases_expired_total",
-    "store_rejected_total": "kvstrata_store_rejected_total",
-    "store_deduplicated_total": "kvstrata_store_deduplicated_total",
-    "promotion_failed_total": "kvstrata_promotion_failures_total",
-    "writeback_skipped_total": "kvstrata_writeback_skipped_total",
-    "shared_already_held_total": "kvstrata_shared_already_held_total",
-    "partial_stored_total": "kvstrata_partial_stored_total",
-    "partial_replaced_total": "kvstrata_partial_replaced_total",
-    "partial_dropped_total": "kvstrata_partial_dropped_total",
-    "partial_hits_total": "kvstrata_partial_hits_total",
-    "partial_mismatch_total": "kvstrata_partial_mismatch_total",
-    "partial_superseded_deleted_total": "kvstrata_partial_superseded_deleted_total",
+_ENGINE_COUNTERS: dict[str, Callable[[EngineCounters], int]] = {
+    "kvstrata_prefetch_chunks_total": lambda c: c.prefetch_chunks_total,
+    "kvstrata_prefetched_bytes_total": lambda c: c.prefetched_bytes_total,
+    "kvstrata_leases_expired_total": lambda c: c.leases_expired_total,
+    "kvstrata_store_rejected_total": lambda c: c.store_rejected_total,
+    "kvstrata_store_deduplicated_total": lambda c: c.store_deduplicated_total,
+    "kvstrata_promotion_failures_total": lambda c: c.promotion_failures_total,
+    "kvstrata_writeback_skipped_total": lambda c: c.writeback_skipped_total,
+    "kvstrata_shared_already_held_total": lambda c: c.shared_already_held_total,
+    "kvstrata_partial_stored_total": lambda c: c.partial_stored_total,
+    "kvstrata_partial_replaced_total": lambda c: c.partial_replaced_total,
+    "kvstrata_partial_dropped_total": lambda c: c.partial_dropped_total,
+    "kvstrata_partial_hits_total": lambda c: c.partial_hits_total,
+    "kvstrata_partial_mismatch_total": lambda c: c.partial_mismatch_total,
+    "kvstrata_partial_superseded_deleted_total": lambda c: c.partial_superseded_deleted_total,
+}
+# The engine's gauges: metric name -> its field.
+_ENGINE_GAUGES: dict[str, Callable[[EngineGauges], int]] = {
+    "kvstrata_leases_active": lambda g: g.leases_active,
+    "kvstrata_l1_quarantined_bytes": lambda g: g.quarantined_bytes,
+    "kvstrata_writeback_pinned_bytes": lambda g: g.writeback_pinned_bytes,
+    "kvstrata_queued_loads": lambda g: g.queued_loads,
 }
 
 
-def _counter_metrics(counters: dict[str, int]) -> Iterator[Metric]:
-    leases = _gauge("kvstrata_leases_active")
-    leases.add_metric([], counters.get("leases_active", 0))
-    yield leases
-    quarantined = _gauge("kvstrata_l1_quarantined_bytes")
-    quarantined.add_metric([], counters.get("quarantined_bytes", 0))
-    yield quarantined
-    pinned = _gauge("kvstrata_writeback_pinned_bytes")
-    pinned.add_metric([], counters.get("writeback_pinned_bytes", 0))
-    yield pinned
-    queued = _gauge("kvstrata_queued_loads")
-    queued.add_metric([], counters.get("queued_loads", 0))
-    yield queued
-    for key, name in _ENGINE_COUNTERS.items():
+def _counter_metrics(stats: EngineStats) -> Iterator[Metric]:
+    for name, gauge_value in _ENGINE_GAUGES.items():
+        gauge = _gauge(name)
+        gauge.add_metric([], gauge_value(stats.gauges))
+        yield gauge
+    for name, counter_value in _ENGINE_COUNTERS.items():
         family = _counter(name)
-        family.add_metric([], counters.get(key, 0))
+        family.add_metric([], counter_value(stats.counters))
         yield family
     promotions = _counter("kvstrata_promotions_total")
-    for key, value in counters.items():
-        if key.startswith("promotions_total_"):
-            promotions.add_metric([key[len("promotions_total_") :]], value)
+    for tier, n in stats.counters.promotions_total.items():
+        promotions.add_metric([tier], n)
     yield promotions
 
 

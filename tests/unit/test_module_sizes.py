@@ -26,9 +26,6 @@ NOT_RUNTIME = frozenset({"testing", "bench"})
 
 # module (from the repository root) -> why it is still longer.
 ALLOWED: dict[str, str] = {
-    # Issue 41: the L1 index that will own the engine's lock, leases and
-    # quarantine takes most of the engine's bookkeeping out of it.
-    "sidecar/engine.py": "split with the L1 index (issue 41)",
     # The tiers and the object format are being changed by other open work
     # (the S3 body reads, the disk tier's recovery, the object header); each is
     # split once that work has landed, not under it.

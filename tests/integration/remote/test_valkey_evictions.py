@@ -77,7 +77,6 @@ def test_tiers_without_a_server_figure_expose_no_series() -> None:
             "l1": TierStats(tier="l1"),
             "valkey": TierStats(tier="valkey", server_evicted_keys=7),
         },
-        counters={},
     )
     family = next(f for f in _tier_metrics(stats) if f.name == "kvstrata_tier_server_evicted_keys")
     assert [(s.labels, s.value) for s in family.samples] == [({"tier": "valkey"}, 7.0)]
