@@ -11,8 +11,8 @@ import os
 
 import redis
 
+from kvstrata.sidecar.engine_metrics import _tier_metrics
 from kvstrata.sidecar.keys import Namespace, make_key
-from kvstrata.sidecar.metrics import _tier_metrics
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.tiers.factory import build_shared_tier
 from kvstrata.sidecar.tiers.valkey import ValkeyTier

@@ -11,9 +11,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from kvstrata.sidecar.engine_metrics import EngineCollector
 from kvstrata.sidecar.l1 import L1Store
 from kvstrata.sidecar.l1index import L1Index
-from kvstrata.sidecar.metrics import EngineCollector
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.prefetch import Prefetcher
 from kvstrata.sidecar.promotion import Promotion
