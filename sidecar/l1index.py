@@ -343,12 +343,13 @@ class L1Index:
                 self._pop_lease(slot.lease_id)
 
     # -- write-behind's steps (see :mod:`.writeback`)
-    def pin_current(self, entry: Entry) -> bool:
-        """Pin ``entry`` for a copy below L1; False if it left the index."""
+    def pin_current(self, entry: Entry, pin: bool = True) -> bool:
+        """Whether ``entry`` is still in the index; pinned (``pin``) for a copy below L1."""
         with self._lock:
             if self._store.entries.get(entry.key) is not entry:
                 return False
-            entry.pins += 1
+            if pin:
+                entry.pins += 1
             return True
 
     def unpin(self, entry: Entry) -> None:

@@ -227,11 +227,15 @@ class WriteBehind:
         backlog = self._backlog
         while backlog:
             (key, shared), (entry, queue) = next(iter(backlog.items()))
+            if not self._index.pin_current(entry, pin=False):
+                del backlog[(key, shared)]  # evicted or removed before its turn
+                self._count_skipped()
+                continue
             if self.pinned and self.pinned + entry.length > self._pin_limit:
                 return
             del backlog[(key, shared)]
             if not self._index.pin_current(entry):
-                self._count_skipped()  # evicted or removed before its turn
+                self._count_skipped()  # it left between the two questions
                 continue
             self.pinned += entry.length
             view = self._buf[entry.offset : entry.offset + entry.length]
