@@ -22,6 +22,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.sidecar import protocol as p
+from kvstrata.sidecar.counters import as_status
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.sessions import Session, SessionLimit, SessionTable
@@ -432,8 +433,8 @@ class Handlers:
         stats = self.engine.stats()
         return {
             "tiers": {name: asdict(t) for name, t in stats.tiers.items()},
-            "counters": dict(stats.counters),
+            "counters": as_status(stats.counters, stats.gauges),
             "clients": len(self.sessions),
-            "leases_active": int(stats.counters.get("leases_active", 0)),
+            "leases_active": stats.gauges.leases_active,
             "pid": os.getpid(),
         }

@@ -23,7 +23,7 @@ grows the thread count. Limits:
   :data:`MAX_HEAD_BYTES`, a reply must be taken within
   :data:`WRITE_TIMEOUT_S`; otherwise the connection is closed;
 * :data:`WORKERS` threads compute answers (``/metrics`` and ``/status``
-  take the engine's lock briefly), the rest wait their turn.
+  take the L1 index's lock briefly), the rest wait their turn.
 
 A client that goes away (reset, timeout, half a request) is closed and
 logged as nothing: it is no error of ours. One reply per connection

@@ -12,8 +12,8 @@ in a bounded ring: a reader that lags by more than ``capacity`` loses the
 oldest, and is told how many of *its own namespace's* records it lost: the
 count of another tenant's records would tell it that tenant's write volume).
 Recording is a deque append under a lock that is never held while anything
-else is locked by this module: cheap enough to call from under the engine's
-index lock.
+else is locked by this module: cheap enough to call from under the L1
+index's lock.
 
 Each journal has its own ``journal_id``, new with every sidecar process: a
 reader that sees another id knows the sidecar restarted, and with it that

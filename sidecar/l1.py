@@ -1,9 +1,9 @@
-"""The L1 index: which chunk lives where in the arena, and who pins it.
+"""The L1 store: which chunk lives where in the arena, and who pins it.
 
-Why separate from the engine: this is the bookkeeping only (allocator,
-eviction policy, pin counts), with no threads, no I/O and no locking; the
-engine calls every method under its one index lock and never holds that
-lock while copying bytes.
+Why separate from the L1 index (:mod:`.l1index`): this is the bookkeeping
+only (allocator, eviction policy, pin counts), with no threads, no I/O and
+no locking; its one owner, the index, calls every method under its lock and
+never holds that lock while copying bytes.
 
 State (process memory only; the arena itself has no header)::
 
@@ -275,6 +275,18 @@ class L1Store:
         if entry.pins <= 0 and entry.dead:
             self.allocator.free(entry.offset)
             entry.offset = -1
+
+    def abort(self, entry: Entry, keep_pinned: bool = False) -> None:
+        """Take an unpublished ``entry`` out of the index (or mark it dead when
+        it left already); its extent is freed at its last unpin. ``keep_pinned``:
+        its writer's pin stays (a quarantined slot: :mod:`.l1index`)."""
+        if self.entries.get(entry.key) is entry:
+            self.remove(entry.key)
+        else:
+            entry.dead = True
+        entry.promoting = False
+        if not keep_pinned:
+            self.unpin(entry)
 
     def remove(self, key: ChunkKey) -> Entry | None:
         """Drop ``key`` from the index; its extent is freed now or at its last unpin."""

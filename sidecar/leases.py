@@ -4,16 +4,16 @@ Why a module of its own: the engine's contract with clients is expressed in
 leases (the wire carries lease ids), and the rules -- ids never reused, a
 lease per owner, expiry by age -- are easier to check apart from the
 tiering logic. This is the one lease table of a sidecar: the server asks
-the engine (which keeps it) which client holds a lease and how many write
-bytes a client holds. Not thread-safe: the engine calls it under its index
-lock.
+the engine, which asks the L1 index (:mod:`.l1index`, which keeps it),
+which client holds a lease and how many write bytes a client holds. Not
+thread-safe: the index calls it under its lock.
 
 An owner is ``"<client>/<request>"`` (the server makes request ids unique
 per session that way, the session id being the client); an owner with no
 ``/`` is a client of its own (the engine's internal owners).
 
 An expired write lease is *quarantined* rather than ended (see
-:mod:`.engine`): its slot stays pinned until its writer says it is done, and
+:mod:`.l1index`): its slot stays pinned until its writer says it is done, and
 its bytes still count against its client (:meth:`LeaseTable.held_bytes`),
 so a client whose leases expire cannot take more of the arena than a client
 that holds them.

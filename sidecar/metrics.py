@@ -3,8 +3,9 @@
 Why two kinds: request-path figures (lookups, hit tokens, latency, errors)
 are counted by the server as it answers; tier and engine figures (bytes,
 usage, evictions, queues) are already counted by the engine and its tiers,
-so a custom collector reads ``engine.stats()`` at scrape time instead of
-copying them on every operation. Everything lives in one
+so a custom collector (:mod:`.engine_metrics`) reads ``engine.stats()`` at
+scrape time instead of copying them on every operation. This module holds
+the catalogue of every metric and the collectors of the server's own state. Everything lives in one
 :class:`~prometheus_client.CollectorRegistry` owned by the server (never the
 process-global one), served on ``/metrics``.
 
@@ -25,7 +26,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from kvstrata.sidecar.engine import EngineStats
     from kvstrata.sidecar.fdbudget import ListenerCounts
 
 logger = logging.getLogger(__name__)
@@ -241,12 +241,12 @@ def catalogue_table(catalogue: Iterable[MetricSpec]) -> list[str]:
     return lines
 
 
-def _counter(name: str) -> CounterMetricFamily:
+def counter_family(name: str) -> CounterMetricFamily:
     spec = SPECS[name]
     return CounterMetricFamily(name, spec.help, labels=list(spec.labels))
 
 
-def _gauge(name: str) -> GaugeMetricFamily:
+def gauge_family(name: str) -> GaugeMetricFamily:
     spec = SPECS[name]
     return GaugeMetricFamily(name, spec.help, labels=list(spec.labels))
 
@@ -322,11 +322,11 @@ class ListenerCollector(Collector):
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
-        opened = _gauge("kvstrata_connections_open")
-        limit = _gauge("kvstrata_connections_limit")
-        closed = _counter("kvstrata_connections_closed_total")
-        errors = _counter("kvstrata_accept_errors_total")
-        pauses = _counter("kvstrata_accept_pauses_total")
+        opened = gauge_family("kvstrata_connections_open")
+        limit = gauge_family("kvstrata_connections_limit")
+        closed = counter_family("kvstrata_connections_closed_total")
+        errors = counter_family("kvstrata_accept_errors_total")
+        pauses = counter_family("kvstrata_accept_pauses_total")
         dropped = _dropped_by_guard(self._counts)
         for name, c in self._counts.items():
             opened.add_metric([name], c.open)
@@ -364,45 +364,9 @@ class QueuedRepliesCollector(Collector):
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
-        queued = _gauge("kvstrata_queued_reply_bytes")
+        queued = gauge_family("kvstrata_queued_reply_bytes")
         queued.add_metric([], self._queued_bytes())
         yield queued
-
-
-class EngineCollector(Collector):
-    """Reads engine and tier counters at scrape time (see the module docstring)."""
-
-    def __init__(
-        self,
-        stats: Callable[[], EngineStats],
-        clients: Callable[[], int],
-        on_error: Callable[[str], None] | None = None,
-    ) -> None:
-        self._stats = stats
-        self._clients = clients
-        self._on_error = on_error
-
-    def describe(self) -> Iterator[Metric]:
-        return iter(())  # names are fixed; skip a scrape at registration
-
-    def collect(self) -> Iterator[Metric]:
-        clients = _gauge("kvstrata_clients")
-        clients.add_metric([], self._clients())
-        yield clients
-        try:
-            stats = self._stats()
-        except Exception:  # a failing engine must not break the scrape
-            logger.exception("engine.stats() failed during a scrape")
-            if self._on_error is not None:
-                self._on_error("stats")
-            return
-        yield from _tier_metrics(stats)
-        yield from _counter_metrics(stats.counters)
-        yield from _tenant_metrics(stats)
-        free = _gauge("kvstrata_l1_free_bytes")
-        l1 = stats.tiers["l1"]
-        free.add_metric([], max(0, l1.capacity_bytes - l1.usage_bytes))
-        yield free
 
 
 class IpcCollector(Collector):
@@ -416,149 +380,20 @@ class IpcCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self._gpu_stats()
-        failures = _counter("kvstrata_ipc_copy_failures_total")
+        failures = counter_family("kvstrata_ipc_copy_failures_total")
         for op in ("save", "load"):
             failures.add_metric([op], stats["copy_failures"].get(op, 0))
         yield failures
-        expired = _counter("kvstrata_ipc_copies_expired_total")
+        expired = counter_family("kvstrata_ipc_copies_expired_total")
         for op in ("save", "load"):
             expired.add_metric([op], stats.get("expired", {}).get(op, 0))
         yield expired
-        fallbacks = _counter("kvstrata_ipc_staging_fallbacks_total")
+        fallbacks = counter_family("kvstrata_ipc_staging_fallbacks_total")
         fallbacks.add_metric([], stats["staging_fallbacks"])
         yield fallbacks
-        faulted = _gauge("kvstrata_ipc_gpu_faulted")
+        faulted = gauge_family("kvstrata_ipc_gpu_faulted")
         faulted.add_metric([], 1 if stats["fault"] else 0)
         yield faulted
-
-
-# Per-tier families read from each TierSnapshot: metric name -> the value.
-_TIER_VALUES: dict[str, Callable[[Any], float]] = {
-    "kvstrata_stored_bytes_total": lambda t: t.stored_bytes_total,
-    "kvstrata_retrieved_bytes_total": lambda t: t.retrieved_bytes_total,
-    "kvstrata_evictions_total": lambda t: t.evictions_total,
-    "kvstrata_young_evictions_total": lambda t: t.young_evictions_total,
-    "kvstrata_tier_usage_bytes": lambda t: t.usage_bytes,
-    "kvstrata_tier_capacity_bytes": lambda t: t.capacity_bytes,
-    "kvstrata_tier_objects": lambda t: t.objects,
-    "kvstrata_write_queue_depth": lambda t: t.queue_depth,
-    "kvstrata_write_queue_dropped_total": lambda t: t.dropped_total,
-    "kvstrata_tier_degraded": lambda t: 1 if t.degraded else 0,
-    "kvstrata_corrupt_objects_total": lambda t: t.corrupt_total,
-    "kvstrata_tier_expired_total": lambda t: t.expired_total,
-    "kvstrata_tier_refreshed_total": lambda t: t.refreshed_total,
-    "kvstrata_tier_refresh_dropped_total": lambda t: t.refresh_dropped_total,
-    "kvstrata_tier_lookup_gets_used_total": lambda t: t.lookup_gets_used_total,
-    "kvstrata_tier_lookup_gets_closed_total": lambda t: t.lookup_gets_closed_total,
-}
-
-
-def _tier_metrics(stats: EngineStats) -> Iterator[Metric]:
-    families = {
-        name: (_counter(name) if SPECS[name].type == "counter" else _gauge(name))
-        for name in _TIER_VALUES
-    }
-    tier_errors = _counter("kvstrata_tier_errors_total")
-    for tier_name, tier in stats.tiers.items():
-        for name, value in _TIER_VALUES.items():
-            families[name].add_metric([tier_name], value(tier))
-        for kind, n in tier.errors_total.items():
-            tier_errors.add_metric([tier_name, kind], n)
-    yield from families.values()
-    yield tier_errors
-    decrypt_failures = _counter("kvstrata_decrypt_failures_total")
-    for tier_name, tier in stats.tiers.items():
-        for reason, n in tier.decrypt_failures_total.items():
-            decrypt_failures.add_metric([tier_name, reason], n)
-    yield decrypt_failures
-    evicted = _gauge("kvstrata_tier_server_evicted_keys")
-    for tier_name, tier in stats.tiers.items():
-        if tier.server_evicted_keys is not None:
-            evicted.add_metric([tier_name], tier.server_evicted_keys)
-    yield evicted
-    yield from _breaker_metrics(stats)
-
-
-BREAKER_STATES = ("closed", "open", "half_open")
-
-
-def _breaker_metrics(stats: EngineStats) -> Iterator[Metric]:
-    """Enum-style state (one series per state, 1 for the current) and opens, for the
-    tiers that have a breaker (the shared ones)."""
-    state = _gauge("kvstrata_tier_breaker_state")
-    opened = _counter("kvstrata_tier_breaker_opened_total")
-    for tier_name, tier in stats.tiers.items():
-        if not tier.breaker_state:
-            continue
-        for name in BREAKER_STATES:
-            state.add_metric([tier_name, name], 1 if tier.breaker_state == name else 0)
-        opened.add_metric([tier_name], tier.breaker_opened_total)
-    yield state
-    yield opened
-
-
-# Engine counters exposed as metrics of their own: engine counter -> metric name.
-# Always exposed (0 before the first event), so rates and alerts never see gaps.
-_ENGINE_COUNTERS = {
-    "prefetch_chunks_total": "kvstrata_prefetch_chunks_total",
-    "prefetched_bytes_total": "kvstrata_prefetched_bytes_total",
-    "leases_expired_total": "kvstrata_leases_expired_total",
-    "store_rejected_total": "kvstrata_store_rejected_total",
-    "store_deduplicated_total": "kvstrata_store_deduplicated_total",
-    "promotion_failed_total": "kvstrata_promotion_failures_total",
-    "writeback_skipped_total": "kvstrata_writeback_skipped_total",
-    "shared_already_held_total": "kvstrata_shared_already_held_total",
-    "partial_stored_total": "kvstrata_partial_stored_total",
-    "partial_replaced_total": "kvstrata_partial_replaced_total",
-    "partial_dropped_total": "kvstrata_partial_dropped_total",
-    "partial_hits_total": "kvstrata_partial_hits_total",
-    "partial_mismatch_total": "kvstrata_partial_mismatch_total",
-    "partial_superseded_deleted_total": "kvstrata_partial_superseded_deleted_total",
-}
-
-
-def _counter_metrics(counters: dict[str, int]) -> Iterator[Metric]:
-    leases = _gauge("kvstrata_leases_active")
-    leases.add_metric([], counters.get("leases_active", 0))
-    yield leases
-    quarantined = _gauge("kvstrata_l1_quarantined_bytes")
-    quarantined.add_metric([], counters.get("quarantined_bytes", 0))
-    yield quarantined
-    pinned = _gauge("kvstrata_writeback_pinned_bytes")
-    pinned.add_metric([], counters.get("writeback_pinned_bytes", 0))
-    yield pinned
-    queued = _gauge("kvstrata_queued_loads")
-    queued.add_metric([], counters.get("queued_loads", 0))
-    yield queued
-    for key, name in _ENGINE_COUNTERS.items():
-        family = _counter(name)
-        family.add_metric([], counters.get(key, 0))
-        yield family
-    promotions = _counter("kvstrata_promotions_total")
-    for key, value in counters.items():
-        if key.startswith("promotions_total_"):
-            promotions.add_metric([key[len("promotions_total_") :]], value)
-    yield promotions
-
-
-def _tenant_metrics(stats: EngineStats) -> Iterator[Metric]:
-    """Per-tenant families; labels are the config's tenant names and default only."""
-    tenants = stats.tenants
-    held = _gauge("kvstrata_tenant_bytes")
-    for label in tenants.labels:
-        held.add_metric([label, "l1"], tenants.l1_bytes.get(label, 0))
-        if tenants.l2_bytes is not None:
-            held.add_metric([label, "l2"], tenants.l2_bytes.get(label, 0))
-    yield held
-    for name, values in (
-        ("kvstrata_tenant_refusals_total", tenants.refusals),
-        ("kvstrata_tenant_evictions_total", tenants.evictions),
-        ("kvstrata_tenant_expired_total", tenants.expirations),
-    ):
-        family = _counter(name)
-        for labels, n in values.items():
-            family.add_metric(list(labels), n)
-        yield family
 
 
 def _request_counter(name: str, registry: CollectorRegistry) -> Counter:

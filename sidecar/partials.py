@@ -36,17 +36,7 @@ from __future__ import annotations
 from kvstrata.sidecar.l1 import Entry
 from kvstrata.sidecar.objformat import ChunkMeta
 
-__all__ = ["PARTIAL_COUNTERS", "blocks_match", "is_partial"]
-
-# engine counters of this module (metric names in kvstrata.sidecar.metrics)
-PARTIAL_COUNTERS = (
-    "partial_stored_total",
-    "partial_replaced_total",
-    "partial_dropped_total",
-    "partial_hits_total",
-    "partial_mismatch_total",
-    "partial_superseded_deleted_total",
-)
+__all__ = ["blocks_match", "is_partial"]
 
 
 def is_partial(meta: ChunkMeta | None) -> bool:

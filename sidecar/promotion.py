@@ -1,4 +1,5 @@
-"""Promotion: a chunk found in L2 or the shared tier is copied up into L1.
+"""Promotion: a read lease on a chunk, copying it up into L1 from L2 or the
+shared tier when L1 lacks it.
 
 Why its own module: it is the one path that moves bytes into the arena from
 below (L2 and, where it can, the shared tier read straight into the
@@ -8,57 +9,61 @@ caller, and everyone waiting for that key is woken. A failed read aborts
 the entry (a miss, counted); an entry removed meanwhile is dropped at its
 last pin.
 
-:class:`Promotion` does the I/O half and holds no lock: it never sees the
-engine's lock or index. The steps on the index are the engine's, handed in
-as :class:`IndexSteps` (three callables, each taking the engine's lock
-itself): ``reserve`` the entry, ``publish`` it filled, ``fail`` it.
+:class:`Promotion` does the I/O half and holds no lock. Each step on the L1
+index is one call of :class:`~kvstrata.sidecar.l1index.L1Index`, which takes
+its lock itself: ``acquire`` (L1 already holds it), ``reserve_promotion``,
+``publish_promotion``, ``fail_promotion``. Reads (the engine's and the
+prefetcher's) come through :meth:`Promotion.acquire`, which drops chunks
+past their tenant's TTL first.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.l1 import Entry
+from kvstrata.sidecar.l1index import L1Index
 from kvstrata.sidecar.leases import Slot
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.tierchoice import TierChoice, allows
 from kvstrata.sidecar.tiers.base import Tier
 from kvstrata.sidecar.tiers.disk import DiskTier
 
-__all__ = ["IndexSteps", "Promotion"]
+__all__ = ["Promotion"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class IndexSteps:
-    """The engine's steps on its L1 index around one promotion.
-
-    ``reserve(key, nbytes, meta, owner, prefetch)``: (entry to fill, None),
-    or (None, a read lease or None) when the key appeared meanwhile or no
-    space was found. ``publish(entry, meta, owner, tier, prefetch)``: the
-    entry is filled from ``tier``; the caller's read lease (None when the
-    entry was removed meanwhile). ``fail(entry)``: the fill failed; the
-    entry is aborted and counted."""
-
-    reserve: Callable[[ChunkKey, int, ChunkMeta, str, bool], tuple[Entry | None, Slot | None]]
-    publish: Callable[[Entry, ChunkMeta, str, str, bool], Slot | None]
-    fail: Callable[[Entry], None]
 
 
 class Promotion:
     """Brings chunks from L2 or the shared tier into L1 (module docstring)."""
 
     def __init__(
-        self, buf: memoryview, l2: DiskTier | None, shared: Tier | None, index: IndexSteps
+        self, index: L1Index, buf: memoryview, l2: DiskTier | None, shared: Tier | None
     ) -> None:
+        self._index = index
         self._buf = buf  # the arena
         self.l2 = l2
         self.shared = shared
-        self._index = index
+
+    def expire(self) -> None:
+        """Remove the chunks older than their tenant's TTL from L1 and L2 (a
+        read then misses). Run before every lookup and read."""
+        old = self._index.expire_ttl()
+        for key in old if self.l2 is not None else ():
+            self.l2.remove(key)  # file I/O: never under the index's lock
+
+    def acquire(
+        self, key: ChunkKey, owner: str, prefetch: bool = False, tiers: TierChoice = None
+    ) -> Slot | None:
+        """A read lease on ``key``: L1's, or after a promotion from a tier of
+        ``tiers`` (None: every tier); None is a miss. ``prefetch``: the lease
+        is a prefetch's (counted apart)."""
+        self.expire()
+        slot, absent = self._index.acquire(key, owner, prefetch)
+        if slot is not None or not absent:
+            return slot
+        return self.promote(key, owner, prefetch, tiers)
 
     def promote(
         self, key: ChunkKey, owner: str, prefetch: bool = False, tiers: TierChoice = None
@@ -78,7 +83,9 @@ class Promotion:
         info = l2.peek(key)
         if info is None:
             return None
-        entry, slot = self._index.reserve(key, info.payload_bytes, info.meta, owner, prefetch)
+        entry, slot = self._index.reserve_promotion(
+            key, info.payload_bytes, info.meta, owner, prefetch
+        )
         if entry is None:
             return slot
         view = self._buf[entry.offset : entry.offset + entry.length]
@@ -88,9 +95,9 @@ class Promotion:
             logger.exception("L2 read of a chunk failed")
             meta = None
         if meta is None:
-            self._index.fail(entry)
+            self._index.fail_promotion(entry)
             return None
-        return self._index.publish(entry, meta, owner, "l2", prefetch)
+        return self._index.publish_promotion(entry, meta, owner, "l2", prefetch)
 
     def _from_shared(self, shared: Tier, key: ChunkKey, owner: str, prefetch: bool) -> Slot | None:
         """The shared tier writes the payload straight into the reserved slot
@@ -98,7 +105,7 @@ class Promotion:
         reserved: list[tuple[Entry | None, Slot | None]] = []
 
         def place(nbytes: int, meta: ChunkMeta) -> memoryview | None:
-            entry, slot = self._index.reserve(key, nbytes, meta, owner, prefetch)
+            entry, slot = self._index.reserve_promotion(key, nbytes, meta, owner, prefetch)
             reserved.append((entry, slot))
             return None if entry is None else self._buf[entry.offset : entry.offset + entry.length]
 
@@ -113,6 +120,6 @@ class Promotion:
         if entry is None:
             return slot
         if meta is None:  # what was written there is no valid payload
-            self._index.fail(entry)
+            self._index.fail_promotion(entry)
             return None
-        return self._index.publish(entry, meta, owner, shared.name, prefetch)
+        return self._index.publish_promotion(entry, meta, owner, shared.name, prefetch)

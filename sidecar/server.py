@@ -30,6 +30,7 @@ import zmq
 
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.endpoint import ipc_path
+from kvstrata.sidecar.engine_metrics import EngineCollector
 from kvstrata.sidecar.fdbudget import FdBudget, ListenerCounts, plan
 from kvstrata.sidecar.handlers import POOLED_OPS, POOLED_OPS_REMOTE, Handlers
 from kvstrata.sidecar.liveness import (
@@ -40,7 +41,6 @@ from kvstrata.sidecar.liveness import (
 )
 from kvstrata.sidecar.logs import request_context
 from kvstrata.sidecar.metrics import (
-    EngineCollector,
     IpcCollector,
     ListenerCollector,
     QueuedRepliesCollector,

@@ -5,7 +5,7 @@ Why a module of its own: the rules cut across the tiers (L1 eviction, the
 write-behind's choice of tiers, the shared tier's expiry) and the engine
 must not grow with them. :class:`TenantRules` answers questions about the
 config (:mod:`.tenant_config`); :class:`TenantLedger` is the one owner of
-the per-tenant state, kept by the L1 index under the engine's lock.
+the per-tenant state, kept by the L1 store under the L1 index's lock.
 
 State (process memory only; a restarted sidecar knows no chunk's tenant,
 and L2 files written before it count as the default tenant's)::
@@ -168,7 +168,7 @@ def with_tier(snapshot: TenantSnapshot, tier: str, figures: TenantFigures) -> Te
 
 class TenantLedger:
     """Per-tenant bytes, ages and counts (module docstring). Not thread-safe:
-    its owner (the L1 index) calls it under the engine's lock."""
+    its owner (the L1 store) is called under the L1 index's lock."""
 
     def __init__(self, rules: TenantRules) -> None:
         self.rules = rules

@@ -31,14 +31,16 @@ further writes wait in the backlog (oldest first) and are lost -- counted
 in ``writeback_skipped_total`` -- only if evicted before their turn. A slow
 disk thus costs L2 copies, never L1 stores.
 
-Locking: it shares the engine's lock (the one that guards the L1 index).
-Why shared: write-behind pins and unpins L1 entries (a write's done
-callback, on the writer's thread), and eviction decides on those pins under
-the engine's lock; the pin counts and the index must change together.
-Every method except :meth:`submit`, :meth:`flush`, :meth:`tier_stats` and
-:meth:`close` is called with that lock held; :meth:`submit` is called
-without it after each such call, because a queue that drops a job calls
-its ``on_done`` at once, which takes the lock.
+It is the L1 index's listener (:mod:`.index_listener`): the index tells it
+of every commit, read and promotion, and it pins, unpins and drops L1
+entries only through the index (:meth:`L1Index.pin_current`, ``unpin``,
+``yield_to_shared``); it never sees the L1 store.
+
+Locking: a lock of its own guards the state above. It may call the index
+while holding it (the index's lock is taken inside this one), never the
+other way round: the index tells its listener with its own lock released.
+Jobs are handed to their queues (:meth:`submit`) with neither held, because
+a queue that drops a job calls its ``on_done`` at once, which takes this lock.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ from kvstrata.sidecar.arena import Arena
 from kvstrata.sidecar.config import SidecarConfig
 from kvstrata.sidecar.journal import TierEvents
 from kvstrata.sidecar.keys import ChunkKey
-from kvstrata.sidecar.l1 import Entry, L1Store
+from kvstrata.sidecar.l1 import Entry
+from kvstrata.sidecar.l1index import L1Index
+from kvstrata.sidecar.tenants import TenantRules
 from kvstrata.sidecar.tierchoice import TierChoice, allows
 from kvstrata.sidecar.tiers.base import Tier, TierStats, WriteBehindQueue, WriteJob
 
@@ -78,16 +82,16 @@ class WriteBehind:
         self,
         config: SidecarConfig,
         arena: Arena,
-        store: L1Store,
-        lock: threading.Lock,
-        count: Callable[[str, int], None],
+        index: L1Index,
+        rules: TenantRules,
         l2: Tier | None,
         shared: Tier | None,
     ) -> None:
-        self._store = store
+        """``rules``: the tenants' (which tiers below L1 each one's chunks may go to)."""
+        self._index = index
+        self._rules = rules
         self._buf = arena.buffer
-        self._lock = lock
-        self._count = count
+        self._lock = threading.Lock()
         self._l2 = l2
         self._shared = shared
         self._admit_all = config.shared.admission == "all"
@@ -116,71 +120,85 @@ class WriteBehind:
                 already_stored=self._known_shared.__contains__,
             )
 
-    @property
-    def backlog(self) -> int:
-        return len(self._backlog)
+    def figures(self) -> tuple[int, int]:
+        """(bytes pinned, writes parked in the backlog) at one moment."""
+        with self._lock:
+            return self.pinned, len(self._backlog)
 
     def tell_shared_writes(self, events: TierEvents) -> None:
         """Record every chunk the shared tier's writers store (the KV event journal)."""
         if self._shared_queue is not None:
             self._shared_queue.events = events
 
-    # -- what happened to a chunk (caller holds the lock) -------------------
+    # -- what happened to a chunk (the index's listener) ----------------------
 
     def stored(self, entry: Entry) -> None:
         """A client's chunk was committed: copy it to L2 and, per admission,
         to the shared tier now or on its first read (each only where the
         storing request and its tenant allow it: :meth:`_keeps`)."""
-        self._queue_l2(entry)
-        if not self._keeps(entry, "shared"):
-            return
-        if self._admit_all:
-            self._queue_shared(entry)
-        else:
-            entry.shared_pending = True
+        with self._lock:
+            self._queue_l2(entry)
+            if self._keeps(entry, "shared"):
+                if self._admit_all:
+                    self._queue_shared(entry)
+                else:
+                    entry.shared_pending = True
+        self.submit()
 
     def read(self, entry: Entry) -> None:
         """A chunk was read: "reused" admission uploads it now."""
-        if entry.shared_pending:
-            entry.shared_pending = False
-            self._queue_shared(entry)
+        if not entry.shared_pending:  # the common case, decided without the lock
+            return
+        with self._lock:
+            if entry.shared_pending:
+                entry.shared_pending = False
+                self._queue_shared(entry)
+        self.submit()
 
     def promoted(self, entry: Entry, tier: str) -> None:
         """A chunk came up from ``tier`` ("l2" or the shared tier's name)."""
-        if tier == "l2":
-            if not self._admit_all:
-                self._queue_shared(entry)  # "reused": this is a hit
-        else:
-            self._queue_l2(entry)
+        with self._lock:
+            if tier == "l2":
+                if not self._admit_all:
+                    self._queue_shared(entry)  # "reused": this is a hit
+            else:
+                self._note_shared(entry.key, entry.meta.store_tiers)
+                self._queue_l2(entry)
+        self.submit()
 
-    def note_shared(self, key: ChunkKey, store_tiers: TierChoice = None) -> None:
+    def shared_choice(self, key: ChunkKey) -> TierChoice:
+        """The tier choice ``key`` was uploaded with by this sidecar (None: every
+        tier, or unknown): a chunk promoted from the shared tier keeps it."""
+        with self._lock:
+            return self._known_shared.get(key)
+
+    def forget(self, key: ChunkKey) -> None:
+        with self._lock:
+            self._known_shared.pop(key, None)
+
+    def forget_all(self) -> None:
+        with self._lock:
+            self._known_shared.clear()
+
+    # -- queueing (with the lock held) ----------------------------------------
+
+    def _note_shared(self, key: ChunkKey, store_tiers: TierChoice = None) -> None:
         """The shared tier holds ``key``, stored by a request that chose ``store_tiers``."""
         self._known_shared[key] = store_tiers
         self._known_shared.move_to_end(key)
         while len(self._known_shared) > KNOWN_SHARED_MAX:
             self._known_shared.popitem(last=False)
 
-    def shared_choice(self, key: ChunkKey) -> TierChoice:
-        """The tier choice ``key`` was uploaded with by this sidecar (None: every
-        tier, or unknown): a chunk promoted from the shared tier keeps it."""
-        return self._known_shared.get(key)
-
-    def forget(self, key: ChunkKey) -> None:
-        self._known_shared.pop(key, None)
-
-    def forget_all(self) -> None:
-        self._known_shared.clear()
-
-    # -- queueing -----------------------------------------------------------
+    def _count_skipped(self) -> None:
+        with self._index.tally() as counts:
+            counts.writeback_skipped_total += 1
 
     def _keeps(self, entry: Entry, tier: str) -> bool:
         """Whether ``entry`` may go to ``tier`` ("l2", "shared"), the one place
         that decides: the request that stored it (:func:`may_copy`) and its
         tenant's rules (:func:`kvstrata.sidecar.tenants.lower_tiers_for`) must
         both allow it."""
-        return may_copy(entry, tier) and tier in self._store.tenants.rules.lower_tiers(
-            entry.meta.tenant
-        )
+        return may_copy(entry, tier) and tier in self._rules.lower_tiers(entry.meta.tenant)
 
     def _queue_l2(self, entry: Entry) -> None:
         if self._l2_queue is None or self._l2 is None or self._l2.contains(entry.key):
@@ -200,7 +218,7 @@ class WriteBehind:
         self._backlog[(entry.key, shared)] = (entry, queue)
         while len(self._backlog) > WRITEBACK_BACKLOG_MAX:
             self._backlog.popitem(last=False)
-            self._count("writeback_skipped_total", 1)
+            self._count_skipped()
         self._drain_backlog()
 
     def _drain_backlog(self) -> None:
@@ -209,14 +227,16 @@ class WriteBehind:
         backlog = self._backlog
         while backlog:
             (key, shared), (entry, queue) = next(iter(backlog.items()))
-            if self._store.entries.get(key) is not entry:
+            if not self._index.pin_current(entry, pin=False):
                 del backlog[(key, shared)]  # evicted or removed before its turn
-                self._count("writeback_skipped_total", 1)
+                self._count_skipped()
                 continue
             if self.pinned and self.pinned + entry.length > self._pin_limit:
                 return
             del backlog[(key, shared)]
-            entry.pins += 1
+            if not self._index.pin_current(entry):
+                self._count_skipped()  # it left between the two questions
+                continue
             self.pinned += entry.length
             view = self._buf[entry.offset : entry.offset + entry.length]
             job = WriteJob(entry.key, view, entry.meta, on_done=self._done_callback(entry, shared))
@@ -229,15 +249,11 @@ class WriteBehind:
         this sidecar's copies, so every tier answers with the shared bytes."""
 
         def present() -> None:
-            with self._lock:
-                # Set before L2's copy is removed: an L2 write of this entry
-                # that ends after this removal sees it and removes its own.
-                entry.yielded = True
-                if self._store.entries.get(entry.key) is entry:
-                    self._store.remove(entry.key)  # freed at its last unpin
-                self._count("shared_already_held_total", 1)
+            # Marks the entry yielded before L2's copy is removed: an L2 write
+            # of this entry that ends after this removal sees it and removes its own.
+            self._index.yield_to_shared(entry)
             if self._l2 is not None:
-                self._l2.remove(entry.key)  # file I/O: never under the engine's lock
+                self._l2.remove(entry.key)  # file I/O: never under a lock
 
         return present
 
@@ -250,19 +266,19 @@ class WriteBehind:
                 # this sees it or that removal comes after this write. Before the
                 # pin goes, so a drained write-behind has no such copy left.
                 self._l2.remove(entry.key)
+            if ok and not shared:  # its age, where its tenant has a TTL
+                self._index.l2_holds(entry.meta.tenant, entry.key)
+            self._index.unpin(entry)
             with self._lock:
                 self.pinned -= entry.length
-                self._store.unpin(entry)
-                if ok and not shared:  # its age, where its tenant has a TTL
-                    now = self._store.now()
-                    self._store.tenants.stored("l2", entry.meta.tenant, entry.key, now)
                 if ok and shared:
-                    self.note_shared(entry.key, entry.meta.store_tiers)
+                    self._note_shared(entry.key, entry.meta.store_tiers)
                     superseded, entry.supersedes = entry.supersedes, ()
-                    if superseded:
-                        self._count("partial_superseded_deleted_total", len(superseded))
                 if ok:  # not after a drop: that would cascade through the backlog
                     self._drain_backlog()
+            if superseded:
+                with self._index.tally() as counts:
+                    counts.partial_superseded_deleted_total += len(superseded)
             if superseded and self._shared is not None:
                 # On the writer's thread, after the chunk that replaces them
                 # is there: a reader meanwhile finds one or the other.
@@ -271,7 +287,7 @@ class WriteBehind:
 
         return done
 
-    # -- without the lock ---------------------------------------------------
+    # -- without the lock -----------------------------------------------------
 
     def submit(self) -> None:
         """Hand the queued jobs to their queues (never with the lock held)."""

@@ -20,11 +20,7 @@ from kvstrata.refdocs.architecture import runtime_modules
 MAX_LINES = 60
 
 # (module, qualified name) -> why it is still longer.
-ALLOWED: dict[tuple[str, str], str] = {
-    # Issue 41: the engine lends its lock and tables to lookup, write-behind and
-    # prefetch; the L1 index that will own them takes most of this constructor.
-    ("sidecar/engine.py", "StorageManager.__init__"): "split with the L1 index (issue 41)",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def long_functions(source: str, limit: int = MAX_LINES) -> dict[str, int]:

@@ -152,6 +152,6 @@ def test_partials_superseded_by_a_stored_chunk_are_deleted_from_s3_once_it_is_wr
         assert prefix + key_hex(full) in names
         assert not names & {prefix + key_hex(k) for k in partials}
         assert prefix + key_hex(unrelated) in names
-        assert engine.stats().counters["partial_superseded_deleted_total"] == 2
+        assert engine.stats().counters.partial_superseded_deleted_total == 2
     finally:
         engine.close()

@@ -11,8 +11,8 @@ import os
 
 import redis
 
+from kvstrata.sidecar.engine_metrics import _tier_metrics
 from kvstrata.sidecar.keys import Namespace, make_key
-from kvstrata.sidecar.metrics import _tier_metrics
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.tiers.factory import build_shared_tier
 from kvstrata.sidecar.tiers.valkey import ValkeyTier
@@ -77,7 +77,6 @@ def test_tiers_without_a_server_figure_expose_no_series() -> None:
             "l1": TierStats(tier="l1"),
             "valkey": TierStats(tier="valkey", server_evicted_keys=7),
         },
-        counters={},
     )
     family = next(f for f in _tier_metrics(stats) if f.name == "kvstrata_tier_server_evicted_keys")
     assert [(s.labels, s.value) for s in family.samples] == [({"tier": "valkey"}, 7.0)]

@@ -88,7 +88,7 @@ def test_l2_hit_is_promoted_into_l1_after_a_restart(make_engine):
     assert second.lookup(keys).tiers == ["l2"] * 4
     assert second.get(keys[2]) == payload_for(keys[2], 4096)
     assert second.lookup(keys[2:3]).tiers == ["l1"]
-    assert second.stats().counters["promotions_total_l2"] == 1
+    assert second.stats().counters.promotions_total["l2"] == 1
 
 
 # -- capacity, eviction and leases --------------------------------------------
@@ -121,7 +121,7 @@ def test_a_leased_object_is_never_evicted_and_reserve_is_none_when_all_is_leased
     assert len(slots) == 255  # 1 MiB / 4 KiB, minus the held chunk
     view = engine.arena.buffer[held.offset : held.offset + held.length]
     assert bytes(view) == payload_for(first, 4096)
-    assert engine.stats().counters["store_rejected_total"] == 1
+    assert engine.stats().counters.store_rejected_total == 1
     engine.release(held)
     assert engine.reserve(make_key(5000), 4096, META, "writer") is not None
 
@@ -144,7 +144,7 @@ def test_l1_and_l2_stay_within_their_bytes_under_a_random_workload(make_engine):
         assert stats.tiers["l1"].usage_bytes <= stats.tiers["l1"].capacity_bytes, step
         assert stats.tiers["l2"].usage_bytes <= stats.tiers["l2"].capacity_bytes, step
     assert engine.flush(10)
-    assert engine.stats().counters["leases_active"] == 0
+    assert engine.stats().gauges.leases_active == 0
 
 
 def test_prefix_aware_eviction_keeps_chain_heads(make_engine):
@@ -171,10 +171,10 @@ def test_expired_leases_are_dropped_and_unpin(make_engine):
     engine.acquire(key, "gone")
     writing = engine.reserve(make_key(2), 4096, META, "gone")
     after = time.monotonic()
-    assert engine.stats().counters["leases_active"] == 2
+    assert engine.stats().gauges.leases_active == 2
     assert engine.expire_leases(now=before + 0.999) == 0  # younger than lease_seconds
     assert engine.expire_leases(now=after + 1.001) == 2
-    assert engine.stats().counters["leases_active"] == 0
+    assert engine.stats().gauges.leases_active == 0
     assert not engine.commit(writing)  # its lease expired: the chunk never appears
     assert engine.lookup([make_key(2)]).hit_chunks == 0
 
@@ -188,7 +188,7 @@ def test_release_owner_drops_every_lease_of_that_owner(make_engine):
         engine.acquire(key, "client-a")
     engine.acquire(keys[0], "client-b")
     assert engine.release_owner("client-a") == 3
-    assert engine.stats().counters["leases_active"] == 1
+    assert engine.stats().gauges.leases_active == 1
 
 
 def test_remove_of_a_leased_chunk_keeps_its_bytes_until_release(make_engine):
@@ -218,7 +218,7 @@ def test_prefetch_brings_l2_chunks_into_l1_under_the_owners_leases(make_engine):
     assert engine.prefetch(keys, "req-1") == 8
     assert engine.flush(5)
     assert engine.lookup(keys).tiers == ["l1"] * 8
-    assert engine.stats().counters["leases_active"] == 8
+    assert engine.stats().gauges.leases_active == 8
     assert engine.release_owner("req-1") == 8
     for key in keys:
         assert engine.get(key) == payload_for(key, 4096)
@@ -238,7 +238,7 @@ def test_a_corrupt_l2_object_is_a_counted_miss_through_the_engine(make_engine):
     assert engine.lookup([key]).tiers == ["l2"]
     assert engine.acquire(key, "r") is None
     assert engine.stats().tiers["l2"].corrupt_total == 1
-    assert engine.stats().counters["promotion_failed_total"] == 1
+    assert engine.stats().counters.promotion_failures_total == 1
     assert engine.lookup([key]).hit_chunks == 0
 
 
@@ -258,7 +258,7 @@ def test_shared_tier_hits_are_looked_up_and_promoted(tmp_path):
         assert engine.lookup([*keys, make_key(99)]).tiers == ["shared"] * 4
         assert engine.get(keys[1]) == payload_for(keys[1], 4096)
         assert engine.lookup(keys[:2]).tiers == ["shared", "l1"]
-        assert engine.stats().counters["promotions_total_shared"] == 1
+        assert engine.stats().counters.promotions_total["shared"] == 1
 
 
 def test_admission_all_uploads_at_commit_and_reused_on_first_hit(tmp_path):
@@ -305,7 +305,7 @@ def test_a_queued_write_pins_its_l1_object_until_written(tmp_path):
         assert engine.flush(10)
         assert shared.get(key) is not None
         assert bytes(shared.get(key).payload) == payload_for(key, 4096)
-        assert engine.stats().counters["writeback_pinned_bytes"] == 0
+        assert engine.stats().gauges.writeback_pinned_bytes == 0
 
 
 # -- concurrency and speed --------------------------------------------------------
@@ -338,7 +338,7 @@ def test_concurrent_readers_and_writers_get_full_correct_bytes_or_a_miss(make_en
         t.join()
     assert not errors
     assert engine.flush(10)
-    assert engine.stats().counters["leases_active"] == 0
+    assert engine.stats().gauges.leases_active == 0
 
 
 def test_lease_ids_are_never_reused(make_engine):

@@ -35,7 +35,7 @@ def test_a_partial_is_a_miss_where_a_full_chunk_is_expected_in_every_tier(make_e
     slot = first.acquire(key, "a", blocks=3)
     assert slot is not None and slot.length == 3 * 1024
     first.release(slot)
-    assert first.stats().counters["partial_mismatch_total"] == 1
+    assert first.stats().counters.partial_mismatch_total == 1
     assert first.flush(5)
     first.close()
     second = make_engine()  # a restart: the partial is only in L2
@@ -55,7 +55,7 @@ def test_lookup_partial_answers_the_first_candidate_held(make_engine):
     assert engine.lookup_partial(candidates) == (1, "l1")
     put_partial(engine, candidates[0], 3)
     assert engine.lookup_partial(candidates) == (0, "l1")
-    assert engine.stats().counters["partial_hits_total"] == 2
+    assert engine.stats().counters.partial_hits_total == 2
 
 
 def test_a_longer_partial_replaces_the_shorter_ones_in_l1_and_l2(make_engine):
@@ -69,8 +69,8 @@ def test_a_longer_partial_replaces_the_shorter_ones_in_l1_and_l2(make_engine):
     assert engine.lookup_partial([short]) is None
     assert engine.l2 is not None and not engine.l2.contains(short)
     counters = engine.stats().counters
-    assert counters["partial_replaced_total"] == 1
-    assert counters["partial_stored_total"] == 2
+    assert counters.partial_replaced_total == 1
+    assert counters.partial_stored_total == 2
 
 
 def test_storing_the_full_chunk_drops_the_partials_it_covers_but_never_full_chunks(make_engine):
@@ -85,7 +85,7 @@ def test_storing_the_full_chunk_drops_the_partials_it_covers_but_never_full_chun
         assert again.drop_partials([inside, full_neighbour], replaced=False) == 1
         assert again.lookup([full_neighbour]).hit_chunks == 1
         assert again.lookup_partial([inside]) is None
-        assert again.stats().counters["partial_dropped_total"] == 1
+        assert again.stats().counters.partial_dropped_total == 1
     finally:
         again.close()
 

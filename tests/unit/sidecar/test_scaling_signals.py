@@ -7,15 +7,16 @@ steps taken, never by how fast the machine ran.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from kvstrata.sidecar.engine_metrics import EngineCollector
 from kvstrata.sidecar.l1 import L1Store
-from kvstrata.sidecar.metrics import EngineCollector
+from kvstrata.sidecar.l1index import L1Index
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.prefetch import Prefetcher
+from kvstrata.sidecar.promotion import Promotion
 from kvstrata.sidecar.tiers.disk import DiskTier
 
 from ..conftest import make_key
@@ -73,20 +74,22 @@ def test_an_l2_eviction_of_a_file_this_process_wrote_is_young_and_of_one_found_a
 
 
 def test_queued_loads_count_the_chunks_a_prefetch_has_not_landed_yet():
-    cond = threading.Condition()
-    prefetcher = Prefetcher(
-        cond, acquire=lambda key, owner, tiers: None, end_lease=lambda lease: None
-    )
+    # No tier below L1: every job misses, and lands with nothing leased.
+    index = L1Index(L1Store(8 * CHUNK, "fifo"))
+    promotion = Promotion(index, memoryview(bytearray(8 * CHUNK)), None, None)
+    prefetcher = Prefetcher(index, promotion)
+
+    def may_be_below(key: object) -> bool:
+        return True
+
     try:
-        with cond:
-            prefetcher.expect("client:req-1", [make_key(1), make_key(2)])
-            prefetcher.expect("client:req-2", [make_key(3)])
-            assert prefetcher.queued() == 3
-        prefetcher.start([make_key(1), make_key(2)], "client:req-1")
-        prefetcher.start([make_key(3)], "client:req-2")
+        _, first = index.plan_prefetch([make_key(1), make_key(2)], "client/req-1", may_be_below)
+        _, second = index.plan_prefetch([make_key(3)], "client/req-2", may_be_below)
+        assert index.snapshot().gauges.queued_loads == 3
+        prefetcher.start(first, "client/req-1")
+        prefetcher.start(second, "client/req-2")
         assert prefetcher.wait(timeout=30.0)
-        with cond:
-            assert prefetcher.queued() == 0
+        assert index.snapshot().gauges.queued_loads == 0
     finally:
         prefetcher.close()
 
