@@ -75,7 +75,7 @@ from kvstrata.connector.request_tiers import (
     parse_request_tiers,
 )
 from kvstrata.connector.scheduler_state import RequestState, SchedulerCounters
-from kvstrata.connector.settings import NULL_BLOCK_ID, KVGroup, rank_namespaces
+from kvstrata.connector.settings import NULL_BLOCK_ID, KVGroup, LoadAsync, rank_namespaces
 from kvstrata.connector.step_tracking import StepTracker
 from kvstrata.connector.tenant_match import TenantMatcher
 from kvstrata.sidecar import protocol as p
@@ -231,8 +231,8 @@ class KVStrataScheduler:
         if len(self.groups) > 1:
             return True
         mode = self.settings.load_async
-        if mode != "auto":
-            return mode == "always"
+        if mode is not LoadAsync.AUTO:
+            return mode is LoadAsync.ALWAYS
         chunk = self.settings.chunk_size
         tiers = state.tiers[start // chunk : -(-end // chunk)]
         if state.partial_blocks and end > state.hit_chunks * chunk:
