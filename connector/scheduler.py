@@ -65,6 +65,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 from kvstrata.connector.client import SidecarClient
+from kvstrata.connector.client_arena import Populate
 from kvstrata.connector.events import ChunkRegistry, KVEventFeed, describe_chunks
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, ReqId, RequestTransfer
 from kvstrata.connector.partial_chunks import partial_candidates
@@ -142,7 +143,7 @@ class KVStrataScheduler:
             curve=s.curve,
             more_namespaces=more_namespaces,
             kv_events=s.kv_events,
-            populate_arena="off",  # the scheduler never copies through the arena
+            populate_arena=Populate.OFF,  # the scheduler never copies through the arena
         )
 
     def take_events(self) -> list:
