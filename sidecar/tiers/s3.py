@@ -66,6 +66,7 @@ from kvstrata.sidecar.tiers.s3ahead import HeldGets, close_response
 from kvstrata.sidecar.tiers.s3body import BodyStream
 from kvstrata.sidecar.tiers.s3expiry import expired, expiry_metadata, has_expiry
 from kvstrata.sidecar.tiers.s3refresh import Refresher
+from kvstrata.sidecar.tiers.stats import S3Stats
 
 logger = logging.getLogger(__name__)
 
@@ -261,6 +262,7 @@ class S3Tier(RemoteTier):
         # GET responses a lookup opened, for the fetches that follow it: one per
         # lookup thread at most, the share of the connection pool lookups have.
         self._held = HeldGets(lookup_threads(self._config), self._config.timeout_seconds)
+        self._expired_total = 0  # objects read past their tenant's TTL (under _lock)
         self._refresher: Refresher | None = None
         if self._config.refresh_after_seconds is not None:
             self._refresher = Refresher(
@@ -502,11 +504,16 @@ class S3Tier(RemoteTier):
 
     def stats(self) -> TierStats:
         snap = super().stats()
-        if self._refresher is not None:
-            snap.refreshed_total = self._refresher.refreshed_total
-            snap.refresh_dropped_total = self._refresher.dropped_total
-        snap.lookup_gets_used_total = self._held.taken_total
-        snap.lookup_gets_closed_total = self._held.closed_unread_total
+        with self._lock:
+            expired = self._expired_total
+        refresher = self._refresher
+        snap.backend = S3Stats(
+            refreshed_total=refresher.refreshed_total if refresher is not None else 0,
+            refresh_dropped_total=refresher.dropped_total if refresher is not None else 0,
+            lookup_gets_used_total=self._held.taken_total,
+            lookup_gets_closed_total=self._held.closed_unread_total,
+            expired_total=expired,
+        )
         return snap
 
     def drain_refreshes(self, timeout: float) -> bool:
@@ -700,7 +707,7 @@ class S3Tier(RemoteTier):
         if "Body" in response:
             close_response(response)
         with self._lock:
-            self._stats.expired_total += 1
+            self._expired_total += 1
         # Not waited for: this may run on a pool thread, or inside a lookup.
         self._pool.submit(self._delete_expired, object_key)
 
