@@ -16,7 +16,7 @@ import pytest
 import xxhash
 
 from kvstrata.bench.kvdata import bf16_kv_like
-from kvstrata.sidecar import objformat
+from kvstrata.sidecar import objformat_write
 from kvstrata.sidecar.keys import ChunkKey, Namespace, make_key
 from kvstrata.sidecar.objformat import ChunkMeta, decode_header, encode_bytes
 from kvstrata.sidecar.tiers.stats import BreakerStats, S3Stats, ValkeyStats
@@ -203,7 +203,7 @@ def test_large_object_is_stored_with_a_checksum_trailer_and_read_back(
     shared_backend, size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Pieces smaller than the object, so it goes out (and is hashed) in several.
-    monkeypatch.setattr(objformat, "PIECE_BYTES", 256 * 1024)
+    monkeypatch.setattr(objformat_write, "PIECE_BYTES", 256 * 1024)
     tier, raw = shared_backend.make_tier()
     key, data = random_key(), bf16_kv_like(size, seed=size)
     meta = ChunkMeta(dtype="uint8", shape=(size,))
