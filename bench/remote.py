@@ -53,6 +53,7 @@ from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.tiers import s3 as s3_tier
 from kvstrata.sidecar.tiers import valkey as valkey_tier
 from kvstrata.sidecar.tiers.base import Tier
+from kvstrata.sidecar.tiers.s3client import make_client
 from kvstrata.testing.servers import MotoS3Server, RedisServer, redis_server_binary
 
 MiB = 1 << 20
@@ -378,7 +379,7 @@ def bench_s3(server: MotoS3Server, secrets: Path, params: dict[str, Any]) -> dic
         server, secrets, multipart_threshold_bytes=max(params["sizes_mib"]) * 2 * MiB
     )
     tier = s3_tier.S3Tier(config)
-    raw = s3_tier.make_client(config.s3)  # same boto3 settings, plain calls
+    raw = make_client(config.s3)  # same boto3 settings, plain calls
     bucket = config.s3.bucket
 
     def raw_get(name: str) -> bytes:

@@ -413,7 +413,7 @@ class Soak:
         """The bounds, with what the S3 tier's pools may start and keep open as
         configured for this run (transfer and lookup threads, pooled connections)."""
         from kvstrata.sidecar.config import S3Config
-        from kvstrata.sidecar.tiers.s3 import botocore_config, lookup_threads
+        from kvstrata.sidecar.tiers.s3client import botocore_config, lookup_threads
 
         s3 = S3Config(**S3_SETTINGS)
         return checks.Bounds(

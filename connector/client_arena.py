@@ -13,16 +13,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 from kvstrata.sidecar import prefault
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.arena import Arena
 
-__all__ = ["POPULATE_MODES", "ArenaSlot", "MappedArena", "slots_in_arena"]
+__all__ = ["ArenaSlot", "MappedArena", "Populate", "slots_in_arena"]
 
-# How the mapping's page table is filled (kvstrata.sidecar.prefault): "now"
-# before the mapping is used, "background" on a thread, "off" never.
-POPULATE_MODES = ("now", "background", "off")
+
+class Populate(Enum):
+    """How a mapping's page table is filled (kvstrata.sidecar.prefault)."""
+
+    NOW = "now"  # before the mapping is used, in the mapping thread
+    BACKGROUND = "background"  # on a thread of its own
+    OFF = "off"  # never: a client that never copies through the arena
+
+    @classmethod
+    def parse(cls, value: Populate | str) -> Populate:
+        """``value`` as a member; ValueError naming it and the known modes."""
+        for member in cls:
+            if value is member or member.value == value:
+                return member
+        known = ", ".join(m.value for m in cls)
+        raise ValueError(f"populate_arena: {value!r} is not one of {known}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +54,9 @@ class MappedArena:
     """The sidecar's shared-memory segment (:meth:`Arena.attach`) and the view
     the connector copies through."""
 
-    def __init__(self, name: str, size: int, populate: str) -> None:
-        """``populate`` is one of :data:`POPULATE_MODES`."""
-        self.arena = Arena.attach(name, size, prefault=populate == "background")
-        if populate == "now":
+    def __init__(self, name: str, size: int, populate: Populate) -> None:
+        self.arena = Arena.attach(name, size, prefault=populate is Populate.BACKGROUND)
+        if populate is Populate.NOW:
             prefault.populate(self.arena.address(), size)
         self.size = size
         # A view of the arena's buffer, handed out and dropped, never

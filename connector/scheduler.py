@@ -65,6 +65,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 from kvstrata.connector.client import SidecarClient
+from kvstrata.connector.client_arena import Populate
 from kvstrata.connector.events import ChunkRegistry, KVEventFeed, describe_chunks
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, ReqId, RequestTransfer
 from kvstrata.connector.partial_chunks import partial_candidates
@@ -75,7 +76,7 @@ from kvstrata.connector.request_tiers import (
     parse_request_tiers,
 )
 from kvstrata.connector.scheduler_state import RequestState, SchedulerCounters
-from kvstrata.connector.settings import NULL_BLOCK_ID, KVGroup, rank_namespaces
+from kvstrata.connector.settings import NULL_BLOCK_ID, KVGroup, LoadAsync, rank_namespaces
 from kvstrata.connector.step_tracking import StepTracker
 from kvstrata.connector.tenant_match import TenantMatcher
 from kvstrata.sidecar import protocol as p
@@ -142,7 +143,7 @@ class KVStrataScheduler:
             curve=s.curve,
             more_namespaces=more_namespaces,
             kv_events=s.kv_events,
-            populate_arena="off",  # the scheduler never copies through the arena
+            populate_arena=Populate.OFF,  # the scheduler never copies through the arena
         )
 
     def take_events(self) -> list:
@@ -170,12 +171,7 @@ class KVStrataScheduler:
             state = self._reqs[request.request_id] = RequestState(
                 request, choice=self._choice(request)
             )
-        state.request = request
-        state.block_ids = []  # new or preempted: blocks come with the next schedule
-        state.load = None
-        state.local_tokens = num_computed_tokens
-        state.hit_tokens = 0
-        state.load_async = False
+        state.asked(request, num_computed_tokens)  # blocks come with the next schedule
         if not self.enabled or state.load_failed or not state.choice.loads:
             return 0
         s = self.settings
@@ -196,10 +192,9 @@ class KVStrataScheduler:
         hit_chunks, tiers, partial_blocks = answer
         hit_end = hit_chunks * chunk + partial_blocks * s.block_size
         if hit_end <= num_computed_tokens:
-            state.partial_blocks = 0
+            state.no_hit_past_vllm()
             return 0
-        state.hit_tokens = hit_end
-        state.load_async = self._loads_in_background(state, num_computed_tokens, hit_end)
+        state.hit(hit_end, self._loads_in_background(state, num_computed_tokens, hit_end))
         logger.debug(
             "kvstrata: %s hits %d tokens (%d local) in %s",
             request.request_id,
@@ -231,8 +226,8 @@ class KVStrataScheduler:
         if len(self.groups) > 1:
             return True
         mode = self.settings.load_async
-        if mode != "auto":
-            return mode == "always"
+        if mode is not LoadAsync.AUTO:
+            return mode is LoadAsync.ALWAYS
         chunk = self.settings.chunk_size
         tiers = state.tiers[start // chunk : -(-end // chunk)]
         if state.partial_blocks and end > state.hit_chunks * chunk:
@@ -255,28 +250,25 @@ class KVStrataScheduler:
             # last time stay pinned for it; no second call, no second lease.
             return state.hit_chunks, state.tiers, state.partial_blocks
         if state.pending is None or state.pending_blocks != max_blocks:
-            state.pending = self._start_lookup(request, loadable, max_blocks, state.choice.load)
-            state.pending_blocks = max_blocks
-            self._wait_for(state.pending)
-        if not state.pending.done():
+            lookup = self._start_lookup(request, loadable, max_blocks, state.choice.load)
+            state.lookup_started(lookup, max_blocks)
+            self._wait_for(lookup)
+        if state.pending is not None and not state.pending.done():
             return None
-        reply = state.pending.result()
-        state.pending = None
+        reply = state.take_lookup_reply()
         self._check_chunk_size()
         if reply is None:
             self.counters.lookup_failures += 1
             return 0, [], 0
         hit_chunks, tiers = min(reply.hit_chunks, loadable), list(reply.tiers)
-        partial_blocks = 0
+        partial_blocks, partial_tier = 0, None
         if reply.partial >= 0 and reply.hit_chunks <= loadable:
             bpc = self.settings.blocks_per_chunk
             # candidates are longest first: index j holds (longest - j) blocks
             partial_blocks = min(bpc - 1, max_blocks - reply.hit_chunks * bpc) - reply.partial
-            state.partial_tier = reply.partial_tier
+            partial_tier = reply.partial_tier
             self.counters.partial_hits += 1
-        state.pinned = state.pinned or hit_chunks > 0 or partial_blocks > 0
-        state.asked_blocks, state.hit_chunks, state.tiers = max_blocks, hit_chunks, tiers
-        state.partial_blocks = partial_blocks
+        state.answered(max_blocks, hit_chunks, tiers, partial_blocks, partial_tier)
         self._describe(request, range(hit_chunks))  # promotions into L1 become events
         return hit_chunks, tiers, partial_blocks
 
@@ -357,7 +349,7 @@ class KVStrataScheduler:
                 b for c in load.chunks for b in c.block_ids[c.first_block :]
             }
         else:
-            state.load = load
+            state.load_planned(load)
 
     def _plan_load(
         self, state: RequestState, block_ids: Sequence[list[int]], num_external_tokens: int
@@ -399,16 +391,16 @@ class KVStrataScheduler:
                     partial=True,
                 )
             )
-        state.stored_chunks = max(state.stored_chunks, k)
         self.counters.hit_tokens += num_external_tokens
-        state.load_tiers = {}
+        by_tier: dict[str, int] = {}
         for c in range(start // s.chunk_size, k + (1 if tail else 0)):
             tier = state.tiers[c] if c < len(state.tiers) else state.partial_tier
             n = min((c + 1) * s.chunk_size, end) - max(start, c * s.chunk_size)
-            state.load_tiers[tier] = state.load_tiers.get(tier, 0) + n
+            by_tier[tier] = by_tier.get(tier, 0) + n
             self.counters.hit_tokens_by_tier[tier] = (
                 self.counters.hit_tokens_by_tier.get(tier, 0) + n
             )
+        state.loading(k, by_tier)
         self.counters.chunks_to_load += len(chunks)
         return RequestTransfer(
             state.request.request_id,
@@ -436,9 +428,9 @@ class KVStrataScheduler:
                 state = self._reqs.get(req_id)
                 if state is None:
                     continue
-                if state.load is not None:
-                    meta.loads.append(state.load)
-                    state.load = None
+                load = state.take_load()
+                if load is not None:
+                    meta.loads.append(load)
                 save = self._steps.plan_save(state, state.num_computed + n_scheduled)
                 if save is not None:
                     save.tenant = self._tenants.tenant_of(
@@ -461,7 +453,7 @@ class KVStrataScheduler:
             blocks = self._async_blocks.pop(req_id, set())
             state = self._reqs.get(req_id)
             if state is not None and (req_id in failed or blocks & invalid_blocks):
-                state.load_failed = True
+                state.background_load_failed()
 
     # -- end of a request ---------------------------------------------------------
 

@@ -50,7 +50,7 @@ from typing import Any
 import zmq
 
 from kvstrata.connector.backoff import BACKOFF_MAX_S, BACKOFF_MIN_S, Backoff
-from kvstrata.connector.client_arena import POPULATE_MODES, MappedArena
+from kvstrata.connector.client_arena import MappedArena, Populate
 from kvstrata.connector.client_ipc import REGISTER_TIMEOUT_S, IpcOps, sidecar_deadline_ms
 from kvstrata.connector.liveness_watch import LivenessWatch, closed_by_peer
 from kvstrata.connector.transport import Channel, CurveKeys
@@ -93,7 +93,7 @@ class SidecarSession:
         more_namespaces: Sequence[Namespace] = (),
         kv_events: bool = False,
         backoff_clock: Callable[[], float] = time.monotonic,
-        populate_arena: str = "background",
+        populate_arena: Populate | str = Populate.BACKGROUND,
     ) -> None:
         # One retry policy for every call (kvstrata.connector.backoff).
         self._backoff = Backoff(backoff_s, backoff_max_s, backoff_clock)
@@ -101,7 +101,10 @@ class SidecarSession:
         self.curve = curve
         self.namespace = namespace
         self.role = role
-        self.call_timeout_s = float(call_timeout_s)
+        # The settings below are chosen here, once, and read-only after: a call
+        # that needs another deadline or another filling of its first mapping
+        # says so as an argument (connect), so no call changes another's.
+        self._call_timeout_s = float(call_timeout_s)
         self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.fingerprint: bytes = namespace.fingerprint()
         # Further namespaces this session may name (a scheduler's other ranks).
@@ -111,9 +114,7 @@ class SidecarSession:
         # "now" at the first HELLO, "background" on a thread, "off" for a
         # client that never copies (a scheduler: its thread would take a core
         # from the process's real work for nothing).
-        if populate_arena not in POPULATE_MODES:
-            raise ValueError(f"populate_arena: {populate_arena!r} is not one of {POPULATE_MODES}")
-        self.populate_arena = populate_arena
+        self._populate_arena = Populate.parse(populate_arena)
         self._init_hello_answers()
         self.errors: dict[str, int] = {}
         self._lock = threading.RLock()
@@ -124,9 +125,10 @@ class SidecarSession:
         self._next_id = 0
         self._connected = False
         self._closed = False
-        # What HELLO asks for (ipc once KV is registered: register_kv) and what
-        # the sidecar granted at the last HELLO; members, never strings.
-        self.requested_mode = transfer_mode
+        # What HELLO asks for (ipc once KV is registered: register_kv, its one
+        # writer) and what the sidecar granted at the last HELLO; members,
+        # never strings.
+        self._requested_mode = transfer_mode
         self._granted_mode = TransferMode.HOST
         # ipc mode's operations and the KV registration they rest on.
         self.ipc = IpcOps(self._call, self._count, self._bad_reply)
@@ -144,6 +146,21 @@ class SidecarSession:
         self.server_version: str | None = None
 
     # -- properties -----------------------------------------------------------
+
+    @property
+    def call_timeout_s(self) -> float:
+        """The deadline of each call (seconds), unless the call names its own."""
+        return self._call_timeout_s
+
+    @property
+    def populate_arena(self) -> Populate:
+        """How a first mapping's page table is filled, unless :meth:`connect` names another."""
+        return self._populate_arena
+
+    @property
+    def requested_mode(self) -> TransferMode:
+        """What HELLO asks for: IPC from :meth:`register_kv` on, HOST before."""
+        return self._requested_mode
 
     @property
     def arena(self) -> memoryview | None:
@@ -186,10 +203,10 @@ class SidecarSession:
         stays in host mode, says why once and counts ``ipc_fallback``.
         """
         with self._lock:
-            self.requested_mode = TransferMode.IPC
+            self._requested_mode = TransferMode.IPC
             self.ipc.registration = body
             if self._connected and self.ipc_granted:
-                timeout = max(self.call_timeout_s, REGISTER_TIMEOUT_S)
+                timeout = max(self._call_timeout_s, REGISTER_TIMEOUT_S)
                 self._send_registration(time.monotonic() + timeout)
 
     def ipc_unavailable(self, why: str) -> None:
@@ -212,6 +229,17 @@ class SidecarSession:
         if not self.ipc.accepted(reply):
             self._granted_mode = TransferMode.HOST
 
+    def connect(self, *, timeout_s: float | None = None, populate: Populate | None = None) -> bool:
+        """Set a session up now if there is none (HELLO, arena mapping, a KV
+        registration's resend) and check it with a PING; whether it answered.
+
+        Both arguments apply to this call only: ``timeout_s`` is its deadline
+        (default :attr:`call_timeout_s`; a worker registering its KV waits
+        longer, see ``REGISTER_TIMEOUT_S``), ``populate`` fills the mapping a
+        first HELLO of this call makes (default :attr:`populate_arena`)."""
+        reply = self._call(p.PING, p.PingRequest(), timeout_s=timeout_s, populate=populate)
+        return isinstance(reply, p.PingReply)
+
     def close(self) -> None:
         """Close the socket and unmap the arena; later calls return None/False."""
         with self._lock:
@@ -233,8 +261,17 @@ class SidecarSession:
         self._count("bad_reply")
         return None
 
-    def _call(self, op: str, body: p.Message) -> p.Message | None:
-        """One request with the deadline; the reply body or None (counted)."""
+    def _call(
+        self,
+        op: str,
+        body: p.Message,
+        *,
+        timeout_s: float | None = None,
+        populate: Populate | None = None,
+    ) -> p.Message | None:
+        """One request with the deadline (``timeout_s``, else
+        :attr:`call_timeout_s`); the reply body or None (counted). ``populate``:
+        see :meth:`connect`."""
         try:
             with self._lock:
                 if self._closed:
@@ -243,17 +280,18 @@ class SidecarSession:
                 if self._backoff.waiting():  # backing off: no I/O
                     self._count("backoff")
                     return None
-                deadline = time.monotonic() + self.call_timeout_s
+                timeout = self._call_timeout_s if timeout_s is None else timeout_s
+                deadline = time.monotonic() + timeout
                 if self._live.sidecar_gone():
                     # The sidecar ended since the last call: HELLO whichever
                     # listens now rather than wait on a session that is gone.
                     self._lost_session()
-                if not self._session_id and not self._hello(deadline):
+                if not self._session_id and not self._hello(deadline, populate):
                     return None
                 reply = self._roundtrip(op, body, deadline)
                 if isinstance(reply, p.ErrorReply) and reply.code == p.E_NO_SESSION:
                     self._lost_session()
-                    if not (self._hello(deadline) and op in _RETRYABLE):
+                    if not (self._hello(deadline, populate) and op in _RETRYABLE):
                         # Leases named by this call died with the old session.
                         self._count(p.E_NO_SESSION)
                         return None
@@ -270,13 +308,13 @@ class SidecarSession:
             self._count("internal")
             return None
 
-    def _hello(self, deadline: float) -> bool:
+    def _hello(self, deadline: float, populate: Populate | None = None) -> bool:
         hello = p.HelloRequest(
             client_id=self.client_id,
             role=self.role,
             fingerprint=self.fingerprint,
             namespace=_namespace_map(self.namespace),
-            transfer_mode=self.requested_mode,
+            transfer_mode=self._requested_mode,
             pid=os.getpid(),
             fingerprints=self.more_fingerprints,
             kv_events=self.kv_events,
@@ -291,9 +329,9 @@ class SidecarSession:
         try:
             # The first mapping as asked; after a sidecar restart a "now" would
             # sit inside whichever step re-connects: in the background instead.
-            populate = self.populate_arena
-            if populate == "now" and self._epoch > 0:
-                populate = "background"
+            populate = self._populate_arena if populate is None else populate
+            if populate is Populate.NOW and self._epoch > 0:
+                populate = Populate.BACKGROUND
             arena = MappedArena(reply.arena_name, reply.arena_size, populate)
         except (OSError, ValueError) as exc:
             logger.warning("cannot map the sidecar arena %s: %s", reply.arena_name, exc)
@@ -315,7 +353,7 @@ class SidecarSession:
         self._answered()
         self._live.open(reply.session_id)
         self._granted_mode = reply.transfer_mode
-        if self.requested_mode is TransferMode.IPC and not self.ipc_granted:
+        if self._requested_mode is TransferMode.IPC and not self.ipc_granted:
             self.ipc.fall_back(reply.fallback_reason or "not served")
         elif self.ipc_granted and self.ipc.registration is not None:
             # Half of what is left: a registration the sidecar is slow to take

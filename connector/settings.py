@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from kvstrata.connector.layout import dtype_name, layout_id
@@ -37,7 +38,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_SIZE = 256
-LOAD_ASYNC_MODES = ("auto", "always", "never")
+
+
+class LoadAsync(Enum):
+    """When a hit loads in the background (vLLM's ``load_kv_async``): the
+    ``load_async`` key, parsed once here; the scheduler compares members."""
+
+    # When a chunk of the hit is below L1 (it must come up from disk or the
+    # shared tier first); hybrid models load every hit in the background.
+    AUTO = "auto"
+    ALWAYS = "always"
+    NEVER = "never"
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,8 +173,18 @@ class ConnectorSettings:
     # vLLM publishes KV events (--kv-events-config): the sidecar records its
     # tiers' changes for them from this client's HELLO on.
     kv_events: bool = False
-    load_async: str = "auto"  # LOAD_ASYNC_MODES
+    load_async: LoadAsync = LoadAsync.AUTO
     lookup_wait_s: float = 0.005  # the scheduler's wait for a new lookup's answer
+
+    def __post_init__(self) -> None:
+        # A string here (a caller building settings by hand) would compare
+        # unequal to every member and silently mean "never"; refuse it.
+        if not isinstance(self.load_async, LoadAsync):
+            raise TypeError(f"load_async must be a LoadAsync member, not {self.load_async!r}")
+        if not isinstance(self.transfer_mode, ModeSetting):
+            raise TypeError(
+                f"transfer_mode must be a ModeSetting member, not {self.transfer_mode!r}"
+            )
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -206,7 +227,7 @@ def settings_from_config(
         namespace=namespace,
         groups=kv_groups,
         kv_events=events_enabled(vllm_config),
-        load_async=_choice(extra, "load_async", LOAD_ASYNC_MODES, "auto"),
+        load_async=_member(extra, "load_async", LoadAsync.AUTO),
     )
 
 
@@ -267,13 +288,15 @@ def _layout(vllm_config: VllmConfig, kv_cache_layout: str | None) -> str | None:
     return layout
 
 
-def _choice(extra: dict[str, Any], key: str, allowed: tuple[str, ...], default: str) -> str:
-    value = str(extra.get(key, default))
-    if value not in allowed:
-        raise ValueError(
-            f"kv_connector_extra_config.{key} must be one of {', '.join(allowed)}, not {value!r}"
-        )
-    return value
+def _member(extra: dict[str, Any], key: str, default: LoadAsync) -> LoadAsync:
+    """The member of ``default``'s enum that ``extra[key]`` names; ValueError
+    names the key, the value and the allowed ones."""
+    value = str(extra.get(key, default.value))
+    for member in type(default):
+        if member.value == value:
+            return member
+    allowed = ", ".join(m.value for m in type(default))
+    raise ValueError(f"kv_connector_extra_config.{key} must be one of {allowed}, not {value!r}")
 
 
 def _chunk_size(extra: dict[str, Any], block_size: int) -> int:

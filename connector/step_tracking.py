@@ -7,7 +7,8 @@ saves it allows, is one job, apart from lookups and loads
 (:mod:`.scheduler`). :class:`StepTracker` is held by
 :class:`~.scheduler.KVStrataScheduler`: it is given the settings, KV cache
 groups and counters it needs, is handed the request states of each step
-(the scheduler owns them) and tells the scheduler through ``describe``
+(the scheduler keeps them; each changes only through its own methods,
+:class:`~.scheduler_state.RequestState`) and tells the scheduler through ``describe``
 which chunks a save makes known (KV events).
 
 Saves: a chunk once all its tokens are computed (chunked prefill may take
@@ -64,13 +65,11 @@ class StepTracker:
             self.counters.preemptions += 1
             state = states.get(req_id)
             if state is not None:
-                state.block_ids = []
-                state.load = None
+                state.preempted()
         for new in so.scheduled_new_reqs:
             state = states.get(new.req_id)
             if state is not None:
-                state.block_ids = [list(ids) for ids in new.block_ids or ()]
-                state.num_computed = new.num_computed_tokens
+                state.scheduled(list(new.block_ids or ()), new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = states.get(req_id)
@@ -78,13 +77,9 @@ class StepTracker:
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = [list(ids) for ids in new_blocks or ()]
-            elif new_blocks:
-                if not state.block_ids:
-                    state.block_ids = [[] for _ in new_blocks]
-                for mine, ids in zip(state.block_ids, new_blocks, strict=True):
-                    mine.extend(ids)
-            state.num_computed = cached.num_computed_tokens[i]
+                state.scheduled(list(new_blocks or ()), cached.num_computed_tokens[i])
+            else:
+                state.grew(new_blocks, cached.num_computed_tokens[i])
 
     def plan_save(self, state: RequestState, computed_after: int) -> RequestTransfer | None:
         """The saves ``state``'s request allows once ``computed_after`` tokens are computed."""
@@ -126,7 +121,7 @@ class StepTracker:
                 )
         if n_chunks > state.stored_chunks:
             self._describe(request, range(state.stored_chunks, n_chunks))
-            state.stored_chunks = n_chunks
+            state.sent_for_saving(n_chunks)
         self.counters.chunks_to_save += len(chunks)
         if self.partials and done == request.num_prompt_tokens and not state.partial_done:
             chunks += self._plan_partial_save(state, n_chunks)
@@ -144,7 +139,7 @@ class StepTracker:
         s = self.settings
         bpc = s.blocks_per_chunk
         request = state.request
-        state.partial_done = True
+        state.partial_sent()
         position = partial_position(request.num_prompt_tokens, s.block_size, bpc)
         blocks = (request.num_prompt_tokens - 1) // s.block_size
         if position < 0 or position > n_chunks:

@@ -57,6 +57,7 @@ import torch
 from kvstrata.connector import ipc
 from kvstrata.connector.async_loads import AsyncLoads, FinishedLoads, LoadReports, outcome_of
 from kvstrata.connector.client import SidecarClient
+from kvstrata.connector.client_arena import Populate
 from kvstrata.connector.client_ipc import REGISTER_TIMEOUT_S
 from kvstrata.connector.cpu_amx import ask_for_amx_tiles
 from kvstrata.connector.device import DeviceCopies, copies_for
@@ -136,7 +137,9 @@ class KVStrataWorker:
         # The IPC references our KV exports took (ipc mode), given back at close.
         self._ipc_references = ipc.IpcReferences()
 
-    def _new_client(self, call_timeout_s: float, populate: str = "background") -> SidecarClient:
+    def _new_client(
+        self, call_timeout_s: float, populate: Populate = Populate.BACKGROUND
+    ) -> SidecarClient:
         s = self.settings
         return SidecarClient(
             s.endpoint,
@@ -149,14 +152,14 @@ class KVStrataWorker:
             populate_arena=populate,
         )
 
-    def _populate_mode(self) -> str:
+    def _populate_mode(self) -> Populate:
         """On CPU, the arena's page table is filled at registration, before vLLM
         serves: filled in the background, the thread ran on the core vLLM
         computes on during its first requests (a fresh server's first prompts
         took up to 2x as long in ``kvstrata bench serve``). On CUDA, registering
         the mapping as pinned memory maps its pages anyway."""
         on_cpu = self.layout is not None and self.layout.device.type == "cpu"
-        return "now" if on_cpu else "background"
+        return Populate.NOW if on_cpu else Populate.BACKGROUND
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         s = self.settings
@@ -186,12 +189,10 @@ class KVStrataWorker:
         self.transfer.close()
         host = HostPath(self.client, self._keys, self.layouts, copies_for(self.layout.device))
         self.transfer = host if registration is None else IpcPath(host, registration)
-        if self._populate_mode() == "now" and not self.client.available():
+        if self._populate_mode() is Populate.NOW and not self.client.available():
             # Connect the step session now, its arena mapped and populated
             # (a sidecar not up yet: the first call connects, in the background).
-            self.client.populate_arena = "now"
-            self.client.ping()
-            self.client.populate_arena = "background"
+            self.client.connect(populate=Populate.NOW)
         self._start_loader()
         logger.info(
             "kvstrata: %d layers on %s, chunk of %d tokens = %d bytes %s",
@@ -231,13 +232,9 @@ class KVStrataWorker:
             return None
         self.client.register_kv(body)  # and asks for ipc mode at HELLO
         # Connect now (the mode is decided at HELLO) with the patience of a first
-        # registration: the sidecar page-locks its arena for our GPU then.
-        call_timeout_s = self.client.call_timeout_s
-        self.client.call_timeout_s = max(call_timeout_s, REGISTER_TIMEOUT_S)
-        try:
-            self.client.stats()
-        finally:
-            self.client.call_timeout_s = call_timeout_s
+        # registration, for this call only: the sidecar page-locks its arena for
+        # our GPU then.
+        self.client.connect(timeout_s=max(self.settings.call_timeout_s, REGISTER_TIMEOUT_S))
         return body
 
     # -- loads --------------------------------------------------------------------

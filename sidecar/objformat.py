@@ -56,366 +56,82 @@ full chunk refuses any other count (:mod:`kvstrata.sidecar.partials`).
 Any mismatch (magic, version, lengths, either checksum, key) raises
 :class:`CorruptObjectError`; callers count it and treat it as a miss: a bad
 object is never returned as KV.
+
+Where the parts live: the header's constants and typed values in
+:mod:`.objformat_fields`, the writers in :mod:`.objformat_write`, the
+readers here; every public name of the three is importable from here.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import xxhash
 
-from kvstrata.sidecar.codecs import CODEC_IDS, CODEC_NAMES, CodecError, compress, decompress
+from kvstrata.sidecar.codecs import CODEC_NAMES, CodecError, decompress
+from kvstrata.sidecar.objformat_fields import (
+    FIXED,
+    FIXED_HEADER_BYTES,
+    FORMAT_VERSION,
+    MAGIC,
+    MAX_NDIM,
+    NONCE_BYTES,
+    SEALED_FORMAT_VERSION,
+    TAG_BYTES,
+    TRAILER_BYTES,
+    TRAILER_FORMAT_VERSION,
+    ChunkMeta,
+    CorruptObjectError,
+    DecodedObject,
+    Seal,
+    SealError,
+    check_meta,
+    is_sealed,
+)
+from kvstrata.sidecar.objformat_write import (
+    PIECE_BYTES,
+    StreamedObject,
+    encode,
+    encode_bytes,
+    encode_pooled,
+    encode_streamed,
+)
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.sealing import KeyRing
 
-MAGIC = b"KVS1"
-FORMAT_VERSION = 2  # payload checksum in the header
-TRAILER_FORMAT_VERSION = 3  # payload checksum in a trailer after the payload
-SEALED_FORMAT_VERSION = 4  # payload encrypted (AES-GCM), tag after the payload
-TRAILER_BYTES = 8
-TAG_BYTES = 16
-NONCE_BYTES = 12
-# The payload goes out (and is hashed) in pieces this large. Each piece is
-# one more send call, which on a full socket buffer waits for the server, so
-# pieces must not be small. Measured on the 2-core build VM against a loopback
-# redis-server (client process CPU per byte, 16 / 32 MiB values): SET of the
-# plain bytes 0.153 / 0.181 ns, hash then send in one piece 0.193 / 0.211 ns,
-# 8 MiB pieces 0.200 / 0.221 ns, 4 MiB pieces 0.233 / 0.246 ns, 1 MiB pieces
-# 0.332 ns (16 MiB). So values up to 8 MiB go in one piece, and larger ones
-# hash each 8 MiB while the server is still taking the previous one.
-PIECE_BYTES = 8 * 1024 * 1024
-MAX_NDIM = 8
-_FIXED = struct.Struct("<4sHBB16sQQQQ")
-FIXED_HEADER_BYTES = _FIXED.size  # 56
-
-
-class CorruptObjectError(ValueError):
-    """The object failed validation; treat as a miss and count it."""
-
-
-class SealError(CorruptObjectError):
-    """A sealed object could not be opened, or a plaintext one must not be
-    served; ``reason`` (``unknown_key``, ``auth_failed``, ``no_key``,
-    ``plaintext``) labels ``kvstrata_decrypt_failures_total``."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-
-
-@dataclass(frozen=True, slots=True)
-class Seal:
-    """What a version-4 header says about its encryption."""
-
-    key_id: str
-    label: str  # the tenant whose derived key sealed it; "" for the KVCache key
-    nonce: bytes
-
-    def pack(self) -> bytes:
-        key_id, label = self.key_id.encode("ascii"), self.label.encode()
-        if len(key_id) > 255 or len(label) > 255 or len(self.nonce) != NONCE_BYTES:
-            raise ValueError("seal: key id or tenant label longer than 255 bytes, or bad nonce")
-        return bytes([len(key_id)]) + key_id + bytes([len(label)]) + label + self.nonce
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkMeta:
-    """What a chunk's bytes are: element type and shape of the KV they hold."""
-
-    dtype: str = "uint8"
-    shape: tuple[int, ...] = ()
-    blocks: int = 0  # 0: a full chunk; else the blocks of a partial chunk
-    # The tenant that stored it ("": the default tenant; kvstrata.sidecar.tenants).
-    # Carried by a sealed object's header (its key's label); a plaintext
-    # object read back from a tier below L1 is the default tenant's.
-    tenant: str = ""
-    # The tiers the storing request let it go to (kvstrata.sidecar.tierchoice;
-    # None: every tier). Process memory only, never in a header: L2's index
-    # keeps it for a chunk promoted back, the write-behind for its uploads.
-    store_tiers: frozenset[str] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class DecodedObject:
-    meta: ChunkMeta
-    payload: bytes | memoryview
-
-
-def _stored_payload(
-    payload: bytes | memoryview, codec: str
-) -> tuple[memoryview, bytes | memoryview, str]:
-    """The raw payload as bytes, what is stored for it, and the codec actually used."""
-    raw = memoryview(payload).cast("B")
-    stored = compress(codec, raw)
-    if codec != "none" and len(stored) >= len(raw):
-        codec, stored = "none", raw  # incompressible: store raw, skip decode cost
-    return raw, stored, codec
-
-
-def _header(
-    key: bytes,
-    meta: ChunkMeta,
-    codec: str,
-    raw_length: int,
-    stored_length: int,
-    checksum: int,
-    version: int,
-    seal: Seal | None = None,
-) -> bytes:
-    tail = struct.pack(f"<{len(meta.shape)}QH", *meta.shape, meta.blocks) + bytes([len(key)]) + key
-    if seal is not None:
-        tail += seal.pack()
-    fixed_wo_hc = _FIXED.pack(
-        MAGIC,
-        version,
-        CODEC_IDS[codec],
-        len(meta.shape),
-        meta.dtype.encode("ascii"),
-        raw_length,
-        stored_length,
-        checksum,
-        0,
-    )[:48]
-    header_checksum = xxhash.xxh3_64_intdigest(fixed_wo_hc + tail)
-    return fixed_wo_hc + struct.pack("<Q", header_checksum) + tail
-
-
-def _seal_header(
-    key: bytes,
-    raw: memoryview,
-    stored: bytes | memoryview,
-    meta: ChunkMeta,
-    codec: str,
-    keys: KeyRing | None,
-    tenant: str | None,
-) -> tuple[bytes, Seal] | None:
-    """(version-4 header, its seal), or None when ``keys`` has no key to seal
-    with (the object is written in plaintext)."""
-    # A tenant's chunks are sealed under its derived key (the chunk's own
-    # tenant unless the caller names one): a tenant's key can be dropped alone.
-    label = tenant if tenant is not None else (meta.tenant or None)
-    params = keys.seal_params(label) if keys is not None else None
-    if params is None:
-        return None
-    seal = Seal(*params)
-    header = _header(key, meta, codec, len(raw), len(stored), 0, SEALED_FORMAT_VERSION, seal)
-    return header, seal
-
-
-def _sealed(
-    key: bytes,
-    raw: memoryview,
-    stored: bytes | memoryview,
-    meta: ChunkMeta,
-    codec: str,
-    keys: KeyRing | None,
-    tenant: str | None,
-) -> tuple[bytes, bytes] | None:
-    """(version-4 header, ciphertext then tag), or None when ``keys`` has no
-    key to seal with (the object is written in plaintext)."""
-    sealing = _seal_header(key, raw, stored, meta, codec, keys, tenant)
-    if sealing is None or keys is None:
-        return None
-    header, seal = sealing
-    return header, keys.encrypt(seal.key_id, seal.label, seal.nonce, stored, header)
-
-
-def encode(
-    key: bytes,
-    payload: bytes | memoryview,
-    meta: ChunkMeta,
-    codec: str = "none",
-    keys: KeyRing | None = None,
-    tenant: str | None = None,
-) -> list[bytes | memoryview]:
-    """Header and (possibly compressed) payload as buffers to write in order
-    (version 2: checksum in the header; version 4, sealed, when ``keys``
-    has a writing key: ciphertext then tag).
-
-    Returned as two pieces so uncompressed payloads are never copied.
-    """
-    check_meta(key, meta)
-    raw, stored, codec = _stored_payload(payload, codec)
-    sealed = _sealed(key, raw, stored, meta, codec, keys, tenant)
-    if sealed is not None:
-        return list(sealed)
-    checksum = xxhash.xxh3_64_intdigest(stored)
-    header = _header(key, meta, codec, len(raw), len(stored), checksum, FORMAT_VERSION)
-    return [header, stored]
-
-
-class StreamedObject:
-    """One version-3 object whose payload checksum is computed as it is sent.
-
-    :meth:`pieces` hands out the header, the payload in :data:`PIECE_BYTES`
-    pieces (each hashed just before it is handed out) and the trailer;
-    :meth:`read_at` serves a file-like reader the same way. Sending again
-    (a retry) never hashes a byte twice: the hash only moves forward.
-    """
-
-    __slots__ = ("_hash", "_hashed", "_release", "_trailer", "header", "stored")
-
-    def __init__(
-        self,
-        header: bytes,
-        stored: bytes | memoryview,
-        tag: bytes | memoryview | None = None,
-        release: Callable[[], None] | None = None,
-    ) -> None:
-        self.header = header
-        self.stored = memoryview(stored).cast("B")
-        # Gives a pooled ciphertext buffer back (sealbuffers); None: nothing to give.
-        self._release = release
-        self._hash = xxhash.xxh3_64()
-        self._hashed = 0
-        self._trailer: bytes | None = None
-        if tag is not None:  # sealed: the AES-GCM tag is the trailer; nothing to hash
-            self._trailer = bytes(tag)
-            self._hashed = len(self.stored)
-
-    def __len__(self) -> int:
-        return len(self.header) + len(self.stored) + len(self.trailer())
-
-    def hash_through(self, end: int) -> None:
-        """Hash the payload up to offset ``end`` (of the payload) if not yet done."""
-        if end > self._hashed:
-            self._hash.update(self.stored[self._hashed : end])
-            self._hashed = end
-
-    def trailer(self) -> bytes:
-        """The 8 trailer bytes (hashes whatever of the payload is not hashed yet)."""
-        if self._trailer is None:
-            self.hash_through(len(self.stored))
-            self._trailer = struct.pack("<Q", self._hash.intdigest())
-        return self._trailer
-
-    def pieces(self, piece_bytes: int | None = None) -> Iterator[bytes | memoryview]:
-        """The whole object in order, hashing each payload piece as it is yielded
-        (pieces of ``piece_bytes``, by default :data:`PIECE_BYTES`)."""
-        piece_bytes = piece_bytes or PIECE_BYTES
-        yield self.header
-        for start in range(0, len(self.stored), piece_bytes):
-            end = min(start + piece_bytes, len(self.stored))
-            self.hash_through(end)
-            yield self.stored[start:end]
-        yield self.trailer()
-
-    def release(self) -> None:
-        """The sending is over (for good: no retry follows): a pooled buffer
-        goes back for reuse. The object must not be read after this."""
-        release, self._release = self._release, None
-        if release is not None:
-            self.stored = memoryview(b"")
-            release()
-
-    def read_at(self, offset: int, size: int) -> bytes | memoryview:
-        """Up to ``size`` bytes at ``offset`` of the object, from one of its three
-        parts (fewer at a part boundary; empty at the end)."""
-        header_end = len(self.header)
-        if offset < header_end:
-            return memoryview(self.header)[offset : min(header_end, offset + size)]
-        at = offset - header_end
-        if at < len(self.stored):
-            end = min(len(self.stored), at + size)
-            self.hash_through(end)
-            return self.stored[at:end]
-        at -= len(self.stored)
-        return self.trailer()[at : at + size]
-
-
-def _sealed_pooled(
-    key: bytes,
-    raw: memoryview,
-    stored: bytes | memoryview,
-    meta: ChunkMeta,
-    codec: str,
-    keys: KeyRing | None,
-    tenant: str | None,
-) -> tuple[bytes, memoryview, Callable[[], None]] | None:
-    """As :func:`_sealed`, the ciphertext (then tag) in a reused buffer
-    (:mod:`kvstrata.sidecar.sealbuffers`) and the call that gives it back once
-    the object is written; None when ``keys`` has no key to seal with."""
-    sealing = _seal_header(key, raw, stored, meta, codec, keys, tenant)
-    if sealing is None or keys is None:
-        return None
-    header, seal = sealing
-    buf = keys.buffers.take(len(stored) + TAG_BYTES)
-    view = memoryview(buf)[: len(stored) + TAG_BYTES]
-    keys.encrypt_into(seal.key_id, seal.label, seal.nonce, stored, header, view)
-    buffers = keys.buffers
-    return header, view, lambda: buffers.give(buf)
-
-
-def encode_pooled(
-    key: bytes,
-    payload: bytes | memoryview,
-    meta: ChunkMeta,
-    keys: KeyRing | None = None,
-) -> tuple[list[bytes | memoryview], Callable[[], None] | None]:
-    """:func:`encode` (no codec) for a writer that says when it is done: a
-    sealed object's ciphertext is in a reused buffer, and the second item
-    gives it back (call it once the pieces are written; None: nothing to give)."""
-    check_meta(key, meta)
-    raw, stored, codec = _stored_payload(payload, "none")
-    pooled = _sealed_pooled(key, raw, stored, meta, codec, keys, None)
-    if pooled is not None:
-        header, view, release = pooled
-        return [header, view], release
-    checksum = xxhash.xxh3_64_intdigest(stored)
-    header = _header(key, meta, codec, len(raw), len(stored), checksum, FORMAT_VERSION)
-    return [header, stored], None
-
-
-def encode_streamed(
-    key: bytes,
-    payload: bytes | memoryview,
-    meta: ChunkMeta,
-    codec: str = "none",
-    keys: KeyRing | None = None,
-    tenant: str | None = None,
-) -> StreamedObject:
-    """A version-3 object (checksum in a trailer) ready to be sent piece by
-    piece, or a version-4 (sealed) one when ``keys`` has a writing key.
-
-    Compression (when ``codec`` is set) and encryption run here, in full;
-    only a plaintext object's checksum is deferred to the sending.
-    """
-    check_meta(key, meta)
-    raw, stored, codec = _stored_payload(payload, codec)
-    pooled = _sealed_pooled(key, raw, stored, meta, codec, keys, tenant)
-    if pooled is not None:
-        header, view, release = pooled
-        return StreamedObject(header, view[:-TAG_BYTES], view[-TAG_BYTES:], release)
-    header = _header(key, meta, codec, len(raw), len(stored), 0, TRAILER_FORMAT_VERSION)
-    return StreamedObject(header, stored)
-
-
-def is_sealed(header: bytes | memoryview) -> bool:
-    """Whether a header this module wrote is a sealed (version 4) one."""
-    return struct.unpack_from("<H", header, 4)[0] == SEALED_FORMAT_VERSION
-
-
-def check_meta(key: bytes, meta: ChunkMeta) -> None:
-    """Raise ``ValueError`` for what :func:`encode` cannot write (cheap: no payload read)."""
-    if len(meta.shape) > MAX_NDIM:
-        raise ValueError(f"shape has {len(meta.shape)} dims; at most {MAX_NDIM}")
-    if len(key) > 255:
-        raise ValueError("key longer than 255 bytes")
-    if len(meta.dtype.encode("ascii")) > 16:
-        raise ValueError(f"dtype name {meta.dtype!r} longer than 16 bytes")
-    if not 0 <= meta.blocks <= 0xFFFF:
-        raise ValueError(f"block count {meta.blocks} out of range")
-
-
-def encode_bytes(
-    key: bytes, payload: bytes | memoryview, meta: ChunkMeta, codec: str = "none"
-) -> bytes:
-    """:func:`encode` joined into one bytes object (for stores that need one)."""
-    return b"".join(encode(key, payload, meta, codec))
+__all__ = [
+    "FIXED_HEADER_BYTES",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "MAX_NDIM",
+    "NONCE_BYTES",
+    "PIECE_BYTES",
+    "SEALED_FORMAT_VERSION",
+    "TAG_BYTES",
+    "TRAILER_BYTES",
+    "TRAILER_FORMAT_VERSION",
+    "ChunkMeta",
+    "CorruptObjectError",
+    "DecodedObject",
+    "ObjectHeader",
+    "PayloadHasher",
+    "Seal",
+    "SealError",
+    "StreamedObject",
+    "check_meta",
+    "decode",
+    "decode_header",
+    "encode",
+    "encode_bytes",
+    "encode_pooled",
+    "encode_streamed",
+    "is_sealed",
+    "open_sealed",
+    "payload_matches",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,7 +168,7 @@ def decode_header(prefix: bytes | memoryview, expected_key: bytes | None = None)
     if len(view) < FIXED_HEADER_BYTES:
         raise CorruptObjectError(f"object of {len(view)} bytes is shorter than a header")
     magic, version, codec_id, ndim, dtype_raw, raw_len, stored_len, checksum, header_checksum = (
-        _FIXED.unpack_from(view, 0)
+        FIXED.unpack_from(view, 0)
     )
     if magic != MAGIC:
         raise CorruptObjectError(f"bad magic {bytes(magic)!r}")

@@ -28,11 +28,14 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.objformat import ChunkMeta, DecodedObject
+
+# A tier's counters live in their own module; importable from here, as before.
+from kvstrata.sidecar.tiers.stats import TierStats
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.journal import TierEvents
@@ -58,53 +61,6 @@ def copy_placed(obj: DecodedObject, place: Place) -> ChunkMeta | None:
         return None
     dest[:] = payload
     return obj.meta
-
-
-@dataclass
-class TierStats:
-    """Plain counters a tier keeps; the sidecar's metrics read them at scrape."""
-
-    tier: str
-    usage_bytes: int = 0
-    capacity_bytes: int = 0
-    objects: int = 0
-    stored_bytes_total: int = 0
-    retrieved_bytes_total: int = 0
-    hits_total: int = 0
-    misses_total: int = 0
-    evictions_total: int = 0
-    # Evictions of objects stored less than young_eviction_seconds before (thrash).
-    young_evictions_total: int = 0
-    corrupt_total: int = 0
-    queue_depth: int = 0
-    queue_capacity: int = 0
-    dropped_total: int = 0
-    deduplicated_total: int = 0
-    degraded: bool = False
-    # Why the tier is degraded, for /status ("" while it is not).
-    degraded_reason: str = ""
-    errors_total: dict[str, int] = field(default_factory=dict)
-    # Objects not served by encryption at rest, by reason (objformat.SealError).
-    decrypt_failures_total: dict[str, int] = field(default_factory=dict)
-    # A shared tier's circuit breaker ("" for tiers without one).
-    breaker_state: str = ""  # closed | open | half_open
-    breaker_opened_total: int = 0
-    # S3: objects copied onto themselves to push their expiry back (tiers.s3refresh).
-    refreshed_total: int = 0
-    refresh_dropped_total: int = 0
-    # S3: GET responses a lookup opened, read by the fetch or closed unread (tiers.s3ahead).
-    lookup_gets_used_total: int = 0
-    lookup_gets_closed_total: int = 0
-    # S3: objects read past their tenant's TTL (tiers.s3expiry): a miss, deleted.
-    expired_total: int = 0
-    # Valkey: the server's own evicted_keys (INFO stats); None for other tiers.
-    server_evicted_keys: int | None = None
-
-    def count_error(self, kind: str) -> None:
-        self.errors_total[kind] = self.errors_total.get(kind, 0) + 1
-
-    def count_decrypt_failure(self, reason: str) -> None:
-        self.decrypt_failures_total[reason] = self.decrypt_failures_total.get(reason, 0) + 1
 
 
 class Tier(abc.ABC):

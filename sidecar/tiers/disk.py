@@ -26,25 +26,24 @@ header, length or payload checksum is wrong is deleted and counted in
 ``corrupt_total``; it is a miss, never data. Eviction is LRU by bytes;
 ``usage_bytes`` never exceeds ``size_bytes`` (space is reserved before a
 write starts).
+
+Parts: which files are held, their order and what they use, and which to
+evict (:mod:`.disk_index`); how a file is written and read
+(:mod:`.disk_files`). This module decides what happens to an object.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
-import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-import xxhash
-
-from kvstrata.sidecar.keys import FINGERPRINT_BYTES, ChunkKey, key_hex
+from kvstrata.sidecar.keys import ChunkKey, key_hex
 from kvstrata.sidecar.objformat import (
     ChunkMeta,
     CorruptObjectError,
@@ -56,8 +55,9 @@ from kvstrata.sidecar.objformat import (
     is_sealed,
     open_sealed,
 )
-from kvstrata.sidecar.tiers import direct_io
 from kvstrata.sidecar.tiers.base import Tier, TierStats
+from kvstrata.sidecar.tiers.disk_files import TMP_MARK, DiskFiles
+from kvstrata.sidecar.tiers.disk_index import DiskEntry, DiskIndex
 from kvstrata.sidecar.tiers.tenant_shares import TenantFigures, TenantShares
 
 if TYPE_CHECKING:
@@ -67,27 +67,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".kvs"
-TMP_MARK = ".tmp-"
 _HEADER_PROBE = 512  # > the largest header (56 + 8*8 + 1 + 255)
-_SEGMENT = 256 << 10  # read+hash unit: fits in L2 cache, measured best of 256K/1M/4M
-
-
-@dataclass(frozen=True, slots=True)
-class DiskEntry:
-    file_bytes: int
-    header_bytes: int
-    payload_bytes: int
-    meta: ChunkMeta
-    codec: str = "none"
-    # Sealed: the payload is ciphertext then tag, read whole and opened.
-    # payload_bytes is always the decoded length (what L1 reserves for it),
-    # whatever the file holds: sealed, compressed or plain.
-    sealed: bool = False
-    # time.monotonic() when this process wrote it; files found at start count as old.
-    stored_at: float = float("-inf")
-    # time.time() when it was written (a file found at start: its mtime), for
-    # its tenant's TTL across a restart.
-    written_unix: float = 0.0
 
 
 class DiskTier(Tier):
@@ -111,26 +91,18 @@ class DiskTier(Tier):
         self._keys = keys
         # Plaintext files may not be read straight into L1: each read is checked.
         self._plaintext_refused = keys is not None and keys.mode == "required"
-        # An eviction of a file written less than this long ago counts as young (thrash).
-        self.young_seconds = young_seconds
         self.capacity_bytes = capacity_bytes
-        # Most file bytes one namespace (a key's first 16 bytes) may hold; a
-        # put beyond it evicts that namespace's own least recent files first.
-        # Writes in flight are not counted against it (a brief overshoot).
-        self.namespace_quota = namespace_quota
-        self._ns_usage: dict[bytes, int] = {}
         # Per-tenant budgets and bytes (tiers.tenant_shares); kept under self._lock.
         self.tenants = tenants or TenantShares()
-        self.fsync = fsync
+        # The files held, their LRU order, usage and evictions (tiers.disk_index);
+        # changed under self._lock only.
+        self._index = DiskIndex(capacity_bytes, namespace_quota, self.tenants, young_seconds)
         # Files go past the page cache (tiers.direct_io) until the filesystem
         # refuses O_DIRECT once; then buffered, said once in the log.
-        self.direct_io = direct
+        self._files = DiskFiles(self.root, direct=direct, fsync=fsync)
         self._lock = threading.Lock()
         # Told of each file stored and each one removed (the KV event journal), when set.
         self.events: TierEvents | None = None
-        self._index: OrderedDict[bytes, DiskEntry] = OrderedDict()  # LRU first
-        self._usage = 0
-        self._reserved = 0
         self._stats = TierStats(tier=self.name, capacity_bytes=capacity_bytes)
         try:
             os.makedirs(self.root, exist_ok=True)
@@ -139,6 +111,11 @@ class DiskTier(Tier):
             self._reindex()
         except OSError as exc:
             raise ValueError(f"l2.path: cannot use {self.root!r}: {exc.strerror or exc}") from None
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether files go past the page cache (until the filesystem refuses it)."""
+        return self._files.direct_io
 
     # -- paths ------------------------------------------------------------------
 
@@ -167,12 +144,10 @@ class DiskTier(Tier):
                     found.append(item)
         found.sort(key=lambda t: t[0])  # oldest access first = LRU order
         for _, key, entry in found:
-            self._index[key] = entry
-            self._usage += entry.file_bytes
-            self._account(key, entry, entry.file_bytes)
-        self._unlink_all(self._evict_locked(0))
+            self._index.add(key, entry)
+        self._unlink_all(self._removed(self._index.evict(0)))
         logger.info(
-            "L2 %s: %d objects, %d bytes re-indexed", self.root, len(self._index), self._usage
+            "L2 %s: %d objects, %d bytes re-indexed", self.root, len(self._index), self._index.usage
         )
 
     def _probe(self, fpath: str, hexkey: str) -> tuple[float, bytes, DiskEntry] | None:
@@ -244,26 +219,13 @@ class DiskTier(Tier):
     ) -> bool:
         total = len(header) + len(stored)
         with self._lock:
-            if key in self._index:
-                self._index.move_to_end(key)
+            if self._index.touch(key) is not None:
                 self._stats.deduplicated_total += 1
                 return True
-            quota = self.namespace_quota
-            if total > self.capacity_bytes or (quota is not None and total > quota):
-                self._stats.dropped_total += 1
-                return False
-            refused = self.tenants.refusal(meta.tenant, total)
-            if refused is not None:
-                self.tenants.refuse(meta.tenant, refused)
-                self._stats.dropped_total += 1
-                return False
-            doomed = self._evict_tenant_locked(meta.tenant, total)
-            doomed += self._evict_namespace_locked(key, total) + self._evict_locked(total)
-            fits = self._usage + self._reserved + total <= self.capacity_bytes
-            if fits:
-                self._reserved += total
-                self.tenants.reserve(meta.tenant, total)
-            else:  # the rest is pinned tenants' files
+            # Too large, over its tenant's budget, or the rest pinned: dropped.
+            fits, evicted = self._index.admit(key, meta.tenant, total)
+            doomed = self._removed(evicted)
+            if not fits:
                 self._stats.dropped_total += 1
         self._unlink_all(doomed)
         if not fits:
@@ -272,8 +234,7 @@ class DiskTier(Tier):
             ok = self._write_file(key, header, stored)
         finally:
             with self._lock:
-                self._reserved -= total
-                self.tenants.reserve(meta.tenant, -total)
+                self._index.release(meta.tenant, total)
         if not ok:
             return False
         entry = DiskEntry(
@@ -291,88 +252,21 @@ class DiskTier(Tier):
     def _index_written(self, key: ChunkKey, entry: DiskEntry, stored_bytes: int) -> None:
         """Index a file just written, in place of any older one under its key."""
         with self._lock:
-            old = self._index.pop(key, None)
-            if old is not None:
-                self._usage -= old.file_bytes
-                self._account(key, old, -old.file_bytes)
-            self._index[key] = entry
-            self._usage += entry.file_bytes
-            self._account(key, entry, entry.file_bytes)
+            old = self._index.add(key, entry)
             self._stats.stored_bytes_total += stored_bytes
             if old is None and self.events is not None:
                 self.events.stored(key)
 
     def _write_file(self, key: bytes, header: bytes, stored: bytes | memoryview) -> bool:
         final = self.path_of(key)
-        tmp = f"{final}{TMP_MARK}{secrets.token_hex(4)}"
         try:
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            self._write_tmp(tmp, [memoryview(header), memoryview(stored).cast("B")])
-            os.replace(tmp, final)
+            self._files.write(final, [memoryview(header), memoryview(stored).cast("B")])
             return True
         except OSError as exc:
             logger.warning("L2 write of %s failed: %s", final, exc)
             with self._lock:
                 self._stats.count_error(type(exc).__name__)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
             return False
-
-    def _write_tmp(self, tmp: str, pieces: list[memoryview]) -> None:
-        """Create ``tmp`` holding ``pieces``: past the page cache where the
-        filesystem allows (a refusal, at open or at the first write, turns
-        direct I/O off for good)."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        if self.direct_io:
-            fd = direct_io.open_direct(tmp, flags)
-            if fd is not None:
-                try:
-                    direct_io.write_object(fd, pieces)
-                    if self.fsync:
-                        os.fsync(fd)
-                    return
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                finally:
-                    os.close(fd)
-                os.unlink(tmp)
-            self._no_direct_io()
-        fd = os.open(tmp, flags, 0o600)
-        try:
-            _write_all(fd, pieces)
-            if self.fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def _read_file(
-        self, path: str, head: bytearray | memoryview, target: memoryview
-    ) -> tuple[int, int, int, int]:
-        """Read the header into ``head`` and the payload into ``target``, past
-        the page cache where the filesystem allows (as :meth:`_write_tmp`):
-        (header bytes, payload bytes, xxh3_64 of the payload, file size)."""
-        if self.direct_io:
-            fd = direct_io.open_direct(path, os.O_RDONLY)
-            if fd is not None:
-                try:
-                    got_head, got, digest = direct_io.read_object(fd, memoryview(head), target)
-                    return got_head, got, digest, os.fstat(fd).st_size
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                finally:
-                    os.close(fd)
-            self._no_direct_io()
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            with contextlib.suppress(OSError, AttributeError):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            got_head = _read_all(fd, [head], len(head))
-            got, digest = _read_hashed(fd, target, len(head))
-            return got_head, got, digest, os.fstat(fd).st_size
-        finally:
-            os.close(fd)
 
     def read_into(self, key: bytes, out: memoryview) -> ChunkMeta | None:
         """Read the payload of ``key`` straight into ``out``; its meta, or None.
@@ -405,7 +299,7 @@ class DiskTier(Tier):
         head = bytearray(entry.header_bytes)
         path = self.path_of(key)
         try:
-            got_head, got, digest, size = self._read_file(path, head, target)
+            got_head, got, digest, size = self._files.read(path, head, target)
         except FileNotFoundError:
             self._forget(key, missing=True)
             return None
@@ -454,7 +348,7 @@ class DiskTier(Tier):
             # into ``out`` or over itself: no second buffer, no second copy.
             blob = memoryview(bytearray(entry.file_bytes))
             split = entry.header_bytes
-            got_head, got, _, size = self._read_file(path, blob[:split], blob[split:])
+            got_head, got, _, size = self._files.read(path, blob[:split], blob[split:])
             if got_head + got != entry.file_bytes or size != entry.file_bytes:
                 raise CorruptObjectError("file length changed")
             header = decode_header(blob, expected_key=key)
@@ -490,14 +384,8 @@ class DiskTier(Tier):
 
     def clear(self) -> None:
         with self._lock:
-            keys = list(self._index)
-            self._index.clear()
-            for key in keys:
-                self._note_removed(key)
-            self._usage = 0
-            self._ns_usage.clear()
-            self.tenants.clear()
-        self._unlink_all([self.path_of(k) for k in keys])
+            paths = self._removed(self._index.clear())
+        self._unlink_all(paths)
 
     def tenant_files(self, tenants: Collection[str]) -> list[tuple[bytes, str, float]]:
         """(key, tenant, time.time() when written) of the files of ``tenants``,
@@ -518,112 +406,43 @@ class DiskTier(Tier):
 
     def stats(self) -> TierStats:
         with self._lock:
+            index = self._index
             return replace(
                 self._stats,
-                usage_bytes=self._usage,
-                objects=len(self._index),
+                usage_bytes=index.usage,
+                objects=len(index),
+                evictions_total=index.evictions_total,
+                young_evictions_total=index.young_evictions_total,
                 errors_total=dict(self._stats.errors_total),
                 decrypt_failures_total=dict(self._stats.decrypt_failures_total),
             )
 
     @property
     def usage_bytes(self) -> int:
-        return self._usage + self._reserved
+        return self._index.usage + self._index.reserved
 
     # -- internals --------------------------------------------------------------
 
     def _touch(self, key: bytes) -> DiskEntry | None:
         with self._lock:
-            entry = self._index.get(key)
+            entry = self._index.touch(key)
             if entry is None:
                 self._stats.misses_total += 1
-                return None
-            self._index.move_to_end(key)
             return entry
 
-    def _evict_locked(self, incoming: int) -> list[str]:
-        """Evict least recent files until ``incoming`` more fits, passing over
-        pinned tenants' files (it may then not fit: the caller checks)."""
-        excess = self._usage + self._reserved + incoming - self.capacity_bytes
-        victims: list[bytes] = []
-        for key, entry in self._index.items():  # least recent first; stops once enough
-            if excess <= 0:
-                break
-            if not self.tenants.protected(entry.meta.tenant):
-                victims.append(key)
-                excess -= entry.file_bytes
-        return [self._evict_entry(key) for key in victims]
-
-    def _evict_entry(self, key: bytes) -> str:
-        """Caller holds the lock: drop ``key`` from the index; the path to unlink."""
-        entry = self._index.pop(key)
-        self._usage -= entry.file_bytes
-        self._account(key, entry, -entry.file_bytes)
-        self._count_eviction(entry)
-        self._note_removed(key)
-        return self.path_of(key)
-
-    def _evict_tenant_locked(self, tenant: str, incoming: int) -> list[str]:
-        """Evict ``tenant``'s own least recent files until ``incoming`` more is
-        within its budget (a pinned tenant was refused before this)."""
-        if not self.tenants.over(tenant, incoming):
-            return []
-        excess = self.tenants.excess(tenant, incoming)
-        victims: list[bytes] = []
-        for key, entry in self._index.items():  # least recent first; stops once enough
-            if excess <= 0:
-                break
-            if entry.meta.tenant == tenant:
-                victims.append(key)
-                excess -= entry.file_bytes
-        self.tenants.evictions[tenant] += len(victims)
-        return [self._evict_entry(key) for key in victims]
-
-    def _count_eviction(self, entry: DiskEntry) -> None:
-        """Caller holds the lock: one eviction, and whether it was of a young file."""
-        self._stats.evictions_total += 1
-        if time.monotonic() - entry.stored_at < self.young_seconds:
-            self._stats.young_evictions_total += 1
-
-    def _note_removed(self, key: bytes) -> None:
-        """Caller holds the lock: tell the KV event journal, when there is one."""
+    def _removed(self, keys: list[bytes]) -> list[str]:
+        """Caller holds the lock: ``keys`` left the index (the journal is told,
+        when there is one); the paths of their files, to unlink."""
         if self.events is not None:
-            self.events.removed(key)
-
-    def _account(self, key: bytes, entry: DiskEntry, delta: int) -> None:
-        """Caller holds the lock (or is the constructor): per-namespace and
-        per-tenant usage."""
-        self.tenants.add(entry.meta.tenant, delta)
-        if self.namespace_quota is None:
-            return
-        namespace = key[:FINGERPRINT_BYTES]
-        left = self._ns_usage.get(namespace, 0) + delta
-        if left > 0:
-            self._ns_usage[namespace] = left
-        else:
-            self._ns_usage.pop(namespace, None)
-
-    def _evict_namespace_locked(self, key: bytes, incoming: int) -> list[str]:
-        """Evict ``key``'s namespace's least recent files until ``incoming`` fits its quota."""
-        quota = self.namespace_quota
-        namespace = key[:FINGERPRINT_BYTES]
-        if quota is None or self._ns_usage.get(namespace, 0) + incoming <= quota:
-            return []
-        doomed: list[str] = []
-        for victim in [k for k in self._index if k[:FINGERPRINT_BYTES] == namespace]:
-            if self._ns_usage.get(namespace, 0) + incoming <= quota:
-                break
-            doomed.append(self._evict_entry(victim))
-        return doomed
+            for key in keys:
+                self.events.removed(key)
+        return [self.path_of(key) for key in keys]
 
     def _forget(self, key: bytes, missing: bool = False) -> bool:
         with self._lock:
-            entry = self._index.pop(key, None)
-            if entry is None:
+            if self._index.pop(key) is None:
                 return False
-            self._usage -= entry.file_bytes
-            self._account(key, entry, -entry.file_bytes)
-            self._note_removed(key)
+            self._removed([key])
             if missing:
                 self._stats.misses_total += 1
                 self._stats.count_error("file_vanished")
@@ -648,12 +467,6 @@ class DiskTier(Tier):
         if self._forget(key):
             self._unlink_all([path])
 
-    def _no_direct_io(self) -> None:
-        """The filesystem refused O_DIRECT: buffered I/O from now on."""
-        if self.direct_io:
-            self.direct_io = False
-            logger.info("L2 %s: no direct I/O on this filesystem; using the page cache", self.root)
-
     def _count_error(self, exc: OSError) -> None:
         with self._lock:
             self._stats.count_error(type(exc).__name__)
@@ -664,49 +477,3 @@ class DiskTier(Tier):
         for path in paths:
             with contextlib.suppress(OSError):
                 os.unlink(path)
-
-
-def _write_all(fd: int, buffers: list[memoryview]) -> None:
-    """``writev`` until every byte is out (short writes happen on big buffers)."""
-    pending = [b for b in buffers if len(b)]
-    while pending:
-        _consume(pending, os.writev(fd, pending))
-
-
-def _consume(views: list[memoryview], n: int) -> None:
-    """Drop the first ``n`` bytes from a list of buffers after a short vectored I/O."""
-    while n and views:
-        if n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        else:
-            views[0] = views[0][n:]
-            n = 0
-
-
-def _read_hashed(fd: int, out: memoryview, offset: int) -> tuple[int, int]:
-    """``preadv`` into ``out`` from ``offset`` in cache-sized segments,
-    hashing each; (bytes read, xxh3_64 of them)."""
-    hasher = xxhash.xxh3_64()
-    done = 0
-    while done < len(out):
-        segment = out[done : done + _SEGMENT]
-        n = os.preadv(fd, [segment], offset + done)
-        if n == 0:
-            break
-        hasher.update(segment[:n])
-        done += n
-    return done, hasher.intdigest()
-
-
-def _read_all(fd: int, buffers: list[bytearray | memoryview], total: int) -> int:
-    """``preadv`` into ``buffers`` until full or end of file; bytes read."""
-    views = [memoryview(b).cast("B") for b in buffers if len(b)]
-    done = 0
-    while views and done < total:
-        n = os.preadv(fd, views, done)
-        if n == 0:
-            break
-        done += n
-        _consume(views, n)
-    return done

@@ -36,6 +36,7 @@ from kvstrata.sidecar.objformat import (
 )
 from kvstrata.sidecar.tiers.base import PutOutcome, Tier, TierStats
 from kvstrata.sidecar.tiers.breaker import CircuitBreaker
+from kvstrata.sidecar.tiers.stats import BreakerStats
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.sealing import KeyRing
@@ -241,21 +242,14 @@ class RemoteTier(Tier):
 
     def stats(self) -> TierStats:
         with self._lock:
-            snap = TierStats(
-                **{
-                    **vars(self._stats),
-                    "errors_total": dict(self._stats.errors_total),
-                    "decrypt_failures_total": dict(self._stats.decrypt_failures_total),
-                }
-            )
-        snap.breaker_state = self._breaker.state
-        snap.breaker_opened_total = self._breaker.opened_total
-        snap.degraded = snap.breaker_state != "closed"
+            snap = self._stats.snapshot()
+        snap.breaker = BreakerStats(self._breaker.state, self._breaker.opened_total)
+        snap.degraded = snap.breaker.state != "closed"
         if snap.degraded:
             with self._lock:
                 probe_failure = self._probe_failure
             snap.degraded_reason = probe_failure or (
-                f"circuit breaker {snap.breaker_state} after failed calls"
+                f"circuit breaker {snap.breaker.state} after failed calls"
             )
         return snap
 

@@ -30,24 +30,24 @@ objects); with ``refresh_after_seconds`` set, reads keep the objects they
 touch young (:mod:`.s3refresh`). A chunk that supersedes partial chunks
 deletes them here once it is written (:meth:`S3Tier.remove_many`, one
 DeleteObjects call).
+
+This module decides when to call S3; its parts: the client, the bucket-level
+calls and the error kinds (:mod:`.s3client`), uploads (:mod:`.s3upload`),
+the objects' expiry and refresh (:mod:`.s3ages`), a lookup's held GETs
+(:mod:`.s3ahead`) and a body read into buffers (:mod:`.s3body`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import datetime as dt
-import io
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import boto3
-import botocore.config
-import botocore.exceptions
 from boto3.s3.transfer import TransferConfig
 
-from kvstrata.sidecar.config import S3Config, SharedConfig
+from kvstrata.sidecar.config import SharedConfig
 from kvstrata.sidecar.keys import ChunkKey, key_hex
 from kvstrata.sidecar.objformat import ChunkMeta, StreamedObject
 
@@ -60,171 +60,32 @@ from kvstrata.sidecar.tiers.remote import (
     Fetched,
     RemoteTier,
     Stored,
-    read_secret,
 )
-from kvstrata.sidecar.tiers.s3ahead import HeldGets, close_response
+from kvstrata.sidecar.tiers.s3ages import ObjectAges
+from kvstrata.sidecar.tiers.s3ahead import HeldGets
 from kvstrata.sidecar.tiers.s3body import BodyStream
-from kvstrata.sidecar.tiers.s3expiry import expired, expiry_metadata, has_expiry
-from kvstrata.sidecar.tiers.s3refresh import Refresher
+from kvstrata.sidecar.tiers.s3client import (
+    DeadlineExceeded,
+    Missing,
+    close_late,
+    delete_keys,
+    delete_prefix,
+    ensure_bucket,
+    error_code,
+    error_kind,
+    is_missing,
+    lookup_threads,
+    make_client,
+)
+from kvstrata.sidecar.tiers.s3expiry import expiry_metadata
+from kvstrata.sidecar.tiers.s3upload import upload
+from kvstrata.sidecar.tiers.stats import S3Stats
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_DELETE_BATCH = 1000  # the most keys one DeleteObjects call takes
-_MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
-# A conditional PUT refused because the object exists (or is being written).
-_EXISTS_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict"})
 
-
-class _Missing(Exception):
-    """The object (or bucket) is not there: a plain miss, not a failure."""
-
-
-class _DeadlineExceeded(Exception):
-    """The operation did not finish within the tier's wall-clock deadline."""
-
-
-def botocore_config(config: S3Config) -> botocore.config.Config:
-    """The client settings the tier (and the benchmark's raw baseline) uses."""
-    return botocore.config.Config(
-        region_name=config.region,
-        connect_timeout=config.timeout_seconds,
-        read_timeout=config.timeout_seconds,
-        retries={"max_attempts": config.max_attempts, "mode": "standard"},
-        # Transfers, their multipart parts and the lookups' requests share one
-        # pool; a lookup's GETs keep their connections while held (at most
-        # lookup_threads of them, see S3Tier._held), so the transfers keep theirs.
-        max_pool_connections=config.max_concurrency * 2 + lookup_threads(config),
-        # Objects carry their own xxh3 checksums, verified on every read.
-        request_checksum_calculation="when_required",
-        response_checksum_validation="when_required",
-    )
-
-
-def lookup_threads(config: S3Config) -> int:
-    """A lookup's requests are small (HEADs, or GETs whose bodies it leaves for
-    the fetches): a lookup sends many more at once than there are transfers."""
-    return min(4 * config.max_concurrency, 64)
-
-
-def make_client(config: S3Config) -> Any:
-    """A boto3 S3 client: credentials from the mounted files, else boto3's chain."""
-    credentials: dict[str, str] = {}
-    if config.access_key_id_file or config.secret_access_key_file:
-        if not (config.access_key_id_file and config.secret_access_key_file):
-            raise ValueError(
-                "shared.s3.access_key_id_file and shared.s3.secret_access_key_file "
-                "must be set together"
-            )
-        credentials = {
-            "aws_access_key_id": read_secret(
-                config.access_key_id_file, "shared.s3.access_key_id_file"
-            ),
-            "aws_secret_access_key": read_secret(
-                config.secret_access_key_file, "shared.s3.secret_access_key_file"
-            ),
-        }
-    session = boto3.session.Session(**credentials)
-    return session.client("s3", endpoint_url=config.endpoint_url, config=botocore_config(config))
-
-
-def _error_kind(exc: BaseException) -> str:
-    if isinstance(exc, _DeadlineExceeded):
-        return "deadline"
-    if isinstance(
-        exc, botocore.exceptions.ConnectTimeoutError | botocore.exceptions.ReadTimeoutError
-    ):
-        return "timeout"
-    if isinstance(
-        exc, botocore.exceptions.EndpointConnectionError | botocore.exceptions.ConnectionClosedError
-    ):
-        return "connection"
-    if isinstance(exc, botocore.exceptions.NoCredentialsError):
-        return "auth"
-    if isinstance(exc, botocore.exceptions.ClientError):
-        code = _error_code(exc)
-        return "auth" if code in ("AccessDenied", "403", "InvalidAccessKeyId") else "server"
-    if isinstance(exc, botocore.exceptions.BotoCoreError):
-        return "connection"
-    # A body read straight off the socket (.s3body): its deadline or the
-    # socket's timeout, or the connection ending early.
-    if isinstance(exc, TimeoutError):
-        return "timeout"
-    if isinstance(exc, OSError):
-        return "connection"
-    return "client"
-
-
-def _error_code(exc: BaseException) -> str:
-    if isinstance(exc, botocore.exceptions.ClientError):
-        return str(exc.response.get("Error", {}).get("Code", ""))
-    return ""
-
-
-def _is_missing(exc: BaseException) -> bool:
-    return _error_code(exc) in _MISSING_CODES
-
-
-def _close_late(future: cf.Future[Any]) -> None:
-    """Close a GET response that came after its caller gave up (a done-callback)."""
-    if not future.cancelled() and future.exception() is None:
-        close_response(future.result())
-
-
-def _modified(future: cf.Future[Any]) -> dt.datetime | None:
-    """The LastModified of a finished HEAD's response."""
-    return future.result().get("LastModified")
-
-
-class _ObjectBody(io.RawIOBase):
-    """A seekable read-only file over a :class:`StreamedObject`.
-
-    ``read`` hands out slices of the object's own buffers, so a PUT body is
-    never joined into one copy (that copy cost ~8% of throughput at 16 MiB),
-    and the payload is hashed slice by slice as it is read, so the checksum
-    costs no pass of its own before the upload (the trailer is computed
-    when the reader reaches it). botocore seeks it back to 0 to sign it
-    (over plain http) and to retry; a second read hashes nothing again.
-    ``readinto`` serves the buffered reader the multipart uploader wraps it in.
-    """
-
-    def __init__(self, obj: StreamedObject) -> None:
-        self._obj = obj
-        self._size = len(obj)
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = min(max(base + offset, 0), self._size)
-        return self._pos
-
-    def read(self, size: int | None = -1) -> memoryview | bytes:  # type: ignore[override]
-        """Up to ``size`` bytes from one part of the object (fewer at a part boundary)."""
-        if size is None or size < 0:
-            size = self._size - self._pos
-        chunk = self._obj.read_at(self._pos, size)
-        self._pos += len(chunk)
-        return chunk
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        written = 0
-        while written < len(out):
-            chunk = self.read(len(out) - written)
-            if not chunk:
-                break
-            out[written : written + len(chunk)] = chunk
-            written += len(chunk)
-        return written
+T = TypeVar("T")
 
 
 class S3Tier(RemoteTier):
@@ -261,15 +122,8 @@ class S3Tier(RemoteTier):
         # GET responses a lookup opened, for the fetches that follow it: one per
         # lookup thread at most, the share of the connection pool lookups have.
         self._held = HeldGets(lookup_threads(self._config), self._config.timeout_seconds)
-        self._refresher: Refresher | None = None
-        if self._config.refresh_after_seconds is not None:
-            self._refresher = Refresher(
-                self._refresh,
-                after_seconds=self._config.refresh_after_seconds,
-                per_second=self._config.refresh_per_second,
-                depth=self._config.refresh_queue_depth,
-                on_error=self._refresh_failed,
-            )
+        # Expiry by a tenant's TTL, and refreshes of what is read (.s3ages).
+        self._ages = ObjectAges(self._client, self._config, self._pool.submit, self._count_error)
         self._bucket_ready = not self._config.create_bucket
         if self._config.create_bucket:
             self._ensure_bucket_guarded()
@@ -285,7 +139,7 @@ class S3Tier(RemoteTier):
     def _run_many(self, op: str, fns: Sequence[Callable[[], T]]) -> list[T | BaseException]:
         """Run each ``fn`` on the pool; wait for all at most ``timeout_seconds``.
 
-        Each slot holds the result, a :class:`_Missing` (a 404: a plain miss)
+        Each slot holds the result, a :class:`.s3client.Missing` (a 404: a plain miss)
         or the exception. Failures are counted by kind; the batch feeds the
         breaker once (a failure if any call failed).
         """
@@ -296,7 +150,7 @@ class S3Tier(RemoteTier):
         for future in futures:
             if future not in done:
                 future.cancel()  # frees the slot if it never started; else its socket times out
-                exc: BaseException = _DeadlineExceeded(
+                exc: BaseException = DeadlineExceeded(
                     f"{op} exceeded {self._config.timeout_seconds}s"
                 )
                 failed.append(exc)
@@ -305,8 +159,8 @@ class S3Tier(RemoteTier):
                 if exc is None:
                     out.append(future.result())
                     continue
-                if _is_missing(exc):
-                    exc = _Missing(op)
+                if is_missing(exc):
+                    exc = Missing(op)
                 else:
                     failed.append(exc)
             out.append(exc)
@@ -336,38 +190,22 @@ class S3Tier(RemoteTier):
         logger.debug("s3 %s failed %d time(s), first: %s", op, len(excs), excs[0])
         with self._lock:
             for exc in excs:
-                self._stats.count_error(_error_kind(exc))
-        if self._config.create_bucket and any(_error_code(e) == "NoSuchBucket" for e in excs):
+                self._stats.count_error(error_kind(exc))
+        if self._config.create_bucket and any(error_code(e) == "NoSuchBucket" for e in excs):
             self._bucket_ready = False  # deleted (or a fresh endpoint): make it again
         self._breaker.record_failure()
 
     def _ensure_bucket_guarded(self) -> bool:
         """Create the bucket if missing; False (counted) when the endpoint fails."""
         try:
-            self._call("create_bucket", self._ensure_bucket)
+            config = self._config
+            self._call(
+                "create_bucket", lambda: ensure_bucket(self._client, config.bucket, config.region)
+            )
         except Exception:
             return False
         self._bucket_ready = True
         return True
-
-    def _ensure_bucket(self) -> None:
-        bucket = self._config.bucket
-        try:
-            self._client.head_bucket(Bucket=bucket)
-            return
-        except botocore.exceptions.ClientError as exc:
-            if not _is_missing(exc):
-                raise
-        args: dict[str, Any] = {"Bucket": bucket}
-        if self._config.region != "us-east-1":
-            args["CreateBucketConfiguration"] = {"LocationConstraint": self._config.region}
-        try:
-            self._client.create_bucket(**args)
-        except botocore.exceptions.ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code")
-            if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
-                raise
-        logger.info("created S3 bucket %s", bucket)
 
     # -- RemoteTier hooks ---------------------------------------------------
 
@@ -439,19 +277,17 @@ class S3Tier(RemoteTier):
                 answers.append(False)
                 continue
             exc = future.exception()
-            if exc is not None and not _is_missing(exc):
+            if exc is not None and not is_missing(exc):
                 failure = exc
-            if exc is None and expired(future.result()):
-                self._expire(self._name(key), future.result())
+            if exc is None and self._ages.past_ttl(self._name(key), future.result()):
                 answers.append(False)
                 continue
             answers.append(exc is None)
-            if exc is None and self._refresher is not None and not has_expiry(future.result()):
-                # A lookup is a read too: what vLLM asks for stays young.
-                self._refresher.offer(self._name(key), _modified(future))
+            if exc is None:  # a lookup is a read too: what vLLM asks for stays young
+                self._ages.read(self._name(key), future.result())
         # A slow but answering endpoint is not a failure; silence is.
         if failure is not None or (pending and not done):
-            self._failed("contains_many", [failure or _DeadlineExceeded("lookup deadline")])
+            self._failed("contains_many", [failure or DeadlineExceeded("lookup deadline")])
         else:
             self._breaker.record_success()
         return answers
@@ -482,40 +318,37 @@ class S3Tier(RemoteTier):
     def _delete_many(self, names: Sequence[str]) -> None:
         """One DeleteObjects call per 1000 names; absent objects are fine."""
         bucket = self._config.bucket
-
-        def delete() -> None:
-            for i in range(0, len(names), _DELETE_BATCH):
-                batch = [{"Key": n} for n in names[i : i + _DELETE_BATCH]]
-                self._client.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
-
         try:
-            self._call("delete", delete)
+            self._call("delete", lambda: delete_keys(self._client, bucket, names))
         except Exception:  # counted by _call
             return
 
     def _clear(self) -> None:
         """Delete every object under ``prefix`` (list + batched DeleteObjects)."""
         try:
-            self._call("clear", self._clear_prefix)
+            config = self._config
+            self._call("clear", lambda: delete_prefix(self._client, config.bucket, config.prefix))
         except Exception:  # counted by _call
             return
 
     def stats(self) -> TierStats:
         snap = super().stats()
-        if self._refresher is not None:
-            snap.refreshed_total = self._refresher.refreshed_total
-            snap.refresh_dropped_total = self._refresher.dropped_total
-        snap.lookup_gets_used_total = self._held.taken_total
-        snap.lookup_gets_closed_total = self._held.closed_unread_total
+        ages = self._ages
+        snap.backend = S3Stats(
+            refreshed_total=ages.refreshed_total,
+            refresh_dropped_total=ages.refresh_dropped_total,
+            lookup_gets_used_total=self._held.taken_total,
+            lookup_gets_closed_total=self._held.closed_unread_total,
+            expired_total=ages.expired_total,
+        )
         return snap
 
     def drain_refreshes(self, timeout: float) -> bool:
         """Wait until queued refreshes are done (tests, shutdown); True at once without any."""
-        return self._refresher is None or self._refresher.drain(timeout)
+        return self._ages.drain(timeout)
 
     def close(self) -> None:
-        if self._refresher is not None:
-            self._refresher.close()
+        self._ages.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._lookups.shutdown(wait=False, cancel_futures=True)
         self._held.close_all()
@@ -526,56 +359,16 @@ class S3Tier(RemoteTier):
     def _store(
         self, object_key: str, obj: StreamedObject, metadata: dict[str, str] | None = None
     ) -> bool:
-        """:meth:`_upload`, then the object's pooled buffer goes back: here, on the
+        """Upload unless the object exists (:func:`.s3upload.upload`; True if
+        stored, False if it was there), then the object's pooled buffer goes back: here, on the
         upload's own thread, once the upload returned (never while a body
         read may still come, as from a caller that stopped waiting)."""
         try:
-            return self._upload(object_key, obj, metadata)
+            return upload(
+                self._client, self._config.bucket, object_key, obj, metadata, self._transfer
+            )
         finally:
             obj.release()
-
-    def _upload(
-        self, object_key: str, obj: StreamedObject, metadata: dict[str, str] | None
-    ) -> bool:
-        """Upload unless the object exists; True if stored, False if it was there.
-
-        Small objects use a conditional PUT (``If-None-Match: *``): one
-        request, atomic against a concurrent writer, and with botocore's
-        ``Expect: 100-continue`` (bodies over 1 MB) the body is not sent when
-        refused. Multipart
-        uploads cannot be conditional through boto3's transfer manager, so
-        large objects are checked with a HEAD first.
-        """
-        size = len(obj)
-        bucket = self._config.bucket
-        if size < self._transfer.multipart_threshold:
-            try:
-                self._client.put_object(
-                    Bucket=bucket,
-                    Key=object_key,
-                    Body=_ObjectBody(obj),
-                    IfNoneMatch="*",
-                    Metadata=metadata or {},
-                )
-            except botocore.exceptions.ClientError as exc:
-                if _error_code(exc) in _EXISTS_CODES:
-                    return False
-                raise
-            return True
-        try:
-            self._client.head_object(Bucket=bucket, Key=object_key)
-            return False
-        except botocore.exceptions.ClientError as exc:
-            if not _is_missing(exc):
-                raise
-        self._client.upload_fileobj(
-            io.BufferedReader(_ObjectBody(obj), buffer_size=1 << 20),
-            bucket,
-            object_key,
-            ExtraArgs={"Metadata": metadata} if metadata else None,
-            Config=self._transfer,
-        )
-        return True
 
     def get_into(self, key: ChunkKey, place: Place) -> ChunkMeta | None:
         """The payload is received straight into what ``place`` names (an L1
@@ -593,7 +386,7 @@ class S3Tier(RemoteTier):
         try:
             placed = self._receive_into(name, bytes(key), place)
         except Exception as exc:
-            if _is_missing(exc):
+            if is_missing(exc):
                 self._breaker.record_success()
             else:
                 self._failed("get", [exc])
@@ -643,22 +436,21 @@ class S3Tier(RemoteTier):
             return future.result(timeout=max(0.0, deadline - time.monotonic()))
         except cf.TimeoutError:
             if not future.cancel():
-                future.add_done_callback(_close_late)
-            raise _DeadlineExceeded(f"get exceeded {self._config.timeout_seconds}s") from None
+                future.add_done_callback(close_late)
+            raise DeadlineExceeded(f"get exceeded {self._config.timeout_seconds}s") from None
 
     def _receive(
         self, name: str, response: dict[str, Any], key: bytes, place: Place, deadline: float
     ) -> Placed:
-        if expired(response):  # a miss: nothing is placed
-            self._expire(name, response)
+        if self._ages.past_ttl(name, response):  # a miss: nothing is placed
             return Placed(None, 0)
         body = BodyStream(response, deadline)
         try:
             placed = receive_into(body.size, key, place, body.fill, body.skip, self._keys)
         finally:
             body.finish()
-        if placed.meta is not None and self._refresher is not None and not has_expiry(response):
-            self._refresher.offer(name, response.get("LastModified"))
+        if placed.meta is not None:
+            self._ages.read(name, response)
         return placed
 
     def _download(self, object_key: str, key: bytes) -> Fetched:
@@ -683,55 +475,15 @@ class S3Tier(RemoteTier):
     def _download_from(
         self, object_key: str, response: dict[str, Any], key: bytes, deadline: float
     ) -> Fetched:
-        if expired(response):
-            self._expire(object_key, response)
+        if self._ages.past_ttl(object_key, response):
             return None
         body = BodyStream(response, deadline)
         try:
             got = receive_whole(body.size, memoryview(b""), key, body.fill, self._keys)
         finally:
             body.finish()
-        if self._refresher is not None and not has_expiry(response):
-            self._refresher.offer(object_key, response.get("LastModified"))
+        self._ages.read(object_key, response)
         return got
-
-    def _expire(self, object_key: str, response: Mapping[str, Any]) -> None:
-        """An object past its tenant's TTL was seen: close its response, delete it, count it."""
-        if "Body" in response:
-            close_response(response)
-        with self._lock:
-            self._stats.expired_total += 1
-        # Not waited for: this may run on a pool thread, or inside a lookup.
-        self._pool.submit(self._delete_expired, object_key)
-
-    def _delete_expired(self, object_key: str) -> None:
-        try:
-            self._client.delete_object(Bucket=self._config.bucket, Key=object_key)
-        except Exception as exc:  # the bucket's lifecycle rule is the backstop
-            self._count_error(_error_kind(exc))
-
-    def _refresh(self, object_key: str) -> None:
-        """Copy an object onto itself: same bytes, a fresh LastModified (see :mod:`.s3refresh`)."""
-        bucket = self._config.bucket
-        self._client.copy_object(
-            Bucket=bucket,
-            Key=object_key,
-            CopySource={"Bucket": bucket, "Key": object_key},
-            MetadataDirective="REPLACE",
-        )
-
-    def _refresh_failed(self, exc: BaseException) -> None:
-        if not _is_missing(exc):  # swept or expired meanwhile: nothing to keep
-            self._count_error(_error_kind(exc))
-
-    def _clear_prefix(self) -> None:
-        bucket = self._config.bucket
-        paginator = self._client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=bucket, Prefix=self._config.prefix):
-            objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            for i in range(0, len(objects), _DELETE_BATCH):
-                batch = objects[i : i + _DELETE_BATCH]
-                self._client.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
 
     # -- helpers ----------------------------------------------------------
 

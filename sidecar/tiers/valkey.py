@@ -67,6 +67,7 @@ from kvstrata.sidecar.objformat import ChunkMeta, StreamedObject
 from kvstrata.sidecar.tiers import valkey_get
 from kvstrata.sidecar.tiers.base import Place, TierStats
 from kvstrata.sidecar.tiers.remote import Encoder, Fetched, RemoteTier, Stored, read_secret
+from kvstrata.sidecar.tiers.stats import ValkeyStats
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.sealing import KeyRing
@@ -455,7 +456,7 @@ class ValkeyTier(RemoteTier):
         snap = super().stats()
         if self._breaker.state == "closed":
             self._server_evicted = self._read_evicted_keys(self._server_evicted)
-        snap.server_evicted_keys = self._server_evicted
+        snap.backend = ValkeyStats(server_evicted_keys=self._server_evicted)
         return snap
 
     def _read_evicted_keys(self, last: int | None) -> int | None:

@@ -174,7 +174,7 @@ def test_the_runs_bounds_allow_the_configured_s3_pools() -> None:
     """The soak's S3 allowance is what its S3 settings configure, not a constant."""
     from kvstrata.bench.soak import S3_SETTINGS, Soak
     from kvstrata.sidecar.config import S3Config
-    from kvstrata.sidecar.tiers.s3 import botocore_config, lookup_threads
+    from kvstrata.sidecar.tiers.s3client import botocore_config, lookup_threads
 
     s3 = S3Config(**S3_SETTINGS)
     bounds = Soak.resource_bounds()

@@ -1,12 +1,15 @@
-"""No runtime code compares a transfer mode as a string: an AST scan of the package.
+"""No runtime code compares a transfer mode or a load_async setting as a string: an AST scan.
 
 Why: the mode is parsed once, at the config, extra-config and protocol
-boundaries, into :mod:`kvstrata.sidecar.transfer_mode`'s enums. A bare
+boundaries, into :mod:`kvstrata.sidecar.transfer_mode`'s enums, and the
+connector's ``load_async`` key once, in :mod:`kvstrata.connector.settings`,
+into :class:`~kvstrata.connector.settings.LoadAsync`. A bare
 ``mode == "ipc"`` past that point compares a member with a string and is
 always false, silently: the worker would never ask for ipc, the sidecar
-never grant it. So every comparison (``==``, ``!=``, ``in``, ``is``, a
-``match`` case) with one of the mode names as a literal fails here, unless
-it is listed in :data:`ALLOWED` with what the literal means instead.
+never grant it, a scheduler told ``always`` would load inline. So every
+comparison (``==``, ``!=``, ``in``, ``is``, a ``match`` case) with one of
+those names as a literal fails here, unless it is listed in
+:data:`ALLOWED` with what the literal means instead.
 """
 
 from __future__ import annotations
@@ -14,21 +17,21 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from kvstrata.connector.settings import LoadAsync
 from kvstrata.sidecar.transfer_mode import ModeSetting, TransferMode
 
 REPO = Path(__file__).resolve().parents[2]
 # The folders of the kvstrata package (sidecar/, connector/, operator/ and
 # bench/ are linked into src/kvstrata; scanned where they live).
 SOURCES = ["src/kvstrata", "sidecar", "connector", "operator", "bench"]
-PARSER = "sidecar/transfer_mode.py"  # where the strings are read, once
-MODE_NAMES = frozenset(m.value for enum in (TransferMode, ModeSetting) for m in enum)
+PARSER = "sidecar/transfer_mode.py"  # where the mode strings are read, once
+MODE_NAMES = frozenset(m.value for enum in (TransferMode, ModeSetting, LoadAsync) for m in enum)
 
 # (file, the expression compared with the literal) -> what the literal means
 # there. The same words name other things; each entry says which.
 ALLOWED: dict[tuple[str, str], str] = {
     ("sidecar/endpoint.py", "scheme"): "the endpoint URL's scheme, ipc:// or tcp://",
     ("sidecar/transfer/csrc_build.py", "library.kind"): "the csrc library built for the CPU",
-    ("connector/scheduler.py", "mode"): "the load_async setting (auto, always, never)",
     ("connector/settings.py", "cache_dtype"): "vLLM's cache_dtype, auto meaning the model's",
     ("bench/transfer.py", "paths"): "the copy paths `kvstrata bench transfer` measures, by name",
 }
@@ -88,6 +91,7 @@ def test_the_scan_finds_each_form_of_a_string_compare() -> None:
         "match config.transfer_mode:\n"
         "    case 'auto': pass\n"
         "also = kind in ('tcp', 'host')\n"
+        "eager = settings.load_async != 'never'\n"
         "fine = mode is TransferMode.IPC\n"
     )
     assert mode_compares(source) == [
@@ -96,6 +100,7 @@ def test_the_scan_finds_each_form_of_a_string_compare() -> None:
         (3, "ipc", "modes"),
         (5, "auto", "config.transfer_mode"),
         (6, "host", "kind"),
+        (7, "never", "settings.load_async"),
     ]
 
 

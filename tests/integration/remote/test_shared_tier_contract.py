@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import os
 import struct
+from dataclasses import asdict
 
 import pytest
 import xxhash
 
 from kvstrata.bench.kvdata import bf16_kv_like
-from kvstrata.sidecar import objformat
+from kvstrata.sidecar import objformat_write
 from kvstrata.sidecar.keys import ChunkKey, Namespace, make_key
 from kvstrata.sidecar.objformat import ChunkMeta, decode_header, encode_bytes
+from kvstrata.sidecar.tiers.stats import BreakerStats, S3Stats, ValkeyStats
 
 NS = Namespace(model="contract-test").fingerprint()
 META = ChunkMeta(dtype="bfloat16", shape=(2, 4, 64))
@@ -43,6 +45,20 @@ def test_put_then_get_returns_the_same_bytes_and_meta(backend) -> None:
     assert stats.hits_total == 1
     assert stats.stored_bytes_total >= len(data)
     assert not stats.degraded
+
+
+def test_the_stats_carry_only_the_parts_the_tier_has(backend) -> None:
+    """A shared tier's breaker, its backend's own figures, none for the disk
+    tier; /status (their asdict) names no other backend's fields."""
+    tier, _ = backend.make_tier()
+    stats = tier.stats()
+    shared = backend.tier_name != "l2"
+    assert isinstance(stats.breaker, BreakerStats) == shared
+    own = {"l2": type(None), "s3": S3Stats, "valkey": ValkeyStats}[backend.tier_name]
+    assert type(stats.backend) is own
+    status = asdict(stats)
+    assert not {"breaker_state", "refreshed_total", "server_evicted_keys"} & set(status)
+    assert status["breaker"] == ({"state": "closed", "opened_total": 0} if shared else None)
 
 
 def test_missing_key_is_a_counted_miss(backend) -> None:
@@ -187,7 +203,7 @@ def test_large_object_is_stored_with_a_checksum_trailer_and_read_back(
     shared_backend, size: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Pieces smaller than the object, so it goes out (and is hashed) in several.
-    monkeypatch.setattr(objformat, "PIECE_BYTES", 256 * 1024)
+    monkeypatch.setattr(objformat_write, "PIECE_BYTES", 256 * 1024)
     tier, raw = shared_backend.make_tier()
     key, data = random_key(), bf16_kv_like(size, seed=size)
     meta = ChunkMeta(dtype="uint8", shape=(size,))

@@ -70,12 +70,12 @@ def test_an_unanswering_server_keeps_the_last_figure_and_the_scrape_works(
 
 def test_tiers_without_a_server_figure_expose_no_series() -> None:
     from kvstrata.sidecar.engine import EngineStats
-    from kvstrata.sidecar.tiers.base import TierStats
+    from kvstrata.sidecar.tiers.stats import TierStats, ValkeyStats
 
     stats = EngineStats(
         tiers={
             "l1": TierStats(tier="l1"),
-            "valkey": TierStats(tier="valkey", server_evicted_keys=7),
+            "valkey": TierStats(tier="valkey", backend=ValkeyStats(server_evicted_keys=7)),
         },
     )
     family = next(f for f in _tier_metrics(stats) if f.name == "kvstrata_tier_server_evicted_keys")

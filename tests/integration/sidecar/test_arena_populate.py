@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from kvstrata.connector.client_arena import Populate
 from kvstrata.connector.scheduler import KVStrataScheduler
 from kvstrata.testing.residency import resident_bytes
 
@@ -51,6 +52,21 @@ def test_background_populates_on_a_thread(sidecar: Any, kit: Any) -> None:
         assert mapped.prefaulter is not None
         assert mapped.prefaulter.done.wait(60)
         assert resident_bytes(mapped.address()) == mapped.size
+    finally:
+        client.close()
+
+
+def test_a_connect_that_asks_for_now_populates_its_own_mapping_only(sidecar: Any, kit: Any) -> None:
+    """The worker's way to populate at registration: ``connect(populate=NOW)``
+    fills the mapping that call makes, and the client's own setting stays as
+    made (it used to be swapped to "now" around a ping and back)."""
+    client = sidecar.client(populate_arena="background")
+    try:
+        assert client.connect(populate=Populate.NOW)
+        mapped = _mapping(client)
+        assert mapped.prefaulter is None  # filled in the calling thread, not a background one
+        assert resident_bytes(mapped.address()) == mapped.size
+        assert client.populate_arena is Populate.BACKGROUND
     finally:
         client.close()
 

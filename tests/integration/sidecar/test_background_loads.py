@@ -15,6 +15,7 @@ import torch
 from kvstrata.connector.async_loads import FinishedLoads
 from kvstrata.connector.metadata import ChunkTransfer, KVStrataMetadata, RequestTransfer
 from kvstrata.connector.scheduler import KVStrataScheduler
+from kvstrata.connector.settings import LoadAsync
 
 
 def _background(reqs: list[RequestTransfer]) -> list[RequestTransfer]:
@@ -303,7 +304,7 @@ def test_the_load_async_setting_and_a_failed_background_load(sidecar: Any, kit: 
     """``always`` loads even L1 hits in the background, ``never`` not even L2
     ones; a request whose background load failed is not offered the same hit
     again (vLLM asks again after a failed receive)."""
-    settings = kit.worker_settings(sidecar, model="background-mode", load_async="always")
+    settings = kit.worker_settings(sidecar, model="background-mode", load_async=LoadAsync.ALWAYS)
     hashes = _stored_chunk_hashes(sidecar, kit, "background-mode")
     scheduler = KVStrataScheduler(settings)
     try:
@@ -318,7 +319,7 @@ def test_the_load_async_setting_and_a_failed_background_load(sidecar: Any, kit: 
         scheduler.close()
 
     sidecar.restart()  # L2 only now
-    never = KVStrataScheduler(replace(settings, load_async="never"))
+    never = KVStrataScheduler(replace(settings, load_async=LoadAsync.NEVER))
     try:
         assert _matched(never, _request("n", hashes, kit), kit) == 2 * kit.WORKER_CHUNK
         assert not never.loads_async("n")

@@ -84,3 +84,30 @@ def test_a_registration_answered_after_the_deadline_turns_the_session_to_ipc(
         assert client.available()  # no back-off was taken for the slow registration
     finally:
         client.close()
+
+
+def test_a_connect_with_a_registrations_deadline_waits_for_it_that_call_only(
+    endpoint: str, registration: p.RegisterKVRequest, held: HeldOpening
+) -> None:
+    """The worker connects with the patience of a first registration
+    (``connect(timeout_s=...)``): the sidecar's answer, held until the test
+    lets it go, arrives within that call, which then grants ipc mode; the
+    client's own deadline, for every other call, is unchanged."""
+    client = SidecarClient(
+        endpoint, NAMESPACE, role="worker", call_timeout_s=0.5, transfer_mode=TransferMode.IPC
+    )
+    # Let the opening go once the sidecar is in it: ordered by the event, so
+    # the answer comes after the HELLO's call has started waiting for it.
+    releaser = threading.Thread(target=lambda: held.entered.wait(30) and held.release.set())
+    releaser.start()
+    try:
+        client.register_kv(registration)
+        assert client.connect(timeout_s=60.0)
+        assert held.entered.is_set()
+        assert client.ipc_granted  # answered inside this call's own deadline
+        assert "timeout" not in client.errors
+        assert client.call_timeout_s == 0.5
+    finally:
+        held.release.set()
+        releaser.join()
+        client.close()

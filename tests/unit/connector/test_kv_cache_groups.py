@@ -8,6 +8,7 @@ plans to save and load per group, with vLLM's null block before the window.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,7 +30,7 @@ from vllm.v1.kv_cache_interface import (
 from kvstrata.connector.metadata import ChunkTransfer
 from kvstrata.connector.scheduler import KVStrataScheduler
 from kvstrata.connector.scheduler_state import RequestState
-from kvstrata.connector.settings import NULL_BLOCK_ID, settings_from_config
+from kvstrata.connector.settings import NULL_BLOCK_ID, LoadAsync, settings_from_config
 
 BLOCK = 32
 CHUNK = 64  # two blocks
@@ -253,7 +254,7 @@ def test_a_hybrid_model_loads_every_hit_in_the_background(tmp_path: Any) -> None
     config = vllm_config(tmp_path)
     config.kv_transfer_config.kv_connector_extra_config["load_async"] = "never"
     s = settings_from_config(config, gemma2_config())
-    assert s.load_async == "never"
+    assert s.load_async is LoadAsync.NEVER
     hybrid = KVStrataScheduler(s)
     try:
         state = RequestState(request("r", 200), tiers=["l1"] * 3)
@@ -280,6 +281,18 @@ def test_an_unknown_load_async_value_is_refused_naming_the_key(tmp_path: Any) ->
     config.kv_transfer_config.kv_connector_extra_config["load_async"] = "sometimes"
     with pytest.raises(ValueError, match="load_async must be one of auto, always, never"):
         settings_from_config(config, gemma2_config())
+
+
+@pytest.mark.parametrize("value", ["auto", "always", "never"])
+def test_each_load_async_value_is_read_as_its_member(tmp_path: Any, value: str) -> None:
+    assert single_group_settings(tmp_path, load_async=value).load_async is LoadAsync(value)
+
+
+def test_settings_built_by_hand_refuse_a_load_async_string(tmp_path: Any) -> None:
+    """A string would compare unequal to every member and silently mean never."""
+    s = single_group_settings(tmp_path)
+    with pytest.raises(TypeError, match="load_async must be a LoadAsync member, not 'always'"):
+        replace(s, load_async="always")
 
 
 def single_group_settings(tmp_path: Any, **extra: Any) -> Any:
