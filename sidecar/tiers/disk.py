@@ -260,6 +260,7 @@ class DiskTier(Tier):
             doomed = self._evict_tenant_locked(meta.tenant, total)
             doomed += self._evict_namespace_locked(key, total) + self._evict_locked(total)
             fits = self._usage + self._reserved + total <= self.capacity_bytes
+            fits = fits and self._within_namespace_quota(key, total)
             if fits:
                 self._reserved += total
                 self.tenants.reserve(meta.tenant, total)
@@ -603,17 +604,27 @@ class DiskTier(Tier):
         else:
             self._ns_usage.pop(namespace, None)
 
-    def _evict_namespace_locked(self, key: bytes, incoming: int) -> list[str]:
-        """Evict ``key``'s namespace's least recent files until ``incoming`` fits its quota."""
+    def _within_namespace_quota(self, key: bytes, incoming: int) -> bool:
+        """Caller holds the lock: whether ``incoming`` more fits ``key``'s namespace."""
         quota = self.namespace_quota
-        namespace = key[:FINGERPRINT_BYTES]
-        if quota is None or self._ns_usage.get(namespace, 0) + incoming <= quota:
+        return quota is None or self._ns_usage.get(key[:FINGERPRINT_BYTES], 0) + incoming <= quota
+
+    def _evict_namespace_locked(self, key: bytes, incoming: int) -> list[str]:
+        """Evict ``key``'s namespace's least recent files until ``incoming`` fits its
+        quota, passing over pinned tenants' files: tenants named by their Kubernetes
+        namespace share a model's namespace here, and a pinned tenant's files are
+        never evicted within its budget (the store may then not fit: the caller checks)."""
+        if self._within_namespace_quota(key, incoming):
             return []
+        namespace = key[:FINGERPRINT_BYTES]
         doomed: list[str] = []
-        for victim in [k for k in self._index if k[:FINGERPRINT_BYTES] == namespace]:
-            if self._ns_usage.get(namespace, 0) + incoming <= quota:
+        for victim, entry in list(self._index.items()):
+            if self._within_namespace_quota(key, incoming):
                 break
-            doomed.append(self._evict_entry(victim))
+            if victim[:FINGERPRINT_BYTES] == namespace and not self.tenants.protected(
+                entry.meta.tenant
+            ):
+                doomed.append(self._evict_entry(victim))
         return doomed
 
     def _forget(self, key: bytes, missing: bool = False) -> bool:
