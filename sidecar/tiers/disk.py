@@ -258,7 +258,8 @@ class DiskTier(Tier):
                 self._stats.dropped_total += 1
                 return False
             doomed = self._evict_tenant_locked(meta.tenant, total)
-            doomed += self._evict_namespace_locked(key, total) + self._evict_locked(total)
+            doomed += self._evict_namespace_locked(key, meta.tenant, total)
+            doomed += self._evict_locked(total)
             fits = self._usage + self._reserved + total <= self.capacity_bytes
             fits = fits and self._within_namespace_quota(key, total)
             if fits:
@@ -609,11 +610,12 @@ class DiskTier(Tier):
         quota = self.namespace_quota
         return quota is None or self._ns_usage.get(key[:FINGERPRINT_BYTES], 0) + incoming <= quota
 
-    def _evict_namespace_locked(self, key: bytes, incoming: int) -> list[str]:
-        """Evict ``key``'s namespace's least recent files until ``incoming`` fits its
-        quota, passing over pinned tenants' files: tenants named by their Kubernetes
-        namespace share a model's namespace here, and a pinned tenant's files are
-        never evicted within its budget (the store may then not fit: the caller checks)."""
+    def _evict_namespace_locked(self, key: bytes, tenant: str, incoming: int) -> list[str]:
+        """Evict ``key``'s namespace's least recent files until ``incoming`` more (of
+        ``tenant``'s) fits its quota, passing over other pinned tenants' files:
+        tenants named by their Kubernetes namespace share a model's namespace here,
+        and a pinned tenant's files are never evicted for another's store (as in L1;
+        the store may then not fit: the caller checks)."""
         if self._within_namespace_quota(key, incoming):
             return []
         namespace = key[:FINGERPRINT_BYTES]
@@ -621,9 +623,10 @@ class DiskTier(Tier):
         for victim, entry in list(self._index.items()):
             if self._within_namespace_quota(key, incoming):
                 break
-            if victim[:FINGERPRINT_BYTES] == namespace and not self.tenants.protected(
-                entry.meta.tenant
-            ):
+            owner = entry.meta.tenant
+            if victim[:FINGERPRINT_BYTES] != namespace:
+                continue
+            if owner == tenant or not self.tenants.protected(owner):
                 doomed.append(self._evict_entry(victim))
         return doomed
 
