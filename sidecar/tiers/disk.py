@@ -56,8 +56,10 @@ from kvstrata.sidecar.objformat import (
     is_sealed,
     open_sealed,
 )
+from kvstrata.sidecar.tierchoice import TierChoice
 from kvstrata.sidecar.tiers import direct_io
 from kvstrata.sidecar.tiers.base import Tier, TierStats
+from kvstrata.sidecar.tiers.file_choice import ChoiceNotRecorded, read_choice, record_choice
 from kvstrata.sidecar.tiers.tenant_shares import TenantFigures, TenantShares
 
 if TYPE_CHECKING:
@@ -195,8 +197,13 @@ class DiskTier(Tier):
             return None
         except OSError:
             return None
-        # The sealed header's tenant, if it is one this sidecar knows.
-        meta = replace(header.meta, tenant=self.tenants.name(header.meta.tenant))
+        # The sealed header's tenant, if it is one this sidecar knows, and the
+        # store choice the file carries (.file_choice).
+        meta = replace(
+            header.meta,
+            tenant=self.tenants.name(header.meta.tenant),
+            store_tiers=read_choice(fpath),
+        )
         entry = DiskEntry(
             st.st_size,
             header.header_length,
@@ -271,7 +278,7 @@ class DiskTier(Tier):
         if not fits:
             return False
         try:
-            ok = self._write_file(key, header, stored)
+            ok = self._write_file(key, header, stored, meta.store_tiers)
         finally:
             with self._lock:
                 self._reserved -= total
@@ -304,14 +311,26 @@ class DiskTier(Tier):
             if old is None and self.events is not None:
                 self.events.stored(key)
 
-    def _write_file(self, key: bytes, header: bytes, stored: bytes | memoryview) -> bool:
+    def _write_file(
+        self, key: bytes, header: bytes, stored: bytes | memoryview, choice: TierChoice = None
+    ) -> bool:
+        """Write the object's file; its store ``choice`` goes with it (.file_choice)."""
         final = self.path_of(key)
         tmp = f"{final}{TMP_MARK}{secrets.token_hex(4)}"
         try:
             os.makedirs(os.path.dirname(final), exist_ok=True)
             self._write_tmp(tmp, [memoryview(header), memoryview(stored).cast("B")])
+            record_choice(tmp, choice)
             os.replace(tmp, final)
             return True
+        except ChoiceNotRecorded as exc:
+            logger.warning("L2 keeps no %s: its request's tier choice cannot be kept (%s)",
+                           final, exc)  # fmt: skip
+            with self._lock:
+                self._stats.count_error("ChoiceNotRecorded")
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            return False
         except OSError as exc:
             logger.warning("L2 write of %s failed: %s", final, exc)
             with self._lock:
