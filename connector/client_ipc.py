@@ -112,11 +112,13 @@ class IpcOps:
         owner: str,
         runs: Sequence[int],
         after_event: bytes | None = None,
+        load_tiers: frozenset[str] | None = None,
     ) -> list[int] | None:
         """As :meth:`load_blocks` for consecutive runs of ``keys`` (``runs``:
         their lengths, one per request of a step) in one call: per run, the
         length of its loaded prefix. The sidecar's copies wait for
-        ``after_event`` (an interprocess event's handle) when given."""
+        ``after_event`` (an interprocess event's handle) when given; a chunk
+        not in L1 is promoted only from ``load_tiers`` (None: every tier)."""
         if sum(runs) != len(keys) or not runs or min(runs) < 1:
             self._count("bad_argument")
             return None
@@ -126,6 +128,7 @@ class IpcOps:
             owner=owner,
             runs=[int(n) for n in runs],
             after_event=after_event,
+            load_tiers=load_tiers,
         )
         reply = self._call(p.LOAD_BLOCKS, body)
         if not isinstance(reply, p.LoadBlocksReply):

@@ -252,7 +252,6 @@ def load_requests(
     out = [0] * len(reqs)
     if not asked:
         return out
-    chunks = [c for i in asked for c in fulls[i]]
     event = None
     if after_event is None and torch.cuda.is_available():
         try:
@@ -263,14 +262,22 @@ def load_requests(
             # loads; the caller reports every chunk and vLLM recomputes them.
             logger.exception("kvstrata: cannot order the load after vLLM's work; not loaded")
             return out
-    loaded = client.ipc.load_block_runs(
-        [key(c) for c in chunks],
-        [load_block_ids(c) for c in chunks],
-        STEP_OWNER,
-        [len(fulls[i]) for i in asked],
-        after_event=after_event,
-    )
+    # One LOAD_BLOCKS per tier choice (most steps: one): a chunk not in L1 is
+    # promoted only from the tiers its request allows.
+    by_choice: dict[frozenset[str] | None, list[int]] = {}
+    for i in asked:
+        by_choice.setdefault(reqs[i].load_tiers, []).append(i)
+    for choice, members in by_choice.items():
+        chunks = [c for i in members for c in fulls[i]]
+        loaded = client.ipc.load_block_runs(
+            [key(c) for c in chunks],
+            [load_block_ids(c) for c in chunks],
+            STEP_OWNER,
+            [len(fulls[i]) for i in members],
+            after_event=after_event,
+            load_tiers=choice,
+        )
+        for i, n in zip(members, loaded or [0] * len(members), strict=True):
+            out[i] = n
     del event
-    for i, n in zip(asked, loaded or [0] * len(asked), strict=True):
-        out[i] = n
     return out

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kvstrata.sidecar.keys import ChunkKey
-from kvstrata.sidecar.messages import Message
+from kvstrata.sidecar.messages import Message, load_tiers_on_wire
+from kvstrata.sidecar.tierchoice import TierChoice, read_tiers
 from kvstrata.sidecar.wire import (
     E_BAD_REQUEST,
     LOAD_BLOCKS,
@@ -205,6 +206,12 @@ class LoadBlocksRequest(Message):
     runs: list[int] = field(default_factory=list)  # prefix lengths (one per request); empty: one
     after_event: bytes | None = None  # the copies wait for it (vLLM's queued work)
     deadline_ms: int = 0  # as SAVE_BLOCKS's: no block is touched past it
+    # the tiers below L1 the chunks may be promoted from, as PREPARE_RETRIEVE's
+    # (kvstrata.sidecar.tierchoice); None: every tier. L1 always serves.
+    load_tiers: TierChoice = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return load_tiers_on_wire(Message.to_wire(self), self.load_tiers)
 
     @classmethod
     def from_wire(cls, body: Mapping[str, Any]) -> LoadBlocksRequest:
@@ -217,6 +224,7 @@ class LoadBlocksRequest(Message):
             runs=read_runs(body, keys),
             after_event=None if event is None else _read_handle(event, "after_event"),
             deadline_ms=read_int(body.get("deadline_ms", 0), "deadline_ms", 0, MAX_DEADLINE_MS),
+            load_tiers=read_tiers(body.get("load_tiers"), "load_tiers"),
         )
 
 

@@ -55,9 +55,11 @@ from kvstrata.sidecar.objformat import (
     is_sealed,
     open_sealed,
 )
+from kvstrata.sidecar.tierchoice import TierChoice
 from kvstrata.sidecar.tiers.base import Tier, TierStats
 from kvstrata.sidecar.tiers.disk_files import TMP_MARK, DiskFiles
 from kvstrata.sidecar.tiers.disk_index import DiskEntry, DiskIndex
+from kvstrata.sidecar.tiers.file_choice import ChoiceNotRecorded, read_choice
 from kvstrata.sidecar.tiers.tenant_shares import TenantFigures, TenantShares
 
 if TYPE_CHECKING:
@@ -171,7 +173,13 @@ class DiskTier(Tier):
         except OSError:
             return None
         # The sealed header's tenant, if it is one this sidecar knows.
-        meta = replace(header.meta, tenant=self.tenants.name(header.meta.tenant))
+        # The sealed header's tenant, if it is one this sidecar knows, and the
+        # store choice the file carries (.file_choice).
+        meta = replace(
+            header.meta,
+            tenant=self.tenants.name(header.meta.tenant),
+            store_tiers=read_choice(fpath),
+        )
         entry = DiskEntry(
             st.st_size,
             header.header_length,
@@ -231,7 +239,7 @@ class DiskTier(Tier):
         if not fits:
             return False
         try:
-            ok = self._write_file(key, header, stored)
+            ok = self._write_file(key, header, stored, meta.store_tiers)
         finally:
             with self._lock:
                 self._index.release(meta.tenant, total)
@@ -257,11 +265,20 @@ class DiskTier(Tier):
             if old is None and self.events is not None:
                 self.events.stored(key)
 
-    def _write_file(self, key: bytes, header: bytes, stored: bytes | memoryview) -> bool:
+    def _write_file(
+        self, key: bytes, header: bytes, stored: bytes | memoryview, choice: TierChoice = None
+    ) -> bool:
+        """Write the object's file; its store ``choice`` goes with it (.file_choice)."""
         final = self.path_of(key)
         try:
-            self._files.write(final, [memoryview(header), memoryview(stored).cast("B")])
+            self._files.write(final, [memoryview(header), memoryview(stored).cast("B")], choice)
             return True
+        except ChoiceNotRecorded as exc:
+            logger.warning("L2 keeps no %s: its request's tier choice cannot be kept (%s)",
+                           final, exc)  # fmt: skip
+            with self._lock:
+                self._stats.count_error("ChoiceNotRecorded")
+            return False
         except OSError as exc:
             logger.warning("L2 write of %s failed: %s", final, exc)
             with self._lock:

@@ -21,7 +21,9 @@ import secrets
 
 import xxhash
 
+from kvstrata.sidecar.tierchoice import TierChoice
 from kvstrata.sidecar.tiers import direct_io
+from kvstrata.sidecar.tiers.file_choice import record_choice
 
 __all__ = ["SEGMENT_BYTES", "TMP_MARK", "DiskFiles"]
 
@@ -40,13 +42,15 @@ class DiskFiles:
         self.direct_io = direct  # False once the filesystem refused O_DIRECT
         self.fsync = fsync
 
-    def write(self, final: str, pieces: list[memoryview]) -> None:
-        """``final`` holding ``pieces``, complete or not at all; OSError (the
-        temporary file removed) when it cannot be written."""
+    def write(self, final: str, pieces: list[memoryview], choice: TierChoice = None) -> None:
+        """``final`` holding ``pieces`` and its store ``choice`` (.file_choice),
+        complete or not at all; OSError (the temporary file removed) when it
+        cannot be written, ChoiceNotRecorded when the choice cannot be kept."""
         tmp = f"{final}{TMP_MARK}{secrets.token_hex(4)}"
         try:
             os.makedirs(os.path.dirname(final), exist_ok=True)
             self._write_tmp(tmp, pieces)
+            record_choice(tmp, choice)
             os.replace(tmp, final)
         except OSError:
             with contextlib.suppress(OSError):

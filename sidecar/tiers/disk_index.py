@@ -134,8 +134,10 @@ class DiskIndex:
             self.tenants.refuse(tenant, refused)
             return False, []
         evicted = self._evict_tenant(tenant, nbytes)
-        evicted += self._evict_namespace(key, nbytes) + self.evict(nbytes)
+        evicted += self._evict_namespace(key, tenant, nbytes) + self.evict(nbytes)
         if self.usage + self.reserved + nbytes > self.capacity_bytes:
+            return False, evicted
+        if not self._within_namespace_quota(key, nbytes):  # the rest is pinned tenants'
             return False, evicted
         self.reserved += nbytes
         self.tenants.reserve(tenant, nbytes)
@@ -185,17 +187,29 @@ class DiskIndex:
         self.tenants.evictions[tenant] += len(victims)
         return [self._evict(key) for key in victims]
 
-    def _evict_namespace(self, key: bytes, incoming: int) -> list[bytes]:
-        """Evict ``key``'s namespace's least recent files until ``incoming`` fits its quota."""
+    def _within_namespace_quota(self, key: bytes, incoming: int) -> bool:
+        """Whether ``incoming`` more fits ``key``'s namespace's quota."""
         quota = self.namespace_quota
-        namespace = key[:FINGERPRINT_BYTES]
-        if quota is None or self._ns_usage.get(namespace, 0) + incoming <= quota:
+        return quota is None or self._ns_usage.get(key[:FINGERPRINT_BYTES], 0) + incoming <= quota
+
+    def _evict_namespace(self, key: bytes, tenant: str, incoming: int) -> list[bytes]:
+        """Evict ``key``'s namespace's least recent files until ``incoming`` more (of
+        ``tenant``'s) fits its quota, passing over other pinned tenants' files:
+        tenants named by their Kubernetes namespace share a model's namespace here,
+        and a pinned tenant's files are never evicted for another's store (as in L1;
+        the store may then not fit: :meth:`admit` checks)."""
+        if self._within_namespace_quota(key, incoming):
             return []
+        namespace = key[:FINGERPRINT_BYTES]
         evicted: list[bytes] = []
-        for victim in [k for k in self._entries if k[:FINGERPRINT_BYTES] == namespace]:
-            if self._ns_usage.get(namespace, 0) + incoming <= quota:
+        for victim, entry in list(self._entries.items()):
+            if self._within_namespace_quota(key, incoming):
                 break
-            evicted.append(self._evict(victim))
+            if victim[:FINGERPRINT_BYTES] != namespace:
+                continue
+            owner = entry.meta.tenant
+            if owner == tenant or not self.tenants.protected(owner):
+                evicted.append(self._evict(victim))
         return evicted
 
     def _account(self, key: bytes, entry: DiskEntry, delta: int) -> None:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from kvstrata.sidecar import protocol as p
 from kvstrata.sidecar.objformat import ChunkMeta
+from kvstrata.sidecar.tierchoice import TierChoice
 from kvstrata.sidecar.transfer.ipc_device import STICKY_CUDA_ERRORS, TransferDevice
 from kvstrata.sidecar.transfer.ipc_mapping import IpcMapping, past
 from kvstrata.sidecar.transfer.kv_registration import open_and_plan
@@ -342,7 +343,8 @@ class IpcTransfers:
         per_run: list[int] = []
         start = 0
         for n in runs:
-            got = self._lease_prefix(mapping, body.keys[start : start + n], owner_key)
+            keys = body.keys[start : start + n]
+            got = self._lease_prefix(mapping, keys, owner_key, body.load_tiers)
             slots += got
             ids += [b for blocks in body.block_ids[start : start + len(got)] for b in blocks]
             per_run.append(len(got))
@@ -377,11 +379,14 @@ class IpcTransfers:
             per_run = [0] * len(per_run)
         return p.LoadBlocksReply(loaded=sum(per_run), loaded_runs=per_run if body.runs else [])
 
-    def _lease_prefix(self, mapping: IpcMapping, keys: list[ChunkKey], owner: str) -> list[Slot]:
-        """Read leases on the longest prefix of ``keys`` stored with this mapping's geometry."""
+    def _lease_prefix(
+        self, mapping: IpcMapping, keys: list[ChunkKey], owner: str, tiers: TierChoice
+    ) -> list[Slot]:
+        """Read leases on the longest prefix of ``keys`` stored with this mapping's
+        geometry, promoting only from ``tiers`` (the request's load tiers)."""
         slots: list[Slot] = []
         for key in keys:
-            slot = self.engine.acquire(key, owner)
+            slot = self.engine.acquire(key, owner, tiers=tiers)
             if slot is None:
                 break
             if slot.length != mapping.chunk_nbytes:  # stored under another geometry

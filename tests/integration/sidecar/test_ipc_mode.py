@@ -488,6 +488,53 @@ def test_a_load_waits_for_the_event_vllm_recorded_before_it_fills_blocks(
         client.close()
 
 
+def test_a_steps_loads_promote_each_requests_chunks_only_from_its_load_tiers(
+    sidecar: ServedOnThread, kv: SharedKV
+) -> None:
+    # Two requests of one step, each chunk saved and then pushed out of L1 into
+    # L2: the one whose kv_transfer_params allow L1 only is a miss (vLLM
+    # recomputes it), the other's chunk is promoted and loaded.
+    from kvstrata.connector import ipc
+    from kvstrata.connector.metadata import ChunkTransfer, RequestTransfer
+    from kvstrata.sidecar.objformat import ChunkMeta
+
+    client = ipc_client(sidecar.endpoint)
+    try:
+        client.register_kv(kv.registration())
+        (only_l1,), (from_l2,) = keys(1, "tiers-l1"), keys(1, "tiers-l2")
+        assert client.ipc.save_blocks([only_l1, from_l2], [[1, 2], [3, 4]], None, "s") == [
+            True,
+            True,
+        ]
+        engine = sidecar.engine
+        assert engine.flush(30)
+        slot = engine.acquire(only_l1, "size")
+        assert slot is not None
+        nbytes = slot.length
+        engine.release(slot)
+        meta = ChunkMeta(dtype="uint8", shape=(nbytes,))
+        for key in keys((12 << 20) // nbytes, "flood"):  # 12 MiB through an 8 MiB L1
+            assert engine.put(key, b"\x01" * nbytes, meta)
+        assert engine.flush(30)
+        assert engine.lookup([only_l1]).tiers == engine.lookup([from_l2]).tiers == ["l2"]
+        fp = NAMESPACE.fingerprint()
+        reqs = [
+            RequestTransfer("r1", [ChunkTransfer(only_l1[len(fp):], [7, 8])],
+                            load_tiers=frozenset({"l1"})),
+            RequestTransfer("r2", [ChunkTransfer(from_l2[len(fp):], [9, 10])],
+                            load_tiers=frozenset({"l1", "l2"})),
+        ]  # fmt: skip
+        event = b"\x42" * p.IPC_HANDLE_BYTES
+        loaded = ipc.load_requests(client, lambda c: ChunkKey(fp + c.chunk_hash), reqs, event)
+        assert loaded == [0, 1]
+        assert engine.lookup([only_l1]).tiers == ["l2"]  # not promoted for r1
+        for t in kv.case.layers.values():
+            for src, dst in ((3, 9), (4, 10)):
+                assert torch.equal(kv.block(t, dst), kv.block(t, src))
+    finally:
+        client.close()
+
+
 def test_a_cuda_fault_moves_ipc_sessions_to_host_mode_keeps_the_sidecar_ready_and_is_exported(
     sidecar: ServedOnThread, kv: SharedKV
 ) -> None:

@@ -183,6 +183,33 @@ def test_a_chunk_promoted_from_l2_keeps_its_store_choice_and_stays_out_of_the_sh
     client.close()
 
 
+def test_a_local_only_chunk_stays_out_of_the_shared_tier_after_a_sidecar_restart(
+    sidecar_factory: Any, kit: Any, valkey: Any
+):
+    # The restarted sidecar re-indexes L2 from its files: the choice must come
+    # back with them, or the first reuse (admission "reused") uploads the chunk.
+    shared = shared_valkey(valkey.url, admission="reused")
+    sidecar = sidecar_factory("restart", {"shared": shared, "l1": {"size_bytes": "8Mi"}}).start()
+    client = sidecar.client(call_timeout_s=5.0)
+    local_only, everywhere = kit.make_keys(3, seed=51), kit.make_keys(2, seed=52)
+    _store(kit, client, local_only, frozenset({"l1", "l2"}))
+    _store(kit, client, everywhere, None)
+    kit.wait_until(lambda: _written_behind(sidecar), 20, "write-behind to drain")
+    assert all(_l2_file(sidecar, k).exists() for k in local_only + everywhere)
+    client.close()
+
+    sidecar.restart()  # an empty L1; L2 re-indexed from the files
+    client = sidecar.client(call_timeout_s=5.0)
+    _read_back_promoted(kit, client, sidecar, local_only + everywhere, "l2")
+    kit.wait_until(lambda: _written_behind(sidecar), 20, "write-behind to drain")
+    prefix = shared["valkey"]["key_prefix"]
+    server = redis.Redis.from_url(valkey.url)
+    assert not any(server.exists(f"{prefix}{key_hex(k)}") for k in local_only)
+    assert all(server.exists(f"{prefix}{key_hex(k)}") for k in everywhere)  # reused: uploaded
+    server.close()
+    client.close()
+
+
 def test_a_chunk_promoted_from_the_shared_tier_keeps_its_store_choice_and_stays_off_the_disk(
     sidecar_factory: Any, kit: Any, valkey: Any
 ):

@@ -865,6 +865,44 @@ def test_a_load_waiting_for_a_killed_peers_event_frees_the_device_and_its_mappin
         engine.close()
 
 
+def test_load_blocks_promotes_a_chunk_only_from_the_tiers_its_request_allows(
+    tmp_path: Path,
+) -> None:
+    # A chunk saved over ipc, written behind to L2, then pushed out of L1: a
+    # LOAD_BLOCKS whose request may load from L1 only is a miss and promotes
+    # nothing; one that allows L2 promotes it and loads it.
+    from kvstrata.sidecar.objformat import ChunkMeta
+
+    lib = RecordingCuda({GPU0: 0})
+    engine, devices, ipc, _, body = _registered_ipc(tmp_path, lib)
+    try:
+        ipc.register("s", body)
+        ks = chunk_keys(1, "tiered")
+        assert ipc.save("s", p.SaveBlocksRequest(ks, [[3, 4]]), "o").committed == [True]
+        assert engine.flush(30)
+        slot = engine.acquire(ks[0], "size")
+        assert slot is not None
+        nbytes = slot.length
+        engine.release(slot)
+        flood = chunk_keys((6 << 20) // nbytes, "flood")  # 6 MiB through a 4 MiB L1
+        for key in flood:
+            assert engine.put(key, b"\x01" * nbytes, ChunkMeta(dtype="uint8", shape=(nbytes,)))
+        assert engine.flush(30)
+        assert engine.lookup(ks).tiers == ["l2"]
+        l1_only = p.LoadBlocksRequest(ks, [[6, 7]], load_tiers=frozenset({"l1"}))
+        wire = p.LoadBlocksRequest.from_wire(l1_only.to_wire())
+        assert wire.load_tiers == frozenset({"l1"})  # as the connector sends it
+        assert ipc.load("s", wire, "o").loaded == 0
+        assert engine.lookup(ks).tiers == ["l2"]  # not promoted
+        from_l2 = p.LoadBlocksRequest(ks, [[6, 7]], load_tiers=frozenset({"l1", "l2"}))
+        assert ipc.load("s", from_l2, "o").loaded == 1
+        assert engine.lookup(ks).tiers == ["l1"]
+    finally:
+        ipc.close("s")
+        devices.close()
+        engine.close()
+
+
 class WedgedCuda(RecordingCuda):
     """RecordingCuda whose scatter blocks until the test releases it: a CUDA call
     that does not return (a stand-in for a hung driver call, named as such)."""
