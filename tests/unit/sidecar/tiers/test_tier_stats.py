@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from kvstrata.sidecar.engine import EngineStats
-from kvstrata.sidecar.metrics import _tier_metrics
+from kvstrata.sidecar.engine_metrics import _tier_metrics
 from kvstrata.sidecar.tiers.base import TierStats
 from kvstrata.sidecar.tiers.stats import BreakerStats, S3Stats, ValkeyStats
 
@@ -59,7 +59,6 @@ def _every_kind() -> EngineStats:
                 ),
             ),
         },
-        counters={},
     )
 
 
