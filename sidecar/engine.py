@@ -242,7 +242,8 @@ class StorageManager:
             with self._index.tally() as counts:
                 counts.store_deduplicated_total += 1
             return None
-        meta = replace(meta, store_tiers=store_tiers)
+        if meta.store_tiers != store_tiers:  # dataclasses.replace costs µs per store
+            meta = replace(meta, store_tiers=store_tiers)
         return self._index.reserve(key, nbytes, meta, owner, parent)
 
     def supersede(self, slot: Slot, covers: Sequence[ChunkKey]) -> None:
@@ -293,8 +294,6 @@ class StorageManager:
         request's load tiers; None: every tier). A chunk already in L1 is
         served whatever they say: every load lands there first."""
         slot = self._promotion.acquire(key, owner, tiers=tiers)
-        if slot is not None and self._index.drop_if_ended(slot, owner):
-            return None
         if slot is None or blocks is None or blocks_match(slot.meta, blocks):
             return slot
         self.release(slot)

@@ -173,14 +173,6 @@ class L1Index:
             self._listener.read(entry)
         return slot, absent
 
-    def drop_if_ended(self, slot: Slot, owner: str) -> bool:
-        """End ``slot``'s lease if its client ended while it was taken; True if so."""
-        with self._lock:
-            if not self._ended.has_owner(owner):
-                return False
-            self._pop_lease(slot.lease_id)
-            return True
-
     def client_ended(self, client: str) -> bool:
         """Whether :meth:`release_client` was called for ``client``."""
         with self._lock:
@@ -211,7 +203,7 @@ class L1Index:
         self, entry: Entry, meta: ChunkMeta, owner: str, tier: str, prefetch: bool
     ) -> Slot | None:
         """``entry`` is filled from ``tier``: READY, and a read lease for ``owner``
-        (None when it was removed meanwhile)."""
+        (None when it was removed meanwhile or ``owner``'s client ended)."""
         # The storing request's tier choice stays with the chunk: L2's index kept
         # it (in the reserved meta); write-behind knows what it uploaded.
         choice = entry.meta.store_tiers if tier == "l2" else self._listener.shared_choice(entry.key)
@@ -226,7 +218,9 @@ class L1Index:
             self._store.publish(entry)
             promotions = self._counters.promotions_total
             promotions[tier] = promotions.get(tier, 0) + 1
-            slot = self._read_lease(entry, owner, prefetch)
+            # The chunk stays in L1; a client that ended during the fill gets no lease.
+            ended = self._ended.has_owner(owner)
+            slot = None if ended else self._read_lease(entry, owner, prefetch)
         self._tell_then_unpin(entry, tier)
         return slot
 
@@ -434,13 +428,17 @@ class L1Index:
         self, key: ChunkKey, owner: str, prefetch: bool
     ) -> tuple[Slot, Entry] | tuple[None, None]:
         """(a read lease, its entry) if L1 holds ``key`` READY, waiting for a
-        promotion of it under way (at most PROMOTION_WAIT_SECONDS)."""
+        promotion of it under way (at most PROMOTION_WAIT_SECONDS); no lease
+        for an owner whose client ended: the one place a read lease is made
+        for a lookup or a promotion checks it, under the lock."""
         deadline = time.monotonic() + PROMOTION_WAIT_SECONDS
         while True:
             entry = self._store.entries.get(key)
             if entry is None:
                 return None, None
             if entry.state == READY:
+                if self._ended.has_owner(owner):  # it ended while this waited
+                    return None, None
                 return self._read_lease(entry, owner, prefetch), entry
             if not entry.promoting:
                 return None, None  # a client is still writing it: a miss for now

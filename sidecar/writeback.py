@@ -136,9 +136,11 @@ class WriteBehind:
         """A client's chunk was committed: copy it to L2 and, per admission,
         to the shared tier now or on its first read (each only where the
         storing request and its tenant allow it: :meth:`_keeps`)."""
+        if self._l2_queue is None and self._shared_queue is None:
+            return  # nothing below L1 (decided once, at start): no lock per store
         with self._lock:
             self._queue_l2(entry)
-            if self._keeps(entry, "shared"):
+            if self._shared_queue is not None and self._keeps(entry, "shared"):
                 if self._admit_all:
                     self._queue_shared(entry)
                 else:
@@ -227,15 +229,15 @@ class WriteBehind:
         backlog = self._backlog
         while backlog:
             (key, shared), (entry, queue) = next(iter(backlog.items()))
-            if not self._index.pin_current(entry, pin=False):
+            if self.pinned and self.pinned + entry.length > self._pin_limit:
+                if self._index.pin_current(entry, pin=False):
+                    return  # it waits for the budget
                 del backlog[(key, shared)]  # evicted or removed before its turn
                 self._count_skipped()
                 continue
-            if self.pinned and self.pinned + entry.length > self._pin_limit:
-                return
             del backlog[(key, shared)]
             if not self._index.pin_current(entry):
-                self._count_skipped()  # it left between the two questions
+                self._count_skipped()  # evicted or removed before its turn
                 continue
             self.pinned += entry.length
             view = self._buf[entry.offset : entry.offset + entry.length]

@@ -257,3 +257,15 @@ def test_a_snapshot_is_a_copy_that_later_counting_leaves_alone():
     after = index.snapshot()
     assert before.counters.partial_hits_total == 0 and before.counters.hit_chunks_total == {}
     assert after.counters.partial_hits_total == 1 and after.counters.hit_chunks_total == {"l1": 3}
+
+
+def test_a_promotion_that_lands_after_its_client_ended_stays_in_l1_with_no_lease_for_it():
+    index, _ = index_of(2)
+    entry, _ = index.reserve_promotion(make_key(1), CHUNK, META, "s1/req", prefetch=False)
+    assert entry is not None
+    index.release_client("s1")  # the session ends while the chunk is read from below
+    assert index.publish_promotion(entry, META, "s1/req", "l2", prefetch=False) is None
+    assert index.snapshot().gauges.leases_active == 0
+    assert index.holds(make_key(1))  # the bytes came up: they stay for others
+    slot, _ = index.acquire(make_key(1), "s2/req", prefetch=False)
+    assert slot is not None
