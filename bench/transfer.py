@@ -270,50 +270,40 @@ def _slowdowns(
 def _side_transfers(
     run: _LayoutRun, lib: Any, paths: tuple[str, ...]
 ) -> dict[str, Callable[[], None]]:
-    """Per path, a store and a load of every chunk on the stream current when
-    called (the side stream :func:`_matmul_slowdown` sets)."""
+    """Per path, a store and a load of every chunk (the copies its row times) on
+    the stream current when called (the side stream :func:`_matmul_slowdown` sets)."""
     import torch
 
-    plan, ids, per_chunk = run.layout.plan, run.store_ids, run.per_chunk
-    addresses = run.addresses()
-    nbytes = run.layout.chunk_nbytes
     transfers: dict[str, Callable[[], None]] = {"kernel": _side_transfer(run, lib)}
+    pairs: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {}
     if "torch" in paths:
-        copier = run.layout.copier
-
-        def torch_copies() -> None:
-            for c, buf in enumerate(run.chunk_bufs):
-                copier.gather(ids[c * per_chunk : (c + 1) * per_chunk], buf)
-            for c, buf in enumerate(run.chunk_bufs):
-                copier.scatter(buf, ids[c * per_chunk : (c + 1) * per_chunk])
-
-        transfers["torch"] = torch_copies
+        pairs["torch"] = _chunk_copies(run, run.layout.copier)
     if "kernel-staging" in paths:
-        staging = torch.empty(run.total, dtype=torch.uint8, device=run.device)
-        stage_addr = [staging.data_ptr() + c * nbytes for c in range(len(run.chunk_bufs))]
-
-        def staged() -> None:
-            stream = torch.cuda.current_stream()
-            lib.gather(plan, ids, stage_addr, per_chunk, stream)
-            run.host.copy_(staging, non_blocking=True)
-            staging.copy_(run.host, non_blocking=True)
-            lib.scatter(plan, ids, stage_addr, per_chunk, stream)
-
-        transfers["kernel-staging"] = staged
+        pairs["kernel-staging"] = _staged_copies(run, lib)
     if "dma-batch" in paths:
-        import numpy as np
+        kv, chunks, sizes = _dma_arrays(run)
 
-        kv, chunks, sizes = (
-            np.asarray(a, dtype=np.uint64) for a in dma_descriptors(plan, ids, addresses, per_chunk)
-        )
+        def batch_store() -> None:
+            lib.memcpy_batch_async(chunks, kv, sizes, torch.cuda.current_stream().cuda_stream)
 
-        def batched() -> None:
+        def batch_load() -> None:
             stream = torch.cuda.current_stream().cuda_stream
-            lib.memcpy_batch_async(chunks, kv, sizes, stream)
             lib.memcpy_batch_async(kv, chunks, sizes, stream, src_access_any=True)
 
-        transfers["dma-batch"] = batched
+        pairs["dma-batch"] = (batch_store, batch_load)
+    for name, (store, load) in pairs.items():
+        transfers[name] = _in_turn(store, load)
     return transfers
+
+
+def _in_turn(*steps: Callable[[], None]) -> Callable[[], None]:
+    """One call running ``steps`` one after the other."""
+
+    def run_steps() -> None:
+        for step in steps:
+            step()
+
+    return run_steps
 
 
 def _baseline_row(run: _LayoutRun) -> dict[str, float]:
@@ -329,6 +319,12 @@ def _baseline_row(run: _LayoutRun) -> dict[str, float]:
 
 def _torch_row(run: _LayoutRun, copier: Any) -> dict[str, float]:
     """A torch copier (the connector's, or one copying layer by layer), chunk by chunk."""
+    store, load = _chunk_copies(run, copier)
+    return {"store_gbps": run.gbps(store), "load_gbps": run.gbps(load)}
+
+
+def _chunk_copies(run: _LayoutRun, copier: Any) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(store, load) of every chunk through a torch copier, chunk by chunk."""
     per_chunk = run.per_chunk
 
     def by_chunk(op: Callable[[list[int], Any], None]) -> Callable[[], None]:
@@ -338,10 +334,10 @@ def _torch_row(run: _LayoutRun, copier: Any) -> dict[str, float]:
 
         return each
 
-    return {
-        "store_gbps": run.gbps(by_chunk(lambda b, buf: copier.gather(b, buf))),
-        "load_gbps": run.gbps(by_chunk(lambda b, buf: copier.scatter(buf, b))),
-    }
+    return (
+        by_chunk(lambda b, buf: copier.gather(b, buf)),
+        by_chunk(lambda b, buf: copier.scatter(buf, b)),
+    )
 
 
 def _kernel_rows(run: _LayoutRun, lib: Any, paths: tuple[str, ...]) -> dict[str, dict[str, float]]:
@@ -359,23 +355,33 @@ def _kernel_rows(run: _LayoutRun, lib: Any, paths: tuple[str, ...]) -> dict[str,
             "load_gbps": run.gbps(lambda: lib.scatter(plan, ids, addresses, per_chunk, stream)),
         }
     if run.cuda and "kernel-staging" in paths:
-        nbytes = run.layout.chunk_nbytes
-        staging = torch.empty(run.total, dtype=torch.uint8, device=run.device)
-        stage_addr = [staging.data_ptr() + c * nbytes for c in range(len(run.chunk_bufs))]
-
-        def staged_store() -> None:
-            lib.gather(plan, ids, stage_addr, per_chunk, stream)
-            run.host.copy_(staging, non_blocking=True)
-
-        def staged_load() -> None:
-            staging.copy_(run.host, non_blocking=True)
-            lib.scatter(plan, ids, stage_addr, per_chunk, stream)
-
+        staged_store, staged_load = _staged_copies(run, lib)
         rows["kernel-staging"] = {
             "store_gbps": run.gbps(staged_store),
             "load_gbps": run.gbps(staged_load),
         }
     return rows
+
+
+def _staged_copies(run: _LayoutRun, lib: Any) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(store, load) of every chunk through a device staging buffer and one copy,
+    on the stream current when called."""
+    import torch
+
+    plan, ids, per_chunk = run.layout.plan, run.store_ids, run.per_chunk
+    nbytes = run.layout.chunk_nbytes
+    staging = torch.empty(run.total, dtype=torch.uint8, device=run.device)
+    stage_addr = [staging.data_ptr() + c * nbytes for c in range(len(run.chunk_bufs))]
+
+    def staged_store() -> None:
+        lib.gather(plan, ids, stage_addr, per_chunk, torch.cuda.current_stream())
+        run.host.copy_(staging, non_blocking=True)
+
+    def staged_load() -> None:
+        staging.copy_(run.host, non_blocking=True)
+        lib.scatter(plan, ids, stage_addr, per_chunk, torch.cuda.current_stream())
+
+    return staged_store, staged_load
 
 
 def dma_descriptors(
@@ -398,13 +404,9 @@ def dma_descriptors(
 
 def _dma_batch_row(run: _LayoutRun, lib: Any) -> dict[str, float]:
     """vLLM's batched DMA on the same blocks (see the module docstring)."""
-    import numpy as np
     import torch
 
-    kv, chunks, sizes = (
-        np.asarray(a, dtype=np.uint64)
-        for a in dma_descriptors(run.layout.plan, run.store_ids, run.addresses(), run.per_chunk)
-    )
+    kv, chunks, sizes = _dma_arrays(run)
     side = torch.cuda.Stream()  # a batch may not go on the legacy default stream
     stream = side.cuda_stream
     # The same bytes as the csrc kernel's gather, or the figure is of another transfer.
@@ -423,6 +425,15 @@ def _dma_batch_row(run: _LayoutRun, lib: Any) -> dict[str, float]:
         ),
         "copies_per_call": len(sizes),
     }
+
+
+def _dma_arrays(run: _LayoutRun) -> tuple[Any, Any, Any]:
+    """:func:`dma_descriptors` of the run's blocks as the uint64 arrays the batch takes."""
+    import numpy as np
+
+    descriptors = dma_descriptors(run.layout.plan, run.store_ids, run.addresses(), run.per_chunk)
+    kv, chunks, sizes = (np.asarray(a, dtype=np.uint64) for a in descriptors)
+    return kv, chunks, sizes
 
 
 def _side_transfer(run: _LayoutRun, lib: Any) -> Callable[[], None]:
