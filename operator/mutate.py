@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import posixpath
 import re
 from collections.abc import Mapping
@@ -57,30 +56,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstrata.connector.transfer_config import kv_transfer_config
-from kvstrata.operator import encryption as E
 from kvstrata.operator import spec as S
-from kvstrata.operator.model import (
-    ACCESS_KEY_ID_KEY,
-    CA_KEY,
-    PASSWORD_KEY,
-    SECRET_ACCESS_KEY_KEY,
-    KVCache,
-    KVCacheLike,
-    L2Volume,
-    SidecarSpec,
+from kvstrata.operator.model import KVCache, KVCacheLike
+from kvstrata.operator.pod_volumes import (
+    key_volumes,
+    l2_volume,
+    mebibytes,
+    secret_volumes,
+    shm_volume_of,
+)
+from kvstrata.operator.sidecar_container import (
+    SIDECAR,
+    gpu_visibility_env,
+    installer_container,
+    sidecar_container,
 )
 from kvstrata.sidecar.config import SidecarConfig
-from kvstrata.sidecar.transfer_mode import ModeSetting
 
-SIDECAR = "kvstrata-sidecar"
-INSTALLER = "kvstrata-install"
-SIDECAR_OVERHEAD_BYTES = 512 << 20
-# The sidecar's startup probe budget: the start itself (interpreter, imports,
-# tiers) plus the time to reserve every L1 page (posix_fallocate on /dev/shm,
-# sidecar/arena.py), at a rate well below tmpfs's: about 4 GiB/s measured on a
-# shared 2-core VM; 2 s per GiB allows for a node eight times slower.
-STARTUP_BASE_S = 120
-STARTUP_S_PER_GIB = 2
+# Room in the /dev/shm emptyDir beside the L1 arena (and its 10%) for vLLM's own use.
 SHM_HEADROOM_BYTES = 256 << 20
 SHELLS = {"sh", "bash", "dash", "ash", "zsh"}
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -109,10 +102,6 @@ def transfer_config(timeout_s: float = 0.5) -> dict[str, Any]:
     field exists in every vLLM the connector supports.)
     """
     return kv_transfer_config(S.ENDPOINT, call_timeout_seconds=timeout_s)
-
-
-def mebibytes(nbytes: int) -> str:
-    return f"{math.ceil(nbytes / (1 << 20))}Mi"
 
 
 def _diff(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -229,7 +218,7 @@ def _inject(
     pod_spec = pod.setdefault("spec", {})
     vllm = pod_spec["containers"][index]
     volumes = pod_spec.setdefault("volumes", [])
-    shm_volume = _shm_volume_of(vllm)
+    shm_volume = shm_volume_of(vllm)
     l1 = config.l1.size_bytes
     if shm_volume is None:
         shm_volume = "kvstrata-shm"
@@ -244,9 +233,9 @@ def _inject(
         {"name": "kvstrata-config", "mountPath": S.CONFIG_DIR, "readOnly": True},
     ]
     if config.l2.enabled:
-        volumes.append(_l2_volume(spec.l2.volume, config.l2.size_bytes))
+        volumes.append(l2_volume(spec.l2.volume, config.l2.size_bytes))
         sidecar_mounts.append({"name": "kvstrata-l2", "mountPath": S.L2_DIR})
-    for volume, mount in [*_secret_volumes(kvcache), *_key_volumes(kvcache)]:
+    for volume, mount in [*secret_volumes(kvcache), *key_volumes(kvcache)]:
         volumes.append(volume)
         sidecar_mounts.append(mount)
     vllm.setdefault("volumeMounts", []).append(
@@ -255,16 +244,18 @@ def _inject(
     init = pod_spec.setdefault("initContainers", [])
     if inject_package:
         volumes.append({"name": "kvstrata-python", "emptyDir": {}})
-        init.append(_installer(spec.sidecar, images.installer))
+        init.append(installer_container(spec.sidecar, images.installer))
         vllm["volumeMounts"].append(
             {"name": "kvstrata-python", "mountPath": S.PYTHON_DIR, "readOnly": True}
         )
-    gpu_env = _gpu_env(vllm, config.transfer_mode)
+    gpu_env = gpu_visibility_env(vllm, config.transfer_mode)
     # A sidecar that sees a GPU gets the CUDA image (its kernels); else the slim one.
     image = images.sidecar_cuda if gpu_env else images.sidecar
     if gpu_env:
         _share_process_namespace(pod_spec)
-    init.append(_sidecar(spec.sidecar, config, sidecar_mounts, gpu_env, vllm, pod_spec, image))
+    init.append(
+        sidecar_container(spec.sidecar, config, sidecar_mounts, gpu_env, vllm, pod_spec, image)
+    )
     _configure_vllm(vllm, inject_package)
 
 
@@ -279,230 +270,6 @@ def _share_process_namespace(pod_spec: dict[str, Any]) -> None:
     it (its workers then get host mode, and say why).
     """
     pod_spec.setdefault("shareProcessNamespace", True)
-
-
-def _shm_volume_of(container: Mapping[str, Any]) -> str | None:
-    for mount in container.get("volumeMounts") or []:
-        if posixpath.normpath(str(mount.get("mountPath", ""))) == "/dev/shm":
-            return str(mount.get("name"))
-    return None
-
-
-def _l2_volume(volume: L2Volume, size_bytes: int) -> dict[str, Any]:
-    size = mebibytes(size_bytes + size_bytes // 20)  # files + a little for directories
-    if volume.type == "existingClaim":
-        return {"name": "kvstrata-l2", "persistentVolumeClaim": {"claimName": volume.claim_name}}
-    if volume.type == "ephemeral":
-        claim: dict[str, Any] = {
-            "accessModes": ["ReadWriteOnce"],
-            "resources": {"requests": {"storage": size}},
-        }
-        if volume.storage_class_name:
-            claim["storageClassName"] = volume.storage_class_name
-        return {"name": "kvstrata-l2", "ephemeral": {"volumeClaimTemplate": {"spec": claim}}}
-    empty: dict[str, Any] = {"sizeLimit": size}
-    if volume.medium:
-        empty["medium"] = volume.medium
-    return {"name": "kvstrata-l2", "emptyDir": empty}
-
-
-def _secret_volume(
-    volume: str, secret: str | None, items: list[tuple[str, str]], mount_dir: str
-) -> tuple[dict, dict]:
-    """A Secret volume projecting ``items`` (key, file name); its sidecar mount at ``mount_dir``."""
-    entry = {
-        "name": volume,
-        "secret": {
-            "secretName": secret,
-            "items": [{"key": k, "path": p} for k, p in items],
-            # Readable by the sidecar's non-root user without an fsGroup;
-            # the volume is mounted in the sidecar only.
-            "defaultMode": 0o444,
-        },
-    }
-    mount = {"name": volume, "mountPath": mount_dir, "readOnly": True}
-    return entry, mount
-
-
-def _secret_volumes(kvcache: KVCache) -> list[tuple[dict, dict]]:
-    """(volume, sidecar mount) for each Secret the rendered config names a file in.
-
-    Each key is projected to the file name the config points at (the key's
-    default name), whatever key the KVCache names.
-    """
-    shared = kvcache.spec.shared
-    kind = shared.kind
-    if kind == "valkey-managed" and shared.managed_valkey.auth_enabled:
-        secret = S.valkey_auth_secret_name(kvcache.name)
-        items = [(PASSWORD_KEY, PASSWORD_KEY)]
-        return [_secret_volume("kvstrata-valkey-auth", secret, items, S.VALKEY_SECRET_DIR)]
-    out: list[tuple[dict, dict]] = []
-    external = shared.valkey_or_default.external
-    if kind == "valkey-external" and external is not None:
-        ref = external.password_secret_ref
-        if ref is not None:
-            items = [(ref.key, PASSWORD_KEY)]
-            out.append(_secret_volume("kvstrata-valkey-auth", ref.name, items, S.VALKEY_SECRET_DIR))
-        ca = external.tls.ca_secret_ref if external.tls is not None else None
-        if ca is not None:
-            items = [(ca.key, CA_KEY)]
-            out.append(
-                _secret_volume("kvstrata-valkey-tls", ca.name, items, S.VALKEY_TLS_SECRET_DIR)
-            )
-    elif kind == "s3" and shared.s3_or_default.credentials_secret_ref is not None:
-        creds = shared.s3_or_default.credentials_secret_ref
-        items = [
-            (creds.access_key_id_key, ACCESS_KEY_ID_KEY),
-            (creds.secret_access_key_key, SECRET_ACCESS_KEY_KEY),
-        ]
-        out.append(_secret_volume("kvstrata-s3", creds.name, items, S.S3_SECRET_DIR))
-    return out
-
-
-def _key_volumes(kvcache: KVCache) -> list[tuple[dict, dict]]:
-    """The encryption keys Secret, whole: a rotation adds files the pod must see
-    (a Secret volume with ``items``, or a ``subPath`` mount, would never show them)."""
-    if kvcache.spec.encryption.mode == "off":
-        return []
-    entry = {
-        "name": "kvstrata-keys",
-        "secret": {
-            "secretName": E.keys_secret_name(kvcache.name),
-            # As the other Secrets: the sidecar's user reads it without an fsGroup.
-            "defaultMode": 0o444,
-        },
-    }
-    mount = {"name": "kvstrata-keys", "mountPath": S.ENCRYPTION_KEY_DIR, "readOnly": True}
-    return [(entry, mount)]
-
-
-def _security_context(overrides: Mapping[str, Any] | None) -> dict[str, Any]:
-    # What the "restricted" Pod Security Standard asks of every container, so that
-    # injecting never gets a complying pod refused in a namespace that enforces it;
-    # the seccomp profile is set here, as the pod-level one is the user's to choose.
-    ctx: dict[str, Any] = {
-        "runAsNonRoot": True,
-        "allowPrivilegeEscalation": False,
-        "readOnlyRootFilesystem": True,
-        "capabilities": {"drop": ["ALL"]},
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
-    ctx.update(overrides or {})
-    return ctx
-
-
-def _image_of(sidecar: SidecarSpec, default: S.Image) -> tuple[str, str]:
-    """The image and pull policy the KVCache names, each else the operator's default."""
-    ref = sidecar.image if sidecar.image is not None else default.ref
-    policy = sidecar.image_pull_policy
-    return ref, policy if policy is not None else default.pull_policy
-
-
-def _installer(sidecar: SidecarSpec, image: S.Image) -> dict[str, Any]:
-    ref, policy = _image_of(sidecar, image)
-    return {
-        "name": INSTALLER,
-        "image": ref,
-        "imagePullPolicy": policy,
-        "command": ["python", "-m", "kvstrata.operator.install", S.PYTHON_DIR],
-        "resources": {
-            "requests": {"cpu": "50m", "memory": "64Mi"},
-            "limits": {"memory": "128Mi"},
-        },
-        "securityContext": _security_context(sidecar.security_context),
-        "volumeMounts": [{"name": "kvstrata-python", "mountPath": S.PYTHON_DIR}],
-    }
-
-
-def _gpu_env(vllm: Mapping[str, Any], mode: ModeSetting) -> list[dict[str, Any]]:
-    if not mode.may_use_ipc:
-        return []
-    for env in vllm.get("env") or []:
-        if env.get("name") == "NVIDIA_VISIBLE_DEVICES" and "value" in env:
-            visible = env["value"]
-            break
-    else:
-        resources = vllm.get("resources") or {}
-        wants = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
-        if not any(k.endswith("/gpu") and str(v) != "0" for k, v in wants.items()):
-            return []
-        # Which GPUs the device plugin gives vLLM is not known at admission, so
-        # the sidecar sees them all and opens only the one each worker names by
-        # UUID; it creates no CUDA context before that (CudaDevices), so no
-        # other GPU of the node is touched.
-        visible = "all"
-    return [
-        {"name": "NVIDIA_VISIBLE_DEVICES", "value": visible},
-        {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"},
-    ]
-
-
-def _sidecar_resources(sidecar: SidecarSpec, l1_bytes: int) -> dict[str, Any]:
-    memory = mebibytes(l1_bytes + SIDECAR_OVERHEAD_BYTES)
-    resources = {"requests": {"cpu": "500m", "memory": memory}, "limits": {"memory": memory}}
-    custom = sidecar.resources or {}
-    for section in ("requests", "limits"):
-        resources[section].update(custom.get(section) or {})
-    return resources
-
-
-def _sidecar(
-    sidecar: SidecarSpec,
-    config: SidecarConfig,
-    mounts: list[dict[str, Any]],
-    gpu_env: list[dict[str, Any]],
-    vllm: Mapping[str, Any],
-    pod_spec: Mapping[str, Any],
-    image: S.Image,
-) -> dict[str, Any]:
-    port = config.server.http_port
-
-    def ready(period: int) -> dict[str, Any]:
-        return {
-            "httpGet": {"path": "/readyz", "port": S.METRICS_PORT_NAME},
-            "periodSeconds": period,
-        }
-
-    overrides = dict(sidecar.security_context or {})
-    # Run as the vLLM container's user, so both can use the socket and the arena.
-    for source in ((vllm.get("securityContext") or {}), (pod_spec.get("securityContext") or {})):
-        for key in ("runAsUser", "runAsGroup"):
-            if key in source and key not in overrides:
-                overrides[key] = source[key]
-    ctx = _security_context(overrides)
-    if ctx.get("runAsUser") == 0:
-        ctx["runAsNonRoot"] = False
-    env = [
-        {"name": "PYTHONHASHSEED", "value": "0"},
-        {"name": "TMPDIR", "value": S.SOCKET_DIR},
-        *gpu_env,
-        *copy.deepcopy(sidecar.env or []),
-    ]
-    ref, policy = _image_of(sidecar, image)
-    return {
-        "name": SIDECAR,
-        "image": ref,
-        "imagePullPolicy": policy,
-        "restartPolicy": "Always",
-        "command": ["kvstrata", "sidecar", "--config", S.CONFIG_PATH],
-        "env": env,
-        "ports": [{"name": S.METRICS_PORT_NAME, "containerPort": port, "protocol": "TCP"}],
-        "startupProbe": {**ready(1), "failureThreshold": startup_budget_s(config.l1.size_bytes)},
-        "readinessProbe": ready(5),
-        "livenessProbe": {
-            "httpGet": {"path": "/healthz", "port": S.METRICS_PORT_NAME},
-            "periodSeconds": 10,
-            "failureThreshold": 3,
-        },
-        "resources": _sidecar_resources(sidecar, config.l1.size_bytes),
-        "securityContext": ctx,
-        "volumeMounts": mounts,
-    }
-
-
-def startup_budget_s(l1_bytes: int) -> int:
-    """Seconds the sidecar may take to serve /readyz (1 s probe period: the failure threshold)."""
-    return STARTUP_BASE_S + STARTUP_S_PER_GIB * math.ceil(l1_bytes / (1 << 30))
 
 
 # vLLM's flag that loads the admission check of kv_transfer_params.

@@ -12,7 +12,8 @@ import pytest
 
 from kvstrata.operator import resources as R
 from kvstrata.operator import spec as S
-from kvstrata.operator.mutate import INSTALLER, SIDECAR, mutate_pod
+from kvstrata.operator.mutate import mutate_pod
+from kvstrata.operator.sidecar_container import INSTALLER, SIDECAR
 
 CACHE = {S.CACHE_ANNOTATION: "demo"}
 IMAGES = S.Images(

@@ -14,7 +14,8 @@ from kvstrata.operator import encryption as E
 from kvstrata.operator import reconcile as rec
 from kvstrata.operator import spec as S
 from kvstrata.operator.model import KVCache
-from kvstrata.operator.mutate import SIDECAR, mutate_pod
+from kvstrata.operator.mutate import mutate_pod
+from kvstrata.operator.sidecar_container import SIDECAR
 from kvstrata.sidecar.sealing import KeyRing
 from kvstrata.testing.keyfolder import MountedSecret
 

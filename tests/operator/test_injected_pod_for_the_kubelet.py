@@ -21,7 +21,8 @@ import yaml
 
 from kvstrata.operator import reconcile as rec
 from kvstrata.operator import spec as S
-from kvstrata.operator.mutate import SIDECAR, mutate_pod
+from kvstrata.operator.mutate import mutate_pod
+from kvstrata.operator.sidecar_container import SIDECAR
 from kvstrata.testing.apirules import parse_quantity
 
 from .conftest import InMemoryCluster

@@ -12,7 +12,8 @@ import pytest
 
 from kvstrata.operator import handlers
 from kvstrata.operator import spec as S
-from kvstrata.operator.mutate import INSTALLER, SIDECAR, mutate_pod, transfer_config
+from kvstrata.operator.mutate import mutate_pod, transfer_config
+from kvstrata.operator.sidecar_container import INSTALLER, SIDECAR
 from kvstrata.testing.poll import wait_until
 
 CACHE = {S.CACHE_ANNOTATION: "demo"}

@@ -15,7 +15,8 @@ import jsonpatch
 import pytest
 
 from kvstrata.operator import spec as S
-from kvstrata.operator.mutate import INSTALLER, SIDECAR, mutate_pod
+from kvstrata.operator.mutate import mutate_pod
+from kvstrata.operator.sidecar_container import INSTALLER, SIDECAR
 from kvstrata.testing.podsecurity import restricted_violations
 
 RESTRICTED_CONTAINER_CONTEXT = {

@@ -14,7 +14,8 @@ import yaml
 
 from kvstrata.operator import reconcile as rec
 from kvstrata.operator import spec as S
-from kvstrata.operator.mutate import INSTALLER, SIDECAR, mutate_pod
+from kvstrata.operator.mutate import mutate_pod
+from kvstrata.operator.sidecar_container import INSTALLER, SIDECAR
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "examples" / "quickstart"
