@@ -151,7 +151,9 @@ class TenantSnapshot:
 
 
 def with_tier(snapshot: TenantSnapshot, tier: str, figures: TenantFigures) -> TenantSnapshot:
-    """``snapshot`` with a lower tier's own per-tenant figures (``l2``) added, labelled."""
+    """``snapshot`` with a lower tier's own per-tenant figures added, labelled:
+    ``l2`` (bytes, refusals, evictions) or ``shared`` (refusals of its
+    budgets; what a tenant holds there is the server's)."""
 
     def label(name: str) -> str:
         return name or DEFAULT_TENANT
@@ -162,6 +164,8 @@ def with_tier(snapshot: TenantSnapshot, tier: str, figures: TenantFigures) -> Te
     evictions = dict(snapshot.evictions)
     for tenant, n in figures.evictions.items():
         evictions[(label(tenant), tier)] = n
+    if tier != "l2":
+        return replace(snapshot, refusals=refusals, evictions=evictions)
     held = {label(t): n for t, n in figures.usage.items()}
     return replace(snapshot, l2_bytes=held, refusals=refusals, evictions=evictions)
 

@@ -8,6 +8,10 @@ Persisted state, per chunk, one string value::
     TTL   = shared.valkey.ttl_seconds when set, else none; a tenant's
             ttl_seconds when shorter (per-key expiry, SET ... PX)
 
+A tenant with ``budgets.shared_bytes`` also has a ledger of its objects
+on the server (two keys under the same prefix, shape and rules in
+:mod:`.valkey_ledger`), reserved before each ``SET NX``.
+
 Values are written with ``SET NX``: the first writer of a chunk wins and
 later writers count ``deduplicated_total`` (equal keys mean equal bytes).
 A value that fails validation is counted in ``corrupt_total``, deleted and
@@ -43,12 +47,21 @@ import redis.exceptions
 
 from kvstrata.sidecar.config import SharedConfig
 from kvstrata.sidecar.keys import ChunkKey, key_hex
-from kvstrata.sidecar.objformat import ChunkMeta
+from kvstrata.sidecar.objformat import ChunkMeta, StreamedObject
 from kvstrata.sidecar.tiers import valkey_get
 from kvstrata.sidecar.tiers.base import Place, TierStats
 from kvstrata.sidecar.tiers.remote import Encoder, Fetched, RemoteTier, Stored
 from kvstrata.sidecar.tiers.stats import ValkeyStats
+from kvstrata.sidecar.tiers.tenant_shares import TenantFigures
 from kvstrata.sidecar.tiers.valkey_client import Scatter, connection_kwargs, make_client
+from kvstrata.sidecar.tiers.valkey_ledger import (
+    HELD,
+    REFUSED,
+    RESERVED,
+    UNBUDGETED,
+    NotStored,
+    SharedBudgets,
+)
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.sealing import KeyRing
@@ -91,10 +104,20 @@ class ValkeyTier(RemoteTier):
         config: SharedConfig,
         tenant_ttl_seconds: Mapping[str, float] | None = None,
         keys: KeyRing | None = None,
+        tenant_budgets: Mapping[str, int] | None = None,
     ) -> None:
+        """``tenant_budgets``: a tenant's ``budgets.shared_bytes``, kept in the
+        server's ledger (:mod:`.valkey_ledger`); each needs an expiry."""
         self._config = config.valkey
         super().__init__(config, self._config.timeout_seconds, tenant_ttl_seconds, keys)
         self._prefix = self._config.key_prefix
+        self._budgets = SharedBudgets(self._prefix, tenant_budgets or {})
+        for tenant in self._budgets.budgets:
+            if self._expiry_ms(self._tenant_ttl.get(tenant)) is None:
+                raise ValueError(
+                    f"tenant {tenant!r}: budgets.shared_bytes needs an expiry (its "
+                    "ttl_seconds or shared.valkey.ttl_seconds)"
+                )
         # Building a cluster client blocks on the network: not under the stats lock.
         self._client_lock = threading.Lock()
         self._clients: dict[str, Any] = {}
@@ -202,31 +225,94 @@ class ValkeyTier(RemoteTier):
         return got.meta
 
     def _store_many(
-        self, names: Sequence[str], objects: Sequence[Encoder], ttls: Sequence[float | None]
+        self,
+        names: Sequence[str],
+        objects: Sequence[Encoder],
+        ttls: Sequence[float | None],
+        tenants: Sequence[str],
     ) -> list[Stored]:
         """Pipelined ``SET NX`` of each object, header, payload pieces and trailer
-        sent unjoined; each payload piece is hashed just before it is sent."""
+        sent unjoined; each payload piece is hashed just before it is sent.
+
+        A budgeted tenant's objects are reserved in its ledger first
+        (:mod:`.valkey_ledger`): one refused is not sent, one another writer
+        holds is only asked about (EXISTS), and a reservation whose SET did
+        not store is given back."""
         encoded = [make() for make in objects]  # one pipeline sends them all at once
         expiry = [self._expiry_ms(ttl) for ttl in ttls]
+        admitted = [UNBUDGETED] * len(names)
+        outcomes: list[Stored]
         try:
             client = self._client("io")
-            if len(names) == 1:
-                answers = [client.set(names[0], Scatter(encoded[0]), nx=True, px=expiry[0])]
-            else:
-                pipe = client.pipeline(transaction=False)
-                for name, parts, px in zip(names, encoded, expiry, strict=True):
-                    pipe.set(name, Scatter(parts), nx=True, px=px)
-                answers = pipe.execute(raise_on_error=True)
+            if self._budgets:
+                sizes = [len(obj) for obj in encoded]
+                admitted = self._budgets.reserve(client, tenants, names, sizes, expiry)
+            outcomes = self._send(client, names, encoded, expiry, admitted)
         except Exception as exc:
             self._failed("put", exc)
-            return [exc] * len(names)
+            outcomes = [exc] * len(names)
+        else:
+            self._breaker.record_success()
         finally:
             # Sent (or the connection dropped mid-send): nothing reads them again.
             for obj in encoded:
                 obj.release()
-        self._breaker.record_success()
-        # SET NX answers None when another writer stored the chunk first.
-        return [bool(a) for a in answers]
+        self._give_back(tenants, names, admitted, outcomes)
+        return outcomes
+
+    @staticmethod
+    def _send(
+        client: Any,
+        names: Sequence[str],
+        encoded: Sequence[StreamedObject],
+        expiry: Sequence[int | None],
+        admitted: Sequence[int],
+    ) -> list[Stored]:
+        """``SET NX`` of each object its ledger admitted (or that has none),
+        ``EXISTS`` of each another writer holds, nothing for one refused."""
+        outcomes: list[Stored] = [NotStored("budget") for _ in names]
+        sent = [i for i, answer in enumerate(admitted) if answer != REFUSED]
+        if not sent:
+            return outcomes
+        if len(sent) == 1 and admitted[sent[0]] != HELD:  # the common case: no pipeline
+            i = sent[0]
+            replies = [client.set(names[i], Scatter(encoded[i]), nx=True, px=expiry[i])]
+        else:
+            pipe = client.pipeline(transaction=False)
+            for i in sent:
+                if admitted[i] == HELD:
+                    pipe.exists(names[i])
+                else:
+                    pipe.set(names[i], Scatter(encoded[i]), nx=True, px=expiry[i])
+            replies = pipe.execute(raise_on_error=True)
+        for i, reply in zip(sent, replies, strict=True):
+            if admitted[i] == HELD:  # there: another writer stored it; else still on its way
+                outcomes[i] = False if reply else NotStored("held")
+            else:  # SET NX answers None when another writer stored the chunk first
+                outcomes[i] = bool(reply)
+        return outcomes
+
+    def _give_back(
+        self,
+        tenants: Sequence[str],
+        names: Sequence[str],
+        admitted: Sequence[int],
+        outcomes: Sequence[Stored],
+    ) -> None:
+        """End the ledger reservations of the objects that were not stored."""
+        back = [
+            i for i, answer in enumerate(admitted) if answer == RESERVED and outcomes[i] is not True
+        ]
+        if not back:
+            return
+        try:
+            self._budgets.give_back(
+                self._client("io"), [tenants[i] for i in back], [names[i] for i in back]
+            )
+        except Exception as exc:  # counted until they expire: refused early, never over
+            self._failed("budget give-back", exc)
+        else:
+            self._breaker.record_success()
 
     def _expiry_ms(self, tenant_ttl: float | None) -> int | None:
         """PX of one value: the shorter of the tier's TTL and its tenant's."""
@@ -257,6 +343,10 @@ class ValkeyTier(RemoteTier):
                 client.close()
             except Exception:  # closing a dead connection may fail; nothing to keep
                 logger.debug("closing valkey client failed", exc_info=True)
+
+    def tenant_figures(self) -> TenantFigures | None:
+        """Stores refused for a tenant's shared budget (None: no budgets here)."""
+        return self._budgets.figures() if self._budgets else None
 
     def stats(self) -> TierStats:
         snap = super().stats()
