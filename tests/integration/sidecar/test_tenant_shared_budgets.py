@@ -1,8 +1,8 @@
-"""Per-tenant budgets in the shared tier on a real sidecar process with a real
-Valkey, driven by the connector's client over ZeroMQ: a tenant past its
-``budgets.shared_bytes`` keeps its chunks in L1, the rest of its shared
-copies are refused and counted on /metrics per tenant, and another tenant's
-writes are untouched."""
+"""Per-tenant budgets in the shared tier on two real sidecar processes (two
+pods of one cache) and a real Valkey, driven by the connector's client over
+ZeroMQ: a tenant's ``budgets.shared_bytes`` holds for both pods together,
+its chunks past it stay in L1, its refused shared copies are counted on
+/metrics per tenant, and another tenant's writes are untouched."""
 
 from __future__ import annotations
 
@@ -23,47 +23,51 @@ TEAM_A = {
 TEAM_B = {"name": "team-b", "match": {"cache_salts": ["b"]}, "budgets": {"shared_bytes": "2Mi"}}
 
 
-def test_a_tenant_past_its_shared_budget_is_refused_there_counted_and_still_served_from_l1(
+def test_two_sidecars_hold_a_tenant_to_one_shared_budget_counted_and_still_served_from_l1(
     sidecar_factory: Any, kit: Any, valkey: Any
 ) -> None:
-    shared = kit.shared_valkey(valkey.url)
+    shared = kit.shared_valkey(valkey.url)  # one key prefix: one cache, two pods
     shared["valkey"]["ttl_seconds"] = 3600
-    sidecar = sidecar_factory(
-        overrides={"shared": shared, "l2": {"enabled": False}, "tenants": [TEAM_A, TEAM_B]}
-    ).start()
+    overrides = {"shared": shared, "l2": {"enabled": False}, "tenants": [TEAM_A, TEAM_B]}
+    pods = [sidecar_factory(name, overrides=overrides).start() for name in ("pod-0", "pod-1")]
     prefix = shared["valkey"]["key_prefix"]
     server = redis.Redis.from_url(valkey.url)
-    client = sidecar.client()
-    team_a, team_b = kit.make_keys(10, seed=900), kit.make_keys(8, seed=901)
-    assert kit.store(client, team_a, CHUNK, owner="a", tenant="team-a") == 10
-    assert kit.store(client, team_b, CHUNK, owner="b", tenant="team-b") == 8
+    clients = [pod.client() for pod in pods]
+    team_a = [kit.make_keys(5, seed=900), kit.make_keys(5, seed=901)]  # five from each pod
+    team_b = kit.make_keys(8, seed=902)
+    for client, keys in zip(clients, team_a, strict=True):
+        assert kit.store(client, keys, CHUNK, owner="a", tenant="team-a") == 5
+    assert kit.store(clients[0], team_b, CHUNK, owner="b", tenant="team-b") == 8
 
     def refused(tenant: str) -> float:
         labels = {"reason": "budget", "tenant": tenant, "tier": "shared"}
-        return sidecar.metric("kvstrata_tenant_refusals_total", 0.0, **labels)
+        return sum(pod.metric("kvstrata_tenant_refusals_total", 0.0, **labels) for pod in pods)
 
     def in_valkey(keys: list[Any]) -> list[bool]:
         return [bool(server.exists(prefix + key_hex(k))) for k in keys]
 
     kit.wait_until(
         lambda: (
-            sidecar.metric("kvstrata_writeback_pinned_bytes", 0.0) == 0
+            all(pod.metric("kvstrata_writeback_pinned_bytes", 0.0) == 0 for pod in pods)
             and all(in_valkey(team_b))
             and refused("team-a") == 6
         ),
         30,
-        "the write-behind of both tenants' chunks",
+        "the write-behind of both pods",
     )
-    # Four of team-a's ten fit its budget, whichever writer threads won.
-    assert sum(in_valkey(team_a)) == 4
+    # Four of team-a's ten fit its budget, whichever pod and writer thread won.
+    assert sum(in_valkey(team_a[0] + team_a[1])) == 4
     assert refused("team-b") == 0
     # A refused shared copy is not an error: every chunk is still served from L1.
-    assert kit.retrieve(client, team_a, owner="ra") == [kit.payload(k, CHUNK) for k in team_a]
-    errors = [
-        line
-        for line in sidecar.get("/metrics").splitlines()
-        if line.startswith("kvstrata_tier_errors_total{") and 'tier="valkey"' in line
-    ]
-    assert all(line.endswith(" 0.0") for line in errors), errors
-    client.close()
+    for client, keys in zip(clients, team_a, strict=True):
+        assert kit.retrieve(client, keys, owner="r") == [kit.payload(k, CHUNK) for k in keys]
+    for pod in pods:
+        errors = [
+            line
+            for line in pod.get("/metrics").splitlines()
+            if line.startswith("kvstrata_tier_errors_total{") and 'tier="valkey"' in line
+        ]
+        assert all(line.endswith(" 0.0") for line in errors), errors
+    for client in clients:
+        client.close()
     server.close()
