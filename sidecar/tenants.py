@@ -145,6 +145,8 @@ class TenantSnapshot:
     labels: list[str] = field(default_factory=lambda: [DEFAULT_TENANT])
     l1_bytes: dict[str, int] = field(default_factory=dict)
     l2_bytes: dict[str, int] | None = None  # None: no L2
+    # What the shared tier's ledgers count, budgeted tenants only (None: no budgets).
+    shared_bytes: dict[str, int] | None = None
     refusals: dict[tuple[str, str, str], int] = field(default_factory=dict)
     evictions: dict[tuple[str, str], int] = field(default_factory=dict)
     expirations: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -152,8 +154,8 @@ class TenantSnapshot:
 
 def with_tier(snapshot: TenantSnapshot, tier: str, figures: TenantFigures) -> TenantSnapshot:
     """``snapshot`` with a lower tier's own per-tenant figures added, labelled:
-    ``l2`` (bytes, refusals, evictions) or ``shared`` (refusals of its
-    budgets; what a tenant holds there is the server's)."""
+    ``l2`` (bytes, refusals, evictions) or ``shared`` (what the budgeted
+    tenants' ledgers count, and refusals)."""
 
     def label(name: str) -> str:
         return name or DEFAULT_TENANT
@@ -164,9 +166,9 @@ def with_tier(snapshot: TenantSnapshot, tier: str, figures: TenantFigures) -> Te
     evictions = dict(snapshot.evictions)
     for tenant, n in figures.evictions.items():
         evictions[(label(tenant), tier)] = n
-    if tier != "l2":
-        return replace(snapshot, refusals=refusals, evictions=evictions)
     held = {label(t): n for t, n in figures.usage.items()}
+    if tier == "shared":
+        return replace(snapshot, shared_bytes=held, refusals=refusals, evictions=evictions)
     return replace(snapshot, l2_bytes=held, refusals=refusals, evictions=evictions)
 
 

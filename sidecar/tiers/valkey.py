@@ -112,6 +112,7 @@ class ValkeyTier(RemoteTier):
         super().__init__(config, self._config.timeout_seconds, tenant_ttl_seconds, keys)
         self._prefix = self._config.key_prefix
         self._budgets = SharedBudgets(self._prefix, tenant_budgets or {})
+        self._budget_usage: dict[str, int] = {}  # what the ledgers counted at the last scrape
         for tenant in self._budgets.budgets:
             if self._expiry_ms(self._tenant_ttl.get(tenant)) is None:
                 raise ValueError(
@@ -345,8 +346,18 @@ class ValkeyTier(RemoteTier):
                 logger.debug("closing valkey client failed", exc_info=True)
 
     def tenant_figures(self) -> TenantFigures | None:
-        """Stores refused for a tenant's shared budget (None: no budgets here)."""
-        return self._budgets.figures() if self._budgets else None
+        """Stores refused for a tenant's shared budget and the bytes its ledger
+        counts (None: no budgets here). The ledgers are read at each scrape on
+        the lookup client's short deadline; an unanswered read keeps the last
+        figures, and an open breaker skips it."""
+        if not self._budgets:
+            return None
+        if self._breaker.state == "closed":
+            try:
+                self._budget_usage = self._budgets.usage(self._client("lookup"))
+            except Exception as exc:  # a scrape must not fail, nor count as a tier failure
+                logger.debug("valkey budget ledger read failed: %s", exc)
+        return self._budgets.figures(self._budget_usage)
 
     def stats(self) -> TierStats:
         snap = super().stats()

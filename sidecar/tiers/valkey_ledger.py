@@ -31,6 +31,8 @@ A store of a budgeted tenant (:meth:`SharedBudgets.reserve`, before its
 
 A reservation whose ``SET NX`` did not store (the object was already
 there, or the call failed) is given back (:meth:`SharedBudgets.give_back`).
+What a ledger counts (its total less the members already expired) is read
+for the metrics by :meth:`SharedBudgets.usage`, which changes nothing.
 
 The ledger counts an object until its expiry, so it may count more than
 the tenant holds, never less: an object the server evicted under
@@ -151,6 +153,27 @@ return total
 """
 )
 
+# KEYS: expiry set, bytes hash. Answers the bytes the ledger counts now: its
+# total less its members already expired (read only; the next reserve
+# purges them).
+_USAGE = (
+    """
+local z, h = KEYS[1], KEYS[2]
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local total = tonumber(redis.call('HGET', h, '"""
+    + _TOTAL
+    + """') or '0')
+local gone = redis.call('ZRANGEBYSCORE', z, '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
+if #gone > 0 then
+  local sizes = redis.call('HMGET', h, unpack(gone))
+  for i = 1, #gone do total = total - (tonumber(sizes[i]) or 0) end
+end
+if total < 0 then total = 0 end
+return string.format('%d', total)
+"""
+)
+
 
 class NotStored(Exception):
     """A store the ledger kept from the server: ``budget`` (refused, counted
@@ -171,7 +194,7 @@ class SharedBudgets:
         budget of 0 never reaches the tier: write-behind keeps it out)."""
         self._prefix = key_prefix
         self.budgets = {tenant: n for tenant, n in budgets.items() if n > 0}
-        self._scripts: tuple[Any, Any] | None = None
+        self._scripts: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._refusals: Counter[tuple[str, str]] = Counter()
 
@@ -197,7 +220,7 @@ class SharedBudgets:
         call per budgeted tenant in the batch). Refusals are counted here;
         any error of the server or the connection is raised."""
         answers = [UNBUDGETED] * len(names)
-        reserve, _ = self._registered(client)
+        reserve = self._script(client, "reserve")
         for tenant, indices in self._by_tenant(tenants).items():
             args: list[Any] = [self.budgets[tenant], PURGE_AT_ONCE]
             for i in indices:
@@ -219,14 +242,24 @@ class SharedBudgets:
     def give_back(self, client: Any, tenants: Sequence[str], names: Sequence[str]) -> None:
         """End the reservations of ``names`` (objects that were not stored);
         raises on any error (the ledger then counts them until they expire)."""
-        _, give_back = self._registered(client)
+        give_back = self._script(client, "give_back")
         for tenant, indices in self._by_tenant(tenants).items():
             give_back(keys=self.keys(tenant), args=[names[i] for i in indices], client=client)
 
-    def figures(self) -> TenantFigures:
-        """Refusals per (tenant, reason); what each tenant holds is on the server."""
+    def usage(self, client: Any) -> dict[str, int]:
+        """Bytes each budgeted tenant's ledger counts now (0 for one with no
+        ledger); raises on any error."""
+        usage = self._script(client, "usage")
+        return {
+            tenant: int(usage(keys=self.keys(tenant), args=[PURGE_AT_ONCE], client=client))
+            for tenant in self.budgets
+        }
+
+    def figures(self, usage: Mapping[str, int] | None = None) -> TenantFigures:
+        """Refusals per (tenant, reason), with ``usage`` (:meth:`usage`) as
+        what the tenants hold."""
         with self._lock:
-            return TenantFigures({}, dict(self._refusals), {})
+            return TenantFigures(dict(usage or {}), dict(self._refusals), {})
 
     def _by_tenant(self, tenants: Sequence[str]) -> dict[str, list[int]]:
         """Indices of the objects of each budgeted tenant."""
@@ -236,9 +269,11 @@ class SharedBudgets:
                 groups[tenant].append(i)
         return groups
 
-    def _registered(self, client: Any) -> tuple[Any, Any]:
-        """The two scripts (called with EVALSHA on the client each call names,
+    def _script(self, client: Any, name: str) -> Any:
+        """One of the scripts (called with EVALSHA on the client each call names,
         loaded again on a NOSCRIPT reply: a restarted server has forgotten them)."""
-        if self._scripts is None:
-            self._scripts = (client.register_script(_RESERVE), client.register_script(_GIVE_BACK))
-        return self._scripts
+        script = self._scripts.get(name)
+        if script is None:
+            source = {"reserve": _RESERVE, "give_back": _GIVE_BACK, "usage": _USAGE}[name]
+            script = self._scripts[name] = client.register_script(source)
+        return script

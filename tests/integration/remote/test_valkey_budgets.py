@@ -51,6 +51,12 @@ def refusals(tier: ValkeyTier, tenant: str) -> int:
     return figures.refusals.get((tenant, "budget"), 0)
 
 
+def usage(tier: ValkeyTier) -> dict[str, int]:
+    figures = tier.tenant_figures()
+    assert figures is not None
+    return figures.usage
+
+
 @pytest.fixture(params=["standalone", "cluster"])
 def tiers(
     request: pytest.FixtureRequest, valkey_config: Callable[..., SharedConfig]
@@ -99,6 +105,8 @@ def test_two_sidecars_share_one_tenants_budget_until_its_objects_expire(tiers: A
     # team-b has a budget of its own: team-a's being full costs it nothing.
     assert all(one.put(key(100 + i), PAYLOAD, B) for i in range(5))
     assert refusals(one, "team-b") == refusals(two, "team-b") == 0
+    # Both sidecars read what the one ledger per tenant counts.
+    assert usage(one) == usage(two) == {"team-a": 3 * SIZE, "team-b": 5 * SIZE}
 
     # Once team-a's objects have expired on the server, its budget is free again.
     prefix = one._prefix
@@ -107,6 +115,7 @@ def test_two_sidecars_share_one_tenants_budget_until_its_objects_expire(tiers: A
         30,
         "team-a's objects expiring on the server",
     )
+    assert usage(one)["team-a"] == 0  # expired members no longer count, purged or not
     again = [two.put_outcome(key(200 + i), PAYLOAD, A) for i in range(4)]
     assert again == ["stored", "stored", "stored", "failed"]
     assert refusals(one, "team-a") + refusals(two, "team-a") == 8

@@ -58,6 +58,12 @@ def test_two_sidecars_hold_a_tenant_to_one_shared_budget_counted_and_still_serve
     # Four of team-a's ten fit its budget, whichever pod and writer thread won.
     assert sum(in_valkey(team_a[0] + team_a[1])) == 4
     assert refused("team-b") == 0
+    # Each pod shows what the one ledger counts: team-a's four objects.
+    held = [
+        pod.metric("kvstrata_tenant_bytes", 0.0, tenant="team-a", tier="shared") for pod in pods
+    ]
+    assert held[0] == held[1] and 4 * CHUNK < held[0] <= 288 << 10
+    assert pods[0].metric("kvstrata_tenant_bytes", -1.0, tenant="default", tier="shared") == -1.0
     # A refused shared copy is not an error: every chunk is still served from L1.
     for client, keys in zip(clients, team_a, strict=True):
         assert kit.retrieve(client, keys, owner="r") == [kit.payload(k, CHUNK) for k in keys]
