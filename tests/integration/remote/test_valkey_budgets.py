@@ -204,3 +204,23 @@ def test_a_ledger_the_server_refuses_is_the_tiers_failure_path_never_a_crash(
         assert refusals(tier, "team-a") == 0
     finally:
         tier.close()
+
+
+def test_a_server_that_forgot_the_scripts_has_them_loaded_again(
+    valkey_server: Any, valkey_config: Any
+) -> None:
+    tier = ValkeyTier(
+        valkey_config(valkey_server.url, valkey={"ttl_seconds": 60}),
+        tenant_budgets={"team-a": BUDGET},
+    )
+    raw = redis.Redis.from_url(valkey_server.url)
+    try:
+        assert tier.put_outcome(key(1), PAYLOAD, A) == "stored"
+        raw.script_flush()  # what a restarted server has: no scripts
+        assert tier.put_outcome(key(2), PAYLOAD, A) == "stored"
+        assert usage(tier) == {"team-a": 2 * SIZE}
+        assert tier.stats().errors_total == {}
+    finally:
+        tier.clear()
+        tier.close()
+        raw.close()
