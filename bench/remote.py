@@ -52,6 +52,7 @@ from kvstrata.sidecar.keys import ChunkKey, Namespace, make_key
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.tiers import s3 as s3_tier
 from kvstrata.sidecar.tiers import valkey as valkey_tier
+from kvstrata.sidecar.tiers import valkey_client
 from kvstrata.sidecar.tiers.base import Tier
 from kvstrata.sidecar.tiers.s3client import make_client
 from kvstrata.testing.servers import MotoS3Server, RedisServer, redis_server_binary
@@ -298,7 +299,7 @@ def bench_valkey(server: RedisServer, params: dict[str, Any]) -> dict[str, Any]:
     )
     tier = valkey_tier.ValkeyTier(config)
     # Raw baseline: the same library and connection settings, plain SET/GET.
-    raw = valkey_tier.make_client(config.valkey, timeout=10.0, pool_size=16)
+    raw = valkey_client.make_client(config.valkey, timeout=10.0, pool_size=16)
 
     def raw_put_batch(items: list[tuple[str, bytes]]) -> None:
         pipe = raw.pipeline(transaction=False)

@@ -52,7 +52,7 @@ from kvstrata.sidecar.config_shared import SharedConfig as SharedConfig
 from kvstrata.sidecar.config_shared import ValkeyConfig as ValkeyConfig
 from kvstrata.sidecar.cpus import parse_cpu_list
 from kvstrata.sidecar.endpoint import check_endpoint, default_endpoint, endpoint_is_local
-from kvstrata.sidecar.tenant_config import TenantConfig, check_tenants
+from kvstrata.sidecar.tenant_config import TenantConfig, check_shared_budgets, check_tenants
 from kvstrata.sidecar.transfer_mode import ModeSetting
 
 ENV_PREFIX = "KVSTRATA_"
@@ -336,6 +336,8 @@ class SidecarConfig(_Section):
                 f"than half of l1.size_bytes ({self.l1.size_bytes}): nothing would be left "
                 "for everyone else"
             )
+        shared = self.shared
+        check_shared_budgets(self.tenants, shared.backend, shared.valkey.ttl_seconds is not None)
         return self
 
 

@@ -406,8 +406,10 @@ class StorageManager:
         stats.gauges = replace(
             stats.gauges, writeback_pinned_bytes=pinned, writeback_backlog=backlog
         )
-        if self.l2 is not None:
-            stats.tenants = with_tier(stats.tenants, "l2", self.l2.tenant_figures())
+        for label, tier in (("l2", self.l2), ("shared", self.shared)):
+            figures = None if tier is None else tier.tenant_figures()
+            if figures is not None:
+                stats.tenants = with_tier(stats.tenants, label, figures)
         for tier in (self.l2, self.shared):
             if tier is not None:
                 stats.tiers[tier.name] = self._wb.tier_stats(tier.stats())

@@ -179,6 +179,8 @@ def _tenant_metrics(stats: EngineStats) -> Iterator[Metric]:
         held.add_metric([label, "l1"], tenants.l1_bytes.get(label, 0))
         if tenants.l2_bytes is not None:
             held.add_metric([label, "l2"], tenants.l2_bytes.get(label, 0))
+    for label, n in (tenants.shared_bytes or {}).items():  # budgeted tenants only
+        held.add_metric([label, "shared"], n)
     yield held
     for name, values in (
         ("kvstrata_tenant_refusals_total", tenants.refusals),

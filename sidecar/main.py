@@ -206,7 +206,8 @@ def _open_shared_tier(
 
     try:
         ttls = {t.name: t.ttl_seconds for t in config.tenants if t.ttl_seconds is not None}
-        shared = build_shared_tier(config.shared, ttls, keys=keys)
+        budgets = {t.name: t.budgets.shared_bytes for t in config.tenants if t.budgets.shared_bytes}
+        shared = build_shared_tier(config.shared, ttls, keys=keys, tenant_budgets=budgets)
     except ValueError as exc:
         raise _StartError(str(exc), 2) from exc
     if shared is None:  # the factory's word for backend none

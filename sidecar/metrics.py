@@ -206,12 +206,14 @@ CATALOGUE: tuple[MetricSpec, ...] = (
                "refused), queued_reply_bytes (a reply dropped for a short busy error: its "
                "client left server.max_queued_reply_bytes of replies unread)"),
     MetricSpec("kvstrata_tenant_bytes", "gauge", ("tenant", "tier"), "bytes",
-               "bytes of a tenant's chunks held in a tier (l1, l2); tenant: a configured "
-               "tenant's name, or default"),
+               "bytes of a tenant's chunks held in a tier (l1, l2; shared: what the Valkey "
+               "ledger of a tenant with budgets.shared_bytes counts, all sidecars together); "
+               "tenant: a configured tenant's name, or default"),
     MetricSpec("kvstrata_tenant_refusals_total", "counter", ("tenant", "tier", "reason"),
                "chunks", "stores of a tenant refused: budget (larger than its budget, or "
-               "its own chunks are all in use), pinned_budget (a pinned tenant at its "
-               "budget), not_kept (a budget of 0)", from_start=False),
+               "its own chunks are all in use; tier shared: its budgets.shared_bytes, all "
+               "sidecars together, is full until some of its objects expire), pinned_budget "
+               "(a pinned tenant at its budget), not_kept (a budget of 0)", from_start=False),
     MetricSpec("kvstrata_tenant_evictions_total", "counter", ("tenant", "tier"), "chunks",
                "chunks of a tenant evicted to make room (by its own budget or the tier's "
                "size)", from_start=False),

@@ -20,7 +20,7 @@ which the cache-wide settings govern. As YAML::
         budgets:                     # bytes per tier (none: no budget, 0: never kept)
           l1_bytes: 20Gi
           l2_bytes: null
-          shared_bytes: null
+          shared_bytes: null         # all sidecars together (Valkey only; needs a TTL)
         pinned: true                 # others' pressure never evicts it within l1_bytes
                                      # (and within l2_bytes in L2, when set)
         memory_only: false           # never written to L2 or the shared tier
@@ -35,7 +35,14 @@ from pydantic import AfterValidator, Field, model_validator
 
 from kvstrata.sidecar.config_base import ByteSize, ConfigSection
 
-__all__ = ["DEFAULT_TENANT", "TenantBudgets", "TenantConfig", "TenantMatch", "check_tenants"]
+__all__ = [
+    "DEFAULT_TENANT",
+    "TenantBudgets",
+    "TenantConfig",
+    "TenantMatch",
+    "check_shared_budgets",
+    "check_tenants",
+]
 
 # The label value of chunks no tenant claims (a name no tenant may take).
 DEFAULT_TENANT = "default"
@@ -99,20 +106,11 @@ class TenantBudgets(ConfigSection):
     )
     shared_bytes: ByteSize | None = Field(
         None,
-        description="bytes in the shared tier: 0 (never written there) or unset; other "
-        "values are refused (the tier is shared between sidecars: no one of them sees it all)",
+        description="bytes of the tenant's objects in the shared tier, all sidecars of the "
+        "cache together: a store past it is refused (counted, the chunk stays in L1/L2); "
+        "0: never written there. Enforced by Valkey (a ledger on the server; needs the "
+        "tenant's ttl_seconds or shared.valkey.ttl_seconds); refused with S3",
     )
-
-    @model_validator(mode="after")
-    def _only_what_is_enforced(self) -> TenantBudgets:
-        # A budget the sidecar would silently not enforce is refused: a user
-        # who writes one expects it to hold.
-        if self.shared_bytes not in (None, 0):
-            raise ValueError(
-                f"shared_bytes: only 0 (never kept there) or unset is supported, "
-                f"got {self.shared_bytes}"
-            )
-        return self
 
 
 class TenantConfig(ConfigSection):
@@ -155,6 +153,28 @@ class TenantConfig(ConfigSection):
             return False
         budget = self.budgets.l2_bytes if tier == "l2" else self.budgets.shared_bytes
         return budget != 0
+
+
+def check_shared_budgets(tenants: list[TenantConfig], backend: str, tier_ttl: bool) -> None:
+    """A tenant's ``budgets.shared_bytes`` > 0 is refused where it would not
+    hold: S3 has no atomic counter on the server to keep one budget for every
+    sidecar, and a Valkey ledger frees an object's bytes only when the object
+    expires (``tier_ttl``: ``shared.valkey.ttl_seconds`` is set)."""
+    for i, tenant in enumerate(tenants):
+        if not tenant.budgets.shared_bytes:
+            continue
+        where = f"tenants.{i}.budgets.shared_bytes ({tenant.name!r})"
+        if backend == "s3":
+            raise ValueError(
+                f"{where}: shared.backend s3 cannot enforce a byte budget (S3 has no atomic "
+                "counter shared by all sidecars); use 0 or unset, or shared.backend valkey, "
+                "which enforces it"
+            )
+        if backend == "valkey" and tenant.ttl_seconds is None and not tier_ttl:
+            raise ValueError(
+                f"{where}: a Valkey budget needs an expiry (its bytes are freed when its "
+                "objects expire): set the tenant's ttl_seconds or shared.valkey.ttl_seconds"
+            )
 
 
 def check_tenants(tenants: list[TenantConfig]) -> list[TenantConfig]:

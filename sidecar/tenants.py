@@ -145,13 +145,17 @@ class TenantSnapshot:
     labels: list[str] = field(default_factory=lambda: [DEFAULT_TENANT])
     l1_bytes: dict[str, int] = field(default_factory=dict)
     l2_bytes: dict[str, int] | None = None  # None: no L2
+    # What the shared tier's ledgers count, budgeted tenants only (None: no budgets).
+    shared_bytes: dict[str, int] | None = None
     refusals: dict[tuple[str, str, str], int] = field(default_factory=dict)
     evictions: dict[tuple[str, str], int] = field(default_factory=dict)
     expirations: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
 def with_tier(snapshot: TenantSnapshot, tier: str, figures: TenantFigures) -> TenantSnapshot:
-    """``snapshot`` with a lower tier's own per-tenant figures (``l2``) added, labelled."""
+    """``snapshot`` with a lower tier's own per-tenant figures added, labelled:
+    ``l2`` (bytes, refusals, evictions) or ``shared`` (what the budgeted
+    tenants' ledgers count, and refusals)."""
 
     def label(name: str) -> str:
         return name or DEFAULT_TENANT
@@ -163,6 +167,8 @@ def with_tier(snapshot: TenantSnapshot, tier: str, figures: TenantFigures) -> Te
     for tenant, n in figures.evictions.items():
         evictions[(label(tenant), tier)] = n
     held = {label(t): n for t, n in figures.usage.items()}
+    if tier == "shared":
+        return replace(snapshot, shared_bytes=held, refusals=refusals, evictions=evictions)
     return replace(snapshot, l2_bytes=held, refusals=refusals, evictions=evictions)
 
 

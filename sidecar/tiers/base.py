@@ -39,6 +39,7 @@ from kvstrata.sidecar.tiers.stats import TierStats
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.journal import TierEvents
+    from kvstrata.sidecar.tiers.tenant_shares import TenantFigures
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,11 @@ class Tier(abc.ABC):
     ) -> list[bool]:
         """``put`` for a batch of (key, payload, meta); remote tiers pipeline it."""
         return [self.put(key, payload, meta) for key, payload, meta in items]
+
+    def tenant_figures(self) -> TenantFigures | None:
+        """What the tier counts per tenant itself (its budgets' refusals, and
+        bytes where it knows them); None for a tier without tenant budgets."""
+        return None
 
     def probe(self) -> str | None:
         """One round trip to the tier's backend: None when it answers, else why

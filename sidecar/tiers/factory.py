@@ -21,6 +21,7 @@ def build_shared_tier(
     config: SharedConfig,
     tenant_ttl_seconds: Mapping[str, float] | None = None,
     keys: KeyRing | None = None,
+    tenant_budgets: Mapping[str, int] | None = None,
 ) -> Tier | None:
     """The configured tier, or None for ``backend: none``.
 
@@ -28,14 +29,16 @@ def build_shared_tier(
     (an unreadable secret file, a malformed URL). An unreachable server is
     not an error here: the tier starts degraded and recovers by itself.
     ``tenant_ttl_seconds``: tenants' TTLs, which Valkey applies per key and S3
-    writes into each object and checks on every read.
+    writes into each object and checks on every read. ``tenant_budgets``:
+    tenants' ``budgets.shared_bytes``, which Valkey keeps in a ledger on the
+    server (S3 has none: the config refuses them there).
     """
     if config.backend == "none":
         return None
     if config.backend == "valkey":
         from kvstrata.sidecar.tiers.valkey import ValkeyTier
 
-        return ValkeyTier(config, tenant_ttl_seconds, keys=keys)
+        return ValkeyTier(config, tenant_ttl_seconds, keys=keys, tenant_budgets=tenant_budgets)
     if config.backend == "s3":
         from kvstrata.sidecar.tiers.s3 import S3Tier
 

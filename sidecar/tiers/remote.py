@@ -119,11 +119,16 @@ class RemoteTier(Tier):
 
     @abc.abstractmethod
     def _store_many(
-        self, names: Sequence[str], objects: Sequence[Encoder], ttls: Sequence[float | None]
+        self,
+        names: Sequence[str],
+        objects: Sequence[Encoder],
+        ttls: Sequence[float | None],
+        tenants: Sequence[str],
     ) -> list[Stored]:
         """Write each object unless it exists; one :data:`Stored` each.
         ``ttls[i]``: seconds object i may live (its tenant's TTL), None: as
-        the tier's own settings say.
+        the tier's own settings say; ``tenants[i]``: object i's tenant ("":
+        the default tenant), for a backend that keeps tenants' budgets.
 
         ``objects[i]()`` encodes object i; call each once, where the encoding
         should run: a backend that uploads objects on threads of its own
@@ -219,7 +224,8 @@ class RemoteTier(Tier):
 
         encoders = [encoder(i, *item) for i, item in enumerate(items)]
         ttls = [self._tenant_ttl.get(meta.tenant) if meta.tenant else None for _, _, meta in items]
-        outcomes = self._store_many([self._name(k) for k, _, _ in items], encoders, ttls)
+        tenants = [meta.tenant for _, _, meta in items]
+        outcomes = self._store_many([self._name(k) for k, _, _ in items], encoders, ttls, tenants)
         with self._lock:
             for size, outcome in zip(sizes, outcomes, strict=True):
                 if outcome is True:

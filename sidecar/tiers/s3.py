@@ -303,12 +303,15 @@ class S3Tier(RemoteTier):
         )
 
     def _store_many(
-        self, names: Sequence[str], objects: Sequence[Encoder], ttls: Sequence[float | None]
+        self,
+        names: Sequence[str],
+        objects: Sequence[Encoder],
+        ttls: Sequence[float | None],
+        tenants: Sequence[str],
     ) -> list[Stored]:
-        """Concurrent uploads, each skipped when the object already exists; each
-        object is encoded (compressed) on its upload's thread and hashed as its
-        body is read. ``ttls[i]``: object i's expiry, written into it
-        (tiers.s3expiry)."""
+        """Concurrent uploads, each skipped when the object already exists; each object is
+        encoded on its upload's thread and hashed as its body is read. ``ttls[i]``: object
+        i's expiry, written into it (tiers.s3expiry). No budgets here (config refuses them)."""
         fns = [
             lambda n=n, e=e, t=t: self._store(n, e(), expiry_metadata(t))
             for n, e, t in zip(names, objects, ttls, strict=True)

@@ -8,28 +8,17 @@ Persisted state, per chunk, one string value::
     TTL   = shared.valkey.ttl_seconds when set, else none; a tenant's
             ttl_seconds when shorter (per-key expiry, SET ... PX)
 
+A tenant with ``budgets.shared_bytes`` also has a ledger of its objects
+on the server (two keys under the same prefix, shape and rules in
+:mod:`.valkey_ledger`), reserved before each ``SET NX``.
+
 Values are written with ``SET NX``: the first writer of a chunk wins and
 later writers count ``deduplicated_total`` (equal keys mean equal bytes).
 A value that fails validation is counted in ``corrupt_total``, deleted and
 answered as a miss.
 
-Client choice (measured on this project's 2-core build machine, loopback
-redis-server 7.0, 16 x 4 MiB values, GB/s; EXISTS x256 pipelined in ms):
-
-    client                       SET 1-by-1  GET 1-by-1  SET pipe  GET pipe  EXISTS
-    redis-py 8.1 (pure Python)      1.43        0.37       1.66      0.38     1.8
-    redis-py 8.1 + hiredis          0.56        1.53       0.79      0.71     1.4
-    valkey-py 6.2 (pure Python)     1.43        0.45       1.31      0.38     2.1
-    valkey-glide 2.6 (asyncio)      1.05        1.10       0.60      0.50     1.6
-
-redis-py with the hiredis *parser* reads fastest, but hiredis' command
-*packer* copies every value into one buffer, which halves SET. So we use
-redis-py + hiredis with our own packer (:class:`_ScatterPacker`): it sends
-the object header, the payload (in pieces, each hashed just before it is
-sent) and the checksum trailer as separate buffers, so a value is never
-joined or copied on its way to the socket. glide was slower here and has
-no synchronous client in its base package; valkey-py is a fork of redis-py
-without a faster path.
+The client (redis-py + hiredis with our own command packer, which sends a
+value's buffers unjoined) is built in :mod:`.valkey_client`, which says why.
 
 Deadlines: every socket has ``timeout_seconds`` (``lookup_timeout_seconds``
 for the EXISTS pipeline of :meth:`ValkeyTier.contains_many`); a dropped
@@ -51,205 +40,35 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import redis
-import redis.cluster
-import redis.connection
 import redis.exceptions
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
-from kvstrata.sidecar.config import SharedConfig, ValkeyConfig
+from kvstrata.sidecar.config import SharedConfig
 from kvstrata.sidecar.keys import ChunkKey, key_hex
 from kvstrata.sidecar.objformat import ChunkMeta, StreamedObject
 from kvstrata.sidecar.tiers import valkey_get
 from kvstrata.sidecar.tiers.base import Place, TierStats
-from kvstrata.sidecar.tiers.remote import Encoder, Fetched, RemoteTier, Stored, read_secret
+from kvstrata.sidecar.tiers.remote import Encoder, Fetched, RemoteTier, Stored
 from kvstrata.sidecar.tiers.stats import ValkeyStats
+from kvstrata.sidecar.tiers.tenant_shares import TenantFigures
+from kvstrata.sidecar.tiers.valkey_client import Scatter, connection_kwargs, make_client
+from kvstrata.sidecar.tiers.valkey_ledger import (
+    HELD,
+    REFUSED,
+    RESERVED,
+    UNBUDGETED,
+    NotStored,
+    SharedBudgets,
+)
 
 if TYPE_CHECKING:
     from kvstrata.sidecar.sealing import KeyRing
 
 logger = logging.getLogger(__name__)
 
-_CRLF = b"\r\n"
 _SCAN_BATCH = 500
-
-
-class Scatter:
-    """One RESP bulk string sent from several buffers without joining them.
-
-    Built from buffers or from a :class:`StreamedObject`; a large value's
-    buffers are drawn only while the command goes to the socket
-    (:meth:`_ScatterSending.send_packed_command`), so a streamed object's
-    payload is hashed piece by piece as it is sent.
-    """
-
-    __slots__ = ("_source", "length")
-
-    def __init__(self, source: Sequence[bytes | memoryview] | StreamedObject) -> None:
-        if isinstance(source, StreamedObject):
-            self._source: StreamedObject | list[memoryview] = source
-            self.length = len(source)
-        else:
-            self._source = [memoryview(p).cast("B") for p in source]
-            self.length = sum(len(p) for p in self._source)
-
-    def __len__(self) -> int:
-        return self.length
-
-    def pieces(self) -> Iterator[bytes | memoryview]:
-        if isinstance(self._source, StreamedObject):
-            return self._source.pieces()
-        return iter(self._source)
-
-
-class _ScatterPacker:
-    """RESP command packer that keeps large and :class:`Scatter` args unjoined."""
-
-    def __init__(self, buffer_cutoff: int, encode: Any) -> None:
-        self._cutoff = buffer_cutoff
-        self._encode = encode
-
-    def pack(self, *args: Any) -> list[bytes | memoryview | Scatter]:
-        if isinstance(args[0], str):  # "CLUSTER INFO" style multi-word commands
-            args = tuple(args[0].encode().split()) + args[1:]
-        elif b" " in args[0]:
-            args = tuple(args[0].split()) + args[1:]
-        out: list[bytes | memoryview | Scatter] = []
-        head = b"*%d\r\n" % len(args)
-        for arg in args:
-            if isinstance(arg, Scatter):
-                out.append(head + b"$%d\r\n" % arg.length)
-                # A large value stays one item, expanded while it is sent; a
-                # small one is joined (redis-py's pack_commands joins small
-                # items, and only bytes can be joined).
-                out.append(arg if arg.length > self._cutoff else b"".join(arg.pieces()))
-                head = _CRLF
-                continue
-            data = self._encode(arg)
-            if len(data) > self._cutoff or isinstance(data, memoryview):
-                out.append(head + b"$%d\r\n" % len(data))
-                out.append(data)
-                head = _CRLF
-            else:
-                head = b"%s$%d\r\n%s\r\n" % (head, len(data), data)
-        out.append(head)
-        return out
-
-
-# Buffers up to this size (RESP framing, the object header, the trailer) are
-# joined with their neighbours rather than sent on their own: each send call
-# costs a system call, and on a full socket buffer a wait and a wake-up, so a
-# value goes out in as many calls as the raw client's (framing, payload,
-# framing) plus one per extra payload piece.
-_JOIN_BELOW = 4096
-
-
-def _expanded(command: Iterable[Any]) -> Iterator[Any]:
-    """A packed command's items with each :class:`Scatter` drawn piece by piece
-    (so a streamed payload is hashed as it is sent) and small items joined."""
-    pending: list[bytes | memoryview] = []
-    for item in command:
-        pieces = item.pieces() if isinstance(item, Scatter) else (item,)
-        for piece in pieces:
-            if len(piece) < _JOIN_BELOW:
-                pending.append(piece)
-                continue
-            if pending:
-                yield b"".join(pending)
-                pending = []
-            yield piece
-    if pending:
-        yield b"".join(pending)
-
-
-class _ScatterSending:
-    """Connection mixin: our packer, and :class:`Scatter` items expanded as sent.
-
-    redis-py's ``send_packed_command`` sends each item with ``sendall`` in
-    turn (redis/connection.py, ``AbstractConnection.send_packed_command``),
-    so handing it a generator sends each piece as soon as it is drawn, with
-    redis-py's own error handling around it.
-    """
-
-    _buffer_cutoff: int
-    encoder: Any
-
-    def _construct_command_packer(self, packer: Any) -> _ScatterPacker:
-        return _ScatterPacker(self._buffer_cutoff, self.encoder.encode)
-
-    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        if not isinstance(command, str | bytes):
-            command = _expanded(command)
-        super().send_packed_command(command, check_health)  # type: ignore[misc]
-
-
-class _ScatterConnection(_ScatterSending, redis.connection.Connection):
-    pass
-
-
-class _ScatterSSLConnection(_ScatterSending, redis.connection.SSLConnection):
-    pass
-
-
-def connection_kwargs(config: ValkeyConfig, timeout: float) -> dict[str, Any]:
-    """Keyword arguments of a redis-py client for ``config`` with ``timeout`` deadlines."""
-    try:
-        kwargs: dict[str, Any] = redis.connection.parse_url(config.url)
-    except ValueError as exc:
-        raise ValueError(f"shared.valkey.url: {exc}") from None
-    if "path" in kwargs:
-        raise ValueError("shared.valkey.url: unix sockets are not supported; use redis://")
-    tls = kwargs.pop("connection_class", None) is redis.connection.SSLConnection
-    if config.cluster and kwargs.get("db", 0) != 0:
-        raise ValueError("shared.valkey.url: a Valkey cluster has only database 0")
-    if config.username:
-        kwargs["username"] = config.username
-    if config.password_file:
-        kwargs["password"] = read_secret(config.password_file, "shared.valkey.password_file")
-    kwargs.update(
-        # RESP2, as redis-py before 8 spoke by default: no push messages (RESP3
-        # maintenance notifications, tracking) can arrive between the replies
-        # that valkey_get reads off the socket itself.
-        protocol=2,
-        socket_timeout=timeout,
-        socket_connect_timeout=timeout,
-        # A broken connection is retried once, at once, on a new socket
-        # (pooled sockets are stale after a restart); timeouts are not retried.
-        retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
-        connection_class=_ScatterSSLConnection if tls else _ScatterConnection,
-    )
-    if tls:
-        kwargs["ssl_ca_certs"] = config.tls_ca_file
-        if config.tls_insecure_skip_verify:
-            kwargs.update(ssl_cert_reqs="none", ssl_check_hostname=False)
-    return kwargs
-
-
-def make_client(config: ValkeyConfig, timeout: float, pool_size: int) -> Any:
-    """A redis-py client (``Redis`` or ``RedisCluster``) with our deadlines.
-
-    ``RedisCluster`` connects at construction to learn the slot map, so this
-    raises ``redis.exceptions.RedisError`` when no node answers.
-    """
-    kwargs = connection_kwargs(config, timeout)
-    if config.cluster:
-        kwargs.pop("retry")
-        kwargs.pop("db", None)
-        # A plain redis:// seed URL keeps our connection class (a rediss:// one
-        # would make redis-py substitute its own); TLS comes from the class.
-        seed = f"redis://{kwargs.pop('host')}:{kwargs.pop('port')}/0"
-        return redis.cluster.RedisCluster(
-            url=seed,
-            max_connections=pool_size,
-            retry=Retry(NoBackoff(), 1),  # MOVED/ASK are followed; one retry on topology change
-            **kwargs,
-        )
-    pool = redis.BlockingConnectionPool(max_connections=pool_size, timeout=timeout, **kwargs)
-    return redis.Redis(connection_pool=pool)
 
 
 def _error_kind(exc: BaseException) -> str:
@@ -285,10 +104,21 @@ class ValkeyTier(RemoteTier):
         config: SharedConfig,
         tenant_ttl_seconds: Mapping[str, float] | None = None,
         keys: KeyRing | None = None,
+        tenant_budgets: Mapping[str, int] | None = None,
     ) -> None:
+        """``tenant_budgets``: a tenant's ``budgets.shared_bytes``, kept in the
+        server's ledger (:mod:`.valkey_ledger`); each needs an expiry."""
         self._config = config.valkey
         super().__init__(config, self._config.timeout_seconds, tenant_ttl_seconds, keys)
         self._prefix = self._config.key_prefix
+        self._budgets = SharedBudgets(self._prefix, tenant_budgets or {})
+        self._budget_usage: dict[str, int] = {}  # what the ledgers counted at the last scrape
+        for tenant in self._budgets.budgets:
+            if self._expiry_ms(self._tenant_ttl.get(tenant)) is None:
+                raise ValueError(
+                    f"tenant {tenant!r}: budgets.shared_bytes needs an expiry (its "
+                    "ttl_seconds or shared.valkey.ttl_seconds)"
+                )
         # Building a cluster client blocks on the network: not under the stats lock.
         self._client_lock = threading.Lock()
         self._clients: dict[str, Any] = {}
@@ -396,31 +226,94 @@ class ValkeyTier(RemoteTier):
         return got.meta
 
     def _store_many(
-        self, names: Sequence[str], objects: Sequence[Encoder], ttls: Sequence[float | None]
+        self,
+        names: Sequence[str],
+        objects: Sequence[Encoder],
+        ttls: Sequence[float | None],
+        tenants: Sequence[str],
     ) -> list[Stored]:
         """Pipelined ``SET NX`` of each object, header, payload pieces and trailer
-        sent unjoined; each payload piece is hashed just before it is sent."""
+        sent unjoined; each payload piece is hashed just before it is sent.
+
+        A budgeted tenant's objects are reserved in its ledger first
+        (:mod:`.valkey_ledger`): one refused is not sent, one another writer
+        holds is only asked about (EXISTS), and a reservation whose SET did
+        not store is given back."""
         encoded = [make() for make in objects]  # one pipeline sends them all at once
         expiry = [self._expiry_ms(ttl) for ttl in ttls]
+        admitted = [UNBUDGETED] * len(names)
+        outcomes: list[Stored]
         try:
             client = self._client("io")
-            if len(names) == 1:
-                answers = [client.set(names[0], Scatter(encoded[0]), nx=True, px=expiry[0])]
-            else:
-                pipe = client.pipeline(transaction=False)
-                for name, parts, px in zip(names, encoded, expiry, strict=True):
-                    pipe.set(name, Scatter(parts), nx=True, px=px)
-                answers = pipe.execute(raise_on_error=True)
+            if self._budgets:
+                sizes = [len(obj) for obj in encoded]
+                admitted = self._budgets.reserve(client, tenants, names, sizes, expiry)
+            outcomes = self._send(client, names, encoded, expiry, admitted)
         except Exception as exc:
             self._failed("put", exc)
-            return [exc] * len(names)
+            outcomes = [exc] * len(names)
+        else:
+            self._breaker.record_success()
         finally:
             # Sent (or the connection dropped mid-send): nothing reads them again.
             for obj in encoded:
                 obj.release()
-        self._breaker.record_success()
-        # SET NX answers None when another writer stored the chunk first.
-        return [bool(a) for a in answers]
+        self._give_back(tenants, names, admitted, outcomes)
+        return outcomes
+
+    @staticmethod
+    def _send(
+        client: Any,
+        names: Sequence[str],
+        encoded: Sequence[StreamedObject],
+        expiry: Sequence[int | None],
+        admitted: Sequence[int],
+    ) -> list[Stored]:
+        """``SET NX`` of each object its ledger admitted (or that has none),
+        ``EXISTS`` of each another writer holds, nothing for one refused."""
+        outcomes: list[Stored] = [NotStored("budget") for _ in names]
+        sent = [i for i, answer in enumerate(admitted) if answer != REFUSED]
+        if not sent:
+            return outcomes
+        if len(sent) == 1 and admitted[sent[0]] != HELD:  # the common case: no pipeline
+            i = sent[0]
+            replies = [client.set(names[i], Scatter(encoded[i]), nx=True, px=expiry[i])]
+        else:
+            pipe = client.pipeline(transaction=False)
+            for i in sent:
+                if admitted[i] == HELD:
+                    pipe.exists(names[i])
+                else:
+                    pipe.set(names[i], Scatter(encoded[i]), nx=True, px=expiry[i])
+            replies = pipe.execute(raise_on_error=True)
+        for i, reply in zip(sent, replies, strict=True):
+            if admitted[i] == HELD:  # there: another writer stored it; else still on its way
+                outcomes[i] = False if reply else NotStored("held")
+            else:  # SET NX answers None when another writer stored the chunk first
+                outcomes[i] = bool(reply)
+        return outcomes
+
+    def _give_back(
+        self,
+        tenants: Sequence[str],
+        names: Sequence[str],
+        admitted: Sequence[int],
+        outcomes: Sequence[Stored],
+    ) -> None:
+        """End the ledger reservations of the objects that were not stored."""
+        back = [
+            i for i, answer in enumerate(admitted) if answer == RESERVED and outcomes[i] is not True
+        ]
+        if not back:
+            return
+        try:
+            self._budgets.give_back(
+                self._client("io"), [tenants[i] for i in back], [names[i] for i in back]
+            )
+        except Exception as exc:  # counted until they expire: refused early, never over
+            self._failed("budget give-back", exc)
+        else:
+            self._breaker.record_success()
 
     def _expiry_ms(self, tenant_ttl: float | None) -> int | None:
         """PX of one value: the shorter of the tier's TTL and its tenant's."""
@@ -451,6 +344,20 @@ class ValkeyTier(RemoteTier):
                 client.close()
             except Exception:  # closing a dead connection may fail; nothing to keep
                 logger.debug("closing valkey client failed", exc_info=True)
+
+    def tenant_figures(self) -> TenantFigures | None:
+        """Stores refused for a tenant's shared budget and the bytes its ledger
+        counts (None: no budgets here). The ledgers are read at each scrape on
+        the lookup client's short deadline; an unanswered read keeps the last
+        figures, and an open breaker skips it."""
+        if not self._budgets:
+            return None
+        if self._breaker.state == "closed":
+            try:
+                self._budget_usage = self._budgets.usage(self._client("lookup"))
+            except Exception as exc:  # a scrape must not fail, nor count as a tier failure
+                logger.debug("valkey budget ledger read failed: %s", exc)
+        return self._budgets.figures(self._budget_usage)
 
     def stats(self) -> TierStats:
         snap = super().stats()

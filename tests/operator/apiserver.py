@@ -520,11 +520,18 @@ def _max_items(schema: Mapping[str, Any] | None) -> int:
     return int(schema.get("maxItems", schema.get("maxProperties", REQUEST_LIMIT)))
 
 
+# CEL's type values (``type(x) == int``: how the Kubernetes docs test an
+# int-or-string field): compared in constant time, never traversed.
+TYPE_NAMES = {"int", "uint", "double", "bool", "string", "bytes", "list", "map", "null_type"}
+
+
 def _max_size(tree: Tree, scope: dict[str, Any]) -> int:
     """Bytes of the longest value ``tree`` can be: a literal's length or its field's bound."""
     literal = _literal(tree)
     if literal is not None:
         return len(literal)
+    if _is_type_value(tree, scope):
+        return 1
     schema = _resolve(tree, scope, _Analysis())
     if schema is None:
         return REQUEST_LIMIT  # a computed value: assume the largest
@@ -538,6 +545,18 @@ def _max_size(tree: Tree, scope: dict[str, Any]) -> int:
             return max(len(str(v)) for v in schema["enum"])
         return REQUEST_LIMIT
     return REQUEST_LIMIT  # lists and objects compared whole
+
+
+def _is_type_value(tree: Tree, scope: dict[str, Any]) -> bool:
+    """Whether ``tree`` is a call of ``type()`` or a type's name (not a variable)."""
+    while isinstance(tree, Tree) and len(tree.children) == 1:
+        tree = tree.children[0]
+    if not isinstance(tree, Tree):
+        return False
+    if tree.data == "ident_arg":
+        return str(tree.children[0]) == "type"
+    name = _bare_ident(tree)
+    return name in TYPE_NAMES and name not in scope
 
 
 def _literal(tree: Tree) -> str | None:

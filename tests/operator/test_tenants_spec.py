@@ -22,6 +22,11 @@ def _schema() -> dict[str, Any]:
     return crd_schema(yaml.safe_load((REPO / "crds" / "kvcache.yaml").read_text()))
 
 
+MANAGED = {"backend": "valkey", "valkey": {"managed": {}}}
+S3 = {"backend": "s3", "s3": {"bucket": "kv-cache", "credentialsSecretRef": {"name": "s3-creds"}}}
+SHARED_BUDGET = {"name": "a", "match": {"cacheSalts": ["a"]}, "budgets": {"shared": "1Gi"}}
+
+
 def _kvcache(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "kvstrata.io/v1alpha1",
@@ -62,7 +67,7 @@ def test_a_kvcache_without_tenants_renders_none() -> None:
         ({"name": "a"}, "match needs cache_salts"),
         (
             {"name": "a", "match": {"models": ["m"]}, "budgets": {"shared": "1Gi"}},
-            "shared_bytes: only 0",
+            "a Valkey budget needs an expiry",
         ),
         ({"name": "default", "match": {"models": ["m"]}}, "tenants.0.name"),
     ],
@@ -70,7 +75,7 @@ def test_a_kvcache_without_tenants_renders_none() -> None:
 def test_a_tenant_the_sidecar_would_refuse_is_a_spec_error_naming_it(
     tenant: dict[str, Any], named: str
 ) -> None:
-    stored, errors = admit(_schema(), _kvcache({"tenants": [tenant]}))
+    stored, errors = admit(_schema(), _kvcache({"shared": MANAGED, "tenants": [tenant]}))
     assert errors == []  # the API server lets these through; the render refuses them
     with pytest.raises(SpecError) as refused:
         render_sidecar_config(stored)
@@ -95,3 +100,48 @@ def test_two_tenants_of_one_name_are_a_spec_error() -> None:
     one = {"name": "a", "match": {"cacheSalts": ["a"]}}
     with pytest.raises(SpecError, match="tenant name 'a' is used twice"):
         render_sidecar_config(_kvcache({"tenants": [one, one]}))
+
+
+@pytest.mark.parametrize("budget", ["1Gi", 5])
+def test_the_api_server_refuses_a_shared_budget_on_s3_naming_valkey(budget: str | int) -> None:
+    tenant = {**SHARED_BUDGET, "budgets": {"shared": budget}}
+    _, errors = admit(_schema(), _kvcache({"shared": S3, "tenants": [tenant]}))
+    assert errors == [
+        "spec: tenants[].budgets.shared must be 0 or unset when shared.backend is s3: S3 "
+        "cannot enforce a byte budget (shared.backend valkey does)"
+    ]
+
+
+@pytest.mark.parametrize("budget", ["0", 0])
+def test_the_api_server_admits_a_shared_budget_of_0_on_s3(budget: str | int) -> None:
+    tenant = {**SHARED_BUDGET, "budgets": {"shared": budget}}
+    stored, errors = admit(_schema(), _kvcache({"shared": S3, "tenants": [tenant]}))
+    assert errors == []
+    config, _ = render_sidecar_config(stored)
+    assert config.tenants[0].budgets.shared_bytes == 0
+
+
+def test_a_shared_budget_on_s3_that_reaches_the_render_is_a_spec_error_naming_valkey() -> None:
+    # An object stored before the CRD had its rule (the API server checks new writes only).
+    with pytest.raises(SpecError) as refused:
+        render_sidecar_config(_kvcache({"shared": S3, "tenants": [SHARED_BUDGET]}))
+    message = str(refused.value)
+    assert "tenants.0.budgets.shared_bytes ('a'): shared.backend s3 cannot enforce" in message
+    assert "shared.backend valkey, which enforces it" in message
+
+
+@pytest.mark.parametrize(
+    ("shared", "tenant"),
+    [
+        ({**MANAGED, "valkey": {"managed": {}, "ttlSeconds": 3600}}, SHARED_BUDGET),
+        (MANAGED, {**SHARED_BUDGET, "ttlSeconds": 600}),
+    ],
+)
+def test_a_shared_budget_on_valkey_with_an_expiry_is_rendered_for_the_sidecar(
+    shared: dict[str, Any], tenant: dict[str, Any]
+) -> None:
+    stored, errors = admit(_schema(), _kvcache({"shared": shared, "tenants": [tenant]}))
+    assert errors == []
+    config, text = render_sidecar_config(stored)
+    assert config.tenants[0].budgets.shared_bytes == 1 << 30
+    assert f"shared_bytes: {1 << 30}" in text

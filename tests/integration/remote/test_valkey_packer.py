@@ -12,7 +12,7 @@ import pytest
 from redis.connection import Encoder, PythonRespSerializer
 
 from kvstrata.sidecar.objformat import ChunkMeta, decode, encode_streamed
-from kvstrata.sidecar.tiers.valkey import Scatter, _expanded, _ScatterPacker
+from kvstrata.sidecar.tiers.valkey_client import Scatter, _expanded, _ScatterPacker
 
 CUTOFF = 6000
 ENCODE = Encoder("utf-8", "strict", False).encode

@@ -112,10 +112,6 @@ def test_where_a_tenants_chunks_may_go_below_l1() -> None:
             "tenant name 'a' is used twice",
         ),
         (
-            [{"name": "a", "match": {"models": ["m"]}, "budgets": {"shared_bytes": "1Gi"}}],
-            "tenants.0.budgets: shared_bytes: only 0",
-        ),
-        (
             [
                 {
                     "name": "a",
@@ -134,6 +130,50 @@ def test_a_tenant_the_sidecar_could_not_honour_is_refused_naming_it(
     with pytest.raises(ConfigError) as refused:
         config_from_dict({"l1": {"size_bytes": "4Mi"}, "tenants": tenants})
     assert named in str(refused.value)
+
+
+SHARED_BUDGET = {"name": "a", "match": {"models": ["m"]}, "budgets": {"shared_bytes": "1Gi"}}
+
+
+@pytest.mark.parametrize(
+    ("shared", "tenant", "named"),
+    [
+        (
+            {"backend": "s3"},
+            SHARED_BUDGET,
+            "tenants.0.budgets.shared_bytes ('a'): shared.backend s3 cannot enforce a byte budget",
+        ),
+        (
+            {"backend": "valkey"},
+            SHARED_BUDGET,
+            "tenants.0.budgets.shared_bytes ('a'): a Valkey budget needs an expiry",
+        ),
+    ],
+)
+def test_a_shared_budget_the_backend_cannot_hold_is_refused_naming_the_backend(
+    shared: dict[str, object], tenant: dict[str, object], named: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        config_from_dict({"shared": shared, "tenants": [tenant]})
+    assert named in str(refused.value)
+    if shared["backend"] == "s3":
+        assert "shared.backend valkey, which enforces it" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("shared", "tenant", "kept"),
+    [
+        ({"backend": "valkey", "valkey": {"ttl_seconds": 3600}}, SHARED_BUDGET, 1 << 30),
+        ({"backend": "valkey"}, {**SHARED_BUDGET, "ttl_seconds": 60}, 1 << 30),
+        ({"backend": "s3"}, {**SHARED_BUDGET, "budgets": {"shared_bytes": 0}}, 0),
+        ({"backend": "none"}, SHARED_BUDGET, 1 << 30),  # no tier: nothing to hold
+    ],
+)
+def test_a_shared_budget_is_accepted_where_it_holds(
+    shared: dict[str, object], tenant: dict[str, object], kept: int
+) -> None:
+    config = config_from_dict({"shared": shared, "tenants": [tenant]})
+    assert config.tenants[0].budgets.shared_bytes == kept
 
 
 def test_a_chunk_promoted_from_l2_stays_its_tenants_and_ages_from_its_first_store(

@@ -6,7 +6,7 @@ source nobody has read (see the comment there). When a pin is raised, this
 file says at once which internal moved, instead of a tier that quietly
 slows down (S3: the body is read through the public ``read`` again) or
 fails every GET (Valkey). What each module relies on, and why, is in its
-docstring: ``sidecar/tiers/valkey.py`` (the command packer),
+docstring: ``sidecar/tiers/valkey_client.py`` (the command packer),
 ``sidecar/tiers/valkey_get.py`` (the socket and the error parser) and
 ``sidecar/tiers/s3body.py`` (the body's raw streams).
 """
@@ -34,7 +34,7 @@ import urllib3.response
 from packaging.requirements import Requirement
 
 from kvstrata.refdocs import REPO
-from kvstrata.sidecar.tiers import valkey
+from kvstrata.sidecar.tiers import valkey_client
 from kvstrata.sidecar.tiers.s3body import BodyStream
 
 PINNED = ("redis", "botocore", "urllib3")  # the libraries whose internals the tiers read
@@ -79,9 +79,9 @@ def test_each_library_read_under_the_hood_has_an_upper_bound_the_installed_one_m
 
 
 @pytest.fixture
-def connection() -> Iterator[valkey._ScatterConnection]:
+def connection() -> Iterator[valkey_client._ScatterConnection]:
     """The tier's connection class, not connected (nothing here needs a server)."""
-    conn = valkey._ScatterConnection(host="127.0.0.1", port=6379)
+    conn = valkey_client._ScatterConnection(host="127.0.0.1", port=6379)
     yield conn
     conn.disconnect()
 
@@ -99,7 +99,7 @@ def test_redis_py_still_has_its_error_parser_where_valkey_get_imports_it() -> No
 
 
 def test_redis_py_connections_still_hold_their_socket_as_sock(
-    connection: valkey._ScatterConnection,
+    connection: valkey_client._ScatterConnection,
 ) -> None:
     """valkey_get reads replies off ``AbstractConnection._sock`` (None until connected)."""
     assert internal(connection, "_sock", REDIS, "sidecar/tiers/valkey_get.py") is None
@@ -118,7 +118,7 @@ def test_redis_py_connections_still_hold_their_socket_as_sock(
 
 
 def test_redis_py_still_builds_its_command_packer_through_the_hook_valkey_overrides(
-    connection: valkey._ScatterConnection,
+    connection: valkey_client._ScatterConnection,
 ) -> None:
     """The tier's packer is in use only while redis-py asks
     ``_construct_command_packer`` for one: a Scatter argument then stays one
@@ -127,11 +127,11 @@ def test_redis_py_still_builds_its_command_packer_through_the_hook_valkey_overri
         redis.connection.AbstractConnection,
         "_construct_command_packer",
         REDIS,
-        "sidecar/tiers/valkey.py (_ScatterSending)",
+        "sidecar/tiers/valkey_client.py (_ScatterSending)",
     )
-    cutoff = internal(connection, "_buffer_cutoff", REDIS, "sidecar/tiers/valkey.py")
+    cutoff = internal(connection, "_buffer_cutoff", REDIS, "sidecar/tiers/valkey_client.py")
     assert isinstance(cutoff, int) and cutoff > 0
-    value = valkey.Scatter([b"x" * (cutoff + 1)])
+    value = valkey_client.Scatter([b"x" * (cutoff + 1)])
     unused = f"{REDIS} no longer builds its packer with _construct_command_packer"
     try:
         packed = connection.pack_command("SET", b"key", value)
@@ -143,7 +143,7 @@ def test_redis_py_still_builds_its_command_packer_through_the_hook_valkey_overri
 def test_redis_py_send_packed_command_still_takes_check_health() -> None:
     params = inspect.signature(redis.connection.AbstractConnection.send_packed_command).parameters
     assert list(params)[:3] == ["self", "command", "check_health"], (
-        f"{REDIS}: send_packed_command{list(params)}; sidecar/tiers/valkey.py overrides it"
+        f"{REDIS}: send_packed_command{list(params)}; sidecar/tiers/valkey_client.py overrides it"
     )
 
 
