@@ -194,6 +194,8 @@ class L1Index:
             if entry is not None:
                 entry.promoting = True
                 return entry, None
+            if self._ended.has_owner(owner):  # it ended during the tier's lookup
+                return None, None
             slot, leased = self._read_local(key, owner, prefetch)
         if leased is not None:
             self._listener.read(leased)
@@ -427,17 +429,17 @@ class L1Index:
     def _read_local(
         self, key: ChunkKey, owner: str, prefetch: bool
     ) -> tuple[Slot, Entry] | tuple[None, None]:
-        """(a read lease, its entry) if L1 holds ``key`` READY, waiting for a
-        promotion of it under way (at most PROMOTION_WAIT_SECONDS); no lease
-        for an owner whose client ended: the one place a read lease is made
-        for a lookup or a promotion checks it, under the lock."""
+        """(a read lease, its entry) if L1 holds ``key`` READY, waiting for a promotion
+        of it under way (at most PROMOTION_WAIT_SECONDS). The caller checked that
+        ``owner``'s client has not ended; checked again after a wait (lock released)."""
         deadline = time.monotonic() + PROMOTION_WAIT_SECONDS
+        waited = False
         while True:
             entry = self._store.entries.get(key)
             if entry is None:
                 return None, None
             if entry.state == READY:
-                if self._ended.has_owner(owner):  # it ended while this waited
+                if waited and self._ended.has_owner(owner):  # it ended meanwhile
                     return None, None
                 return self._read_lease(entry, owner, prefetch), entry
             if not entry.promoting:
@@ -446,6 +448,7 @@ class L1Index:
             if left <= 0:
                 return None, None
             self._cond.wait(left)
+            waited = True
 
     def _read_lease(self, entry: Entry, owner: str, prefetch: bool) -> Slot:
         """A read lease on READY ``entry`` (a prefetch's is no hit: its read is)."""
