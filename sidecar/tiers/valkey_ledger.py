@@ -91,26 +91,49 @@ else
 end
 """
 
-# KEYS: expiry set, bytes hash. ARGV: budget, purge limit, then per object
-# name, bytes, ttl (ms). Answers one of REFUSED / RESERVED / HELD per object.
-_RESERVE = (
-    """
+# The start of every script: the ledger's two keys.
+_KEYS = """
 local z, h = KEYS[1], KEYS[2]
-if redis.call('EXISTS', z) ~= redis.call('EXISTS', h) then
-  redis.call('DEL', z, h)
-end
+"""
+# The server's clock in ms: every sidecar's script reads the one clock.
+_NOW = """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local total = tonumber(redis.call('HGET', h, '"""
-    + _TOTAL
-    + """') or '0')
-local gone = redis.call('ZRANGEBYSCORE', z, '-inf', now, 'LIMIT', 0, tonumber(ARGV[2]))
+"""
+_READ_TOTAL = f"""
+local total = tonumber(redis.call('HGET', h, '{_TOTAL}') or '0')
+"""
+
+
+def _expired(limit_arg: int, purge: bool) -> str:
+    """Lua: the members expired by ``now`` (at most ARGV[limit_arg]) taken off
+    ``total``, and (``purge``) out of the ledger."""
+    out = f"""
+local gone = redis.call('ZRANGEBYSCORE', z, '-inf', now, 'LIMIT', 0, tonumber(ARGV[{limit_arg}]))
 if #gone > 0 then
   local sizes = redis.call('HMGET', h, unpack(gone))
   for i = 1, #gone do total = total - (tonumber(sizes[i]) or 0) end
-  redis.call('ZREM', z, unpack(gone))
+"""
+    if purge:
+        out += """  redis.call('ZREM', z, unpack(gone))
   redis.call('HDEL', h, unpack(gone))
+"""
+    return out + "end\n"
+
+
+# KEYS: expiry set, bytes hash. ARGV: budget, purge limit, then per object
+# name, bytes, ttl (ms). Answers one of REFUSED / RESERVED / HELD per object.
+_RESERVE = (
+    _KEYS
+    + """
+if redis.call('EXISTS', z) ~= redis.call('EXISTS', h) then
+  redis.call('DEL', z, h)
 end
+"""
+    + _NOW
+    + _READ_TOTAL
+    + _expired(2, purge=True)
+    + """
 local budget = tonumber(ARGV[1])
 local answers = {}
 for i = 3, #ARGV, 3 do
@@ -135,11 +158,9 @@ return answers
 
 # KEYS: expiry set, bytes hash. ARGV: names whose reservations end unstored.
 _GIVE_BACK = (
-    """
-local z, h = KEYS[1], KEYS[2]
-local total = tonumber(redis.call('HGET', h, '"""
-    + _TOTAL
-    + """') or '0')
+    _KEYS
+    + _READ_TOTAL
+    + """
 for i = 1, #ARGV do
   if redis.call('ZREM', z, ARGV[i]) == 1 then
     total = total - (tonumber(redis.call('HGET', h, ARGV[i])) or 0)
@@ -153,22 +174,15 @@ return total
 """
 )
 
-# KEYS: expiry set, bytes hash. Answers the bytes the ledger counts now: its
-# total less its members already expired (read only; the next reserve
-# purges them).
+# KEYS: expiry set, bytes hash. ARGV: the limit of members read. Answers the
+# bytes the ledger counts now: its total less its members already expired
+# (read only; the next reserve purges them).
 _USAGE = (
-    """
-local z, h = KEYS[1], KEYS[2]
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local total = tonumber(redis.call('HGET', h, '"""
-    + _TOTAL
-    + """') or '0')
-local gone = redis.call('ZRANGEBYSCORE', z, '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
-if #gone > 0 then
-  local sizes = redis.call('HMGET', h, unpack(gone))
-  for i = 1, #gone do total = total - (tonumber(sizes[i]) or 0) end
-end
+    _KEYS
+    + _NOW
+    + _READ_TOTAL
+    + _expired(1, purge=False)
+    + """
 if total < 0 then total = 0 end
 return string.format('%d', total)
 """
