@@ -42,7 +42,12 @@ def test_l2_budgets_per_tenant_evict_their_own_refuse_the_pinned_and_keep_it_in_
     sidecar = sidecar_factory(
         overrides={
             "shared": kit.shared_valkey(valkey.url),
-            "l2": {"size_bytes": "5Mi"},
+            # One writer and a queue deep enough for every chunk here: L2 writes
+            # land in store order and none is dropped, so "the oldest" files are
+            # the first stored. (With two writers or a full queue, as on a loaded
+            # machine, a later chunk's file can land first and be evicted in its
+            # place: write-behind is best effort, not in order.)
+            "l2": {"size_bytes": "5Mi", "writer_threads": 1, "write_queue_depth": 256},
             "tenants": [TEAM_A, TEAM_B],
         }
     ).start()
