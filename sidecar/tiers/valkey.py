@@ -271,7 +271,9 @@ class ValkeyTier(RemoteTier):
     ) -> list[Stored]:
         """``SET NX`` of each object its ledger admitted (or that has none),
         ``EXISTS`` of each another writer holds, nothing for one refused."""
-        outcomes: list[Stored] = [NotStored("budget") for _ in names]
+        outcomes: list[Stored] = [
+            NotStored("budget") if answer == REFUSED else False for answer in admitted
+        ]
         sent = [i for i, answer in enumerate(admitted) if answer != REFUSED]
         if not sent:
             return outcomes

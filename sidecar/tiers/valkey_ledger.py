@@ -237,17 +237,14 @@ class SharedBudgets:
         reserve = self._script(client, "reserve")
         for tenant, indices in self._by_tenant(tenants).items():
             args: list[Any] = [self.budgets[tenant], PURGE_AT_ONCE]
-            for i in indices:
-                ttl = expiry_ms[i]
-                if ttl is None:  # the config refuses a budget without a TTL
-                    raise ValueError(f"tenant {tenant!r}: a shared budget needs an expiry")
-                args += [names[i], sizes[i], ttl]
+            for i in indices:  # every budgeted tenant has an expiry: ValkeyTier refuses others
+                args += [names[i], sizes[i], expiry_ms[i]]
             replies = reserve(keys=self.keys(tenant), args=args, client=client)
             if len(replies) != len(indices):
                 raise ValueError(f"budget ledger answered {len(replies)} of {len(indices)}")
             for i, reply in zip(indices, replies, strict=True):
                 answers[i] = int(reply)
-            refused = sum(1 for reply in replies if int(reply) == REFUSED)
+            refused = sum(1 for i in indices if answers[i] == REFUSED)
             if refused:
                 with self._lock:
                     self._refusals[(tenant, "budget")] += refused
