@@ -45,6 +45,7 @@ def test_the_tenants_example_is_admitted_and_rendered_into_the_sidecars_tenants(
     assert (team_a.name, team_a.ttl_seconds, team_a.pinned) == ("team-a", 86400, True)
     assert team_a.match.cache_salts == ["team-a"]
     assert team_a.budgets.l1_bytes == 20 << 30 and team_a.budgets.l2_bytes is None
+    assert team_a.budgets.shared_bytes == 100 << 30  # kept by the Valkey server
     assert team_b.match.cache_salt_prefixes == ["team-b-"]
     assert (team_b.budgets.l1_bytes, team_b.budgets.l2_bytes, team_b.budgets.shared_bytes) == (
         0,
