@@ -92,15 +92,17 @@ from kvstrata.sidecar.objformat_fields import (
 )
 from kvstrata.sidecar.objformat_write import (
     PIECE_BYTES,
+    SEALED_PIECE_BYTES,
+    SealingPayload,
     StreamedObject,
     encode,
     encode_bytes,
-    encode_pooled,
+    encode_for_file,
     encode_streamed,
 )
 
 if TYPE_CHECKING:
-    from kvstrata.sidecar.sealing import KeyRing
+    from kvstrata.sidecar.sealing import KeyRing, StreamCipher
 
 __all__ = [
     "FIXED_HEADER_BYTES",
@@ -110,6 +112,7 @@ __all__ = [
     "NONCE_BYTES",
     "PIECE_BYTES",
     "SEALED_FORMAT_VERSION",
+    "SEALED_PIECE_BYTES",
     "TAG_BYTES",
     "TRAILER_BYTES",
     "TRAILER_FORMAT_VERSION",
@@ -117,16 +120,18 @@ __all__ = [
     "CorruptObjectError",
     "DecodedObject",
     "ObjectHeader",
+    "OpenedInto",
     "PayloadHasher",
     "Seal",
     "SealError",
+    "SealingPayload",
     "StreamedObject",
     "check_meta",
     "decode",
     "decode_header",
     "encode",
     "encode_bytes",
-    "encode_pooled",
+    "encode_for_file",
     "encode_streamed",
     "is_sealed",
     "open_sealed",
@@ -266,6 +271,63 @@ def open_sealed(
         keys.decrypt_into(seal.key_id, seal.label, seal.nonce, sealed, aad, out)
         return out
     return keys.decrypt(seal.key_id, seal.label, seal.nonce, sealed, aad)
+
+
+class OpenedInto:
+    """A sealed, uncompressed object opened as its bytes arrive, the
+    plaintext going straight into ``out`` (an L1 slot): the payload sink of
+    an L2 read (:func:`~kvstrata.sidecar.tiers.direct_io.read_object`).
+
+    :meth:`begin` reads the header (:class:`CorruptObjectError` if it is
+    not such an object for ``expected_key``; :class:`SealError` if ``keys``
+    cannot open it), :meth:`take` opens each piece, and :meth:`finish`
+    checks the tag: until it returns, ``out`` holds unauthenticated bytes
+    that nobody may read, and when it raises, garbage.
+    """
+
+    __slots__ = ("_cipher_bytes", "_expected_key", "_keys", "_out", "_stream", "_tag", "header")
+
+    def __init__(self, keys: KeyRing | None, expected_key: bytes, out: memoryview) -> None:
+        self._keys = keys
+        self._expected_key = expected_key
+        self._out = out
+        self._tag = bytearray(TAG_BYTES)
+        self._stream: StreamCipher | None = None
+        self._cipher_bytes = 0
+        self.header: ObjectHeader | None = None
+
+    def begin(self, head: memoryview) -> None:
+        header = decode_header(head, self._expected_key)
+        if header.seal is None or header.codec != "none":
+            raise CorruptObjectError("not the sealed uncompressed object the index recorded")
+        if header.raw_length != header.stored_length or header.stored_length > len(self._out):
+            raise CorruptObjectError("sealed payload longer than its destination")
+        if self._keys is None:
+            raise SealError("no_key", "sealed object and no encryption keys configured")
+        seal = header.seal
+        aad = bytes(head[: header.header_length])
+        self._stream = self._keys.opening_stream(seal.key_id, seal.label, seal.nonce, aad)
+        self._cipher_bytes = header.stored_length
+        self.header = header
+
+    def take(self, at: int, piece: memoryview) -> None:
+        if self._stream is None:
+            raise CorruptObjectError("payload before its header")
+        k = max(min(len(piece), self._cipher_bytes - at), 0)
+        if k:
+            self._stream.apply_into(piece[:k], self._out[at:])
+        if k < len(piece):  # the tag's bytes
+            start = at + k - self._cipher_bytes
+            if start + len(piece) - k > TAG_BYTES:
+                raise CorruptObjectError("bytes past a sealed object's tag")
+            self._tag[start : start + len(piece) - k] = piece[k:]
+
+    def finish(self) -> ObjectHeader:
+        """The header, once the tag checked every byte (:class:`SealError` if not)."""
+        if self._stream is None or self.header is None:
+            raise CorruptObjectError("sealed object ended before its payload")
+        self._stream.verify(self._tag)
+        return self.header
 
 
 def decode(

@@ -33,14 +33,16 @@ from kvstrata.sidecar.objformat_fields import (
 )
 
 if TYPE_CHECKING:
-    from kvstrata.sidecar.sealing import KeyRing
+    from kvstrata.sidecar.sealing import KeyRing, StreamCipher
 
 __all__ = [
     "PIECE_BYTES",
+    "SEALED_PIECE_BYTES",
+    "SealingPayload",
     "StreamedObject",
     "encode",
     "encode_bytes",
-    "encode_pooled",
+    "encode_for_file",
     "encode_streamed",
 ]
 
@@ -158,59 +160,139 @@ def encode(
     return [header, stored]
 
 
-class StreamedObject:
-    """One version-3 object whose payload checksum is computed as it is sent.
+# A sealed payload goes out in smaller pieces: each is sealed just before it
+# is sent, so the next is sealed while the socket (and the server) still
+# take the last one, and for that the pieces must be several per object.
+SEALED_PIECE_BYTES = 2 * 1024 * 1024
 
-    :meth:`pieces` hands out the header, the payload in :data:`PIECE_BYTES`
-    pieces (each hashed just before it is handed out) and the trailer;
-    :meth:`read_at` serves a file-like reader the same way. Sending again
-    (a retry) never hashes a byte twice: the hash only moves forward.
+
+class SealingPayload:
+    """A payload's ciphertext then its tag, sealed in order into whatever
+    buffer the writer hands over (:class:`~kvstrata.sidecar.sealing.StreamCipher`).
+
+    The L2 writer hands the aligned buffer its direct write goes from, so a
+    sealed file costs the cipher's pass where a plaintext one costs a copy.
     """
 
-    __slots__ = ("_hash", "_hashed", "_release", "_trailer", "header", "stored")
+    __slots__ = ("_at", "_make_stream", "_plain", "_stream", "_tag")
+
+    def __init__(self, plain: memoryview, make_stream: Callable[[], StreamCipher]) -> None:
+        self._plain = plain
+        self._make_stream = make_stream
+        self.rewind()
+
+    def rewind(self) -> None:
+        """Start again from the first byte (a write that failed part way is
+        written again: the same key, nonce and bytes seal to the same ciphertext)."""
+        self._stream = self._make_stream()
+        self._at = 0
+        self._tag: bytes | None = None
+
+    def __len__(self) -> int:
+        return len(self._plain) + TAG_BYTES
+
+    def produce_into(self, out: memoryview, n: int) -> None:
+        """The next ``n`` bytes into ``out[:n]``; ``out`` may be longer (the
+        cipher is faster with room past the data: :meth:`StreamCipher.apply_into`)."""
+        at, plain = self._at, self._plain
+        k = max(min(n, len(plain) - at), 0)  # plaintext bytes among the n
+        if k:
+            self._stream.apply_into(plain[at : at + k], out)
+        if k < n:  # the rest are the tag's
+            if self._tag is None:
+                self._tag = self._stream.tag()
+            start = max(at - len(plain), 0)
+            out[k:n] = self._tag[start : start + n - k]
+        self._at = at + n
+
+
+class StreamedObject:
+    """One object made ready piece by piece as it is sent: a version-3 one
+    whose payload checksum is computed as it goes, or a sealed (version-4)
+    one whose payload is sealed as it goes.
+
+    :meth:`pieces` hands out the header, the payload in pieces (each hashed,
+    or sealed into the object's ciphertext buffer, just before it is handed
+    out) and the trailer (the checksum, or the AES-GCM tag); :meth:`read_at`
+    serves a file-like reader the same way. Sending again (a retry) never
+    hashes or seals a byte twice: both only move forward.
+    """
+
+    __slots__ = (
+        "_hash",
+        "_out",
+        "_plain",
+        "_ready",
+        "_release",
+        "_stream",
+        "_trailer",
+        "header",
+        "stored",
+    )
 
     def __init__(
         self,
         header: bytes,
         stored: bytes | memoryview,
-        tag: bytes | memoryview | None = None,
+        sealing: tuple[memoryview, StreamCipher] | None = None,
         release: Callable[[], None] | None = None,
     ) -> None:
+        """``sealing``: (plaintext, its cipher); ``stored`` is then the buffer
+        the ciphertext goes to (at least 15 bytes longer than the plaintext:
+        room the cipher uses) and ``release`` gives it back (sealbuffers)."""
         self.header = header
-        self.stored = memoryview(stored).cast("B")
-        # Gives a pooled ciphertext buffer back (sealbuffers); None: nothing to give.
         self._release = release
         self._hash = xxhash.xxh3_64()
-        self._hashed = 0
+        self._ready = 0  # payload bytes hashed (plaintext) or sealed so far
         self._trailer: bytes | None = None
-        if tag is not None:  # sealed: the AES-GCM tag is the trailer; nothing to hash
-            self._trailer = bytes(tag)
-            self._hashed = len(self.stored)
+        self._plain: memoryview | None = None
+        self._stream: StreamCipher | None = None
+        self._out: memoryview | None = None
+        if sealing is None:
+            self.stored = memoryview(stored).cast("B")
+        else:
+            self._plain, self._stream = sealing
+            self._out = memoryview(stored).cast("B")
+            self.stored = self._out[: len(self._plain)]
 
     def __len__(self) -> int:
-        return len(self.header) + len(self.stored) + len(self.trailer())
+        return len(self.header) + len(self.stored) + (TAG_BYTES if self._stream else 8)
 
-    def hash_through(self, end: int) -> None:
-        """Hash the payload up to offset ``end`` (of the payload) if not yet done."""
-        if end > self._hashed:
-            self._hash.update(self.stored[self._hashed : end])
-            self._hashed = end
+    @property
+    def piece_bytes(self) -> int:
+        """The pieces :meth:`pieces` hands out by default."""
+        return SEALED_PIECE_BYTES if self._stream is not None else PIECE_BYTES
+
+    def ready_through(self, end: int) -> None:
+        """Hash (or seal) the payload up to offset ``end`` if not yet done."""
+        start = self._ready
+        if end <= start:
+            return
+        if self._stream is not None and self._plain is not None and self._out is not None:
+            self._stream.apply_into(self._plain[start:end], self._out[start:])
+        else:
+            self._hash.update(self.stored[start:end])
+        self._ready = end
 
     def trailer(self) -> bytes:
-        """The 8 trailer bytes (hashes whatever of the payload is not hashed yet)."""
+        """The trailer: the checksum's 8 bytes, or a sealed object's 16-byte
+        tag (either once the whole payload went through)."""
         if self._trailer is None:
-            self.hash_through(len(self.stored))
-            self._trailer = struct.pack("<Q", self._hash.intdigest())
+            self.ready_through(len(self.stored))
+            if self._stream is not None:
+                self._trailer = self._stream.tag()
+            else:
+                self._trailer = struct.pack("<Q", self._hash.intdigest())
         return self._trailer
 
     def pieces(self, piece_bytes: int | None = None) -> Iterator[bytes | memoryview]:
-        """The whole object in order, hashing each payload piece as it is yielded
-        (pieces of ``piece_bytes``, by default :data:`PIECE_BYTES`)."""
-        piece_bytes = piece_bytes or PIECE_BYTES
+        """The whole object in order, each payload piece hashed or sealed as it
+        is yielded (pieces of ``piece_bytes``, by default :attr:`piece_bytes`)."""
+        piece_bytes = piece_bytes or self.piece_bytes
         yield self.header
         for start in range(0, len(self.stored), piece_bytes):
             end = min(start + piece_bytes, len(self.stored))
-            self.hash_through(end)
+            self.ready_through(end)
             yield self.stored[start:end]
         yield self.trailer()
 
@@ -219,7 +301,7 @@ class StreamedObject:
         goes back for reuse. The object must not be read after this."""
         release, self._release = self._release, None
         if release is not None:
-            self.stored = memoryview(b"")
+            self.stored = self._out = memoryview(b"")
             release()
 
     def read_at(self, offset: int, size: int) -> bytes | memoryview:
@@ -231,13 +313,13 @@ class StreamedObject:
         at = offset - header_end
         if at < len(self.stored):
             end = min(len(self.stored), at + size)
-            self.hash_through(end)
+            self.ready_through(end)
             return self.stored[at:end]
         at -= len(self.stored)
         return self.trailer()[at : at + size]
 
 
-def _sealed_pooled(
+def _sealing_stream(
     key: bytes,
     raw: memoryview,
     stored: bytes | memoryview,
@@ -245,39 +327,40 @@ def _sealed_pooled(
     codec: str,
     keys: KeyRing | None,
     tenant: str | None,
-) -> tuple[bytes, memoryview, Callable[[], None]] | None:
-    """As :func:`_sealed`, the ciphertext (then tag) in a reused buffer
-    (:mod:`kvstrata.sidecar.sealbuffers`) and the call that gives it back once
-    the object is written; None when ``keys`` has no key to seal with."""
+) -> tuple[bytes, Callable[[], StreamCipher]] | None:
+    """(version-4 header, what makes the cipher that seals its payload), or
+    None when ``keys`` has no key to seal with (the object is written in
+    plaintext). Making the cipher raises :class:`SealError` when the writing
+    key was rotated out since: the caller makes the first at once."""
     sealing = _seal_header(key, raw, stored, meta, codec, keys, tenant)
     if sealing is None or keys is None:
         return None
     header, seal = sealing
-    buf = keys.buffers.take(len(stored) + TAG_BYTES)
-    view = memoryview(buf)[: len(stored) + TAG_BYTES]
-    keys.encrypt_into(seal.key_id, seal.label, seal.nonce, stored, header, view)
-    buffers = keys.buffers
-    return header, view, lambda: buffers.give(buf)
+    ring = keys
+
+    def make_stream() -> StreamCipher:
+        return ring.sealing_stream(seal.key_id, seal.label, seal.nonce, header)
+
+    return header, make_stream
 
 
-def encode_pooled(
+def encode_for_file(
     key: bytes,
     payload: bytes | memoryview,
     meta: ChunkMeta,
     keys: KeyRing | None = None,
-) -> tuple[list[bytes | memoryview], Callable[[], None] | None]:
-    """:func:`encode` (no codec) for a writer that says when it is done: a
-    sealed object's ciphertext is in a reused buffer, and the second item
-    gives it back (call it once the pieces are written; None: nothing to give)."""
+) -> tuple[bytes, memoryview | SealingPayload]:
+    """:func:`encode` (no codec) for the L2 writer: the header, and the
+    payload as it is, or (sealed, when ``keys`` has a writing key) a
+    :class:`SealingPayload` that seals it into the buffers the writer hands over."""
     check_meta(key, meta)
     raw, stored, codec = _stored_payload(payload, "none")
-    pooled = _sealed_pooled(key, raw, stored, meta, codec, keys, None)
-    if pooled is not None:
-        header, view, release = pooled
-        return [header, view], release
+    sealing = _sealing_stream(key, raw, stored, meta, codec, keys, None)
+    if sealing is not None:
+        header, make_stream = sealing
+        return header, SealingPayload(memoryview(stored).cast("B"), make_stream)
     checksum = xxhash.xxh3_64_intdigest(stored)
-    header = _header(key, meta, codec, len(raw), len(stored), checksum, FORMAT_VERSION)
-    return [header, stored], None
+    return _header(key, meta, codec, len(raw), len(stored), checksum, FORMAT_VERSION), raw
 
 
 def encode_streamed(
@@ -291,15 +374,20 @@ def encode_streamed(
     """A version-3 object (checksum in a trailer) ready to be sent piece by
     piece, or a version-4 (sealed) one when ``keys`` has a writing key.
 
-    Compression (when ``codec`` is set) and encryption run here, in full;
-    only a plaintext object's checksum is deferred to the sending.
+    Compression (when ``codec`` is set) runs here, in full; a plaintext
+    object's checksum and a sealed one's encryption run as it is sent, its
+    ciphertext going to a reused buffer (:mod:`kvstrata.sidecar.sealbuffers`).
     """
     check_meta(key, meta)
     raw, stored, codec = _stored_payload(payload, codec)
-    pooled = _sealed_pooled(key, raw, stored, meta, codec, keys, tenant)
-    if pooled is not None:
-        header, view, release = pooled
-        return StreamedObject(header, view[:-TAG_BYTES], view[-TAG_BYTES:], release)
+    sealing = _sealing_stream(key, raw, stored, meta, codec, keys, tenant)
+    if sealing is not None and keys is not None:
+        header, make_stream = sealing
+        stream = make_stream()
+        buffers = keys.buffers
+        buf = buffers.take(len(stored) + TAG_BYTES)
+        plain = memoryview(stored).cast("B")
+        return StreamedObject(header, buf, (plain, stream), lambda: buffers.give(buf))
     header = _header(key, meta, codec, len(raw), len(stored), 0, TRAILER_FORMAT_VERSION)
     return StreamedObject(header, stored)
 

@@ -33,9 +33,10 @@ import os
 import re
 import threading
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -51,8 +52,59 @@ NONCE_BYTES = 12
 TAG_BYTES = 16
 KEY_SUFFIX = ".key"
 INDEX_FILE = "keyring.json"
+_BLOCK = 16
 KEY_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 _TENANT_INFO = b"kvstrata tenant key\0"
+
+
+class StreamCipher:
+    """One object's AES-GCM applied piece by piece, in order: sealing as the
+    object goes out (into the buffer the send or the file write reads), or
+    opening as it comes in (straight into its destination).
+
+    Why: a whole-object seal is a pass over the payload of its own before
+    the first byte goes out, on a thread the send then waits behind; sealed
+    piece by piece, the next piece is sealed while the socket or the disk
+    still takes the last one, and a file's ciphertext is written straight
+    into the aligned buffer the write goes from (no second pass). The bytes
+    are those of :meth:`AESGCM.encrypt` (ciphertext, then the 16-byte tag),
+    checked in tests/unit/sidecar/test_sealing.py.
+
+    An opened piece is plaintext not yet authenticated: whoever opens
+    must not use any of it before :meth:`verify` returned.
+    """
+
+    __slots__ = ("_context",)
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    def apply_into(self, data: memoryview, out: memoryview) -> None:
+        """Seal (or open) the next ``len(data)`` bytes into ``out[:len(data)]``."""
+        n = len(data)
+        # update_into wants room for a block beyond the data (it checks
+        # len(out) >= len(data) + 15); without it, the last bytes go through
+        # update, which returns them (a few bytes, allocated).
+        split = n if len(out) - n >= _BLOCK - 1 else max(n - _BLOCK, 0)
+        if split:
+            written = self._context.update_into(data[:split], out)
+            if written != split:  # GCM never holds bytes back; pinned by a test
+                raise RuntimeError(f"AES-GCM update wrote {written} of {split} bytes")
+        if split < n:
+            out[split:n] = self._context.update(data[split:n])
+
+    def tag(self) -> bytes:
+        """Sealing: the 16-byte tag, once every byte went through."""
+        self._context.finalize()
+        return bytes(self._context.tag)
+
+    def verify(self, tag: bytes | memoryview) -> None:
+        """Opening: check the tag once every byte went through;
+        :class:`SealError` (``auth_failed``) when the object is not authentic."""
+        try:
+            self._context.finalize_with_tag(bytes(tag))
+        except (InvalidTag, ValueError):
+            raise SealError("auth_failed", "authentication tag mismatch") from None
 
 
 class KeyFolderError(ValueError):
@@ -135,7 +187,7 @@ class KeyRing:
         self._lock = threading.Lock()
         self._keys: dict[str, bytes] = {}
         self._writing: str | None = None
-        self._ciphers: dict[tuple[str, str], AESGCM] = {}
+        self._ciphers: dict[tuple[str, str], tuple[AESGCM, bytes]] = {}
         self._fingerprint: tuple[object, ...] | None = None
         self.reloads_total = 0
         self.reload_failures_total = 0
@@ -204,7 +256,8 @@ class KeyRing:
         with self._lock:
             return self._writing if self.mode != "off" else None
 
-    def _cipher(self, key_id: str, label: str) -> AESGCM | None:
+    def _cipher(self, key_id: str, label: str) -> tuple[AESGCM, bytes] | None:
+        """The AES-GCM of ``key_id`` (derived for tenant ``label``) and its key."""
         with self._lock:
             cipher = self._ciphers.get((key_id, label))
             if cipher is not None:
@@ -215,10 +268,34 @@ class KeyRing:
         if label:
             hkdf = HKDF(SHA256(), KEY_BYTES, salt=None, info=_TENANT_INFO + label.encode())
             material = hkdf.derive(material)
-        cipher = AESGCM(material)
+        cipher = (AESGCM(material), material)
         with self._lock:
             self._ciphers[(key_id, label)] = cipher
         return cipher
+
+    def _aead(self, key_id: str, label: str) -> AESGCM | None:
+        cipher = self._cipher(key_id, label)
+        return None if cipher is None else cipher[0]
+
+    def sealing_stream(self, key_id: str, label: str, nonce: bytes, aad: bytes) -> StreamCipher:
+        """A :class:`StreamCipher` that seals one object under ``key_id``."""
+        cipher = self._cipher(key_id, label)
+        if cipher is None:  # the writing key was rotated out between params and here
+            raise SealError("unknown_key", f"writing key {key_id!r} is gone")
+        context = Cipher(algorithms.AES(cipher[1]), modes.GCM(nonce)).encryptor()
+        context.authenticate_additional_data(aad)
+        return StreamCipher(context)
+
+    def opening_stream(self, key_id: str, label: str, nonce: bytes, aad: bytes) -> StreamCipher:
+        """A :class:`StreamCipher` that opens one object sealed under ``key_id``;
+        :class:`SealError` when there is no such key (or encryption is off)."""
+        cipher = self._cipher(key_id, label) if self.mode != "off" else None
+        if cipher is None:
+            reason = "no_key" if self.mode == "off" else "unknown_key"
+            raise SealError(reason, f"no key {key_id!r} to open the object with")
+        context = Cipher(algorithms.AES(cipher[1]), modes.GCM(nonce)).decryptor()
+        context.authenticate_additional_data(aad)
+        return StreamCipher(context)
 
     # -- sealing ----------------------------------------------------------
 
@@ -234,7 +311,7 @@ class KeyRing:
         self, key_id: str, label: str, nonce: bytes, data: bytes | memoryview, aad: bytes
     ) -> bytes:
         """Ciphertext then the 16-byte tag."""
-        cipher = self._cipher(key_id, label)
+        cipher = self._aead(key_id, label)
         if cipher is None:  # the writing key was rotated out between params and here
             raise SealError("unknown_key", f"writing key {key_id!r} is gone")
         return cipher.encrypt(nonce, data, aad)
@@ -249,7 +326,7 @@ class KeyRing:
         out: memoryview,
     ) -> None:
         """:meth:`encrypt` written into ``out`` (``len(data) + 16`` bytes)."""
-        cipher = self._cipher(key_id, label)
+        cipher = self._aead(key_id, label)
         if cipher is None:  # the writing key was rotated out between params and here
             raise SealError("unknown_key", f"writing key {key_id!r} is gone")
         cipher.encrypt_into(nonce, data, aad, out)
@@ -259,7 +336,7 @@ class KeyRing:
     ) -> bytes:
         """The plaintext of ciphertext-then-tag ``data``; :class:`SealError` if it
         cannot be opened (reason ``unknown_key`` or ``auth_failed``)."""
-        cipher = self._cipher(key_id, label) if self.mode != "off" else None
+        cipher = self._aead(key_id, label) if self.mode != "off" else None
         if cipher is None:
             reason = "no_key" if self.mode == "off" else "unknown_key"
             raise SealError(reason, f"no key {key_id!r} to open the object with")
@@ -279,7 +356,7 @@ class KeyRing:
     ) -> None:
         """:meth:`decrypt` written into ``out`` (``len(data) - 16`` bytes; it may
         be the start of ``data`` itself). On :class:`SealError` ``out`` holds garbage."""
-        cipher = self._cipher(key_id, label) if self.mode != "off" else None
+        cipher = self._aead(key_id, label) if self.mode != "off" else None
         if cipher is None:
             reason = "no_key" if self.mode == "off" else "unknown_key"
             raise SealError(reason, f"no key {key_id!r} to open the object with")

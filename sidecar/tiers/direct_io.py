@@ -33,12 +33,27 @@ import errno
 import mmap
 import os
 import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol
 
 import xxhash
 
 from kvstrata.sidecar.allocator import align_up
 
-__all__ = ["ALIGN", "SEGMENT_BYTES", "open_direct", "read_object", "supported", "write_object"]
+if TYPE_CHECKING:
+    from kvstrata.sidecar.objformat import SealingPayload
+
+__all__ = [
+    "ALIGN",
+    "SEGMENT_BYTES",
+    "HashingCopy",
+    "PayloadSink",
+    "open_direct",
+    "read_object",
+    "supported",
+    "write_buffered",
+    "write_object",
+]
 
 ALIGN = 4096
 SEGMENT_BYTES = 2 << 20  # per thread doing L2 I/O; measured against 1 and 4 MiB (docs)
@@ -47,12 +62,18 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _local = threading.local()
 
 
-def _buffer() -> memoryview:
-    """This thread's aligned segment buffer (anonymous mappings start on a page)."""
+# Past the segment, room a cipher sealing into the buffer's end writes into
+# (StreamCipher.apply_into); never written to the file.
+_SLACK = ALIGN
+
+
+def _buffer(slack: bool = False) -> memoryview:
+    """This thread's aligned segment buffer (anonymous mappings start on a
+    page), with the room past it when ``slack``."""
     buf = getattr(_local, "buf", None)
     if buf is None:
-        buf = _local.buf = memoryview(mmap.mmap(-1, SEGMENT_BYTES))
-    return buf
+        buf = _local.buf = memoryview(mmap.mmap(-1, SEGMENT_BYTES + _SLACK))
+    return buf if slack else buf[:SEGMENT_BYTES]
 
 
 def open_direct(path: str, flags: int, mode: int = 0o600) -> int | None:
@@ -80,28 +101,61 @@ def supported(directory: str) -> bool:
     return True
 
 
-def write_object(fd: int, pieces: list[memoryview]) -> int:
-    """Write ``pieces`` one after the other from offset 0 of ``fd`` (opened
-    with ``O_DIRECT``), then truncate the file to their total; that total."""
-    buf = _buffer()
+def _segments(
+    pieces: list[memoryview | SealingPayload],
+) -> Iterator[tuple[int, memoryview, bool]]:
+    """``pieces`` gathered into this thread's buffer: (file offset, segment,
+    whether it is the last), every segment but the last one full. A
+    :class:`SealingPayload` seals itself straight into the buffer, so its
+    ciphertext costs no copy of its own. Each segment is written before the
+    next is asked for: the buffer is reused."""
+    room = _buffer(slack=True)
+    buf = room[:SEGMENT_BYTES]
     offset = fill = 0
     for piece in pieces:
         pos = 0
         while pos < len(piece):
             n = min(len(buf) - fill, len(piece) - pos)
-            buf[fill : fill + n] = piece[pos : pos + n]
+            if isinstance(piece, memoryview):
+                buf[fill : fill + n] = piece[pos : pos + n]
+            else:
+                piece.produce_into(room[fill:], n)
             fill += n
             pos += n
             if fill == len(buf):
-                _pwrite_all(fd, buf, offset)
+                yield offset, buf, False
                 offset += fill
                 fill = 0
-    total = offset + fill
-    if fill:
-        padded = align_up(fill, ALIGN)
-        buf[fill:padded] = bytes(padded - fill)
-        _pwrite_all(fd, buf[:padded], offset)
-        os.ftruncate(fd, total)
+    yield offset, buf[:fill], True
+
+
+def write_object(fd: int, pieces: list[memoryview | SealingPayload]) -> int:
+    """Write ``pieces`` one after the other from offset 0 of ``fd`` (opened
+    with ``O_DIRECT``), then truncate the file to their total; that total."""
+    total = 0
+    for offset, segment, last in _segments(pieces):
+        total = offset + len(segment)
+        if not last:
+            _pwrite_all(fd, segment, offset)
+        elif len(segment):
+            padded = align_up(len(segment), ALIGN)
+            room = _buffer(slack=True)
+            room[len(segment) : padded] = bytes(padded - len(segment))
+            _pwrite_all(fd, room[:padded], offset)
+            os.ftruncate(fd, total)
+    return total
+
+
+def write_buffered(fd: int, pieces: list[memoryview | SealingPayload]) -> int:
+    """:func:`write_object` for a file opened without ``O_DIRECT``: the same
+    bytes through the same buffer (a sealed payload seals into it), no
+    padding; the total written."""
+    total = 0
+    for offset, segment, _ in _segments(pieces):
+        at = 0
+        while at < len(segment):
+            at += os.pwrite(fd, segment[at:], offset + at)
+        total = offset + len(segment)
     return total
 
 
@@ -115,15 +169,52 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         offset += n
 
 
-def read_object(fd: int, head: memoryview, payload: memoryview) -> tuple[int, int, int]:
-    """Read the file ``fd`` (opened with ``O_DIRECT``) from offset 0: its first
-    ``len(head)`` bytes into ``head``, the next ``len(payload)`` into
-    ``payload``. (header bytes read, payload bytes read, xxh3_64 of those
-    payload bytes); fewer than asked where the file ends first."""
+class PayloadSink(Protocol):
+    """Where :func:`read_object` puts a file's payload, segment by segment."""
+
+    def begin(self, head: memoryview) -> None:
+        """The header is in ``head`` (called once, before the first payload piece)."""
+
+    def take(self, at: int, piece: memoryview) -> None:
+        """``piece`` holds the payload's bytes from offset ``at`` (in order; the
+        segment buffer is reused once this returns)."""
+
+
+class HashingCopy:
+    """A plaintext payload copied into ``target``, hashed while it is still
+    in the CPU cache: :attr:`digest` is its xxh3_64."""
+
+    __slots__ = ("_hasher", "target")
+
+    def __init__(self, target: memoryview) -> None:
+        self.target = target
+        self._hasher = xxhash.xxh3_64()
+
+    def begin(self, head: memoryview) -> None:
+        pass
+
+    def take(self, at: int, piece: memoryview) -> None:
+        self.target[at : at + len(piece)] = piece
+        self._hasher.update(piece)
+
+    def hashed_in_place(self, at: int, n: int) -> None:
+        """The reader put ``n`` bytes at ``at`` of the target itself: hash them."""
+        self._hasher.update(self.target[at : at + n])
+
+    @property
+    def digest(self) -> int:
+        return self._hasher.intdigest()
+
+
+def read_object(fd: int, head: memoryview, length: int, sink: PayloadSink) -> tuple[int, int]:
+    """Read the file ``fd`` (opened with ``O_DIRECT``; a buffered one works
+    too) from offset 0: its first ``len(head)`` bytes into ``head``, the next
+    ``length`` handed to ``sink`` a segment at a time. (header bytes read,
+    payload bytes read); fewer than asked where the file ends first."""
     buf = _buffer()
-    hasher = xxhash.xxh3_64()
-    want_head, want = len(head), len(head) + len(payload)
+    want_head, want = len(head), len(head) + length
     offset = got_head = got = 0
+    begun = False
     while offset < want:
         n = os.preadv(fd, [buf], offset)
         if n <= 0:
@@ -134,14 +225,15 @@ def read_object(fd: int, head: memoryview, payload: memoryview) -> tuple[int, in
             head[offset : offset + k] = segment[:k]
             got_head += k
             segment = segment[k:]
+        if not begun and got_head == want_head:
+            sink.begin(head)
+            begun = True
         start = max(offset - want_head, 0)
-        k = min(len(segment), len(payload) - start)
+        k = min(len(segment), length - start)
         if k > 0:
-            piece = segment[:k]
-            payload[start : start + k] = piece
-            hasher.update(piece)
+            sink.take(start, segment[:k])
             got += k
         offset += n
         if n < len(buf):  # the end of the file
             break
-    return got_head, got, hasher.intdigest()
+    return got_head, got

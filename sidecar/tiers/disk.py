@@ -48,15 +48,18 @@ from kvstrata.sidecar.objformat import (
     ChunkMeta,
     CorruptObjectError,
     DecodedObject,
+    ObjectHeader,
+    OpenedInto,
     SealError,
+    SealingPayload,
     decode,
     decode_header,
-    encode_pooled,
+    encode_for_file,
     is_sealed,
-    open_sealed,
 )
 from kvstrata.sidecar.tierchoice import TierChoice
 from kvstrata.sidecar.tiers.base import Tier, TierStats
+from kvstrata.sidecar.tiers.direct_io import HashingCopy
 from kvstrata.sidecar.tiers.disk_files import TMP_MARK, DiskFiles
 from kvstrata.sidecar.tiers.disk_index import DiskEntry, DiskIndex
 from kvstrata.sidecar.tiers.file_choice import ChoiceNotRecorded, read_choice
@@ -208,23 +211,9 @@ class DiskTier(Tier):
             return self._index.get(key)
 
     def put(self, key: ChunkKey, payload: bytes | memoryview, meta: ChunkMeta) -> bool:
-        # On the writer thread that calls put: sealing never runs on the serving thread.
-        # A sealed object's ciphertext is in a reused buffer, given back once written.
-        (header, stored), release = encode_pooled(key, payload, meta, self._keys)
-        try:
-            return self._put_encoded(key, header, stored, payload, meta)
-        finally:
-            if release is not None:
-                release()
-
-    def _put_encoded(
-        self,
-        key: ChunkKey,
-        header: bytes | memoryview,
-        stored: bytes | memoryview,
-        payload: bytes | memoryview,
-        meta: ChunkMeta,
-    ) -> bool:
+        # On the writer thread that calls put: sealing never runs on the serving
+        # thread. A sealed payload is sealed as the file is written (.direct_io).
+        header, stored = encode_for_file(key, payload, meta, self._keys)
         total = len(header) + len(stored)
         with self._lock:
             if self._index.touch(key) is not None:
@@ -266,12 +255,16 @@ class DiskTier(Tier):
                 self.events.stored(key)
 
     def _write_file(
-        self, key: bytes, header: bytes, stored: bytes | memoryview, choice: TierChoice = None
+        self,
+        key: bytes,
+        header: bytes,
+        stored: memoryview | SealingPayload,
+        choice: TierChoice = None,
     ) -> bool:
         """Write the object's file; its store ``choice`` goes with it (.file_choice)."""
         final = self.path_of(key)
         try:
-            self._files.write(final, [memoryview(header), memoryview(stored).cast("B")], choice)
+            self._files.write(final, [memoryview(header), stored], choice)
             return True
         except ChoiceNotRecorded as exc:
             logger.warning("L2 keeps no %s: its request's tier choice cannot be kept (%s)",
@@ -296,48 +289,56 @@ class DiskTier(Tier):
         entry = self._touch(key)
         if entry is None:
             return None
-        if entry.codec != "none" or entry.sealed or self._plaintext_refused:
-            # Compressed, sealed, or to be checked against the keys: the whole file
-            # is read and decoded (a sealed one decrypted straight into ``out``).
-            if len(out) < entry.payload_bytes:
-                raise ValueError(
-                    f"buffer of {len(out)} bytes for a {entry.payload_bytes}-byte object"
-                )
-            got = self._decode_file(key, entry, out)
-            if got is None:
-                return None
-            obj, placed = got
-            if not placed:
-                out[: len(obj.payload)] = obj.payload
-            return obj.meta
         if len(out) < entry.payload_bytes:
             raise ValueError(f"buffer of {len(out)} bytes for a {entry.payload_bytes}-byte object")
+        if entry.codec != "none" or (self._plaintext_refused and not entry.sealed):
+            # Compressed, or to be refused as plaintext: the whole file is read and decoded.
+            obj = self._decode_file(key, entry)
+            if obj is None:
+                return None
+            out[: len(obj.payload)] = obj.payload
+            return obj.meta
+        # Plaintext is copied and hashed, a sealed payload opened into ``out``,
+        # segment by segment as the file is read (.direct_io).
         target = out[: entry.payload_bytes]
+        sink = OpenedInto(self._keys, key, target) if entry.sealed else HashingCopy(target)
         head = bytearray(entry.header_bytes)
         path = self.path_of(key)
         try:
-            got_head, got, digest, size = self._files.read(path, head, target)
+            got_head, got, size = self._files.read(path, head, entry.file_bytes - len(head), sink)
+            if got_head + got != entry.file_bytes or size != entry.file_bytes:
+                raise CorruptObjectError("file length changed")
+            if isinstance(sink, OpenedInto):
+                header = sink.finish()
+            else:
+                header = self._checked(key, head, got, sink)
         except FileNotFoundError:
             self._forget(key, missing=True)
             return None
-        except OSError as exc:
-            self._count_error(exc)
+        except SealError as exc:
+            self._discard_sealed(key, path, exc.reason)
             return None
-        try:
-            if got_head + got != entry.file_bytes or size != entry.file_bytes:
-                raise CorruptObjectError("file length changed")
-            header = decode_header(head, expected_key=key)
-            if header.codec != "none" or header.stored_length != got:
-                raise CorruptObjectError("payload length mismatch")
-            if digest != header.checksum:
-                raise CorruptObjectError("payload checksum mismatch")
         except CorruptObjectError as exc:
             self._discard_corrupt(key, path, str(exc))
+            return None
+        except OSError as exc:
+            self._count_error(exc)
             return None
         with self._lock:
             self._stats.hits_total += 1
             self._stats.retrieved_bytes_total += entry.payload_bytes
         return header.meta
+
+    @staticmethod
+    def _checked(key: bytes, head: bytearray, got: int, sink: HashingCopy) -> ObjectHeader:
+        """The header of a plaintext file read whole; CorruptObjectError unless
+        its payload is the one the header describes."""
+        header = decode_header(head, expected_key=key)
+        if header.codec != "none" or header.stored_length != got:
+            raise CorruptObjectError("payload length mismatch")
+        if sink.digest != header.checksum:
+            raise CorruptObjectError("payload checksum mismatch")
+        return header
 
     def get(self, key: ChunkKey) -> DecodedObject | None:
         entry = self.peek(key)
@@ -345,42 +346,30 @@ class DiskTier(Tier):
             with self._lock:
                 self._stats.misses_total += 1
             return None
-        if entry.codec == "none" and not entry.sealed and not self._plaintext_refused:
+        if entry.codec == "none" and (entry.sealed or not self._plaintext_refused):
             buf = bytearray(entry.payload_bytes)
             meta = self.read_into(key, memoryview(buf))
             return None if meta is None else DecodedObject(meta, buf)
-        got = self._decode_file(key, entry)
-        return None if got is None else got[0]
+        return self._decode_file(key, entry)
 
-    def _decode_file(
-        self, key: bytes, entry: DiskEntry, out: memoryview | None = None
-    ) -> tuple[DecodedObject, bool] | None:
-        """The whole file of ``key``, checked and decoded, and whether its payload
-        was decrypted straight into ``out`` (a sealed, uncompressed one); None
-        (a miss, counted; the file deleted when it is bad)."""
+    def _decode_file(self, key: bytes, entry: DiskEntry) -> DecodedObject | None:
+        """The whole file of ``key`` (a compressed one, or any where plaintext
+        is refused), checked and decoded; None (a miss, counted; the file
+        deleted when it is bad)."""
         path = self.path_of(key)
         try:
             # The whole file in one buffer of its own, read as plaintext files
             # are (past the page cache where allowed); a sealed one is opened
-            # into ``out`` or over itself: no second buffer, no second copy.
+            # over itself: no second buffer.
             blob = memoryview(bytearray(entry.file_bytes))
             split = entry.header_bytes
-            got_head, got, _, size = self._files.read(path, blob[:split], blob[split:])
+            payload = blob[split:]
+            got_head, got, size = self._files.read(
+                path, blob[:split], len(payload), HashingCopy(payload)
+            )
             if got_head + got != entry.file_bytes or size != entry.file_bytes:
                 raise CorruptObjectError("file length changed")
-            header = decode_header(blob, expected_key=key)
-            placed = (
-                out is not None
-                and header.seal is not None
-                and header.codec == "none"
-                and header.raw_length == header.stored_length <= len(out)
-            )
-            if placed:
-                dest = out[: header.stored_length]
-                open_sealed(blob, header, self._keys, out=dest)
-                obj = DecodedObject(header.meta, dest)
-            else:
-                obj = decode(blob, expected_key=key, keys=self._keys, in_place=True)
+            obj = decode(blob, expected_key=key, keys=self._keys, in_place=True)
         except SealError as exc:
             self._discard_sealed(key, path, exc.reason)
             return None
@@ -393,7 +382,7 @@ class DiskTier(Tier):
         with self._lock:
             self._stats.hits_total += 1
             self._stats.retrieved_bytes_total += len(obj.payload)
-        return obj, placed
+        return obj
 
     def remove(self, key: ChunkKey) -> None:
         if self._forget(key):

@@ -19,8 +19,7 @@ import logging
 import os
 import secrets
 
-import xxhash
-
+from kvstrata.sidecar.objformat import SealingPayload
 from kvstrata.sidecar.tierchoice import TierChoice
 from kvstrata.sidecar.tiers import direct_io
 from kvstrata.sidecar.tiers.file_choice import record_choice
@@ -42,7 +41,9 @@ class DiskFiles:
         self.direct_io = direct  # False once the filesystem refused O_DIRECT
         self.fsync = fsync
 
-    def write(self, final: str, pieces: list[memoryview], choice: TierChoice = None) -> None:
+    def write(
+        self, final: str, pieces: list[memoryview | SealingPayload], choice: TierChoice = None
+    ) -> None:
         """``final`` holding ``pieces`` and its store ``choice`` (.file_choice),
         complete or not at all; OSError (the temporary file removed) when it
         cannot be written, ChoiceNotRecorded when the choice cannot be kept."""
@@ -58,16 +59,17 @@ class DiskFiles:
             raise
 
     def read(
-        self, path: str, head: bytearray | memoryview, target: memoryview
-    ) -> tuple[int, int, int, int]:
-        """Read the header into ``head`` and the payload into ``target``:
-        (header bytes, payload bytes, xxh3_64 of the payload, file size)."""
+        self, path: str, head: bytearray | memoryview, length: int, sink: direct_io.PayloadSink
+    ) -> tuple[int, int, int]:
+        """Read the header into ``head`` and the next ``length`` bytes, the
+        payload, into ``sink`` (:class:`~.direct_io.HashingCopy`, or a sealed
+        object's opener): (header bytes, payload bytes, file size)."""
         if self.direct_io:
             fd = direct_io.open_direct(path, os.O_RDONLY)
             if fd is not None:
                 try:
-                    got_head, got, digest = direct_io.read_object(fd, memoryview(head), target)
-                    return got_head, got, digest, os.fstat(fd).st_size
+                    got_head, got = direct_io.read_object(fd, memoryview(head), length, sink)
+                    return got_head, got, os.fstat(fd).st_size
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
@@ -78,13 +80,17 @@ class DiskFiles:
         try:
             with contextlib.suppress(OSError, AttributeError):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            if not isinstance(sink, direct_io.HashingCopy):  # through the segment buffer
+                got_head, got = direct_io.read_object(fd, memoryview(head), length, sink)
+                return got_head, got, os.fstat(fd).st_size
             got_head = _read_all(fd, [head], len(head))
-            got, digest = _read_hashed(fd, target, len(head))
-            return got_head, got, digest, os.fstat(fd).st_size
+            sink.begin(memoryview(head))
+            got = _read_hashed(fd, sink, len(head))  # straight into the target: no buffer between
+            return got_head, got, os.fstat(fd).st_size
         finally:
             os.close(fd)
 
-    def _write_tmp(self, tmp: str, pieces: list[memoryview]) -> None:
+    def _write_tmp(self, tmp: str, pieces: list[memoryview | SealingPayload]) -> None:
         """Create ``tmp`` holding ``pieces``: past the page cache where the
         filesystem allows (a refusal, at open or at the first write, turns
         direct I/O off for good)."""
@@ -106,7 +112,14 @@ class DiskFiles:
             self._no_direct_io()
         fd = os.open(tmp, flags, 0o600)
         try:
-            _write_all(fd, pieces)
+            views = [p for p in pieces if isinstance(p, memoryview)]
+            if len(views) == len(pieces):
+                _write_all(fd, views)
+            else:  # a sealed payload seals itself into the segment buffer
+                for piece in pieces:
+                    if isinstance(piece, SealingPayload):
+                        piece.rewind()  # a refused direct write may have sealed some
+                direct_io.write_buffered(fd, pieces)
             if self.fsync:
                 os.fsync(fd)
         finally:
@@ -137,19 +150,19 @@ def _consume(views: list[memoryview], n: int) -> None:
             n = 0
 
 
-def _read_hashed(fd: int, out: memoryview, offset: int) -> tuple[int, int]:
-    """``preadv`` into ``out`` from ``offset`` in cache-sized segments,
-    hashing each; (bytes read, xxh3_64 of them)."""
-    hasher = xxhash.xxh3_64()
+def _read_hashed(fd: int, sink: direct_io.HashingCopy, offset: int) -> int:
+    """``preadv`` into the sink's target from ``offset`` in cache-sized
+    segments, hashing each; bytes read."""
+    out = sink.target
     done = 0
     while done < len(out):
         segment = out[done : done + SEGMENT_BYTES]
         n = os.preadv(fd, [segment], offset + done)
         if n == 0:
             break
-        hasher.update(segment[:n])
+        sink.hashed_in_place(done, n)
         done += n
-    return done, hasher.intdigest()
+    return done
 
 
 def _read_all(fd: int, buffers: list[bytearray | memoryview], total: int) -> int:

@@ -98,7 +98,10 @@ def test_objects_sealed_one_after_another_into_a_reused_buffer_each_read_back(
     batch = {random_key(): payload(seed) for seed in range(20, 24)}
     assert all(tier.put_many([(k, d, META) for k, d in batch.items()]))
     stored.update(batch)
-    assert keys.buffers.reused_total >= 5  # each tier gives its ciphertext buffers back
+    if backend.kind == "disk":  # sealed straight into the direct write's buffer: none taken
+        assert (keys.buffers.reused_total, keys.buffers.free_bytes) == (0, 0)
+    else:
+        assert keys.buffers.reused_total >= 5  # each tier gives its ciphertext buffers back
     for key, data in stored.items():
         got = tier.get(key)
         assert got is not None and bytes(got.payload) == data
