@@ -6,8 +6,11 @@ way. The header comes first; once it says the payload's length and meta,
 ``place`` reserves the destination (an L1 slot) and the payload is received
 into it, hashed piece by piece while the rest is still arriving, so a chunk
 is copied once, by the kernel, into L1 and the checksum costs no pass of its
-own. A compressed or sealed object (or one whose header does not add up)
-is received whole, decoded (decrypted), then copied.
+own. A sealed one is received into the slot the same way and opened there,
+piece by piece as it arrives (:class:`OpenedInPlace`; AES-GCM opens a
+buffer over itself), so it costs the cipher's pass in place of the hash's.
+A compressed object (or one whose header does not add up) is received
+whole, decoded (decrypted), then copied.
 
 A stream is two callables: ``fill(out, hasher, base)`` fills ``out``
 exactly (raising when the stream ends first) and tells ``hasher`` how many
@@ -26,9 +29,9 @@ import numpy as np
 import xxhash
 
 from kvstrata.sidecar.objformat import (
-    TRAILER_BYTES,
     ChunkMeta,
     CorruptObjectError,
+    ObjectHeader,
     PayloadHasher,
     SealError,
     decode,
@@ -38,7 +41,7 @@ from kvstrata.sidecar.tiers.base import Place, copy_placed
 from kvstrata.sidecar.tiers.remote import Fetched, Validated
 
 if TYPE_CHECKING:
-    from kvstrata.sidecar.sealing import KeyRing
+    from kvstrata.sidecar.sealing import KeyRing, StreamCipher
 
 __all__ = ["Fill", "Placed", "Receiver", "RunningHash", "receive_into", "receive_whole"]
 
@@ -65,6 +68,35 @@ class RunningHash:
 
     def intdigest(self) -> int:
         return self._hash.intdigest()
+
+
+class OpenedInPlace:
+    """A sealed payload opened where it is received, as its bytes arrive
+    (``received``); its tag is checked by :meth:`StreamCipher.verify` once
+    the last byte is in, and nobody reads the view before that."""
+
+    def __init__(self, view: memoryview, stream: StreamCipher) -> None:
+        self._view = view
+        self._stream = stream
+        self._opened = 0
+
+    def received(self, filled: int) -> None:
+        if filled > self._opened:
+            self._stream.apply_into(self._view[self._opened : filled], self._view[self._opened :])
+            self._opened = filled
+
+    def verify(self, tag: bytes | bytearray) -> None:
+        """Every byte is in: SealError unless ``tag`` authenticates them."""
+        self._stream.verify(tag)
+
+
+def _opening_stream(header: ObjectHeader, head: memoryview, keys: KeyRing | None) -> StreamCipher:
+    """The cipher that opens ``header``'s sealed payload; SealError when ``keys`` cannot."""
+    if keys is None or header.seal is None:
+        raise SealError("no_key", "sealed object and no encryption keys configured")
+    seal = header.seal
+    aad = bytes(head[: header.header_length])
+    return keys.opening_stream(seal.key_id, seal.label, seal.nonce, aad)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,18 +152,23 @@ def receive_into(
     if header.seal is None and keys is not None and keys.mode == "required":
         skip(size - len(head))
         return Placed(None, size, seal_failure="plaintext")
-    trailer = TRAILER_BYTES if header.trailer else 0
+    trailer = header.trailer_bytes
     payload_bytes = header.stored_length
     if (
         header.codec != "none"
-        or header.seal is not None
+        or header.raw_length != payload_bytes
         or header.header_length + payload_bytes + trailer != size
     ):
-        # Compressed, sealed (or not what its header says): decode it whole, then copy.
+        # Compressed (or not what its header says): decode it whole, then copy.
         got = receive_whole(size, head, expected_key, fill, keys)
         if not isinstance(got, Validated):
             return _refused(got, expected_key, keys, size)
         return Placed(copy_placed(got.obj, place), size)
+    try:
+        stream = _opening_stream(header, head, keys) if header.seal is not None else None
+    except SealError as exc:
+        skip(size - len(head))
+        return Placed(None, size, seal_failure=exc.reason)
     dest = place(payload_bytes, header.meta)
     if dest is None:
         skip(size - len(head))
@@ -139,15 +176,28 @@ def receive_into(
     early = head[header.header_length :]  # payload (and trailer) bytes read with the header
     first = min(len(early), payload_bytes)
     dest[:first] = early[:first]
-    running = RunningHash(dest)
-    running.received(first)
-    fill(dest[first:], running, first)
+    receiver = RunningHash(dest) if stream is None else OpenedInPlace(dest, stream)
+    receiver.received(first)
+    fill(dest[first:], receiver, first)
     tail = bytearray(early[first:])  # the trailer's bytes read with the header
     more = bytearray(trailer - len(tail))
     fill(memoryview(more), None, 0)
-    tail += more
-    checksum = struct.unpack_from("<Q", tail)[0] if trailer else header.checksum
-    if running.intdigest() != checksum:
+    return _verdict(header, receiver, tail + more, size)
+
+
+def _verdict(
+    header: ObjectHeader, receiver: RunningHash | OpenedInPlace, trailer: bytearray, size: int
+) -> Placed:
+    """A payload received into its place, judged by its trailer: the tag of a
+    sealed one, the checksum of a plaintext one (in its header for version 2)."""
+    if isinstance(receiver, OpenedInPlace):
+        try:
+            receiver.verify(trailer)
+        except SealError as exc:
+            return Placed(None, size, seal_failure=exc.reason)
+        return Placed(header.meta, size)
+    checksum = struct.unpack_from("<Q", trailer)[0] if trailer else header.checksum
+    if receiver.intdigest() != checksum:
         return Placed(None, size, corrupt=True)
     return Placed(header.meta, size)
 

@@ -149,6 +149,26 @@ def test_a_tampered_byte_is_a_counted_miss(backend, tmp_path) -> None:
     assert tier.stats().decrypt_failures_total == {"auth_failed": 1}
 
 
+@pytest.mark.parametrize("where", ["first byte", "middle", "tag"])
+def test_a_tampered_byte_read_into_a_slot_is_a_counted_miss(backend, tmp_path, where) -> None:
+    """The sealed payload is opened in its slot as it arrives: the tag still
+    refuses it whole, wherever the byte was."""
+    tier, raw = backend.make_tier(keys=ring(tmp_path / "keys", k1=os.urandom(32)))
+    key = random_key()
+    assert tier.put(key, payload(5), META)
+    name = raw.name_of(key)
+    blob = bytearray(raw.read(name))
+    at = {
+        "first byte": decode_header(bytes(blob)).header_length,
+        "middle": len(blob) // 2,
+        "tag": len(blob) - 1,
+    }[where]
+    blob[at] ^= 0x01
+    raw.write(name, bytes(blob))
+    assert get_placed(tier, key) is None
+    assert tier.stats().decrypt_failures_total == {"auth_failed": 1}
+
+
 def test_required_never_serves_a_plaintext_object_and_on_reads_it(backend, tmp_path) -> None:
     place = one_place(backend, tmp_path)
     plain_writer, _ = backend.make_tier(**place)

@@ -94,6 +94,21 @@ def test_opening_piece_by_piece_gives_the_plaintext_and_checks_the_tag(ring, see
             assert failed.value.reason == "auth_failed"
 
 
+def test_a_payload_is_opened_over_itself_piece_by_piece(ring) -> None:
+    """What a sealed object received into its L1 slot relies on
+    (tiers/placing.py OpenedInPlace): the cipher reads and writes the same bytes."""
+    data = os.urandom(300_017)
+    sealed = AESGCM(KEY_MATERIAL).encrypt(NONCE, data, AAD)
+    slot = memoryview(bytearray(sealed[: len(data)]))
+    stream = ring.opening_stream("k1", "", NONCE, AAD)
+    at = 0
+    for n in _splits(len(data), 9):
+        stream.apply_into(slot[at : at + n], slot[at:])
+        at += n
+    stream.verify(sealed[len(data) :])
+    assert bytes(slot) == data
+
+
 def test_a_stream_under_a_key_the_ring_lacks_is_refused_by_reason(ring) -> None:
     with pytest.raises(SealError) as failed:
         ring.opening_stream("k9", "", NONCE, AAD)
