@@ -690,9 +690,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     add_sealed_ratios(out["regimes"])
     if not args.quick:
         RESULTS_DIR.mkdir(exist_ok=True)
-        (RESULTS_DIR / "serve.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
-        plot(out, RESULTS_DIR / "serve.png")
+        name = results_name(regimes)
+        (RESULTS_DIR / f"{name}.json").write_text(json.dumps(out, indent=2, default=str) + "\n")
+        plot(out, RESULTS_DIR / f"{name}.png")
     return out
+
+
+def results_name(regimes: list[str]) -> str:
+    """``serve``, or ``serve-sealed`` for a run with sealed regimes: encryption's
+    own record, which leaves the serving figures of the default run alone."""
+    return "serve-sealed" if any(r.endswith(SEALED) for r in regimes) else "serve"
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

@@ -92,3 +92,8 @@ def _table_row(regime: dict) -> dict:
         "vllm": {"request_throughput": figure},
         "kvstrata": {**ours, **regime["kvstrata"], "hit_tokens": {}},
     }
+
+
+def test_a_run_with_sealed_regimes_is_recorded_apart_from_the_serving_figures() -> None:
+    assert serve.results_name(["l2", "l2_sealed"]) == "serve-sealed"
+    assert serve.results_name(["l1", "l2", "valkey", "multi_turn", "new_replica"]) == "serve"
