@@ -4,9 +4,11 @@ Why a module of its own: a writer builds the header, compresses, seals
 (AES-GCM) or hashes the payload, and hands out buffers to write in order;
 the readers (:mod:`.objformat`) validate what comes back. Which writer
 each tier uses: :func:`encode` (version 2, checksum in the header) and
-:func:`encode_pooled` for disk files, :func:`encode_streamed` (version 3,
-checksum in a trailer, hashed as it is sent) for Valkey values and S3
-objects; each writes version 4 (sealed) when given a writing key. The
+:func:`encode_for_file` for disk files (a sealed payload sealed into the
+write's own buffer, :class:`SealingPayload`), :func:`encode_streamed`
+(version 3, checksum in a trailer, hashed as it is sent) for Valkey values
+and S3 objects; each writes version 4 (sealed, as the bytes go out) when
+given a writing key. The
 format is described in :mod:`kvstrata.sidecar.objformat`, which
 re-exports every name here.
 """

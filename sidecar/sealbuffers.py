@@ -1,5 +1,6 @@
-"""Reused buffers for the ciphertext of objects sealed on their way below L1
-(L2 files, Valkey values, S3 objects).
+"""Reused buffers for the ciphertext of objects sealed on their way to the
+shared tier (Valkey values, S3 objects; an L2 file is sealed straight into
+its direct write's buffer and needs none).
 
 Why a module of its own: a sealed object needs a buffer as large as its
 payload for the ciphertext, where a plaintext one is sent straight from the
@@ -15,8 +16,7 @@ left to the garbage collector); a buffer is handed out to one object at a
 time. What is kept is never more than the writes in flight at once already
 needed: the pool holds the peak, it does not add to it. A buffer is given
 back only by the thread that sent its object, once the send returned (the
-disk tier once the file is written, the Valkey tier after its pipeline, the
-S3 tier on the upload's own thread), so no send still reads a buffer
+Valkey tier after its pipeline, the S3 tier on the upload's own thread), so no send still reads a buffer
 another seal writes.
 """
 
