@@ -16,8 +16,8 @@ left to the garbage collector); a buffer is handed out to one object at a
 time. What is kept is never more than the writes in flight at once already
 needed: the pool holds the peak, it does not add to it. A buffer is given
 back only by the thread that sent its object, once the send returned (the
-Valkey tier after its pipeline, the S3 tier on the upload's own thread), so no send still reads a buffer
-another seal writes.
+Valkey tier after its pipeline, the S3 tier on the upload's own thread), so
+no send still reads a buffer another seal writes.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ trailer), not the server's per-key overhead.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
@@ -235,20 +236,36 @@ class SharedBudgets:
         any error of the server or the connection is raised."""
         answers = [UNBUDGETED] * len(names)
         reserve = self._script(client, "reserve")
-        for tenant, indices in self._by_tenant(tenants).items():
-            args: list[Any] = [self.budgets[tenant], PURGE_AT_ONCE]
-            for i in indices:  # every budgeted tenant has an expiry: ValkeyTier refuses others
-                args += [names[i], sizes[i], expiry_ms[i]]
-            replies = reserve(keys=self.keys(tenant), args=args, client=client)
-            if len(replies) != len(indices):
-                raise ValueError(f"budget ledger answered {len(replies)} of {len(indices)}")
-            for i, reply in zip(indices, replies, strict=True):
-                answers[i] = int(reply)
-            refused = sum(1 for i in indices if answers[i] == REFUSED)
-            if refused:
-                with self._lock:
-                    self._refusals[(tenant, "budget")] += refused
+        try:
+            for tenant, indices in self._by_tenant(tenants).items():
+                args: list[Any] = [self.budgets[tenant], PURGE_AT_ONCE]
+                for i in indices:  # every budgeted tenant has an expiry: ValkeyTier refuses others
+                    args += [names[i], sizes[i], expiry_ms[i]]
+                replies = reserve(keys=self.keys(tenant), args=args, client=client)
+                if len(replies) != len(indices):
+                    raise ValueError(f"budget ledger answered {len(replies)} of {len(indices)}")
+                for i, reply in zip(indices, replies, strict=True):
+                    answers[i] = int(reply)
+                refused = sum(1 for i in indices if answers[i] == REFUSED)
+                if refused:
+                    with self._lock:
+                        self._refusals[(tenant, "budget")] += refused
+        except Exception:
+            # The batch is not sent: what the tenants before the failing one
+            # reserved goes back now, rather than shrink their budgets until
+            # it expires (still so when the server cannot be reached at all).
+            self._give_back_reserved(client, tenants, names, answers)
+            raise
         return answers
+
+    def _give_back_reserved(
+        self, client: Any, tenants: Sequence[str], names: Sequence[str], answers: Sequence[int]
+    ) -> None:
+        back = [i for i, answer in enumerate(answers) if answer == RESERVED]
+        if not back:
+            return
+        with contextlib.suppress(Exception):  # unreachable: counted until they expire
+            self.give_back(client, [tenants[i] for i in back], [names[i] for i in back])
 
     def give_back(self, client: Any, tenants: Sequence[str], names: Sequence[str]) -> None:
         """End the reservations of ``names`` (objects that were not stored);

@@ -206,6 +206,34 @@ def test_a_ledger_the_server_refuses_is_the_tiers_failure_path_never_a_crash(
         tier.close()
 
 
+def test_a_batch_whose_second_tenant_the_ledger_refuses_gives_the_first_its_bytes_back(
+    valkey_server: Any, valkey_config: Any
+) -> None:
+    """team-b's ledger keys hold strings (a real server fault: WRONGTYPE in
+    its script) after team-a's reservation in the same batch went through."""
+    tier = ValkeyTier(
+        valkey_config(valkey_server.url, valkey={"ttl_seconds": 60}),
+        tenant_budgets={"team-a": BUDGET, "team-b": BUDGET},
+    )
+    raw = redis.Redis.from_url(valkey_server.url)
+    ledger = tier._budgets  # the keys its ledger uses
+    try:
+        for name in ledger.keys("team-b"):  # both: a ledger with one key is mended
+            raw.set(name, b"not a ledger")
+        batch = [(key(1), PAYLOAD, A), (key(2), PAYLOAD, B)]
+        assert tier._put_outcomes(batch) == ["failed", "failed"]
+        assert tier.stats().errors_total != {}
+        assert tier.get(key(1)) is None  # nothing was sent
+        # team-a's reservation went back: its whole budget is there again.
+        assert raw.zcard(ledger.keys("team-a")[0]) == 0
+        assert int(raw.hget(ledger.keys("team-a")[1], ":total") or 0) == 0
+    finally:
+        raw.delete(*ledger.keys("team-b"))
+        tier.clear()
+        tier.close()
+        raw.close()
+
+
 def test_a_server_that_forgot_the_scripts_has_them_loaded_again(
     valkey_server: Any, valkey_config: Any
 ) -> None:
