@@ -28,7 +28,13 @@ from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-COLORS = {"vllm": "#8c8c8c", "ceiling": "#2ca02c", "kvstrata": "#1f77b4", "warm": "#9ecae1"}
+COLORS = {
+    "vllm": "#8c8c8c",
+    "ceiling": "#2ca02c",
+    "kvstrata": "#1f77b4",
+    "warm": "#9ecae1",
+    "sealed": "#17456e",  # kvstrata with encryption at rest: its plain regime's colour, darker
+}
 
 
 def _seconds_axis(ax: Any) -> None:
@@ -62,19 +68,25 @@ def serve_figure(result: dict[str, Any]) -> Any:
     regimes = result["regimes"]
     plan = result["plan"]
     groups: list[tuple[str, list[tuple[str, str, dict]]]] = []
-    shared = [g for g in ("l1", "l2", "valkey") if g in regimes]
+    shared = [g for g in ("l1", "l2", "l2_sealed", "valkey", "valkey_sealed") if g in regimes]
     if shared:
         base = regimes[shared[0]]
         names = {
             "l1": "L1 holds all",
             "l2": "L1 small,\nrest on disk",
+            "l2_sealed": "L1 small,\ndisk, sealed",
             "valkey": "L1 small,\nrest Valkey",
+            "valkey_sealed": "L1 small,\nValkey, sealed",
         }
         groups.append((
             f"{plan['num_prefixes']} prefixes x {plan['prefix_len']:,} tokens, "
             f"{plan['num_prompts']} prompts",
             [("vLLM\nalone", "vllm", base["vllm"]), ("ceiling", "ceiling", base["ceiling"])]
-            + [(f"kvstrata\n{names[g]}", "kvstrata", regimes[g]["kvstrata"]) for g in shared],
+            + [
+                (f"kvstrata\n{names[g]}", "sealed" if g.endswith("_sealed") else "kvstrata",
+                 regimes[g]["kvstrata"])
+                for g in shared
+            ],
         ))  # fmt: skip
     if "multi_turn" in regimes:
         r = regimes["multi_turn"]
@@ -121,7 +133,7 @@ def serve_figure(result: dict[str, Any]) -> Any:
     )  # fmt: skip
     machine = result.get("machine", {}).get("summary", "machine not recorded")
     fig.suptitle(
-        "kvstrata bench serve: vLLM alone, the ceiling (vLLM with KV for the whole working set) "
+        "kvstrata bench serve: vLLM alone, the ceiling\n(vLLM with KV for the whole working set) "
         f"and kvstrata\nsame CPU binding for every server; {machine}",
         fontsize=10,
     )
@@ -206,9 +218,11 @@ def save(fig: Any, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Redraw ``serve.png`` and ``soak.png`` from the JSON in ``bench/results``."""
+    """Redraw ``serve.png``, ``serve-sealed.png`` and ``soak.png`` from the JSON
+    in ``bench/results``."""
     directory = Path((argv or sys.argv[1:] or [str(RESULTS_DIR)])[0])
-    for name, draw in (("serve", serve_figure), ("soak", soak_figure)):
+    figures = (("serve", serve_figure), ("serve-sealed", serve_figure), ("soak", soak_figure))
+    for name, draw in figures:
         source = directory / f"{name}.json"
         if source.exists():
             save(draw(json.loads(source.read_text())), directory / f"{name}.png")
