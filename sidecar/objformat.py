@@ -135,6 +135,7 @@ __all__ = [
     "encode_streamed",
     "is_sealed",
     "open_sealed",
+    "opening_stream",
     "payload_matches",
 ]
 
@@ -242,7 +243,6 @@ def open_sealed(
     header: ObjectHeader,
     keys: KeyRing | None,
     in_place: bool = False,
-    out: memoryview | None = None,
 ) -> bytes | memoryview:
     """The stored payload (after decryption, before the codec) of a whole
     object whose header is ``header``; raise :class:`SealError` when it is
@@ -251,9 +251,7 @@ def open_sealed(
     ``in_place``: the caller owns ``view`` (writable) and reads it only
     through what this returns: the plaintext is written over the ciphertext
     (AES-GCM allows it), so a sealed read costs no buffer and no copy of its
-    own over a plaintext one. A tag that fails leaves ``view`` garbled.
-    ``out``: the plaintext is written there instead (``stored_length`` bytes:
-    the caller's destination, an L1 slot), and ``out`` is returned."""
+    own over a plaintext one. A tag that fails leaves ``view`` garbled."""
     if header.seal is None:
         if keys is not None:
             keys.check_plaintext()
@@ -265,12 +263,23 @@ def open_sealed(
     seal = header.seal
     aad = bytes(view[: header.header_length])
     sealed = view[header.header_length :]
-    if out is None and in_place and not view.readonly:
+    if in_place and not view.readonly:
         out = sealed[: header.stored_length]
-    if out is not None:
         keys.decrypt_into(seal.key_id, seal.label, seal.nonce, sealed, aad, out)
         return out
     return keys.decrypt(seal.key_id, seal.label, seal.nonce, sealed, aad)
+
+
+def opening_stream(header: ObjectHeader, head: memoryview, keys: KeyRing | None) -> StreamCipher:
+    """The cipher that opens the payload of the sealed object whose header is
+    ``header`` (its bytes at the start of ``head``, the tag's associated data),
+    for a reader that opens it as it arrives; :class:`SealError` when ``keys``
+    cannot."""
+    if keys is None or header.seal is None:
+        raise SealError("no_key", "sealed object and no encryption keys configured")
+    seal = header.seal
+    aad = bytes(head[: header.header_length])
+    return keys.opening_stream(seal.key_id, seal.label, seal.nonce, aad)
 
 
 class OpenedInto:
@@ -302,11 +311,7 @@ class OpenedInto:
             raise CorruptObjectError("not the sealed uncompressed object the index recorded")
         if header.raw_length != header.stored_length or header.stored_length > len(self._out):
             raise CorruptObjectError("sealed payload longer than its destination")
-        if self._keys is None:
-            raise SealError("no_key", "sealed object and no encryption keys configured")
-        seal = header.seal
-        aad = bytes(head[: header.header_length])
-        self._stream = self._keys.opening_stream(seal.key_id, seal.label, seal.nonce, aad)
+        self._stream = opening_stream(header, head, self._keys)
         self._cipher_bytes = header.stored_length
         self.header = header
 

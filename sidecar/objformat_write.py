@@ -220,17 +220,7 @@ class StreamedObject:
     hashes or seals a byte twice: both only move forward.
     """
 
-    __slots__ = (
-        "_hash",
-        "_out",
-        "_plain",
-        "_ready",
-        "_release",
-        "_stream",
-        "_trailer",
-        "header",
-        "stored",
-    )
+    __slots__ = ("_hash", "_ready", "_release", "_sealing", "_trailer", "header", "stored")
 
     def __init__(
         self,
@@ -247,31 +237,32 @@ class StreamedObject:
         self._hash = xxhash.xxh3_64()
         self._ready = 0  # payload bytes hashed (plaintext) or sealed so far
         self._trailer: bytes | None = None
-        self._plain: memoryview | None = None
-        self._stream: StreamCipher | None = None
-        self._out: memoryview | None = None
+        # Sealed: (plaintext, the whole ciphertext buffer, its cipher).
+        self._sealing: tuple[memoryview, memoryview, StreamCipher] | None = None
         if sealing is None:
             self.stored = memoryview(stored).cast("B")
         else:
-            self._plain, self._stream = sealing
-            self._out = memoryview(stored).cast("B")
-            self.stored = self._out[: len(self._plain)]
+            plain, stream = sealing
+            out = memoryview(stored).cast("B")
+            self.stored = out[: len(plain)]
+            self._sealing = (plain, out, stream)
 
     def __len__(self) -> int:
-        return len(self.header) + len(self.stored) + (TAG_BYTES if self._stream else 8)
+        return len(self.header) + len(self.stored) + (TAG_BYTES if self._sealing else 8)
 
     @property
     def piece_bytes(self) -> int:
         """The pieces :meth:`pieces` hands out by default."""
-        return SEALED_PIECE_BYTES if self._stream is not None else PIECE_BYTES
+        return SEALED_PIECE_BYTES if self._sealing is not None else PIECE_BYTES
 
     def ready_through(self, end: int) -> None:
         """Hash (or seal) the payload up to offset ``end`` if not yet done."""
         start = self._ready
         if end <= start:
             return
-        if self._stream is not None and self._plain is not None and self._out is not None:
-            self._stream.apply_into(self._plain[start:end], self._out[start:])
+        if self._sealing is not None:
+            plain, out, stream = self._sealing
+            stream.apply_into(plain[start:end], out[start:])
         else:
             self._hash.update(self.stored[start:end])
         self._ready = end
@@ -281,8 +272,8 @@ class StreamedObject:
         tag (either once the whole payload went through)."""
         if self._trailer is None:
             self.ready_through(len(self.stored))
-            if self._stream is not None:
-                self._trailer = self._stream.tag()
+            if self._sealing is not None:
+                self._trailer = self._sealing[2].tag()
             else:
                 self._trailer = struct.pack("<Q", self._hash.intdigest())
         return self._trailer
@@ -303,7 +294,8 @@ class StreamedObject:
         goes back for reuse. The object must not be read after this."""
         release, self._release = self._release, None
         if release is not None:
-            self.stored = self._out = memoryview(b"")
+            self.stored = memoryview(b"")
+            self._sealing = None
             release()
 
     def read_at(self, offset: int, size: int) -> bytes | memoryview:

@@ -68,7 +68,7 @@ class StreamCipher:
     still takes the last one, and a file's ciphertext is written straight
     into the aligned buffer the write goes from (no second pass). The bytes
     are those of :meth:`AESGCM.encrypt` (ciphertext, then the 16-byte tag),
-    checked in tests/unit/sidecar/test_sealing.py.
+    checked in tests/unit/sidecar/test_sealed_streams.py.
 
     An opened piece is plaintext not yet authenticated: whoever opens
     must not use any of it before :meth:`verify` returned.
@@ -273,27 +273,34 @@ class KeyRing:
             self._ciphers[(key_id, label)] = cipher
         return cipher
 
-    def _aead(self, key_id: str, label: str) -> AESGCM | None:
-        cipher = self._cipher(key_id, label)
-        return None if cipher is None else cipher[0]
-
-    def sealing_stream(self, key_id: str, label: str, nonce: bytes, aad: bytes) -> StreamCipher:
-        """A :class:`StreamCipher` that seals one object under ``key_id``."""
+    def _sealing_cipher(self, key_id: str, label: str) -> tuple[AESGCM, bytes]:
+        """:meth:`_cipher` for sealing; SealError when the key is gone."""
         cipher = self._cipher(key_id, label)
         if cipher is None:  # the writing key was rotated out between params and here
             raise SealError("unknown_key", f"writing key {key_id!r} is gone")
-        context = Cipher(algorithms.AES(cipher[1]), modes.GCM(nonce)).encryptor()
+        return cipher
+
+    def _opening_cipher(self, key_id: str, label: str) -> tuple[AESGCM, bytes]:
+        """:meth:`_cipher` for opening; SealError when there is no such key
+        (or encryption is off)."""
+        cipher = self._cipher(key_id, label) if self.mode != "off" else None
+        if cipher is None:
+            reason = "no_key" if self.mode == "off" else "unknown_key"
+            raise SealError(reason, f"no key {key_id!r} to open the object with")
+        return cipher
+
+    def sealing_stream(self, key_id: str, label: str, nonce: bytes, aad: bytes) -> StreamCipher:
+        """A :class:`StreamCipher` that seals one object under ``key_id``."""
+        material = self._sealing_cipher(key_id, label)[1]
+        context = Cipher(algorithms.AES(material), modes.GCM(nonce)).encryptor()
         context.authenticate_additional_data(aad)
         return StreamCipher(context)
 
     def opening_stream(self, key_id: str, label: str, nonce: bytes, aad: bytes) -> StreamCipher:
         """A :class:`StreamCipher` that opens one object sealed under ``key_id``;
         :class:`SealError` when there is no such key (or encryption is off)."""
-        cipher = self._cipher(key_id, label) if self.mode != "off" else None
-        if cipher is None:
-            reason = "no_key" if self.mode == "off" else "unknown_key"
-            raise SealError(reason, f"no key {key_id!r} to open the object with")
-        context = Cipher(algorithms.AES(cipher[1]), modes.GCM(nonce)).decryptor()
+        material = self._opening_cipher(key_id, label)[1]
+        context = Cipher(algorithms.AES(material), modes.GCM(nonce)).decryptor()
         context.authenticate_additional_data(aad)
         return StreamCipher(context)
 
@@ -311,35 +318,14 @@ class KeyRing:
         self, key_id: str, label: str, nonce: bytes, data: bytes | memoryview, aad: bytes
     ) -> bytes:
         """Ciphertext then the 16-byte tag."""
-        cipher = self._aead(key_id, label)
-        if cipher is None:  # the writing key was rotated out between params and here
-            raise SealError("unknown_key", f"writing key {key_id!r} is gone")
-        return cipher.encrypt(nonce, data, aad)
-
-    def encrypt_into(
-        self,
-        key_id: str,
-        label: str,
-        nonce: bytes,
-        data: bytes | memoryview,
-        aad: bytes,
-        out: memoryview,
-    ) -> None:
-        """:meth:`encrypt` written into ``out`` (``len(data) + 16`` bytes)."""
-        cipher = self._aead(key_id, label)
-        if cipher is None:  # the writing key was rotated out between params and here
-            raise SealError("unknown_key", f"writing key {key_id!r} is gone")
-        cipher.encrypt_into(nonce, data, aad, out)
+        return self._sealing_cipher(key_id, label)[0].encrypt(nonce, data, aad)
 
     def decrypt(
         self, key_id: str, label: str, nonce: bytes, data: bytes | memoryview, aad: bytes
     ) -> bytes:
         """The plaintext of ciphertext-then-tag ``data``; :class:`SealError` if it
         cannot be opened (reason ``unknown_key`` or ``auth_failed``)."""
-        cipher = self._aead(key_id, label) if self.mode != "off" else None
-        if cipher is None:
-            reason = "no_key" if self.mode == "off" else "unknown_key"
-            raise SealError(reason, f"no key {key_id!r} to open the object with")
+        cipher = self._opening_cipher(key_id, label)[0]
         try:
             return cipher.decrypt(nonce, data, aad)
         except InvalidTag:
@@ -356,10 +342,7 @@ class KeyRing:
     ) -> None:
         """:meth:`decrypt` written into ``out`` (``len(data) - 16`` bytes; it may
         be the start of ``data`` itself). On :class:`SealError` ``out`` holds garbage."""
-        cipher = self._aead(key_id, label) if self.mode != "off" else None
-        if cipher is None:
-            reason = "no_key" if self.mode == "off" else "unknown_key"
-            raise SealError(reason, f"no key {key_id!r} to open the object with")
+        cipher = self._opening_cipher(key_id, label)[0]
         if len(out) != len(data) - TAG_BYTES:
             raise SealError("auth_failed", "sealed payload shorter than its tag")
         try:

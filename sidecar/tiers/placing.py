@@ -36,6 +36,7 @@ from kvstrata.sidecar.objformat import (
     SealError,
     decode,
     decode_header,
+    opening_stream,
 )
 from kvstrata.sidecar.tiers.base import Place, copy_placed
 from kvstrata.sidecar.tiers.remote import Fetched, Validated
@@ -88,15 +89,6 @@ class OpenedInPlace:
     def verify(self, tag: bytes | bytearray) -> None:
         """Every byte is in: SealError unless ``tag`` authenticates them."""
         self._stream.verify(tag)
-
-
-def _opening_stream(header: ObjectHeader, head: memoryview, keys: KeyRing | None) -> StreamCipher:
-    """The cipher that opens ``header``'s sealed payload; SealError when ``keys`` cannot."""
-    if keys is None or header.seal is None:
-        raise SealError("no_key", "sealed object and no encryption keys configured")
-    seal = header.seal
-    aad = bytes(head[: header.header_length])
-    return keys.opening_stream(seal.key_id, seal.label, seal.nonce, aad)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +157,7 @@ def receive_into(
             return _refused(got, expected_key, keys, size)
         return Placed(copy_placed(got.obj, place), size)
     try:
-        stream = _opening_stream(header, head, keys) if header.seal is not None else None
+        stream = opening_stream(header, head, keys) if header.seal is not None else None
     except SealError as exc:
         skip(size - len(head))
         return Placed(None, size, seal_failure=exc.reason)
