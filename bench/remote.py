@@ -45,6 +45,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvstrata.bench.kvdata import bf16_kv_like
 from kvstrata.sidecar.codecs import compress, decompress
 from kvstrata.sidecar.config import SharedConfig
@@ -158,12 +160,15 @@ class _Ops:
         self.raw_get_batch: Callable[[list[str]], None] | None = None
         self.pool = cf.ThreadPoolExecutor(BATCH)
 
-    def tier_put(self, keys: list[ChunkKey], data: bytes, meta: ChunkMeta, batched: bool) -> None:
+    def tier_put(
+        self, keys: list[ChunkKey], payloads: list[bytes], meta: ChunkMeta, batched: bool
+    ) -> None:
+        items = [(k, data, meta) for k, data in zip(keys, payloads, strict=True)]
         ok: list[bool] = []
         if batched:
-            _in_batches(keys, lambda b: ok.extend(self.tier.put_many([(k, data, meta) for k in b])))
+            _in_batches(items, lambda b: ok.extend(self.tier.put_many(b)))
         else:
-            ok = [self.tier.put(k, data, meta) for k in keys]
+            ok = [self.tier.put(*item) for item in items]
         if not all(ok):
             raise RuntimeError("tier put failed during the benchmark")
 
@@ -176,14 +181,15 @@ class _Ops:
         if any(g is None or len(g.payload) != size for g in got):
             raise RuntimeError("tier get missed during the benchmark")
 
-    def raw_put(self, names: list[str], data: bytes, batched: bool) -> None:
+    def raw_put(self, names: list[str], payloads: list[bytes], batched: bool) -> None:
+        items = list(zip(names, payloads, strict=True))
         if not batched:
-            for name in names:
+            for name, data in items:
                 self.raw_put_one(name, data)
         elif self.raw_put_batch is not None:
-            _in_batches([(n, data) for n in names], self.raw_put_batch)
+            _in_batches(items, self.raw_put_batch)
         else:
-            list(self.pool.map(lambda n: self.raw_put_one(n, data), names))
+            list(self.pool.map(lambda item: self.raw_put_one(*item), items))
 
     def raw_get(self, names: list[str], size: int, batched: bool) -> None:
         if not batched:
@@ -198,19 +204,20 @@ class _Ops:
 
 
 def _one_rep(
-    ops: _Ops, count: int, data: bytes, meta: ChunkMeta, batched: bool, tier_first: bool = False
+    ops: _Ops, payloads: list[bytes], meta: ChunkMeta, batched: bool, tier_first: bool = False
 ) -> dict[str, tuple[float, float]]:
-    """Wall and CPU seconds of raw put, tier put, raw get, tier get on fresh keys.
+    """Wall and CPU seconds of raw put, tier put, raw get, tier get on fresh
+    keys, one key per payload.
 
     Puts run as a pair, then gets as a pair; ``tier_first`` says which side
     of each pair goes first.
     """
-    keys = _keys(count)
+    keys = _keys(len(payloads))
     names = [f"raw:{k.hex()}" for k in keys]
-    size = len(data)
+    size = len(payloads[0])
     puts = [
-        ("rp", lambda: ops.raw_put(names, data, batched)),
-        ("tp", lambda: ops.tier_put(keys, data, meta, batched)),
+        ("rp", lambda: ops.raw_put(names, payloads, batched)),
+        ("tp", lambda: ops.tier_put(keys, payloads, meta, batched)),
     ]
     gets = [
         ("rg", lambda: ops.raw_get(names, size, batched)),
@@ -227,22 +234,41 @@ def _one_rep(
 
 def _warm_up(ops: _Ops) -> None:
     """One unrecorded round (connections, allocator, server) before measuring."""
-    data = bf16_kv_like(MiB, seed=123)
+    payloads = _payloads(MiB, BATCH, seed=123)
     for batched in (False, True):
-        _one_rep(ops, BATCH, data, ChunkMeta(dtype="bfloat16", shape=(MiB // 2,)), batched)
+        _one_rep(ops, payloads, ChunkMeta(dtype="bfloat16", shape=(MiB // 2,)), batched)
+
+
+def _payloads(size: int, count: int, seed: int) -> list[bytes]:
+    """``count`` distinct bf16 KV-like payloads of ``size`` bytes.
+
+    Every put of a run sends a payload of its own, as the sidecar's puts
+    each send their own L1 slot: one payload sent ``count`` times would
+    stay in the CPU's cache after the first put, which made the plain copy
+    of a 1-4 MiB chunk cheaper than it is in service (and anything the
+    tier does per byte, hashing or sealing, look dearer beside it). The
+    run's payloads together (``bytes_per_run``, 128 MiB) are well past the
+    last-level cache of the machines measured (32 MiB on the AMD EPYC VM).
+    """
+    first = bf16_kv_like(size, seed=seed)
+    rng = np.random.default_rng(seed)
+    # The same values in another order for each: as compressible as the
+    # first (the codecs' figures depend on it) and cheap to make.
+    words = np.frombuffer(first, dtype=np.uint16)
+    return [first] + [rng.permutation(words).tobytes() for _ in range(count - 1)]
 
 
 def _measure_size(ops: _Ops, size: int, params: dict[str, Any], seed: int) -> list[dict]:
-    data = bf16_kv_like(size, seed=seed)
-    meta = ChunkMeta(dtype="bfloat16", shape=(size // 2,))
     count = max(BATCH, params["bytes_per_run"] // size)
+    payloads = _payloads(size, count, seed)
+    meta = ChunkMeta(dtype="bfloat16", shape=(size // 2,))
     total = count * size
     rows = []
     for batched in (False, True):
         samples: dict[str, list[float]] = {k: [] for k in ("tp", "tg", "rp", "rg")}
         cpu: dict[str, list[float]] = {k: [] for k in ("tp", "tg", "rp", "rg")}
         for rep in range(params["reps"]):
-            timings = _one_rep(ops, count, data, meta, batched, tier_first=rep % 2 == 1)
+            timings = _one_rep(ops, payloads, meta, batched, tier_first=rep % 2 == 1)
             for name, (wall, cpu_seconds) in timings.items():
                 samples[name].append(_gbps(total, wall))
                 cpu[name].append(cpu_seconds / total * 1e9)

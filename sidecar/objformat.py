@@ -91,6 +91,7 @@ from kvstrata.sidecar.objformat_fields import (
     is_sealed,
 )
 from kvstrata.sidecar.objformat_write import (
+    FIRST_SEALED_PIECE_BYTES,
     PIECE_BYTES,
     SEALED_PIECE_BYTES,
     SealingPayload,
@@ -105,6 +106,7 @@ if TYPE_CHECKING:
     from kvstrata.sidecar.sealing import KeyRing, StreamCipher
 
 __all__ = [
+    "FIRST_SEALED_PIECE_BYTES",
     "FIXED_HEADER_BYTES",
     "FORMAT_VERSION",
     "MAGIC",

@@ -9,6 +9,7 @@ from the code under test."""
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import random
 from pathlib import Path
@@ -18,6 +19,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvstrata.sidecar import objformat
 from kvstrata.sidecar.objformat import (
+    FIRST_SEALED_PIECE_BYTES,
     SEALED_PIECE_BYTES,
     TAG_BYTES,
     ChunkMeta,
@@ -143,14 +145,23 @@ def test_a_sealed_streamed_object_is_sealed_piece_by_piece_as_it_is_sent(ring) -
     key, data = make_key(2), os.urandom(2 * SEALED_PIECE_BYTES + 12_345)
     obj = objformat.encode_streamed(key, data, ChunkMeta("uint8", (len(data),)), keys=ring)
     pieces = obj.pieces()
-    header = next(pieces)
-    first = next(pieces)
-    # Only the first piece is sealed when it is handed out: the next is
-    # sealed while this one is on its way.
-    assert len(first) == SEALED_PIECE_BYTES and obj._ready == SEALED_PIECE_BYTES
-    rest = [bytes(p) for p in pieces]
-    blob = bytes(header) + bytes(first) + b"".join(rest)
-    assert len(blob) == len(obj) and len(rest[-1]) == TAG_BYTES
+    header = bytes(next(pieces))
+    drawn: list[bytes] = []
+    for piece in pieces:
+        drawn.append(bytes(piece))
+        # Each piece is sealed when it is handed out, no further: the next is
+        # sealed while this one is on its way.
+        assert obj._ready == min(sum(map(len, drawn)), len(data))
+    payload_pieces, trailer = drawn[:-1], drawn[-1]
+    # The first piece is small (the server starts after one small piece's
+    # sealing), each next one twice the last up to the largest.
+    sizes = [len(p) for p in payload_pieces]
+    assert sizes[0] == FIRST_SEALED_PIECE_BYTES < SEALED_PIECE_BYTES
+    for before, after in itertools.pairwise(sizes[:-1]):
+        assert after == min(2 * before, SEALED_PIECE_BYTES)
+    assert sizes.count(SEALED_PIECE_BYTES) >= 1 and sum(sizes) == len(data)
+    blob = header + b"".join(payload_pieces) + trailer
+    assert len(blob) == len(obj) and len(trailer) == TAG_BYTES
     assert bytes(decode(blob, key, keys=ring).payload) == data
     # A retry (or a reader that rewinds) gets the same bytes; nothing is sealed twice.
     assert b"".join(bytes(p) for p in obj.pieces()) == blob
