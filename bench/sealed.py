@@ -100,8 +100,8 @@ def bench_encryption(
             f"{remote.BATCH} for batches, serial calls on the calling thread",
             "servers": "the same redis-server and moto server, prefixes of their own",
             "l2": "the same file system, a folder each, the same capacity",
-            "data": "the same bf16 KV-like bytes per size; runs interleaved, first side "
-            "alternating",
+            "data": "the same distinct bf16 KV-like payloads per size, one per put (128 MiB "
+            "in all, past the CPU's cache); runs interleaved, first side alternating",
         },
     }
     with tempfile.TemporaryDirectory(prefix="kvstrata-bench-sealed-") as tmp:
