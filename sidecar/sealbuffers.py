@@ -11,13 +11,16 @@ memory used before; AES-GCM alone about 0.10 ns/B). So the tiers that send
 a sealed object and know when the sending is over give its buffer back, and
 the next seal reuses it.
 
-State: free buffers, at most ``max_bytes`` of them in all (the rest is
-left to the garbage collector); a buffer is handed out to one object at a
-time. What is kept is never more than the writes in flight at once already
-needed: the pool holds the peak, it does not add to it. A buffer is given
-back only by the thread that sent its object, once the send returned (the
-Valkey tier after its pipeline, the S3 tier on the upload's own thread), so
-no send still reads a buffer another seal writes.
+State: free buffers, at most ``max_bytes`` of them in all, the ones given
+back last (the oldest go to the garbage collector first: when the chunk
+size changes, a new model or a 32 MiB batch after 16 MiB ones, the pool
+fills with the new size instead of holding on to buffers nothing takes);
+a buffer is handed out to one object at a time. What is kept is never
+more than the writes in flight at once already needed: the pool holds the
+peak, it does not add to it. A buffer is given back only by the thread
+that sent its object, once the send returned (the Valkey tier after its
+pipeline, the S3 tier on the upload's own thread), so no send still reads
+a buffer another seal writes.
 """
 
 from __future__ import annotations
@@ -57,11 +60,16 @@ class SealBuffers:
         return bytearray(nbytes)
 
     def give(self, buf: bytearray) -> None:
-        """``buf`` is no longer read by anyone: keep it for reuse, room permitting."""
+        """``buf`` is no longer read by anyone: keep it for reuse, making room
+        by letting the buffers given back longest ago go (one larger than
+        the whole bound is not kept)."""
+        if len(buf) > self.max_bytes:
+            return
         with self._lock:
-            if self._free_bytes + len(buf) <= self.max_bytes:
-                self._free.append(buf)
-                self._free_bytes += len(buf)
+            self._free.append(buf)
+            self._free_bytes += len(buf)
+            while self._free_bytes > self.max_bytes:
+                self._free_bytes -= len(self._free.pop(0))
 
     @property
     def free_bytes(self) -> int:
