@@ -7,18 +7,28 @@ reps, the first side alternating), where the "tier" side seals every object
 without keys, under a prefix (or folder) of its own. ``ratio`` is sealed /
 plain: the throughput kept with encryption on (issue 40's target: at least
 0.95).
+
+Besides one thread (``serial``, ``batch8``), each size has a ``writersN``
+row: N threads each putting one chunk at a time, then getting them, N being
+the tier's default ``writer_threads`` (:data:`WRITERS`), as the sidecar's
+write-behind writes (:class:`~kvstrata.sidecar.tiers.base.WriteBehindQueue`:
+each worker thread puts one job after another). With one writer, the time
+the cipher takes is time the disk or the server waits; with the sidecar's
+writers, one thread seals while another's write is on its way.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 import statistics
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from kvstrata.bench import remote
-from kvstrata.sidecar.config import SharedConfig
+from kvstrata.sidecar.config import L2Config, SharedConfig
 from kvstrata.sidecar.keys import ChunkKey
 from kvstrata.sidecar.objformat import ChunkMeta
 from kvstrata.sidecar.sealing import KeyRing
@@ -30,6 +40,12 @@ from kvstrata.testing.keyfolder import MountedSecret, key_files
 from kvstrata.testing.servers import MotoS3Server, RedisServer
 
 TARGET_RATIO = 0.95
+
+# The write-behind threads a tier writes with by default (the sidecar's config).
+WRITERS = {
+    "l2": L2Config.model_fields["writer_threads"].default,
+    "shared": SharedConfig.model_fields["writer_threads"].default,
+}
 
 
 def _key_of(name: str) -> ChunkKey:
@@ -67,13 +83,15 @@ def _plain_ops(sealed: Tier, plain: Tier) -> remote._Ops:
     return ops
 
 
-def _rows(sealed: Tier, plain: Tier, params: dict[str, Any]) -> list[dict[str, Any]]:
+def _rows(sealed: Tier, plain: Tier, params: dict[str, Any], writers: int) -> list[dict[str, Any]]:
     ops = _plain_ops(sealed, plain)
+    rows: list[dict[str, Any]] = []
     try:
         remote._warm_up(ops)
-        rows: list[dict[str, Any]] = []
         for i, mib in enumerate(params["sizes_mib"]):
-            rows += remote._measure_size(ops, mib * remote.MiB, params, seed=i)
+            size = mib * remote.MiB
+            rows += remote._measure_size(ops, size, params, seed=i)
+            rows.append(_writers_row({"tier": sealed, "raw": plain}, size, params, writers, i))
     finally:
         ops.pool.shutdown()
     # Renamed for what the sides are here: sealed (the "tier" side) and plain.
@@ -81,6 +99,60 @@ def _rows(sealed: Tier, plain: Tier, params: dict[str, Any]) -> list[dict[str, A
         {k.replace("tier_", "sealed_").replace("raw_", "plain_"): v for k, v in row.items()}
         for row in rows
     ]
+
+
+def _writers_row(
+    sides: dict[str, Tier], size: int, params: dict[str, Any], writers: int, seed: int
+) -> dict[str, Any]:
+    """Both sides putting a run's payloads on ``writers`` threads, one chunk
+    per call, then getting them the same way; the row :func:`remote._measure_size`
+    makes, for mode ``writers<N>``."""
+    count = max(remote.BATCH, params["bytes_per_run"] // size)
+    payloads = remote._payloads(size, count, seed)
+    meta = ChunkMeta(dtype="bfloat16", shape=(size // 2,))
+    gbps: dict[str, list[float]] = {f"{s}_{op}": [] for s in sides for op in ("put", "get")}
+    cpu: dict[str, list[float]] = {name: [] for name in gbps}
+    ratios: dict[str, list[float]] = {"put": [], "get": []}
+    with cf.ThreadPoolExecutor(writers) as pool:
+        for rep in range(params["reps"]):
+            order = list(sides) if rep % 2 else list(reversed(sides))
+            for side in order:  # the first side alternates, as in the other rows
+                tier, keys = sides[side], remote._keys(count)
+                for op in ("put", "get"):
+                    wall, cpu_seconds = remote._timed_cpu(
+                        partial(_on_threads, pool, op, tier, keys, payloads, meta)
+                    )
+                    gbps[f"{side}_{op}"].append(remote._gbps(count * size, wall))
+                    cpu[f"{side}_{op}"].append(cpu_seconds / (count * size) * 1e9)
+                tier.clear()
+            for op in ratios:
+                ratios[op].append(gbps[f"tier_{op}"][-1] / gbps[f"raw_{op}"][-1])
+    row: dict[str, Any] = {"size_mib": size // remote.MiB, "mode": f"writers{writers}"}
+    row["chunks"] = count
+    for op in ("put", "get"):
+        for side in sides:
+            row[f"{side}_{op}_gbps"] = round(statistics.median(gbps[f"{side}_{op}"]), 3)
+        row[f"{op}_ratio"] = round(statistics.median(ratios[op]), 3)
+    for name, values in cpu.items():
+        row[f"{name}_cpu_ns_per_byte"] = round(statistics.median(values), 3)
+    return row
+
+
+def _on_threads(
+    pool: cf.ThreadPoolExecutor,
+    op: str,
+    tier: Tier,
+    keys: list[ChunkKey],
+    payloads: list[bytes],
+    meta: ChunkMeta,
+) -> None:
+    """Put (or get) one chunk per call for each key, on ``pool``'s threads."""
+    if op == "put":
+        done = pool.map(lambda kp: tier.put(kp[0], kp[1], meta), zip(keys, payloads, strict=True))
+    else:
+        done = (obj is not None for obj in pool.map(tier.get, keys))
+    if not all(done):
+        raise RuntimeError(f"a {op} failed during the benchmark")
 
 
 def _keys(folder: Path) -> KeyRing:
@@ -97,7 +169,9 @@ def bench_encryption(
         # What both sides of every ratio share: nothing differs but the keys.
         "equal_resources": {
             "process": "one (this one), the same thread pool of "
-            f"{remote.BATCH} for batches, serial calls on the calling thread",
+            f"{remote.BATCH} for batches, serial calls on the calling thread, and "
+            f"for writers rows {WRITERS['shared']} threads (Valkey, S3) or "
+            f"{WRITERS['l2']} (L2), the tier's default writer_threads",
             "servers": "the same redis-server and moto server, prefixes of their own",
             "l2": "the same file system, a folder each, the same capacity",
             "data": "the same distinct bf16 KV-like payloads per size, one per put (128 MiB "
@@ -116,7 +190,7 @@ def bench_encryption(
 
         sealed = valkey_tier.ValkeyTier(valkey_config("sealed:"), keys=keys)
         plain = valkey_tier.ValkeyTier(valkey_config("plain:"))
-        out["valkey"] = _rows(sealed, plain, params)
+        out["valkey"] = _rows(sealed, plain, params, WRITERS["shared"])
         sealed.close()
         plain.close()
 
@@ -127,14 +201,14 @@ def bench_encryption(
 
         sealed = s3_tier.S3Tier(s3_config("sealed/"), keys=keys)
         plain = s3_tier.S3Tier(s3_config("plain/"))
-        out["s3"] = _rows(sealed, plain, params)
+        out["s3"] = _rows(sealed, plain, params, WRITERS["shared"])
         sealed.close()
         plain.close()
 
         capacity = 4 * params["bytes_per_run"] + big
         sealed_l2 = DiskTier(Path(tmp) / "l2-sealed", capacity, keys=keys)
         plain_l2 = DiskTier(Path(tmp) / "l2-plain", capacity)
-        out["l2"] = _rows(sealed_l2, plain_l2, params)
+        out["l2"] = _rows(sealed_l2, plain_l2, params, WRITERS["l2"])
     ratios = [
         r[f"{op}_ratio"] for b in ("valkey", "s3", "l2") for r in out[b] for op in ("put", "get")
     ]
@@ -151,6 +225,9 @@ def bench_encryption(
             out[f"{backend}_{op}_cpu_extra_ns_per_byte"] = round(statistics.median(extra), 3)
             ratio = [r[f"{op}_ratio"] for r in out[backend]]
             out[f"{backend}_{op}_median_ratio"] = round(statistics.median(ratio), 3)
+            # As the sidecar writes: its write-behind threads, one chunk each.
+            ratio = [r[f"{op}_ratio"] for r in out[backend] if r["mode"].startswith("writers")]
+            out[f"{backend}_{op}_writers_median_ratio"] = round(statistics.median(ratio), 3)
     return out
 
 
@@ -159,7 +236,7 @@ def format_rows(result: dict[str, Any]) -> list[str]:
     for backend in ("valkey", "s3", "l2"):
         for r in result[backend]:
             lines.append(
-                f"  {backend:>6} {r['size_mib']:>4}Mi {r['mode']:>7}"
+                f"  {backend:>6} {r['size_mib']:>4}Mi {r['mode']:>8}"
                 f" put {r['sealed_put_gbps']:.3f}/{r['plain_put_gbps']:.3f} {r['put_ratio']:.2f}"
                 f"  get {r['sealed_get_gbps']:.3f}/{r['plain_get_gbps']:.3f} {r['get_ratio']:.2f}"
             )
@@ -168,7 +245,9 @@ def format_rows(result: dict[str, Any]) -> list[str]:
             f"  {backend:>6} median ratio put {result[f'{backend}_put_median_ratio']}"
             f" get {result[f'{backend}_get_median_ratio']}; CPU per byte sealed - plain:"
             f" put {result[f'{backend}_put_cpu_extra_ns_per_byte']:+.3f} ns/B,"
-            f" get {result[f'{backend}_get_cpu_extra_ns_per_byte']:+.3f} ns/B"
+            f" get {result[f'{backend}_get_cpu_extra_ns_per_byte']:+.3f} ns/B;"
+            f" writers rows put {result[f'{backend}_put_writers_median_ratio']}"
+            f" get {result[f'{backend}_get_writers_median_ratio']}"
         )
     lines.append(
         f"  median ratio {result['median_ratio']}, min {result['min_ratio']}"
