@@ -172,7 +172,7 @@ def encode(
 # call and, on a full socket buffer, a wait). Measured on the 2-core build
 # VM against a loopback redis-server (bench/remote.py's sealed rows, serial
 # puts of 1 / 4 MiB chunks, sealed / plain): 2 MiB pieces from the start
-# 0.82 / 0.80-0.86; from 64 KiB 0.99 / 0.88; from 128 KiB 0.94-1.02 /
+# 0.82 / 0.80-0.86; from 64 KiB 0.99 / 0.88; from 128 KiB 0.85-1.02 /
 # 0.93-0.96; from 256 KiB (up to 1 MiB) 0.97 / 0.99.
 FIRST_SEALED_PIECE_BYTES = 128 * 1024
 SEALED_PIECE_BYTES = 2 * 1024 * 1024
