@@ -258,48 +258,58 @@ def _payloads(size: int, count: int, seed: int) -> list[bytes]:
     return [first] + [rng.permutation(words).tobytes() for _ in range(count - 1)]
 
 
-def _measure_size(ops: _Ops, size: int, params: dict[str, Any], seed: int) -> list[dict]:
-    count = max(BATCH, params["bytes_per_run"] // size)
-    payloads = _payloads(size, count, seed)
-    meta = ChunkMeta(dtype="bfloat16", shape=(size // 2,))
-    total = count * size
+def _run_payloads(size: int, params: dict[str, Any], seed: int) -> list[bytes]:
+    """The payloads of one chunk size's runs: ``bytes_per_run`` of them, at
+    least a batch."""
+    return _payloads(size, max(BATCH, params["bytes_per_run"] // size), seed)
+
+
+def _measure_size(ops: _Ops, payloads: list[bytes], params: dict[str, Any]) -> list[dict]:
+    """The serial and the batched row of one chunk size, each run putting ``payloads``."""
+    meta = ChunkMeta(dtype="bfloat16", shape=(len(payloads[0]) // 2,))
     rows = []
     for batched in (False, True):
-        samples: dict[str, list[float]] = {k: [] for k in ("tp", "tg", "rp", "rg")}
-        cpu: dict[str, list[float]] = {k: [] for k in ("tp", "tg", "rp", "rg")}
-        for rep in range(params["reps"]):
-            timings = _one_rep(ops, payloads, meta, batched, tier_first=rep % 2 == 1)
-            for name, (wall, cpu_seconds) in timings.items():
-                samples[name].append(_gbps(total, wall))
-                cpu[name].append(cpu_seconds / total * 1e9)
-        med = {k: statistics.median(v) for k, v in samples.items()}
-        cpu_med = {k: round(statistics.median(v), 3) for k, v in cpu.items()}
-        # Ratios pair each tier run with the raw run next to it, so load from
-        # other processes during one rep moves both sides of a ratio.
-        put_ratio = statistics.median(
-            t / r for t, r in zip(samples["tp"], samples["rp"], strict=True)
-        )
-        get_ratio = statistics.median(
-            t / r for t, r in zip(samples["tg"], samples["rg"], strict=True)
-        )
-        rows.append(
-            {
-                "size_mib": size // MiB,
-                "mode": f"batch{BATCH}" if batched else "serial",
-                "chunks": count,
-                "tier_put_gbps": round(med["tp"], 3),
-                "raw_put_gbps": round(med["rp"], 3),
-                "put_ratio": round(put_ratio, 3),
-                "tier_get_gbps": round(med["tg"], 3),
-                "raw_get_gbps": round(med["rg"], 3),
-                "get_ratio": round(get_ratio, 3),
-                "tier_put_cpu_ns_per_byte": cpu_med["tp"],
-                "raw_put_cpu_ns_per_byte": cpu_med["rp"],
-                "tier_get_cpu_ns_per_byte": cpu_med["tg"],
-                "raw_get_cpu_ns_per_byte": cpu_med["rg"],
-            }
-        )
+        reps = [
+            _one_rep(ops, payloads, meta, batched, tier_first=rep % 2 == 1)
+            for rep in range(params["reps"])
+        ]
+        rows.append(_row(f"batch{BATCH}" if batched else "serial", payloads, reps))
     return rows
+
+
+def _row(
+    mode: str, payloads: list[bytes], reps: list[dict[str, tuple[float, float]]]
+) -> dict[str, Any]:
+    """One row from the runs of a mode: each run's wall and CPU seconds of
+    raw put ``rp``, tier put ``tp``, raw get ``rg`` and tier get ``tg``, all
+    of ``payloads``."""
+    size = len(payloads[0])
+    total = size * len(payloads)
+    samples = {k: [_gbps(total, rep[k][0]) for rep in reps] for k in ("tp", "tg", "rp", "rg")}
+    cpu = {
+        k: round(statistics.median(rep[k][1] / total * 1e9 for rep in reps), 3)
+        for k in ("tp", "tg", "rp", "rg")
+    }
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    # Ratios pair each tier run with the raw run next to it, so load from
+    # other processes during one rep moves both sides of a ratio.
+    put_ratio = statistics.median(t / r for t, r in zip(samples["tp"], samples["rp"], strict=True))
+    get_ratio = statistics.median(t / r for t, r in zip(samples["tg"], samples["rg"], strict=True))
+    return {
+        "size_mib": size // MiB,
+        "mode": mode,
+        "chunks": len(payloads),
+        "tier_put_gbps": round(med["tp"], 3),
+        "raw_put_gbps": round(med["rp"], 3),
+        "put_ratio": round(put_ratio, 3),
+        "tier_get_gbps": round(med["tg"], 3),
+        "raw_get_gbps": round(med["rg"], 3),
+        "get_ratio": round(get_ratio, 3),
+        "tier_put_cpu_ns_per_byte": cpu["tp"],
+        "raw_put_cpu_ns_per_byte": cpu["rp"],
+        "tier_get_cpu_ns_per_byte": cpu["tg"],
+        "raw_get_cpu_ns_per_byte": cpu["rg"],
+    }
 
 
 def _lookup_ms(tier: Tier, raw_lookup: Callable[[list[str]], Any], reps: int = 30) -> dict:
@@ -350,7 +360,7 @@ def bench_valkey(server: RedisServer, params: dict[str, Any]) -> dict[str, Any]:
     _warm_up(ops)
     rows: list[dict] = []
     for i, mib in enumerate(params["sizes_mib"]):
-        rows += _measure_size(ops, mib * MiB, params, seed=i)
+        rows += _measure_size(ops, _run_payloads(mib * MiB, params, seed=i), params)
     out = {"rows": rows, "lookup": _lookup_ms(tier, raw_exists)}
     out["zstd_4mib"] = _codec_through_tier(server, params)
     ops.pool.shutdown()
@@ -435,7 +445,7 @@ def bench_s3(server: MotoS3Server, secrets: Path, params: dict[str, Any]) -> dic
     _warm_up(ops)
     rows: list[dict] = []
     for i, mib in enumerate(params["sizes_mib"]):
-        rows += _measure_size(ops, mib * MiB, params, seed=i)
+        rows += _measure_size(ops, _run_payloads(mib * MiB, params, seed=i), params)
     out: dict[str, Any] = {"rows": rows, "lookup": _lookup_ms(tier, raw_heads, reps=10)}
     ops.pool.shutdown()
     tier.close()
@@ -447,7 +457,7 @@ def bench_s3(server: MotoS3Server, secrets: Path, params: dict[str, Any]) -> dic
         row
         for i, mib in enumerate(params["sizes_mib"])
         if mib * MiB >= config.s3.multipart_chunk_bytes * 2
-        for row in _measure_size(mp_ops, mib * MiB, params, seed=i)
+        for row in _measure_size(mp_ops, _run_payloads(mib * MiB, params, seed=i), params)
     ]
     mp_ops.pool.shutdown()
     multipart.close()

@@ -89,9 +89,9 @@ def _rows(sealed: Tier, plain: Tier, params: dict[str, Any], writers: int) -> li
     try:
         remote._warm_up(ops)
         for i, mib in enumerate(params["sizes_mib"]):
-            size = mib * remote.MiB
-            rows += remote._measure_size(ops, size, params, seed=i)
-            rows.append(_writers_row({"tier": sealed, "raw": plain}, size, params, writers, i))
+            payloads = remote._run_payloads(mib * remote.MiB, params, seed=i)
+            rows += remote._measure_size(ops, payloads, params)
+            rows.append(_writers_row({"tp": sealed, "rp": plain}, payloads, params, writers))
     finally:
         ops.pool.shutdown()
     # Renamed for what the sides are here: sealed (the "tier" side) and plain.
@@ -102,40 +102,27 @@ def _rows(sealed: Tier, plain: Tier, params: dict[str, Any], writers: int) -> li
 
 
 def _writers_row(
-    sides: dict[str, Tier], size: int, params: dict[str, Any], writers: int, seed: int
+    sides: dict[str, Tier], payloads: list[bytes], params: dict[str, Any], writers: int
 ) -> dict[str, Any]:
-    """Both sides putting a run's payloads on ``writers`` threads, one chunk
-    per call, then getting them the same way; the row :func:`remote._measure_size`
-    makes, for mode ``writers<N>``."""
-    count = max(remote.BATCH, params["bytes_per_run"] // size)
-    payloads = remote._payloads(size, count, seed)
-    meta = ChunkMeta(dtype="bfloat16", shape=(size // 2,))
-    gbps: dict[str, list[float]] = {f"{s}_{op}": [] for s in sides for op in ("put", "get")}
-    cpu: dict[str, list[float]] = {name: [] for name in gbps}
-    ratios: dict[str, list[float]] = {"put": [], "get": []}
+    """Both sides (``tp`` sealed, ``rp`` plain) putting ``payloads`` on
+    ``writers`` threads, one chunk per call, then getting them the same way:
+    the row of mode ``writers<N>`` (:func:`remote._row`)."""
+    meta = ChunkMeta(dtype="bfloat16", shape=(len(payloads[0]) // 2,))
+    reps: list[dict[str, tuple[float, float]]] = []
     with cf.ThreadPoolExecutor(writers) as pool:
         for rep in range(params["reps"]):
+            timings: dict[str, tuple[float, float]] = {}
             order = list(sides) if rep % 2 else list(reversed(sides))
-            for side in order:  # the first side alternates, as in the other rows
-                tier, keys = sides[side], remote._keys(count)
-                for op in ("put", "get"):
-                    wall, cpu_seconds = remote._timed_cpu(
+            for put in order:  # the first side alternates, as in the other rows
+                tier, keys = sides[put], remote._keys(len(payloads))
+                get = "tg" if put == "tp" else "rg"
+                for name, op in ((put, "put"), (get, "get")):
+                    timings[name] = remote._timed_cpu(
                         partial(_on_threads, pool, op, tier, keys, payloads, meta)
                     )
-                    gbps[f"{side}_{op}"].append(remote._gbps(count * size, wall))
-                    cpu[f"{side}_{op}"].append(cpu_seconds / (count * size) * 1e9)
                 tier.clear()
-            for op in ratios:
-                ratios[op].append(gbps[f"tier_{op}"][-1] / gbps[f"raw_{op}"][-1])
-    row: dict[str, Any] = {"size_mib": size // remote.MiB, "mode": f"writers{writers}"}
-    row["chunks"] = count
-    for op in ("put", "get"):
-        for side in sides:
-            row[f"{side}_{op}_gbps"] = round(statistics.median(gbps[f"{side}_{op}"]), 3)
-        row[f"{op}_ratio"] = round(statistics.median(ratios[op]), 3)
-    for name, values in cpu.items():
-        row[f"{name}_cpu_ns_per_byte"] = round(statistics.median(values), 3)
-    return row
+            reps.append(timings)
+    return remote._row(f"writers{writers}", payloads, reps)
 
 
 def _on_threads(

@@ -107,6 +107,15 @@ class StreamCipher:
             raise SealError("auth_failed", "authentication tag mismatch") from None
 
 
+def _gcm_stream(material: bytes, nonce: bytes, aad: bytes, sealing: bool) -> StreamCipher:
+    """AES-GCM under ``material`` and ``nonce``, ``aad`` authenticated, as a
+    :class:`StreamCipher` that seals (or opens)."""
+    cipher = Cipher(algorithms.AES(material), modes.GCM(nonce))
+    context = cipher.encryptor() if sealing else cipher.decryptor()
+    context.authenticate_additional_data(aad)
+    return StreamCipher(context)
+
+
 class KeyFolderError(ValueError):
     """The key folder cannot be used; the message names the file and why."""
 
@@ -291,18 +300,12 @@ class KeyRing:
 
     def sealing_stream(self, key_id: str, label: str, nonce: bytes, aad: bytes) -> StreamCipher:
         """A :class:`StreamCipher` that seals one object under ``key_id``."""
-        material = self._sealing_cipher(key_id, label)[1]
-        context = Cipher(algorithms.AES(material), modes.GCM(nonce)).encryptor()
-        context.authenticate_additional_data(aad)
-        return StreamCipher(context)
+        return _gcm_stream(self._sealing_cipher(key_id, label)[1], nonce, aad, sealing=True)
 
     def opening_stream(self, key_id: str, label: str, nonce: bytes, aad: bytes) -> StreamCipher:
         """A :class:`StreamCipher` that opens one object sealed under ``key_id``;
         :class:`SealError` when there is no such key (or encryption is off)."""
-        material = self._opening_cipher(key_id, label)[1]
-        context = Cipher(algorithms.AES(material), modes.GCM(nonce)).decryptor()
-        context.authenticate_additional_data(aad)
-        return StreamCipher(context)
+        return _gcm_stream(self._opening_cipher(key_id, label)[1], nonce, aad, sealing=False)
 
     # -- sealing ----------------------------------------------------------
 
