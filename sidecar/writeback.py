@@ -241,7 +241,8 @@ class WriteBehind:
                 continue
             self.pinned += entry.length
             view = self._buf[entry.offset : entry.offset + entry.length]
-            job = WriteJob(entry.key, view, entry.meta, on_done=self._done_callback(entry, shared))
+            job = WriteJob(entry.key, view, entry.meta)
+            job.on_done = self._done_callback(entry, shared, job)
             if shared:
                 job.on_present = self._present_callback(entry)
             self._ready.append((queue, job))
@@ -259,7 +260,7 @@ class WriteBehind:
 
         return present
 
-    def _done_callback(self, entry: Entry, shared: bool) -> Callable[[bool], None]:
+    def _done_callback(self, entry: Entry, shared: bool, job: WriteJob) -> Callable[[bool], None]:
         def done(ok: bool) -> None:
             superseded: tuple[ChunkKey, ...] = ()
             if ok and not shared and entry.yielded and self._l2 is not None:
@@ -276,7 +277,11 @@ class WriteBehind:
                 if ok and shared:
                     self._note_shared(entry.key, entry.meta.store_tiers)
                     superseded, entry.supersedes = entry.supersedes, ()
-                if ok:  # not after a drop: that would cascade through the backlog
+                # A writer is free again, stored or failed: the next parked write
+                # goes (else, after a run of failures, parked writes would wait
+                # for the next store). Not after a drop: the queue is full, and
+                # each freed pin would send one more parked write to be dropped.
+                if job.attempted:
                     self._drain_backlog()
             if superseded:
                 with self._index.tally() as counts:

@@ -168,6 +168,10 @@ class WriteJob:
     # Called before on_done when the tier already held an object under the
     # key (and kept it): the engine's copies yield to it.
     on_present: Callable[[], None] | None = None
+    # Set by the writer thread before on_done: the tier was asked (the write
+    # succeeded or failed), as opposed to a job dropped or deduplicated by
+    # ``submit``, whose on_done(False) runs at once on the submitting thread.
+    attempted: bool = False
 
 
 class WriteBehindQueue:
@@ -269,6 +273,7 @@ class WriteBehindQueue:
             except Exception:  # a tier must not raise; keep the writer alive if one does
                 logger.exception("tier %s raised from put", self.tier.name)
             finally:
+                job.attempted = True
                 if ok and self.events is not None:
                     self.events.stored(job.key)
                 with self._lock:
