@@ -364,12 +364,17 @@ class DiskTier(Tier):
             blob = memoryview(bytearray(entry.file_bytes))
             split = entry.header_bytes
             payload = blob[split:]
-            got_head, got, size = self._files.read(
-                path, blob[:split], len(payload), HashingCopy(payload)
-            )
+            hashed = HashingCopy(payload)
+            got_head, got, size = self._files.read(path, blob[:split], len(payload), hashed)
             if got_head + got != entry.file_bytes or size != entry.file_bytes:
                 raise CorruptObjectError("file length changed")
-            obj = decode(blob, expected_key=key, keys=self._keys, in_place=True)
+            # What was hashed while it was read is a version-2 payload's whole
+            # checksummed span (no trailer, no tag): decode need not hash it again.
+            header = decode_header(blob[:split], expected_key=key)
+            digest = hashed.digest if header.seal is None and not header.trailer else None
+            obj = decode(
+                blob, expected_key=key, payload_xxh3=digest, keys=self._keys, in_place=True
+            )
         except SealError as exc:
             self._discard_sealed(key, path, exc.reason)
             return None

@@ -198,3 +198,22 @@ def test_a_compressed_file_found_at_start_is_sized_by_its_payload_not_its_bytes(
     buf = bytearray(len(payload))
     assert again.read_into(key, memoryview(buf)) == META
     assert bytes(buf) == payload
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4"])
+def test_a_damaged_compressed_file_is_a_counted_miss_and_is_deleted(tmp_path, codec):
+    """Compressed files take the whole-file path, checked by the hash taken
+    while the file was read: a changed stored byte is still caught."""
+    key = make_key(8)
+    tier = DiskTier(tmp_path, 1 << 20)
+    path = tier.path_of(key)
+    tier.close()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(encode_bytes(key, b"\0" * 8192, META, codec))
+    corrupt_flip(path, os.path.getsize(path) - 2)  # the last stored byte
+    again = DiskTier(tmp_path, 1 << 20)
+    assert again.peek(key) is not None  # the header is sound
+    assert again.get(key) is None
+    assert again.stats().corrupt_total == 1
+    assert not os.path.exists(path)
