@@ -27,6 +27,9 @@ pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 READY_TIMEOUT_S = 90
 
 
+S3_SHARED = {"backend": "s3", "s3": {"bucket": "kv-cache", "credentialsSecretRef": {"name": "s3"}}}
+
+
 def kvcache(name: str, namespace: str, **spec: Any) -> dict:
     return {
         "apiVersion": S.API_VERSION,
@@ -142,6 +145,10 @@ def test_the_crd_applies_and_the_api_server_defaults_and_validates_kvcaches(
             {"shared": {"valkey": {"managed": {}, "external": {"url": "redis://v:6379"}}}},
             "set one of shared.valkey.managed and shared.valkey.external",
         ),
+        (
+            {"shared": S3_SHARED, "tenants": [{"name": "a", "budgets": {"shared": "0.5Gi"}}]},
+            "tenants[].budgets.shared must be 0 or unset when shared.backend is s3",
+        ),
     ],
 )
 def test_the_api_server_refuses_what_the_crd_forbids(kube, namespace, spec, refusal):
@@ -149,6 +156,17 @@ def test_the_api_server_refuses_what_the_crd_forbids(kube, namespace, spec, refu
         kube.apply(kvcache(f"bad-{uuid.uuid4().hex[:4]}", namespace, **spec))
     assert refused.value.status == 422
     assert refusal in str(refused.value)
+
+
+def test_the_api_server_takes_a_zero_shared_budget_on_s3_bare_or_with_a_unit(
+    kube, crd_applied, namespace
+):
+    name = f"zero-{uuid.uuid4().hex[:4]}"
+    zeros = ["0", 0, "0Gi", "0k", "0Pi"]
+    tenants = [{"name": f"t{i}", "budgets": {"shared": zero}} for i, zero in enumerate(zeros)]
+    stored = kube.apply(kvcache(name, namespace, shared=S3_SHARED, tenants=tenants))
+    assert [t["budgets"]["shared"] for t in stored["spec"]["tenants"]] == zeros
+    kube.delete(S.API_VERSION, S.KIND, namespace, name)
 
 
 # -- reconcile, status, events -----------------------------------------------------

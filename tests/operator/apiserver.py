@@ -124,8 +124,6 @@ _OPERATIONS = (
 )
 _LOGICAL = {"conditionalor", "conditionaland", "expr"}
 _LITERALS = {"list_lit", "map_lit"}
-# Operations whose cost grows with the size of their operands.
-_TRAVERSING = _COMPARISONS | _CALLS
 
 _ENV = celpy.Environment()
 
@@ -388,8 +386,8 @@ def estimated_cost(rule: Rule) -> int:
     """A bound from above of the API server's estimate for one rule, times its cardinality.
 
     Every operation is charged 1 plus a full traversal of the longest string
-    any comparison or function in the rule may touch (``has()`` traverses
-    nothing), a list or map literal 30 (cel-go: 10 and 30), and every macro
+    any comparison or function in the rule may touch (:func:`_charged_size`;
+    ``has()`` traverses nothing), a list or map literal 30 (cel-go: 10 and 30), and every macro
     multiplies by the bound of the list it ranges over (plus its own loop
     step). cel-go charges each operation only for its own operands, so its
     estimate should not exceed this one; the real check is the ``k8s`` suite
@@ -412,9 +410,8 @@ def _visit(tree: Tree, scope: dict[str, Any], found: _Analysis, in_has: bool) ->
         found.operations += 1
     if tree.data in _LITERALS:
         found.operations += 30
-    if tree.data in _TRAVERSING and not in_has:
-        for operand in _traversed_operands(tree):
-            found.longest_string = max(found.longest_string, _max_size(operand, scope))
+    if not in_has and (tree.data in _CALLS or _comparison(tree) is not None):
+        found.longest_string = max(found.longest_string, _charged_size(tree, scope))
     if tree.data == "member_dot":
         _resolve(tree, scope, found)
     if tree.data == "ident_arg":
@@ -444,6 +441,53 @@ def _visit(tree: Tree, scope: dict[str, Any], found: _Analysis, in_has: bool) ->
     for child in tree.children:
         if isinstance(child, Tree):
             _visit(child, scope, found, in_has)
+
+
+# Functions cel-go charges a constant whatever their argument's size: a
+# value's type and a string's or list's size.
+_CONSTANT_COST = {"type", "size"}
+
+
+def _comparison(tree: Tree) -> tuple[str, Tree, Tree] | None:
+    """(operator, left, right) when ``tree`` is a binary comparison: cel-python
+    parses ``a == b`` as ``relation(relation_eq(a), b)``."""
+    if tree.data != "relation" or len(tree.children) != 2:
+        return None
+    left, right = tree.children
+    if not (isinstance(left, Tree) and left.data in _COMPARISONS and isinstance(right, Tree)):
+        return None
+    return left.data, left.children[0], right
+
+
+def _charged_size(tree: Tree, scope: dict[str, Any]) -> int:
+    """Bytes one operation may traverse, as cel-go ``checker/cost.go`` charges
+    them: a comparison (``Equals``, ``NotEquals``, the orderings) by its
+    smaller operand, so a field compared with a literal costs the literal's
+    length; ``in`` a list literal by the list's elements, each compared with
+    the value (``InList`` charges the list's size, independent of the value's);
+    ``type()`` and ``size()`` nothing; any other call by its largest operand."""
+    compared = _comparison(tree)
+    if compared is not None:
+        operator, left, right = compared
+        items = _list_literal_items(right) if operator == "relation_in" else None
+        if items is not None:
+            longest_item = max((_max_size(item, scope) for item in items), default=1)
+            return min(_max_size(left, scope), longest_item)
+        sizes = [_max_size(left, scope), _max_size(right, scope)]
+        return max(sizes) if operator == "relation_in" else min(sizes)
+    if tree.data == "ident_arg" and str(tree.children[0]) in _CONSTANT_COST:
+        return 1
+    return max((_max_size(operand, scope) for operand in _traversed_operands(tree)), default=1)
+
+
+def _list_literal_items(tree: Tree) -> list[Tree] | None:
+    """The elements of ``tree`` when it is nothing but a list literal, else None."""
+    while isinstance(tree, Tree) and len(tree.children) == 1 and tree.data != "list_lit":
+        tree = tree.children[0]
+    if not isinstance(tree, Tree) or tree.data != "list_lit":
+        return None
+    items = tree.children[0].children if tree.children else []
+    return [item for item in items if isinstance(item, Tree)]
 
 
 def _traversed_operands(tree: Tree) -> list[Tree]:
@@ -538,7 +582,12 @@ def _max_size(tree: Tree, scope: dict[str, Any]) -> int:
     kind = schema.get("type")
     if kind in {"integer", "number", "boolean"}:
         return 1
-    if kind == "string" or schema.get("x-kubernetes-int-or-string"):
+    if schema.get("x-kubernetes-int-or-string"):
+        # Sized by the request limit whatever its maxLength: Kubernetes 1.29
+        # (apiserver pkg/cel/common/schemas.go, SchemaDeclType) does not read
+        # maxLength for int-or-string; later versions do.
+        return REQUEST_LIMIT
+    if kind == "string":
         if "maxLength" in schema:
             return int(schema["maxLength"])
         if "enum" in schema:

@@ -270,6 +270,26 @@ def test_a_rule_iterating_unbounded_lists_exceeds_the_cost_limit_until_they_are_
     assert estimated_cost(rule) <= PER_RULE_COST_LIMIT
 
 
+def test_an_int_or_string_is_sized_by_the_request_limit_whatever_its_max_length():
+    """Kubernetes 1.29 does not read an int-or-string's maxLength when it
+    estimates a rule's cost (its real API server refused a pattern over one):
+    a pattern over the value is too costly, comparing it with literals is not."""
+
+    def listed(rule: str) -> dict[str, Any]:
+        quantity = {"x-kubernetes-int-or-string": True, "maxLength": 32}
+        item = {"type": "object", "properties": {"q": quantity}}
+        return {
+            "type": "object",
+            "properties": {"many": {"type": "array", "maxItems": 64, "items": item}},
+            "x-kubernetes-validations": [{"rule": rule}],
+        }
+
+    (pattern,) = rules(listed("self.many.all(t, type(t.q) == string && t.q.matches('^0+$'))"))
+    assert estimated_cost(pattern) > PER_RULE_COST_LIMIT
+    (compared,) = rules(listed("self.many.all(t, t.q == 0 || t.q in ['0', '0Gi'])"))
+    assert estimated_cost(compared) <= PER_RULE_COST_LIMIT
+
+
 def test_a_rule_inside_a_list_counts_once_per_possible_item():
     item = {
         "type": "object",

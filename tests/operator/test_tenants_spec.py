@@ -89,6 +89,8 @@ def test_a_tenant_the_sidecar_would_refuse_is_a_spec_error_naming_it(
         {"name": "Team A"},
         {"name": "a", "ttlSeconds": 0},
         {"name": "a", "budgets": {"l1": "lots"}},
+        {"name": "a", "budgets": {"l1": "1" * 33}},
+        {"name": "a", "budgets": {"l2": "1" * 33}},
         {"name": "a", "match": {"cacheSalts": [""]}},
     ],
 )
@@ -103,7 +105,7 @@ def test_two_tenants_of_one_name_are_a_spec_error() -> None:
         render_sidecar_config(_kvcache({"tenants": [one, one]}))
 
 
-@pytest.mark.parametrize("budget", ["1Gi", 5])
+@pytest.mark.parametrize("budget", ["1Gi", 5, "0.5Gi", "10", "00"])
 def test_the_api_server_refuses_a_shared_budget_on_s3_naming_valkey(budget: str | int) -> None:
     tenant = {**SHARED_BUDGET, "budgets": {"shared": budget}}
     _, errors = admit(_schema(), _kvcache({"shared": S3, "tenants": [tenant]}))
@@ -113,7 +115,7 @@ def test_the_api_server_refuses_a_shared_budget_on_s3_naming_valkey(budget: str 
     ]
 
 
-@pytest.mark.parametrize("budget", ["0", 0])
+@pytest.mark.parametrize("budget", ["0", 0, "0Gi", "0k", "0Pi"])
 def test_the_api_server_admits_a_shared_budget_of_0_on_s3(budget: str | int) -> None:
     tenant = {**SHARED_BUDGET, "budgets": {"shared": budget}}
     stored, errors = admit(_schema(), _kvcache({"shared": S3, "tenants": [tenant]}))
