@@ -17,6 +17,7 @@ from kvstrata.bench.kvdata import bf16_kv_like
 from kvstrata.sidecar.keys import ChunkKey, Namespace, make_key
 from kvstrata.sidecar.objformat import SEALED_FORMAT_VERSION, ChunkMeta, decode_header
 from kvstrata.sidecar.sealing import KeyRing
+from kvstrata.sidecar.tiers.placing import PLAIN_PAGES_FROM_BYTES
 from kvstrata.testing.keyfolder import MountedSecret, key_files
 
 from .conftest import Backend, unique_prefix
@@ -238,3 +239,15 @@ def test_a_key_folder_that_stops_parsing_keeps_the_keys_loaded(backend, tmp_path
     assert keys.reload_failures_total == 1
     got = tier.get(key)
     assert got is not None and bytes(got.payload) == data
+
+
+def test_a_sealed_object_of_32_mib_reads_back_whole(backend, tmp_path) -> None:
+    """Past placing.PLAIN_PAGES_FROM_BYTES a whole read gets a mapping of its
+    own, and a sealed object is opened over it."""
+    keys = ring(tmp_path / "keys", k1=os.urandom(32))
+    tier, _ = backend.make_tier(keys=keys)
+    key, data = random_key(), bf16_kv_like(PLAIN_PAGES_FROM_BYTES + 4096, seed=3)
+    assert tier.put(key, data, ChunkMeta(dtype="uint8", shape=(len(data),)))
+    got = tier.get(key)
+    assert got is not None and bytes(got.payload) == data
+    assert tier.stats().decrypt_failures_total == {}
