@@ -113,7 +113,7 @@ class Placed:
 # some calls than on others. Measured on the 2-core build VM, bench remote's
 # S3 GETs one at a time: 32 MiB objects, the tier's CPU per byte moved
 # between 0.41 and 1.34 ns over six runs with numpy's buffers and between
-# 0.73 and 0.77 ns with a private mapping of plain pages (the raw client's
+# 0.72 and 0.77 ns with a private mapping of plain pages (the raw client's
 # 0.65-0.82 ns); 16 MiB objects cost 0.36-0.38 ns in numpy's (reused)
 # buffers and 0.84-0.86 ns in fresh mappings, so smaller buffers stay numpy's.
 PLAIN_PAGES_FROM_BYTES = 32 << 20
