@@ -111,11 +111,12 @@ class Placed:
 # mapping numpy asks the kernel for transparent huge pages (madvise
 # MADV_HUGEPAGE, on arrays of 4 MiB and more), and those cost far more on
 # some calls than on others. Measured on the 2-core build VM, bench remote's
-# S3 GETs one at a time: 32 MiB objects, the tier's CPU per byte moved
-# between 0.41 and 1.34 ns over six runs with numpy's buffers and between
-# 0.72 and 0.77 ns with a private mapping of plain pages (the raw client's
-# 0.65-0.82 ns); 16 MiB objects cost 0.36-0.38 ns in numpy's (reused)
-# buffers and 0.84-0.86 ns in fresh mappings, so smaller buffers stay numpy's.
+# S3 GETs of 32 MiB objects one at a time: the tier's CPU per byte moved
+# between 0.41 and 1.34 ns over five runs with numpy's buffers (0.76-0.80 ns
+# with numpy's huge pages turned off), and stayed at 0.72-0.77 ns with a
+# private mapping of plain pages over four runs, batches of 8 included (the
+# raw client's 0.65-0.82 ns). 16 MiB objects cost 0.36-0.38 ns in numpy's
+# (reused) buffers and 0.84-0.86 ns in fresh mappings: smaller buffers stay numpy's.
 PLAIN_PAGES_FROM_BYTES = 32 << 20
 
 
