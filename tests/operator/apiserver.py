@@ -443,9 +443,10 @@ def _visit(tree: Tree, scope: dict[str, Any], found: _Analysis, in_has: bool) ->
             _visit(child, scope, found, in_has)
 
 
-# Functions cel-go charges a constant whatever their argument's size: a
-# value's type and a string's or list's size.
-_CONSTANT_COST = {"type", "size"}
+# Functions that traverse nothing, whatever their argument's size: a field's
+# presence, a value's type and a string's or list's size (cel-go charges each
+# a constant).
+_CONSTANT_COST = {"has", "type", "size"}
 
 
 def _comparison(tree: Tree) -> tuple[str, Tree, Tree] | None:
@@ -465,7 +466,7 @@ def _charged_size(tree: Tree, scope: dict[str, Any]) -> int:
     smaller operand, so a field compared with a literal costs the literal's
     length; ``in`` a list literal by the list's elements, each compared with
     the value (``InList`` charges the list's size, independent of the value's);
-    ``type()`` and ``size()`` nothing; any other call by its largest operand."""
+    ``has()``, ``type()`` and ``size()`` nothing; any other call by its largest operand."""
     compared = _comparison(tree)
     if compared is not None:
         operator, left, right = compared
@@ -477,7 +478,7 @@ def _charged_size(tree: Tree, scope: dict[str, Any]) -> int:
         return max(sizes) if operator == "relation_in" else min(sizes)
     if tree.data == "ident_arg" and str(tree.children[0]) in _CONSTANT_COST:
         return 1
-    return max((_max_size(operand, scope) for operand in _traversed_operands(tree)), default=1)
+    return max((_max_size(operand, scope) for operand in _call_operands(tree)), default=1)
 
 
 def _list_literal_items(tree: Tree) -> list[Tree] | None:
@@ -490,18 +491,15 @@ def _list_literal_items(tree: Tree) -> list[Tree] | None:
     return [item for item in items if isinstance(item, Tree)]
 
 
-def _traversed_operands(tree: Tree) -> list[Tree]:
-    """The operands an operation may traverse: not has()'s, nor a macro's list (counted apart)."""
+def _call_operands(tree: Tree) -> list[Tree]:
+    """The operands a call (``ident_arg`` or ``member_dot_arg``) may traverse:
+    its target and arguments, not a macro's list (counted apart)."""
     if tree.data == "ident_arg":
-        if str(tree.children[0]) == "has":
-            return []
         args = tree.children[1:]
-    elif tree.data == "member_dot_arg":
+    else:
         if str(tree.children[1]) in MACROS:
             return []
         args = [tree.children[0], *tree.children[2:]]
-    else:
-        args = tree.children
     operands: list[Tree] = []
     for arg in args:
         if isinstance(arg, Tree):
