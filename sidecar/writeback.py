@@ -40,7 +40,7 @@ Locking: a lock of its own guards the state above. It may call the index
 while holding it (the index's lock is taken inside this one), never the
 other way round: the index tells its listener with its own lock released.
 Jobs are handed to their queues (:meth:`submit`) with neither held, because
-a queue that drops a job calls its ``on_done`` at once, which takes this lock.
+a queue that drops a job calls its ``on_dropped`` at once, which takes this lock.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 from kvstrata.sidecar.arena import Arena
 from kvstrata.sidecar.config import SidecarConfig
@@ -241,8 +242,10 @@ class WriteBehind:
                 continue
             self.pinned += entry.length
             view = self._buf[entry.offset : entry.offset + entry.length]
-            job = WriteJob(entry.key, view, entry.meta)
-            job.on_done = self._done_callback(entry, shared, job)
+            done = self._done_callback(entry, shared)
+            job = WriteJob(
+                entry.key, view, entry.meta, on_done=done, on_dropped=partial(done, False, False)
+            )
             if shared:
                 job.on_present = self._present_callback(entry)
             self._ready.append((queue, job))
@@ -260,8 +263,10 @@ class WriteBehind:
 
         return present
 
-    def _done_callback(self, entry: Entry, shared: bool, job: WriteJob) -> Callable[[bool], None]:
-        def done(ok: bool) -> None:
+    def _done_callback(self, entry: Entry, shared: bool) -> Callable[[bool, bool], None]:
+        def done(ok: bool, attempted: bool = True) -> None:
+            """``ok``: the write stored it; ``attempted``: the tier was asked
+            (False: the queue dropped the job)."""
             superseded: tuple[ChunkKey, ...] = ()
             if ok and not shared and entry.yielded and self._l2 is not None:
                 # Written after the shared tier's answer. Read without the lock:
@@ -281,7 +286,7 @@ class WriteBehind:
                 # goes (else, after a run of failures, parked writes would wait
                 # for the next store). Not after a drop: the queue is full, and
                 # each freed pin would send one more parked write to be dropped.
-                if job.attempted:
+                if attempted:
                     self._drain_backlog()
             if superseded:
                 with self._index.tally() as counts:

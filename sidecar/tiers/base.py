@@ -168,17 +168,18 @@ class WriteJob:
     # Called before on_done when the tier already held an object under the
     # key (and kept it): the engine's copies yield to it.
     on_present: Callable[[], None] | None = None
-    # Set by the writer thread before on_done: the tier was asked (the write
-    # succeeded or failed), as opposed to a job dropped or deduplicated by
-    # ``submit``, whose on_done(False) runs at once on the submitting thread.
-    attempted: bool = False
+    # Called in place of on_done(False), on the submitting thread, when
+    # ``submit`` does not take the job (queue full, key already queued or
+    # stored, queue closed): the tier was never asked.
+    on_dropped: Callable[[], None] | None = None
 
 
 class WriteBehindQueue:
     """A bounded queue of writes into one tier, drained by worker threads.
 
     ``submit`` never blocks: when the queue is full the job is dropped,
-    counted in ``stats.dropped_total`` and its ``on_done(False)`` is called.
+    counted in ``stats.dropped_total`` and its ``on_dropped()`` (else its
+    ``on_done(False)``) is called.
     Keys already queued, or (when ``already_stored`` says so) already in the
     tier, are not written twice.
     """
@@ -239,8 +240,11 @@ class WriteBehindQueue:
                     self._pending.add(job.key)
                     self._in_flight += 1
                     accepted = True
-        if not accepted and job.on_done is not None:
-            job.on_done(False)
+        if not accepted:
+            if job.on_dropped is not None:
+                job.on_dropped()
+            elif job.on_done is not None:
+                job.on_done(False)
         return accepted
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -273,7 +277,6 @@ class WriteBehindQueue:
             except Exception:  # a tier must not raise; keep the writer alive if one does
                 logger.exception("tier %s raised from put", self.tier.name)
             finally:
-                job.attempted = True
                 if ok and self.events is not None:
                     self.events.stored(job.key)
                 with self._lock:

@@ -66,6 +66,28 @@ def test_a_full_queue_drops_without_blocking_and_counts(tmp_path):
     queue.close()
 
 
+def test_a_dropped_job_with_on_dropped_gets_that_in_place_of_on_done(tmp_path):
+    tier = GatedDiskTier(tmp_path, 1 << 20)
+    queue = WriteBehindQueue(tier, capacity=1, threads=1)
+    queue.submit(WriteJob(make_key(0), b"abc", META))
+    assert tier.started.acquire(timeout=10)  # the worker holds job 0
+    assert queue.submit(WriteJob(make_key(1), b"abc", META))  # fills the queue
+    calls: list[str] = []
+    dropped = WriteJob(
+        make_key(2),
+        b"abc",
+        META,
+        on_done=lambda ok: calls.append(f"done {ok}"),
+        on_dropped=lambda: calls.append("dropped"),
+    )
+    assert not queue.submit(dropped)
+    assert calls == ["dropped"]
+    tier.gate.set()
+    assert queue.flush(10)
+    assert calls == ["dropped"]
+    queue.close()
+
+
 def test_duplicate_and_already_stored_keys_are_not_written_twice(tmp_path):
     tier = DiskTier(tmp_path, 1 << 20)
     tier.put(make_key(1), b"abc", META)
